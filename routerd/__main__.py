@@ -1,0 +1,3 @@
+from routerd.cli import main
+
+raise SystemExit(main())

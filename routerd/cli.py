@@ -1,0 +1,104 @@
+"""The ``routerd`` command: one sub-command per job, each importing only what it needs.
+
+Heavy imports (ray, redis) stay inside the sub-command so ``routerd check-config`` and
+``routerd sim-engine`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from . import __version__
+
+Handler = Callable[[list[str]], int]
+
+
+def _run(argv: list[str]) -> int:
+    from .daemon import main as daemon_main
+
+    return daemon_main(argv)
+
+
+def _check_config(argv: list[str]) -> int:
+    from . import config
+
+    parser = argparse.ArgumentParser(prog="routerd check-config",
+                                     description="Validate a config file; exit 0 valid, 78 invalid.")
+    parser.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config.load(args.file)
+    except config.ConfigError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        print(f"{args.file}: {len(e.problems)} problem(s)", file=sys.stderr)
+        return config.EXIT_CONFIG
+    try:
+        _check_plugins(cfg)
+    except LookupError as e:
+        print(f"$.routing.policy: {e}", file=sys.stderr)
+        return config.EXIT_CONFIG
+    print(f"{args.file}: ok ({len(cfg.fleets)} fleet(s))")
+    return 0
+
+
+def _check_plugins(cfg: object) -> None:
+    from . import plugins
+    from .config import Config
+
+    assert isinstance(cfg, Config)
+    if cfg.routing.policy not in plugins.available(plugins.POLICY_GROUP):
+        plugins.load(plugins.POLICY_GROUP, cfg.routing.policy)
+
+
+def _sim_engine(argv: list[str]) -> int:
+    from .sim.server import main as sim_main
+
+    return sim_main(argv)
+
+
+def _status(argv: list[str]) -> int:
+    from .status import main as status_main
+
+    return status_main(argv)
+
+
+def _submit(argv: list[str]) -> int:
+    from .client import submit_main
+
+    return submit_main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS: dict[str, tuple[Handler, str]] = {
+    "run": (_run, "run the daemon (foreground; systemd runs this)"),
+    "check-config": (_check_config, "validate a config file; exit 0 valid, 78 invalid"),
+    "status": (_status, "fleets and instances from a running daemon's admin API"),
+    "submit": (_submit, "enqueue one request on the Redis queue (and wait for its result)"),
+    "sim-engine": (_sim_engine, "the vLLM-compatible simulated engine"),
+    "bench": (_bench, "benchmarks: overhead, routing, queue, failover"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help"}:
+        print(f"usage: routerd {{{','.join(COMMANDS)}}} ...\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<14} {text}")
+        return 0 if args else 2
+    if args[0] in {"-V", "--version"}:
+        print(f"routerd {__version__}")
+        return 0
+    cmd = COMMANDS.get(args[0])
+    if cmd is None:
+        print(f"routerd: unknown command {args[0]!r} (one of: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    return cmd[0](args[1:])

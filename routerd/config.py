@@ -1,0 +1,303 @@
+"""The frozen configuration tree, its TOML loader, env overrides and validation.
+
+Everything routerd reads from its config file lives here as frozen msgspec Structs. Nobody mutates a
+config: SIGHUP loads a new tree and the daemon swaps it in, so a component holding the old one keeps
+a consistent view. Validation errors carry the key path (``$.fleets[1].replicas``) so an operator can
+fix a file without reading code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(ge=0, le=1)]
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h; systemd's RestartPreventExitStatus=78 keys on it.
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class DaemonConfig(_Section):
+    """Process-wide settings: where state lives, how long a drain may take."""
+
+    state_dir: str = ".routerd"
+    drain_timeout_s: PositiveFloat = 30.0
+    stop_engines_on_exit: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    file_sd_path: str = ""  # "" → <state_dir>/file_sd/engines.json
+
+
+class HttpConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    api_keys: list[str] = []
+    admin_api_key: str = ""
+    max_body_bytes: PositiveInt = 16 * 1024 * 1024
+    keepalive_timeout_s: PositiveFloat = 75.0
+
+
+class RedisConfig(_Section):
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str = ""
+    stream: str = "routerd:requests"
+    group: str = "routerd"
+    dead_stream: str = "routerd:dead"
+    consumer: str = ""  # "" → "<hostname>" (stable per machine, so a restart reclaims its own jobs)
+    enabled: bool = True
+    read_batch: PositiveInt = 64
+    block_ms: PositiveInt = 1000
+    reclaim_idle_ms: PositiveInt = 30_000
+    reclaim_interval_s: PositiveFloat = 5.0
+    max_deliveries: PositiveInt = 5
+    result_ttl_s: PositiveInt = 86_400
+    reply_maxlen: PositiveInt = 10_000
+    op_timeout_s: PositiveFloat = 5.0
+    ssl_ca_certs: str = ""
+
+
+class RayConfig(_Section):
+    address: str = ""
+    namespace: str = "routerd"
+    num_cpus: NonNegInt = 0  # local head only; 0 → the machine's cores
+    num_gpus: NonNegInt = 0  # local head only; declared GPUs (Ray accepts ones that do not exist)
+    resources: dict[str, float] = {}
+    connect_timeout_s: PositiveFloat = 30.0
+
+
+class RoutingConfig(_Section):
+    policy: str = "least_load"
+    scrape_interval_s: PositiveFloat = 0.2
+    scrape_timeout_s: PositiveFloat = 1.0
+    stale_after_s: PositiveFloat = 2.0
+    max_attempts: PositiveInt = 3
+    retry_backoff_ms: NonNegInt = 20
+    connect_timeout_s: PositiveFloat = 2.0
+    first_byte_timeout_s: PositiveFloat = 600.0
+    read_timeout_s: PositiveFloat = 600.0
+    circuit_failure_threshold: PositiveInt = 3
+    circuit_cooldown_s: PositiveFloat = 5.0
+
+
+class AdmissionConfig(_Section):
+    """Per-fleet bounds for the one scheduler that serves both ways in."""
+
+    max_inflight_per_instance: PositiveInt = 256
+    max_queued: NonNegInt = 1024
+    waiting_room_s: NonNegFloat = 5.0
+    aging_s: PositiveFloat = 10.0
+
+
+class HealthConfig(_Section):
+    heartbeat_interval_s: PositiveFloat = 0.5
+    heartbeat_timeout_s: PositiveFloat = 3.0
+    failure_threshold: PositiveInt = 3
+    progress_timeout_s: PositiveFloat = 10.0
+    restart_backoff_initial_s: PositiveFloat = 1.0
+    restart_backoff_max_s: PositiveFloat = 60.0
+    startup_timeout_s: PositiveFloat = 900.0
+    warmup: bool = True
+
+
+class FleetConfig(_Section):
+    name: Name
+    model: Annotated[str, Meta(min_length=1)]
+    engine: str = "sim"  # "vllm" | "sim" | "static" | a launcher plugin's name
+    replicas: NonNegInt = 1
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+    num_cpus_per_instance: NonNegFloat = 1.0
+    engine_args: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    urls: list[str] = []
+    max_num_seqs: PositiveInt = 256  # capacity used to normalise load when the engine does not say
+
+
+class Config(_Section):
+    daemon: DaemonConfig = DaemonConfig()
+    http: HttpConfig = HttpConfig()
+    redis: RedisConfig = RedisConfig()
+    ray: RayConfig = RayConfig()
+    routing: RoutingConfig = RoutingConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    health: HealthConfig = HealthConfig()
+    fleets: list[FleetConfig] = []
+
+    def fleet(self, name: str) -> FleetConfig | None:
+        return next((f for f in self.fleets if f.name == name), None)
+
+    def fleet_for_model(self, model: str) -> FleetConfig | None:
+        return next((f for f in self.fleets if f.model == model), None)
+
+
+class ConfigError(Exception):
+    """An invalid config: ``problems`` lists every one, each starting with its key path."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+_ENV_PREFIX = "ROUTERD_"
+
+
+def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
+    """Apply ``ROUTERD_<SECTION>_<KEY>`` variables onto the raw TOML dict; return problems."""
+    problems: list[str] = []
+    sections = {f: getattr(Config(), f) for f in Config.__struct_fields__ if f != "fleets"}
+    for var, value in environ.items():
+        if not var.startswith(_ENV_PREFIX):
+            continue
+        rest = var[len(_ENV_PREFIX):].lower()
+        section = next((s for s in sections if rest.startswith(s + "_")), None)
+        if section is None:
+            continue
+        key = rest[len(section) + 1:]
+        if key not in type(sections[section]).__struct_fields__:
+            problems.append(f"${var}: no key {key!r} in section [{section}]")
+            continue
+        raw.setdefault(section, {})[key] = _env_value(value, getattr(sections[section], key))
+    return problems
+
+
+def _env_value(value: str, default: Any) -> Any:
+    """Coerce an env string by the type of the default; lists are comma-separated."""
+    if isinstance(default, bool):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    if isinstance(default, list):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(default, int):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if isinstance(default, float):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+_PATH_RE = re.compile(r"at `(\$[^`]*)`")
+
+
+def _semantic_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
+    seen_names: dict[str, int] = {}
+    seen_models: dict[str, int] = {}
+    for i, f in enumerate(cfg.fleets):
+        where = f"$.fleets[{i}]"
+        if f.name in seen_names:
+            problems.append(f"{where}.name: duplicate fleet name {f.name!r} (also $.fleets[{seen_names[f.name]}])")
+        seen_names.setdefault(f.name, i)
+        if f.model in seen_models:
+            problems.append(f"{where}.model: model {f.model!r} is served by $.fleets[{seen_models[f.model]}] already")
+        seen_models.setdefault(f.model, i)
+        if f.engine == "static":
+            if not f.urls:
+                problems.append(f"{where}.urls: a static fleet needs at least one URL")
+            for j, u in enumerate(f.urls):
+                if not re.match(r"^https?://[^/\s]+", u):
+                    problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {u!r}")
+        elif f.urls:
+            problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
+        if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
+            problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: metrics; this flag turns them off")
+    h = cfg.health
+    if h.restart_backoff_max_s < h.restart_backoff_initial_s:
+        problems.append("$.health.restart_backoff_max_s: must be >= restart_backoff_initial_s")
+    if cfg.http.api_keys and any(not k for k in cfg.http.api_keys):
+        problems.append("$.http.api_keys: empty key")
+    return problems
+
+
+def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Config:
+    """Turn a raw TOML dict (plus env overrides) into a Config, or raise ConfigError with every problem."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    problems = _env_overrides(raw, os.environ if environ is None else environ)
+    problems += _structural_problems(raw)
+    if problems:
+        raise ConfigError(problems)
+    cfg = msgspec.convert(raw, Config)
+    problems = _semantic_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _structural_problems(raw: dict[str, Any]) -> list[str]:
+    """Convert section by section (and fleet by fleet) so that every bad part is reported, not the first."""
+    problems: list[str] = []
+    for key, value in raw.items():
+        if key == "fleets":
+            if not isinstance(value, list):
+                problems.append("$.fleets: expected an array of tables ([[fleets]])")
+                continue
+            for i, fleet in enumerate(value):
+                problems += _convert_problems(fleet, FleetConfig, f"$.fleets[{i}]")
+        elif key in Config.__struct_fields__:
+            problems += _convert_problems(value, type(getattr(Config(), key)), f"$.{key}")
+        else:
+            problems.append(f"$.{key}: unknown section (known: {', '.join(Config.__struct_fields__)})")
+    return problems
+
+
+def _convert_problems(value: Any, typ: type[Any], prefix: str) -> list[str]:
+    """Every error msgspec finds in one struct; unknown keys are collected first, then a type error."""
+    if not isinstance(value, dict):
+        return [f"{prefix}: expected a table"]
+    problems = [
+        f"{prefix}.{k}: unknown key (known: {', '.join(typ.__struct_fields__)})"
+        for k in value
+        if k not in typ.__struct_fields__
+    ]
+    known = {k: v for k, v in value.items() if k in typ.__struct_fields__}
+    # msgspec stops at the first error; drop each offending key and retry so all are reported.
+    for _ in range(len(known) + 1):
+        try:
+            msgspec.convert(known, typ)
+            break
+        except msgspec.ValidationError as e:
+            msg = str(e)
+            m = _PATH_RE.search(msg)
+            path = m.group(1) if m else "$"
+            reason = _PATH_RE.sub("", msg).strip().rstrip("-").strip()
+            problems.append(f"{prefix}{path[1:]}: {reason}")
+            first = path[2:].split(".")[0].split("[")[0] if path.startswith("$.") else ""
+            if first in known:
+                del known[first]
+            else:
+                break
+    return problems
+
+
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """Read a TOML file into a Config. Raises ConfigError (with key paths) on any problem."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"$: cannot read {path}: {e.strerror}"]) from e
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"$: not valid TOML: {e}"]) from e
+    return parse(raw, environ)
+
+
+def state_dir(cfg: Config) -> Path:
+    return Path(cfg.daemon.state_dir).expanduser().resolve()

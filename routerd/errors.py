@@ -1,0 +1,100 @@
+"""routerd's exception tree. Each error knows its HTTP status and OpenAI-style ``type``.
+
+Errors are raised deep (admission, router, upstream) and turned into an HTTP response or a queue
+result only at the edges, with :func:`error_body`, so both ways in report the same failure the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RouterdError(Exception):
+    """Base class: ``status`` and ``type`` map onto vLLM/OpenAI's error JSON."""
+
+    status: int = 500
+    type: str = "InternalServerError"
+    retryable: bool = False
+
+    def __init__(self, message: str, *, param: str | None = None, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.data = data
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.status, self.param)
+
+
+class BadRequest(RouterdError):
+    status, type = 400, "BadRequestError"
+
+
+class Unauthorized(RouterdError):
+    status, type = 401, "AuthenticationError"
+
+
+class NotFound(RouterdError):
+    status, type = 404, "NotFoundError"
+
+
+class BodyTooLarge(RouterdError):
+    status, type = 413, "RequestTooLargeError"
+
+
+class Overloaded(RouterdError):
+    """The fleet's admission bound is reached: come back after ``retry_after_s``."""
+
+    status, type = 429, "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NoReadyInstance(RouterdError):
+    status, type = 503, "ServiceUnavailableError"
+
+
+class DeadlineExceeded(RouterdError):
+    status, type = 504, "DeadlineExceededError"
+
+
+class Cancelled(RouterdError):
+    status, type = 499, "CancelledError"
+
+
+class UpstreamError(RouterdError):
+    """The engine failed (connect error, timeout, 5xx). ``retryable`` when no byte reached the client."""
+
+    status, type = 502, "UpstreamError"
+
+    def __init__(self, message: str, *, retryable: bool = True, upstream_status: int | None = None,
+                 instance: str = "") -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.upstream_status = upstream_status
+        self.instance = instance
+
+
+class ShuttingDown(RouterdError):
+    status, type = 503, "ServiceUnavailableError"
+
+
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM ≥ 0.10.1's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_enc = msgspec.json.Encoder()
+
+
+def error_json(message: str, type_: str, code: int, param: str | None = None) -> bytes:
+    return _enc.encode(error_body(message, type_, code, param))
+
+
+def sse_error_event(message: str, type_: str = "InternalServerError", code: int = 500) -> bytes:
+    """The terminal event vLLM sends when a stream fails after it started, followed by ``[DONE]``."""
+    return b"data: " + error_json(message, type_, code) + b"\n\ndata: [DONE]\n\n"

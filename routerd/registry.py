@@ -1,0 +1,219 @@
+"""The instances of each fleet and everything known about them: the one piece of shared state.
+
+Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
+the scraper writes ``snapshot``; the health monitor writes ``health``; upstream writes ``inflight`` and
+the circuit fields. The router only reads. Everything runs on one event loop, so plain attributes are
+enough; what needs care is that a reader never sees an instance in rotation that is not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+
+class InstanceState(enum.StrEnum):
+    """Lifecycle of one engine instance, as routing sees it."""
+
+    STARTING = "starting"  # launched or adopted; not yet healthy and warmed up
+    READY = "ready"  # in rotation
+    UNHEALTHY = "unhealthy"  # failed its heartbeats; out of rotation, restart pending
+    DRAINING = "draining"  # takes no new requests; finishes what it has
+    STOPPED = "stopped"  # gone (kept briefly so status can show why)
+
+
+class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """What one ``/metrics`` scrape said, reduced to what routing and health need.
+
+    Counters are cumulative as the engine reports them; the health monitor compares two snapshots.
+    """
+
+    scraped_at: float  # monotonic seconds
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # fraction 0..1 (vllm:kv_cache_usage_perc, or gpu_cache_usage_perc < 0.12)
+    capacity: int | None = None  # max_num_seqs when the engine reveals it
+    generation_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    preemptions: float = 0.0
+    requests_finished: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+@dataclass
+class Instance:
+    """One engine server routerd may send requests to."""
+
+    id: str  # "<fleet>:<n>" (launched) or "<fleet>:static<n>"
+    fleet: str
+    url: str  # base URL, no trailing slash: "http://127.0.0.1:8001"
+    state: InstanceState = InstanceState.STARTING
+    capacity_hint: int = 256  # from the fleet config; the scrape's capacity wins when present
+    # fleet manager
+    generation: int = 0
+    restarts: int = 0
+    pid: int | None = None
+    node: str = ""
+    started_at: float = field(default_factory=time.time)
+    state_reason: str = ""
+    resources: dict[str, Any] = field(default_factory=dict)
+    # scraper
+    snapshot: LoadSnapshot | None = None
+    inflight_at_scrape: int = 0
+    scrape_error: str = ""
+    scrape_errors_total: int = 0
+    last_scrape_attempt: float = 0.0
+    # health monitor
+    health: str = "unknown"
+    last_heartbeat: float = 0.0  # wall clock of the last successful heartbeat
+    # upstream
+    inflight: int = 0
+    consecutive_failures: int = 0
+    circuit_open_until: float = 0.0  # monotonic; 0 = closed
+
+    @property
+    def capacity(self) -> int:
+        snap = self.snapshot
+        if snap is not None and snap.capacity:
+            return snap.capacity
+        return self.capacity_hint
+
+    def estimated_queue(self) -> float:
+        """Requests the engine holds now: the scrape plus what routerd sent (or saw end) since.
+
+        ``inflight - inflight_at_scrape`` is the in-flight delta since the scrape: a burst between two
+        scrapes raises it at once, so the next choice already sees it. Never below routerd's own count.
+        """
+        snap = self.snapshot
+        if snap is None:
+            return float(self.inflight)
+        est = snap.running + snap.waiting + (self.inflight - self.inflight_at_scrape)
+        return max(est, float(self.inflight))
+
+    def load(self) -> float:
+        """Normalised load: queue over capacity, plus KV pressure (a full cache means preemption)."""
+        snap = self.snapshot
+        kv = snap.kv_usage if snap is not None else 0.0
+        return self.estimated_queue() / max(self.capacity, 1) + kv
+
+    def circuit_open(self, now: float) -> bool:
+        return self.circuit_open_until > now
+
+    def routable(self, now: float) -> bool:
+        return self.state is InstanceState.READY and not self.circuit_open(now)
+
+    def status(self, now_mono: float) -> dict[str, Any]:
+        """The JSON shape of ``GET /admin/fleets`` for one instance."""
+        snap = self.snapshot
+        return {
+            "id": self.id,
+            "fleet": self.fleet,
+            "url": self.url,
+            "state": self.state.value,
+            "state_reason": self.state_reason,
+            "health": self.health,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "pid": self.pid,
+            "node": self.node,
+            "last_heartbeat": self.last_heartbeat or None,
+            "inflight": self.inflight,
+            "load": round(self.load(), 4),
+            "running": snap.running if snap else None,
+            "waiting": snap.waiting if snap else None,
+            "kv_usage": snap.kv_usage if snap else None,
+            "capacity": self.capacity,
+            "scrape_age_s": round(now_mono - snap.scraped_at, 3) if snap else None,
+            "scrape_error": self.scrape_error or None,
+            "circuit": "open" if self.circuit_open(now_mono) else "closed",
+            "resources": self.resources,
+        }
+
+
+class Registry:
+    """All instances by id and by fleet, with a change signal for whoever waits on readiness."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._instances: dict[str, Instance] = {}
+        self._fleets: dict[str, dict[str, Instance]] = {}
+        self._changed = asyncio.Event()
+        self._version = 0
+        self.clock = clock
+
+    # writers -------------------------------------------------------------------------------
+    def ensure_fleet(self, fleet: str) -> None:
+        self._fleets.setdefault(fleet, {})
+
+    def drop_fleet(self, fleet: str) -> None:
+        for inst in list(self._fleets.get(fleet, {}).values()):
+            self.remove(inst.id)
+        self._fleets.pop(fleet, None)
+        self.notify()
+
+    def add(self, inst: Instance) -> Instance:
+        self._instances[inst.id] = inst
+        self._fleets.setdefault(inst.fleet, {})[inst.id] = inst
+        self.notify()
+        return inst
+
+    def remove(self, instance_id: str) -> Instance | None:
+        inst = self._instances.pop(instance_id, None)
+        if inst is not None:
+            self._fleets.get(inst.fleet, {}).pop(instance_id, None)
+            self.notify()
+        return inst
+
+    def set_state(self, inst: Instance, state: InstanceState, reason: str = "") -> None:
+        if inst.state is not state or inst.state_reason != reason:
+            inst.state = state
+            inst.state_reason = reason
+            self.notify()
+
+    def notify(self) -> None:
+        """Wake everyone waiting in :meth:`wait_changed` (readiness, file_sd, admission)."""
+        self._version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # readers -------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def wait_changed(self, since: int, timeout: float) -> int:
+        """Wait until the registry changed after ``since`` (or ``timeout``); return the new version."""
+        if self._version == since:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self._version
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(list(self._instances.values()))
+
+    def fleets(self) -> list[str]:
+        return list(self._fleets)
+
+    def instances(self, fleet: str) -> list[Instance]:
+        return list(self._fleets.get(fleet, {}).values())
+
+    def routable(self, fleet: str) -> list[Instance]:
+        now = self.clock()
+        return [i for i in self._fleets.get(fleet, {}).values() if i.routable(now)]
+
+    def ready_count(self, fleet: str) -> int:
+        return sum(1 for i in self._fleets.get(fleet, {}).values() if i.state is InstanceState.READY)
+
