@@ -1,0 +1,28 @@
+"""``routerd bench {overhead,routing,queue,failover}``: each prints a table and writes JSON with --json.
+
+Each benchmark is a module here with ``main(argv: list[str]) -> int``; they are imported on demand so
+one benchmark's dependencies do not slow another's start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "overhead": "routerd's added latency per request and its sustained rate on one core",
+    "routing": "time to first token and latency per policy on a heterogeneous fleet",
+    "queue": "end-to-end jobs/s through the Redis queue, against a plain stream loop",
+    "failover": "time from an engine's death or hang to it leaving rotation",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print("usage: routerd bench {" + ",".join(BENCHMARKS) + "} [--json FILE] ...", file=sys.stderr)
+        for name, text in BENCHMARKS.items():
+            print(f"  {name:<10} {text}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"routerd.bench.{argv[0]}")
+    code: int = module.main(argv[1:])
+    return code
