@@ -19,7 +19,7 @@ import itertools
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -84,10 +84,8 @@ class Admission:
     async def wait_freed(self, timeout: float) -> None:
         """Wait until some slot is released (or the registry changes); the queue consumer's pacing."""
         event = self._freed
-        try:
+        with suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
 
     # the ticket --------------------------------------------------------------------------------
     @asynccontextmanager

@@ -28,11 +28,7 @@ Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h; systemd's RestartPreventExitStatus=78 keys on it.
 
 
-class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class DaemonConfig(_Section):
+class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Process-wide settings: where state lives, how long a drain may take."""
 
     state_dir: str = ".routerd"
@@ -42,7 +38,7 @@ class DaemonConfig(_Section):
     file_sd_path: str = ""  # "" → <state_dir>/file_sd/engines.json
 
 
-class HttpConfig(_Section):
+class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     api_keys: list[str] = []
@@ -51,7 +47,7 @@ class HttpConfig(_Section):
     keepalive_timeout_s: PositiveFloat = 75.0
 
 
-class RedisConfig(_Section):
+class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
     password: str = ""
     stream: str = "routerd:requests"
@@ -70,7 +66,7 @@ class RedisConfig(_Section):
     ssl_ca_certs: str = ""
 
 
-class RayConfig(_Section):
+class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     address: str = ""
     namespace: str = "routerd"
     num_cpus: NonNegInt = 0  # local head only; 0 → the machine's cores
@@ -79,7 +75,7 @@ class RayConfig(_Section):
     connect_timeout_s: PositiveFloat = 30.0
 
 
-class RoutingConfig(_Section):
+class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     policy: str = "least_load"
     scrape_interval_s: PositiveFloat = 0.2
     scrape_timeout_s: PositiveFloat = 1.0
@@ -93,7 +89,7 @@ class RoutingConfig(_Section):
     circuit_cooldown_s: PositiveFloat = 5.0
 
 
-class AdmissionConfig(_Section):
+class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-fleet bounds for the one scheduler that serves both ways in."""
 
     max_inflight_per_instance: PositiveInt = 256
@@ -102,7 +98,7 @@ class AdmissionConfig(_Section):
     aging_s: PositiveFloat = 10.0
 
 
-class HealthConfig(_Section):
+class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: PositiveFloat = 0.5
     heartbeat_timeout_s: PositiveFloat = 3.0
     failure_threshold: PositiveInt = 3
@@ -113,7 +109,7 @@ class HealthConfig(_Section):
     warmup: bool = True
 
 
-class FleetConfig(_Section):
+class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     model: Annotated[str, Meta(min_length=1)]
     engine: str = "sim"  # "vllm" | "sim" | "static" | a launcher plugin's name
@@ -127,7 +123,7 @@ class FleetConfig(_Section):
     max_num_seqs: PositiveInt = 256  # capacity used to normalise load when the engine does not say
 
 
-class Config(_Section):
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = DaemonConfig()
     http: HttpConfig = HttpConfig()
     redis: RedisConfig = RedisConfig()
@@ -196,17 +192,20 @@ def _env_value(value: str, default: Any) -> Any:
 _PATH_RE = re.compile(r"at `(\$[^`]*)`")
 
 
-def _semantic_problems(cfg: Config) -> list[str]:
+def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
+    """Cross-field checks on the fleets that converted (so they run even when others did not)."""
     problems: list[str] = []
     seen_names: dict[str, int] = {}
     seen_models: dict[str, int] = {}
-    for i, f in enumerate(cfg.fleets):
+    for i, f in fleets:
         where = f"$.fleets[{i}]"
         if f.name in seen_names:
-            problems.append(f"{where}.name: duplicate fleet name {f.name!r} (also $.fleets[{seen_names[f.name]}])")
+            problems.append(f"{where}.name: duplicate fleet name {f.name!r} "
+                            f"(also $.fleets[{seen_names[f.name]}])")
         seen_names.setdefault(f.name, i)
         if f.model in seen_models:
-            problems.append(f"{where}.model: model {f.model!r} is served by $.fleets[{seen_models[f.model]}] already")
+            problems.append(f"{where}.model: model {f.model!r} is served by "
+                            f"$.fleets[{seen_models[f.model]}] already")
         seen_models.setdefault(f.model, i)
         if f.engine == "static":
             if not f.urls:
@@ -217,11 +216,17 @@ def _semantic_problems(cfg: Config) -> list[str]:
         elif f.urls:
             problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
-            problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: metrics; this flag turns them off")
+            problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
+                            "metrics; this flag turns them off")
+    return problems
+
+
+def _semantic_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
     h = cfg.health
     if h.restart_backoff_max_s < h.restart_backoff_initial_s:
         problems.append("$.health.restart_backoff_max_s: must be >= restart_backoff_initial_s")
-    if cfg.http.api_keys and any(not k for k in cfg.http.api_keys):
+    if any(not k for k in cfg.http.api_keys):
         problems.append("$.http.api_keys: empty key")
     return problems
 
@@ -231,6 +236,15 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     problems = _env_overrides(raw, os.environ if environ is None else environ)
     problems += _structural_problems(raw)
+    fleets = raw.get("fleets")
+    if isinstance(fleets, list):
+        converted: list[tuple[int, FleetConfig]] = []
+        for i, f in enumerate(fleets):
+            try:
+                converted.append((i, msgspec.convert(f, FleetConfig)))
+            except msgspec.ValidationError:
+                continue
+        problems += _fleet_problems(converted)
     if problems:
         raise ConfigError(problems)
     cfg = msgspec.convert(raw, Config)

@@ -9,6 +9,7 @@ enough; what needs care is that a reader never sees an instance in rotation that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator
@@ -192,10 +193,8 @@ class Registry:
     async def wait_changed(self, since: int, timeout: float) -> int:
         """Wait until the registry changed after ``since`` (or ``timeout``); return the new version."""
         if self._version == since:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass
         return self._version
 
     def get(self, instance_id: str) -> Instance | None:

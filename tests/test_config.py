@@ -1,0 +1,126 @@
+"""The config contract: shipped files validate, every problem is reported with its key path, env wins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from routerd import config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _check(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "routerd", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("name", ["routerd.toml", "production.example.toml"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    result = _check(ROOT / "config" / name)
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_local_default_has_two_sim_fleets_one_tp2() -> None:
+    cfg = config.load(ROOT / "config" / "routerd.toml", environ={})
+    assert [f.engine for f in cfg.fleets] == ["sim", "sim"]
+    assert sorted(f.tensor_parallel_size for f in cfg.fleets) == [1, 2]
+    assert cfg.redis.url == "embedded"
+    assert cfg.ray.address == ""
+
+
+def test_check_config_lists_every_problem_with_its_path(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        """
+[http]
+port = "eighty"
+colour = "blue"
+
+[routing]
+max_attempts = 0
+
+[[fleets]]
+name = "a"
+model = "m"
+
+[[fleets]]
+name = "b"
+model = "m2"
+replicas = -1
+
+[[fleets]]
+name = "c"
+model = "m3"
+engine = "static"
+"""
+    )
+    result = _check(bad)
+    assert result.returncode == 78
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("$.http.port:") and "int" in line for line in lines)
+    assert any(line.startswith("$.http.colour: unknown key") for line in lines)
+    assert any(line.startswith("$.routing.max_attempts:") and ">= 1" in line for line in lines)
+    assert any(line.startswith("$.fleets[1].replicas:") and ">= 0" in line for line in lines)
+    assert any(line.startswith("$.fleets[2].urls:") for line in lines)
+
+
+def test_not_toml_and_missing_file_exit_78(tmp_path: Path) -> None:
+    bad = tmp_path / "x.toml"
+    bad.write_text("[http\nport=1")
+    assert _check(bad).returncode == 78
+    assert _check(tmp_path / "missing.toml").returncode == 78
+
+
+def test_unknown_section_and_semantic_errors() -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.parse({"nope": {}, "fleets": [
+            {"name": "a", "model": "m", "engine_args": {"disable-log-stats": True}},
+            {"name": "a", "model": "m"},
+        ]}, environ={})
+    problems = info.value.problems
+    assert any(p.startswith("$.nope: unknown section") for p in problems)
+    # the first structural pass succeeds for fleets, so only the unknown section is reported first
+    with pytest.raises(config.ConfigError) as info:
+        config.parse({"fleets": [
+            {"name": "a", "model": "m", "engine_args": {"disable-log-stats": True}},
+            {"name": "a", "model": "m"},
+        ]}, environ={})
+    problems = info.value.problems
+    assert any("$.fleets[1].name: duplicate" in p for p in problems)
+    assert any("$.fleets[1].model:" in p for p in problems)
+    assert any("disable-log-stats" in p for p in problems)
+
+
+def test_env_overrides_win_and_are_typed() -> None:
+    cfg = config.parse({"http": {"port": 1234}}, environ={
+        "ROUTERD_HTTP_PORT": "9999",
+        "ROUTERD_HTTP_API_KEYS": "k1, k2",
+        "ROUTERD_REDIS_PASSWORD": "s3cret",
+        "ROUTERD_DAEMON_STOP_ENGINES_ON_EXIT": "true",
+        "ROUTERD_ROUTING_SCRAPE_INTERVAL_S": "0.05",
+        "UNRELATED": "x",
+    })
+    assert cfg.http.port == 9999
+    assert cfg.http.api_keys == ["k1", "k2"]
+    assert cfg.redis.password == "s3cret"
+    assert cfg.daemon.stop_engines_on_exit is True
+    assert cfg.routing.scrape_interval_s == 0.05
+
+
+def test_env_override_errors_name_the_variable() -> None:
+    with pytest.raises(config.ConfigError) as info:
+        config.parse({}, environ={"ROUTERD_HTTP_PROT": "1", "ROUTERD_HTTP_PORT": "x"})
+    problems = info.value.problems
+    assert any("$ROUTERD_HTTP_PROT" in p for p in problems)
+    assert any(p.startswith("$.http.port:") for p in problems)
+
+
+def test_config_is_frozen() -> None:
+    cfg = config.parse({}, environ={})
+    with pytest.raises(AttributeError):
+        cfg.http.port = 1  # type: ignore[misc]
