@@ -13,4 +13,5 @@ pytest_plugins = [
     "tests.fixtures.redis_server",
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
+    "tests.fixtures.daemon",
 ]

@@ -1,0 +1,302 @@
+"""The daemon: start-up order, one TaskGroup, signals, drain, reload and sd_notify.
+
+``Daemon`` builds every component, hands dependencies through constructors, opens resources on one
+``AsyncExitStack`` and runs long loops in one ``asyncio.TaskGroup`` (style.md §2). Signal handlers only
+set events (uvicorn's pattern): TERM/INT → drain, a second one → exit now; HUP → reload.
+
+Start-up order is what systemd's ``READY=1`` promises: Redis (embedded or reachable), Ray connected and
+fleets adopted or launched, the HTTP listener bound, the queue consumer running — then READY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from . import config as config_mod
+from . import log
+from .config import Config
+from .registry import Registry
+from .sdnotify import Notifier
+
+_logger = log.get("routerd.daemon")
+
+# Settings that are bound at start-up; a reload that changes them is applied except for these.
+_RESTART_ONLY = (
+    ("http", "host"), ("http", "port"), ("redis", "url"), ("redis", "stream"), ("redis", "group"),
+    ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
+)
+
+
+class Daemon:
+    """One routerd process: ``await Daemon(path, cfg).run()`` returns the exit code."""
+
+    def __init__(self, config_path: Path, cfg: Config, *, notifier: Notifier | None = None) -> None:
+        self.config_path = config_path
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self.registry = Registry()
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._reload = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.started = asyncio.Event()
+        # components, set in _startup
+        self.dataplane: Any = None
+        self.fleets: Any = None
+        self.queue: Any = None
+        self.cluster: Any = None
+        self.redis_url: str = ""
+
+    # signals ---------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            _logger.warning("second_stop_signal_exiting_now")
+            self._force.set()
+        else:
+            self._stop.set()
+
+    def request_reload(self) -> None:
+        self._reload.set()
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+
+    def _remove_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    # lifecycle -------------------------------------------------------------------------------
+    async def run(self) -> int:
+        self._install_signals()
+        try:
+            async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
+                await self._startup(stack, tg)
+                self.notifier.ready(self.status_line())
+                self.started.set()
+                _logger.info("routerd_ready", http=f"{self.cfg.http.host}:{self.cfg.http.port}",
+                             fleets=[f.name for f in self.cfg.fleets], redis=self.redis_url or None)
+                await self._main_loop()
+                await self._shutdown()
+                for task in self._tasks:
+                    task.cancel()
+        finally:
+            self._remove_signals()
+            self.notifier.close()
+        _logger.info("routerd_stopped")
+        return 0
+
+    def _spawn(self, tg: asyncio.TaskGroup, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self._tasks.append(tg.create_task(coro, name=name))
+
+    async def _startup(self, stack: contextlib.AsyncExitStack, tg: asyncio.TaskGroup) -> None:
+        from .dataplane import DataPlane
+        from .file_sd import FileSdWriter
+
+        cfg = self.cfg
+        state = config_mod.state_dir(cfg)
+        state.mkdir(parents=True, exist_ok=True)
+        self.notifier.status("starting: redis")
+        await self._start_redis(stack, state)
+
+        self.dataplane = DataPlane(cfg, self.registry)
+        await stack.enter_async_context(self.dataplane)
+
+        if any(f.engine != "static" for f in cfg.fleets):
+            self.notifier.status("starting: ray")
+            await self._start_fleets(stack, state)
+
+        self.notifier.status("starting: http")
+        await self.dataplane.start_http(extra_routes=self._admin_routes)
+
+        if self.queue is not None:
+            self._spawn(tg, self.queue.run(), "queue")
+        self._spawn(tg, self.dataplane.run(), "dataplane")
+        if self.fleets is not None:
+            self._spawn(tg, self.fleets.run(), "fleets")
+        sd_path = Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path else state / "file_sd" / "engines.json"
+        self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
+        self._spawn(tg, self._watchdog(), "watchdog")
+
+    async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
+        cfg = self.cfg
+        if not cfg.redis.enabled:
+            return
+        from .ingress.queue import QueueIngress
+
+        url = cfg.redis.url
+        if url == "embedded":
+            from .redis_server import EmbeddedRedis
+
+            url = await stack.enter_async_context(EmbeddedRedis(state / "redis"))
+        self.redis_url = url
+        self.queue = QueueIngress.from_config(cfg, url=url, registry=self.registry,
+                                              upstream_factory=lambda: self.dataplane.upstream,
+                                              admission_factory=lambda: self.dataplane.admission)
+        await stack.enter_async_context(self.queue)
+
+    async def _start_fleets(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
+        from .fleet import FleetManager
+        from .raycluster import RayCluster
+
+        self.cluster = await RayCluster.connect(self.cfg.ray, state)
+        stack.push_async_callback(self.cluster.close)
+        self.fleets = FleetManager(self.cfg, self.registry, self.cluster)
+        await self.fleets.start()
+
+    def _admin_routes(self, app: Any) -> None:
+        if self.fleets is None:
+            return
+        from .ingress.admin import add_admin_routes
+
+        add_admin_routes(app, self.fleets, self.cfg.http.admin_api_key)
+
+    async def _main_loop(self) -> None:
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                reload = asyncio.create_task(self._reload.wait())
+                done, _ = await asyncio.wait({stop, reload}, timeout=5.0,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if reload in done:
+                    self._reload.clear()
+                    await self.reload()
+                else:
+                    reload.cancel()
+                self.notifier.status(self.status_line())
+        finally:
+            stop.cancel()
+
+    async def _watchdog(self) -> None:
+        """Pings systemd from the event loop itself: a stuck loop stops the pings and systemd restarts us."""
+        interval = self.notifier.watchdog_interval_s
+        if interval is None:
+            return
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    # drain -----------------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest, stop or keep engines."""
+        cfg = self.cfg
+        self.notifier.stopping()
+        _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
+        started = time.monotonic()
+        if self.queue is not None:
+            self.queue.stop_intake()
+        await self.dataplane.stop_intake()
+        deadline = started + cfg.daemon.drain_timeout_s
+        waits = [self.dataplane.wait_idle(deadline - time.monotonic())]
+        if self.queue is not None:
+            waits.append(self.queue.wait_idle(deadline - time.monotonic()))
+        drained = asyncio.gather(*waits)
+        force = asyncio.create_task(self._force.wait())
+        done, _ = await asyncio.wait({asyncio.ensure_future(drained), force},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if force in done:
+            drained.cancel()
+            _logger.warning("drain_interrupted")
+        await self.dataplane.close_streams("routerd is shutting down")
+        if self.fleets is not None:
+            await self.fleets.shutdown(stop_engines=cfg.daemon.stop_engines_on_exit)
+        _logger.info("drain_finished", took_s=round(time.monotonic() - started, 3))
+
+    async def wait_idle(self, timeout: float) -> None:
+        await self.dataplane.wait_idle(timeout)
+
+    # reload ----------------------------------------------------------------------------------
+    async def reload(self) -> bool:
+        """Re-read the config file and apply what changed; an invalid file keeps the old config."""
+        self.notifier.reloading()
+        try:
+            new = config_mod.load(self.config_path)
+            _check_policy(new)
+        except (config_mod.ConfigError, LookupError) as e:
+            problems = e.problems if isinstance(e, config_mod.ConfigError) else [str(e)]
+            _logger.error("reload_rejected", path=str(self.config_path), problems=problems)
+            self.notifier.ready(f"reload rejected: {problems[0]}")
+            return False
+        for section, key in _RESTART_ONLY:
+            old_v, new_v = getattr(getattr(self.cfg, section), key), getattr(getattr(new, section), key)
+            if old_v != new_v:
+                _logger.warning("reload_needs_restart", key=f"{section}.{key}", running=old_v, configured=new_v)
+        new = _keep_restart_only(self.cfg, new)
+        old = self.cfg
+        self.cfg = new
+        await self.dataplane.apply(new)
+        if self.fleets is not None:
+            await self.fleets.apply(new)
+        elif any(f.engine != "static" for f in new.fleets) and not any(f.engine != "static" for f in old.fleets):
+            _logger.warning("reload_needs_restart", key="fleets", reason="first launched fleet needs Ray")
+        if self.queue is not None:
+            self.queue.update_config(new)
+        _logger.info("reloaded", fleets=[f.name for f in new.fleets], policy=new.routing.policy)
+        self.notifier.ready(self.status_line())
+        return True
+
+    def status_line(self) -> str:
+        parts = []
+        for fleet in self.cfg.fleets:
+            ready = self.registry.ready_count(fleet.name)
+            total = len(self.registry.instances(fleet.name))
+            parts.append(f"{fleet.name} {ready}/{total} ready")
+        return "; ".join(parts) or "no fleets"
+
+
+def _check_policy(cfg: Config) -> None:
+    from . import plugins
+
+    if cfg.routing.policy not in plugins.available(plugins.POLICY_GROUP):
+        plugins.load(plugins.POLICY_GROUP, cfg.routing.policy)
+
+
+def _keep_restart_only(old: Config, new: Config) -> Config:
+    """The new config with the bound-at-start-up keys of the old one (those need a restart)."""
+    import msgspec
+
+    sections: dict[str, Any] = {}
+    for section, key in _RESTART_ONLY:
+        current = sections.get(section, getattr(new, section))
+        sections[section] = msgspec.structs.replace(current, **{key: getattr(getattr(old, section), key)})
+    return msgspec.structs.replace(new, **sections)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="routerd run", description="Run the routerd daemon.")
+    parser.add_argument("--config", required=True, help="TOML config file")
+    parser.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config)
+        _check_policy(cfg)
+    except (config_mod.ConfigError, LookupError) as e:
+        problems = e.problems if isinstance(e, config_mod.ConfigError) else [f"$.routing.policy: {e}"]
+        for p in problems:
+            print(p)
+        return config_mod.EXIT_CONFIG
+    log.setup(cfg.daemon.log_level, json=None if args.log_format == "auto" else args.log_format == "json")
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # uvloop is optional off Linux
+        runner = asyncio.run
+    daemon = Daemon(Path(args.config).resolve(), cfg)
+    try:
+        code: int = runner(daemon.run())
+    except Exception:  # the outermost boundary: log it whole, let systemd restart us
+        _logger.exception("routerd_failed")
+        return 1
+    return code

@@ -1,0 +1,154 @@
+"""The daemon as systemd runs it: READY only when serving, watchdog pings, drain on TERM, reload on HUP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.fixtures.daemon import RouterdFactory
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _static_fleet(url: str, name: str = "f", model: str = "m") -> dict[str, Any]:
+    return {"name": name, "model": model, "engine": "static", "urls": [url]}
+
+
+async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            async with session.get(f"{url}/readyz") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        assert asyncio.get_running_loop().time() < end, "routerd never became ready"
+        await asyncio.sleep(0.1)
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int,
+                  events: list[bytes], first: asyncio.Event) -> int:
+    body = {"model": model, "prompt": "hello there", "max_tokens": max_tokens, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                events.append(line.strip())
+                first.set()
+    return len(events)
+
+
+async def test_ready_only_after_listener_and_watchdog_pings(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    sim = await sim_process(model="m")
+    rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[_static_fleet(sim.url)]),
+                                 wait_ready=False)
+    await asyncio.to_thread(rp.wait_notify, "READY=1", 60)
+    # READY=1 promises a bound listener: the very next connect must succeed.
+    host, port = rp.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=2):
+        pass
+    async with aiohttp.ClientSession() as s, s.get(f"{rp.url}/healthz") as r:
+        assert r.status == 200
+    # WatchdogSec=0.4s in the fixture → a ping every 0.2s from the event loop.
+    await asyncio.to_thread(rp.read_notify, 1.0)
+    assert rp.messages.count("WATCHDOG=1") >= 3
+    assert any(m.startswith("STATUS=") for m in rp.messages)
+    rp.signal(signal.SIGTERM)
+    await asyncio.to_thread(rp.wait_notify, "STOPPING=1", 20)
+    assert await asyncio.to_thread(rp.wait_exit, 20) == 0
+
+
+async def test_sigterm_drains_open_stream_and_refuses_new_requests(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    sim = await sim_process(model="m", ttft_ms=10, itl_ms=40)
+    rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[_static_fleet(sim.url)]))
+    async with aiohttp.ClientSession() as s:
+        await _wait_ready(s, rp.url)
+        events: list[bytes] = []
+        first = asyncio.Event()
+        stream = asyncio.create_task(_stream(s, rp.url, "m", 40, events, first))  # ≈ 1.6 s of tokens
+        await asyncio.wait_for(first.wait(), 10)
+        rp.signal(signal.SIGTERM)
+        await asyncio.to_thread(rp.wait_notify, "STOPPING=1", 10)
+        # A new request is refused while the open stream keeps going.
+        refused = False
+        try:
+            async with aiohttp.ClientSession() as s2, s2.post(
+                    f"{rp.url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}) as r:
+                refused = r.status == 503
+        except aiohttp.ClientConnectionError:
+            refused = True
+        assert refused
+        await asyncio.wait_for(stream, 20)
+    assert events[-1] == b"data: [DONE]"
+    assert not any(b'"error"' in e for e in events)
+    assert len([e for e in events if e != b"data: [DONE]"]) == 40
+    assert await asyncio.to_thread(rp.wait_exit, 20) == 0
+
+
+async def test_drain_timeout_ends_streams_with_an_error_event(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    sim = await sim_process(model="m", ttft_ms=10, itl_ms=100)
+    cfg = routerd_config(daemon={"drain_timeout_s": 0.5}, fleets=[_static_fleet(sim.url)])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession() as s:
+        await _wait_ready(s, rp.url)
+        events: list[bytes] = []
+        first = asyncio.Event()
+        stream = asyncio.create_task(_stream(s, rp.url, "m", 200, events, first))  # ≈ 20 s
+        await asyncio.wait_for(first.wait(), 10)
+        rp.signal(signal.SIGTERM)
+        await asyncio.wait_for(stream, 15)
+    assert events[-1] == b"data: [DONE]"
+    assert b'"error"' in events[-2]
+    assert await asyncio.to_thread(rp.wait_exit, 20) == 0
+
+
+async def test_sighup_applies_keys_and_policy_and_rejects_a_bad_file(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    sim = await sim_process(model="m")
+    cfg = routerd_config(fleets=[_static_fleet(sim.url)])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        await _wait_ready(s, rp.url)
+        async with s.post(f"{rp.url}/v1/completions", json=body) as r:
+            assert r.status == 200
+        new = json.loads(json.dumps(cfg))
+        new["http"]["api_keys"] = ["sekret"]
+        new["routing"]["policy"] = "round_robin"
+        rp.rewrite_config(new)
+        rp.signal(signal.SIGHUP)
+        await asyncio.to_thread(rp.wait_notify, "RELOADING=1", 10)
+        await asyncio.to_thread(rp.wait_notify, "READY=1", 10)
+        async with s.post(f"{rp.url}/v1/completions", json=body) as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == 401
+        auth = {"Authorization": "Bearer sekret"}
+        async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
+            assert r.status == 200
+        async with s.get(f"{rp.url}/admin/fleets") as r:
+            assert (await r.json())["policy"] == "round_robin"
+        # An invalid file is rejected with its reason; the running config stays.
+        rp.config_path.write_text("[http]\nport = 'x'\n")
+        rp.signal(signal.SIGHUP)
+        line = await asyncio.to_thread(rp.wait_notify, "STATUS=reload rejected", 10)
+        assert "$.http.port" in line
+        async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
+            assert r.status == 200
+    assert rp.proc.poll() is None
+    assert "reload_rejected" in rp.log()
+
+
+def test_bad_config_exits_78(routerd_process: RouterdFactory, routerd_config: Any) -> None:
+    cfg = routerd_config(fleets=[{"name": "x", "model": "m", "replicas": -1}])
+    rp = routerd_process(cfg, wait_ready=False)
+    assert rp.wait_exit(30) == 78
