@@ -1,14 +1,21 @@
 """One admission scheduler per fleet, shared by both ways in (HTTP and the Redis queue).
 
 A fleet may have ``ready instances × max_inflight_per_instance`` requests dispatched at once. Requests
-beyond that wait here, ordered by priority, then deadline, then arrival — with aging so a low priority
-is not starved: a waiter's effective priority grows by one every ``aging_s`` seconds. Because every
-waiter ages at the same rate, ``priority - enqueued_at / aging_s`` orders them for all time, so a plain
-heap works.
+beyond that wait here, ordered by priority (a larger number is served first), then deadline (sooner
+first, none last), then arrival — with aging so a low priority is not starved: a waiter's priority
+counts one higher for every ``aging_s`` it has waited. Every waiter ages at the same rate, so ordering
+by ``priority - floor(enqueued_at / aging_s)`` (fixed at arrival) is the same as ordering by aged
+priority at any later moment: the key never changes and a plain heap works. Whole ``aging_s`` periods
+keep equal priorities arriving close together ordered by deadline rather than by arrival.
 
-HTTP requests are bounded (``max_queued`` → 429 with Retry-After; no ready instance for longer than
-``waiting_room_s`` → 503). Queue jobs are not: the consumer reads from Redis only as many as
-:meth:`Admission.free_slots` allows, so the backlog stays in Redis.
+HTTP requests are bounded (``max_queued`` waiting → 429 with Retry-After; a fleet with no ready
+instance for ``waiting_room_s`` → 503 for those waiting, at once when the waiting room is full). Queue
+jobs are not refused: the consumer reads from Redis only as many as :meth:`Admission.free_slots`
+allows, so the backlog stays in Redis. A waiter whose deadline passes is failed with
+:class:`DeadlineExceeded` and never takes a slot.
+
+Time comes from the injected ``clock``; :meth:`sweep` applies deadlines and the waiting room by that
+clock (``run`` calls it; tests call it after moving a fake clock).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .config import AdmissionConfig
-from .errors import DeadlineExceeded, NoReadyInstance, Overloaded
+from .errors import DeadlineExceeded, NoReadyInstance, Overloaded, RouterdError
 from .registry import Registry
 
 Source = Literal["http", "queue"]
@@ -35,6 +42,8 @@ class _Waiter:
     key: tuple[float, float, int]
     future: asyncio.Future[None] = field(compare=False)
     source: Source = field(compare=False, default="http")
+    enqueued: float = field(compare=False, default=0.0)
+    deadline: float | None = field(compare=False, default=None)
 
 
 @dataclass
@@ -46,6 +55,10 @@ class _FleetQueue:
     admitted_total: int = 0
     rejected_total: int = 0
     expired_total: int = 0
+    unready_since: float | None = None  # when the fleet last lost its last ready instance
+
+
+_SLICE_S = 1.0  # a waiter re-checks the clock at least this often (instances may vanish meanwhile)
 
 
 class Admission:
@@ -83,9 +96,8 @@ class Admission:
 
     async def wait_freed(self, timeout: float) -> None:
         """Wait until some slot is released (or the registry changes); the queue consumer's pacing."""
-        event = self._freed
         with suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            await asyncio.wait_for(self._freed.wait(), timeout)
 
     # the ticket --------------------------------------------------------------------------------
     @asynccontextmanager
@@ -102,53 +114,88 @@ class Admission:
         finally:
             self._release(fleet)
 
+    def _key(self, priority: int, deadline: float | None, now: float) -> tuple[float, float, int]:
+        aged = priority - math.floor(now / self._cfg.aging_s)
+        return (-aged, deadline if deadline is not None else math.inf, next(self._seq))
+
     async def _acquire(self, fleet: str, priority: int, deadline: float | None, source: Source) -> None:
         q = self._fleets.setdefault(fleet, _FleetQueue())
         now = self._clock()
         if deadline is not None and deadline <= now:
             q.expired_total += 1
             raise DeadlineExceeded("the job's deadline passed before it could be dispatched")
+        self._note_readiness(fleet, q, now)
         if not q.heap and q.active < self.limit(fleet):
             q.active += 1
             q.admitted_total += 1
             return
-        cfg = self._cfg
-        no_ready = self._registry.ready_count(fleet) == 0
-        if source == "http" and q.queued_http >= cfg.max_queued and not no_ready:
+        if source == "http" and q.queued_http >= self._cfg.max_queued:
             q.rejected_total += 1
+            if q.unready_since is not None:
+                raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
             raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
                              f"{q.queued_http} waiting)", retry_after_s=self._retry_after(q))
-        wait_until = deadline if deadline is not None else math.inf
-        if source == "http" and no_ready:
-            wait_until = min(wait_until, now + cfg.waiting_room_s)
-        waiter = _Waiter(
-            key=(-(priority - now / cfg.aging_s), deadline if deadline is not None else math.inf,
-                 next(self._seq)),
-            future=asyncio.get_running_loop().create_future(),
-            source=source,
-        )
+        waiter = _Waiter(key=self._key(priority, deadline, now),
+                         future=asyncio.get_running_loop().create_future(), source=source,
+                         enqueued=now, deadline=deadline)
         heapq.heappush(q.heap, waiter)
         self._count(q, source, +1)
         try:
-            timeout = None if wait_until == math.inf else max(0.0, wait_until - now)
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except TimeoutError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                return  # admitted in the same instant the timer fired: keep the slot
-            waiter.future.cancel()
-            if deadline is not None and self._clock() >= deadline - 1e-3:
-                q.expired_total += 1
-                raise DeadlineExceeded("the job's deadline passed before it could be dispatched") from None
-            q.rejected_total += 1
-            raise NoReadyInstance(f"fleet {fleet!r} has no ready instance") from None
+            while not waiter.future.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiter.future), self._slice(q, waiter))
+                except TimeoutError:
+                    self._sweep_fleet(fleet, q, self._clock())
+            waiter.future.result()  # raises what sweep decided (deadline, no ready instance)
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self._release(fleet)  # admitted, then the caller went away: give the slot back
             waiter.future.cancel()
             raise
         finally:
             self._count(q, source, -1)
             self._dispatch(fleet, q)
+
+    def _slice(self, q: _FleetQueue, w: _Waiter) -> float:
+        """How long to wait before the clock must be looked at again for this waiter."""
+        now = self._clock()
+        until = now + _SLICE_S
+        if w.deadline is not None:
+            until = min(until, w.deadline)
+        if w.source == "http" and q.unready_since is not None:
+            until = min(until, max(q.unready_since, w.enqueued) + self._cfg.waiting_room_s)
+        return max(0.0, until - now)
+
+    def sweep(self) -> None:
+        """Fail waiters whose deadline passed, and HTTP waiters past the waiting room, by the clock."""
+        now = self._clock()
+        for fleet, q in self._fleets.items():
+            self._sweep_fleet(fleet, q, now)
+
+    def _sweep_fleet(self, fleet: str, q: _FleetQueue, now: float) -> None:
+        self._note_readiness(fleet, q, now)
+        for w in q.heap:
+            if w.future.done():
+                continue
+            err: RouterdError | None = None
+            if w.deadline is not None and w.deadline <= now:
+                q.expired_total += 1
+                err = DeadlineExceeded("the job's deadline passed before it could be dispatched")
+            elif (w.source == "http" and q.unready_since is not None
+                  and now - max(q.unready_since, w.enqueued) >= self._cfg.waiting_room_s):
+                q.rejected_total += 1
+                err = NoReadyInstance(f"fleet {fleet!r} has no ready instance")
+            if err is not None:
+                w.future.set_exception(err)
+        while q.heap and q.heap[0].future.done():
+            heapq.heappop(q.heap)
+
+    def _note_readiness(self, fleet: str, q: _FleetQueue, now: float) -> None:
+        if self._registry.ready_count(fleet) == 0:
+            if q.unready_since is None:
+                q.unready_since = now
+        else:
+            q.unready_since = None
 
     def _retry_after(self, q: _FleetQueue) -> float:
         return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
@@ -180,14 +227,17 @@ class Admission:
             heapq.heappop(q.heap)
 
     def dispatch_all(self) -> None:
+        now = self._clock()
         for fleet, q in self._fleets.items():
+            self._note_readiness(fleet, q, now)
             self._dispatch(fleet, q)
         self._freed.set()
         self._freed = asyncio.Event()
 
     async def run(self) -> None:
-        """Admit waiters when instances become ready (the registry changed)."""
+        """Admit waiters when instances become ready (the registry changed); apply the clock."""
         version = self._registry.version
         while True:
-            version = await self._registry.wait_changed(version, timeout=1.0)
+            version = await self._registry.wait_changed(version, timeout=_SLICE_S / 2)
             self.dispatch_all()
+            self.sweep()

@@ -117,6 +117,7 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tensor_parallel_size: PositiveInt = 1
     pipeline_parallel_size: PositiveInt = 1
     num_cpus_per_instance: NonNegFloat = 1.0
+    num_gpus_per_instance: NonNegInt | None = None  # None → tensor × pipeline parallel size
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
     urls: list[str] = []

@@ -49,6 +49,7 @@ class LaunchSpec(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     num_cpus: float = 1.0
+    num_gpus: float = 0.0
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
 

@@ -1,0 +1,228 @@
+"""Shared pieces of the data-plane benchmarks: processes, one timed request, statistics, tables.
+
+Engines and routerd each run in their own process (``routerd sim-engine …`` and
+``python -m routerd.bench._common plane …``), so routerd's event loop competes with nothing of the
+benchmark's own: the load generator's client work is not counted as routerd's latency, and routerd's
+CPU time can be read from ``/proc`` to express its capacity per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from ..config import Config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile (``q`` in 0..1) of ``xs``; NaN when empty."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean/p50/p90/p99/max of seconds ``xs``, in milliseconds by default."""
+    if not xs:
+        return {"n": 0, "mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    return {"n": len(xs), "mean": round(sum(xs) / len(xs) * scale, 3),
+            "p50": round(quantile(xs, 0.5) * scale, 3), "p90": round(quantile(xs, 0.9) * scale, 3),
+            "p99": round(quantile(xs, 0.99) * scale, 3), "max": round(max(xs) * scale, 3)}
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    print(f"\n{title}")
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.2f}"
+    return str(v)
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        print(f"\nwrote {path}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with asyncio.timeout(1.0), s.get(url) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+class Processes:
+    """Child processes of one benchmark run, terminated together (each is one we started)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tmp = tempfile.TemporaryDirectory(prefix="routerd-bench-")
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        self.tmp.cleanup()
+
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def spawn_sim(self, model: str, **sim_args: Any) -> tuple[str, subprocess.Popen[bytes]]:
+        """Start ``routerd sim-engine`` with SimConfig fields as flags; returns its base URL."""
+        port = free_port()
+        argv = [sys.executable, "-m", "routerd", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
+                "--model", model, "--log-level", "warning"]
+        for k, v in sim_args.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        return f"http://127.0.0.1:{port}", self._spawn(argv)
+
+    async def sim(self, model: str, **sim_args: Any) -> str:
+        url, proc = self.spawn_sim(model, **sim_args)
+        await wait_http(url + "/health", proc=proc)
+        return url
+
+    def spawn_plane(self, cfg: dict[str, Any], capacities: dict[str, int] | None = None,
+                    log_level: str = "info") -> tuple[str, subprocess.Popen[bytes]]:
+        """Start a routerd data plane for ``cfg`` (a raw config dict) in its own process."""
+        port = free_port()
+        cfg = {**cfg, "http": {**cfg.get("http", {}), "host": "127.0.0.1", "port": port}}
+        path = Path(self.tmp.name) / f"plane-{port}.json"
+        path.write_text(json.dumps({"config": cfg, "capacities": capacities or {}}))
+        proc = self._spawn([sys.executable, "-m", "routerd.bench._common", "plane", str(path),
+                            "--log-level", log_level])
+        return f"http://127.0.0.1:{port}", proc
+
+    async def plane(self, cfg: dict[str, Any], capacities: dict[str, int] | None = None,
+                    log_level: str = "info") -> tuple[str, subprocess.Popen[bytes]]:
+        url, proc = self.spawn_plane(cfg, capacities, log_level)
+        await wait_http(url + "/readyz", proc=proc)
+        return url, proc
+
+
+class Timing(msgspec.Struct):
+    """One request as the client saw it: seconds to the first content byte and to the end."""
+
+    ttft: float
+    e2e: float
+    ok: bool
+    instance: str = ""  # which instance routerd chose (its X-Routerd-Instance header)
+
+
+async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> Timing:
+    """POST ``body``; for streams the first token is the first SSE event after the headers."""
+    t0 = time.perf_counter()
+    ttft = math.nan
+    instance = ""
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            if stream:
+                async for _line in r.content:
+                    if math.isnan(ttft):
+                        ttft = time.perf_counter() - t0
+            else:
+                await r.read()
+                ttft = time.perf_counter() - t0
+            ok = r.status == 200
+            instance = r.headers.get("X-Routerd-Instance", "")
+    except (aiohttp.ClientError, OSError):
+        ok = False
+    return Timing(ttft=ttft, e2e=time.perf_counter() - t0, ok=ok, instance=instance)
+
+
+# the data-plane process ---------------------------------------------------------------------
+async def _serve_plane(spec: dict[str, Any]) -> None:
+    from ..dataplane import DataPlane
+    from ..registry import Registry
+
+    cfg = msgspec.convert(spec["config"], Config)
+    registry = Registry()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    async with DataPlane(cfg, registry) as dp:
+        # A static fleet's capacity comes from its config; the benchmark's mixed fleet says it per URL.
+        for inst in registry:
+            inst.capacity_hint = int(spec["capacities"].get(inst.id, inst.capacity_hint))
+        await dp.start_http()
+        task = asyncio.create_task(dp.run())
+        await stop.wait()
+        await dp.stop_intake()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m routerd.bench._common")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    plane = sub.add_parser("plane", help="run a data plane from a benchmark's JSON spec")
+    plane.add_argument("spec")
+    plane.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    from .. import log
+
+    log.setup(args.log_level, json=True)
+    import uvloop
+
+    uvloop.run(_serve_plane(json.loads(Path(args.spec).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,190 @@
+"""``routerd bench overhead``: the latency routerd adds per request, and the rate it sustains on one core.
+
+Method:
+
+* Simulated engines with a fixed latency (``batch_factor = 0``, large ``max_num_seqs``, so a request's
+  time does not depend on what else runs) each in their own process; routerd's data plane in its own
+  process (uvloop, ``least_load``, info logging with its one canonical line per request, to /dev/null).
+* **Added latency (paired):** Poisson arrivals at ``--rate``; each arrival sends the *same* request
+  twice at the same instant, once straight to an engine and once through routerd (which routes it to
+  one of the same engines). The per-pair difference of end-to-end latency (and, for streams, of time
+  to first token) is routerd's added latency; p50/p90/p99 over all pairs.
+* **Sustained rate:** ``--concurrency`` closed-loop clients through routerd for ``--duration``
+  seconds; completed requests per second, and routerd's CPU seconds from ``/proc`` over the same
+  window. ``rate / cpu_share`` is what one fully used core would carry (routerd is one event loop).
+
+Both for non-streaming and streaming requests. The load generator and engines share the machine with
+routerd, so on a small machine the figures are an upper bound of the real overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from ._common import Processes, Timing, cpu_seconds, print_table, summary, timed_request, write_json
+
+MODEL = "bench"
+
+
+def _body(stream: bool, max_tokens: int) -> bytes:
+    return msgspec.json.encode({"model": MODEL, "prompt": "the quick brown fox", "max_tokens": max_tokens,
+                                "stream": stream, "ignore_eos": True})
+
+
+async def paired(session: aiohttp.ClientSession, engines: list[str], routerd: str, *, rate: float,
+                 duration: float, stream: bool, max_tokens: int, rng: random.Random) -> dict[str, Any]:
+    """Open-loop pairs at ``rate``/s: the same request direct and via routerd, sent together.
+
+    Passing an engine's URL as ``routerd`` gives the control run: both requests direct, so the spread
+    of the differences is the measurement's own noise (engine step timing, a shared CPU).
+    """
+    body = _body(stream, max_tokens)
+    pairs: list[tuple[Timing, Timing]] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(i: int) -> None:
+        direct, via = await asyncio.gather(
+            timed_request(session, engines[i % len(engines)] + "/v1/completions", body, stream),
+            timed_request(session, routerd + "/v1/completions", body, stream))
+        pairs.append((direct, via))
+
+    start = time.perf_counter()
+    next_at = start
+    i = 0
+    while next_at - start < duration:
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(i))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        i += 1
+        next_at += rng.expovariate(rate)
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)
+    elapsed = time.perf_counter() - start
+    ok = [(d, v) for d, v in pairs if d.ok and v.ok]
+    out: dict[str, Any] = {
+        "pairs": len(pairs), "failed": len(pairs) - len(ok), "achieved_rate": round(len(pairs) / elapsed, 1),
+        "direct_e2e_ms": summary([d.e2e for d, _ in ok]),
+        "routerd_e2e_ms": summary([v.e2e for _, v in ok]),
+        "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok]),
+    }
+    if stream:
+        out["added_ttft_ms"] = summary([v.ttft - d.ttft for d, v in ok])
+    return out
+
+
+async def sustained(session: aiohttp.ClientSession, routerd: str, pid: int, *, concurrency: int,
+                    duration: float, stream: bool, max_tokens: int) -> dict[str, Any]:
+    """Closed loop through routerd: requests/s and routerd's CPU share over the window."""
+    body = _body(stream, max_tokens)
+    url = routerd + "/v1/completions"
+    done: list[Timing] = []
+    stop_at = time.perf_counter() + duration
+
+    async def worker() -> None:
+        while time.perf_counter() < stop_at:
+            done.append(await timed_request(session, url, body, stream))
+
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    cpu1, t1 = cpu_seconds(pid), time.perf_counter()
+    ok = [t for t in done if t.ok]
+    rate = len(ok) / (t1 - t0)
+    share = (cpu1 - cpu0) / (t1 - t0)
+    return {"requests": len(done), "failed": len(done) - len(ok), "rate": round(rate, 1),
+            "routerd_cpu_share": round(share, 3),
+            "rate_per_core": round(rate / share, 1) if share > 0 else None,
+            "e2e_ms": summary([t.e2e for t in ok])}
+
+
+def _plane_config(urls: list[str], log_level: str) -> dict[str, Any]:
+    return {"redis": {"enabled": False}, "daemon": {"log_level": log_level},
+            "routing": {"policy": "least_load", "scrape_interval_s": 0.2},
+            "admission": {"max_inflight_per_instance": 4096, "max_queued": 100000},
+            "fleets": [{"name": "bench", "model": MODEL, "engine": "static", "urls": urls,
+                        "max_num_seqs": 1024}]}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    sim = {"max_num_seqs": 1024, "ttft_ms": args.engine_ttft_ms, "itl_ms": args.engine_itl_ms,
+           "batch_factor": 0, "default_max_tokens": args.max_tokens}
+    results: dict[str, Any] = {"params": vars(args).copy()}
+    with Processes() as procs:
+        engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
+        # Pairs: a routerd in front of one engine, so both requests of a pair join the same engine's
+        # batch and differ only by the path they took. The rate test: a routerd over all engines.
+        (pair_url, _), (all_url, all_proc) = await asyncio.gather(
+            procs.plane(_plane_config(engines[:1], args.log_level), log_level=args.log_level),
+            procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level))
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            # warm-up: connections, code paths
+            await paired(session, engines[:1], pair_url, rate=100, duration=1.0, stream=False,
+                         max_tokens=args.max_tokens, rng=rng)
+            for stream in (False, True):
+                kind = "stream" if stream else "non_stream"
+                results[f"control_{kind}"] = await paired(
+                    session, engines[:1], engines[0], rate=args.rate, duration=args.duration / 2,
+                    stream=stream, max_tokens=args.max_tokens, rng=rng)
+                results[f"paired_{kind}"] = await paired(
+                    session, engines[:1], pair_url, rate=args.rate, duration=args.duration, stream=stream,
+                    max_tokens=args.max_tokens, rng=rng)
+                results[f"sustained_{kind}"] = await sustained(
+                    session, all_url, all_proc.pid, concurrency=args.concurrency, duration=args.duration,
+                    stream=stream, max_tokens=args.max_tokens)
+    return results
+
+
+def report(results: dict[str, Any]) -> None:
+    rows = []
+    for kind in ("non_stream", "stream"):
+        p = results[f"paired_{kind}"]
+        rows.append([kind, "added e2e", p["achieved_rate"], p["added_e2e_ms"]["p50"], p["added_e2e_ms"]["p90"],
+                     p["added_e2e_ms"]["p99"], p["direct_e2e_ms"]["p50"], p["failed"]])
+        if "added_ttft_ms" in p:
+            a = p["added_ttft_ms"]
+            rows.append([kind, "added ttft", p["achieved_rate"], a["p50"], a["p90"], a["p99"], "", ""])
+        c = results[f"control_{kind}"]
+        rows.append([kind, "noise (direct-direct)", c["achieved_rate"], c["added_e2e_ms"]["p50"],
+                     c["added_e2e_ms"]["p90"], c["added_e2e_ms"]["p99"], c["direct_e2e_ms"]["p50"],
+                     c["failed"]])
+    print_table("routerd added latency (paired: same request direct and via routerd), ms",
+                ["requests", "metric", "pairs/s", "p50", "p90", "p99", "direct p50", "failed"], rows)
+    rows = []
+    for kind in ("non_stream", "stream"):
+        s = results[f"sustained_{kind}"]
+        rows.append([kind, s["rate"], s["routerd_cpu_share"], s["rate_per_core"], s["e2e_ms"]["p50"],
+                     s["e2e_ms"]["p99"], s["failed"]])
+    print_table("sustained rate through routerd (closed loop)",
+                ["requests", "req/s", "routerd cpu", "req/s per core", "p50 ms", "p99 ms", "failed"], rows)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="routerd bench overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--rate", type=float, default=500.0, help="paired arrivals per second")
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
+    ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for the rate test")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--engine-ttft-ms", type=float, default=5.0)
+    ap.add_argument("--engine-itl-ms", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import uvloop
+
+    results = uvloop.run(run(args))
+    report(results)
+    write_json(args.json, results)
+    return 0

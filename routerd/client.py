@@ -1,0 +1,320 @@
+"""The producers' client: put jobs on routerd's Redis queue and get their results back.
+
+It talks to Redis only (never to routerd), so producers keep working while routerd restarts. Every
+job's one result is kept in its idempotency record (``<ns>:done:<id>``) as well as sent to
+``reply_to``, so :meth:`QueueClient.wait` finds it even if the reply stream was read by someone else,
+and :meth:`QueueClient.status` can answer "done" with the result. ``queued`` is known only for jobs
+submitted through this client (a plain ``XADD`` leaves no status until routerd starts the job).
+
+    async with QueueClient.from_url("redis://127.0.0.1:6379/0") as q:
+        job = await q.submit({"model": "sim-small", "prompt": "hi", "max_tokens": 8})
+        result = await q.wait(job, timeout=30)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import msgspec
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
+from .keys import Keys
+
+State = Literal["unknown", "queued", "running", "done"]
+
+
+class Submitted(msgspec.Struct, frozen=True):
+    """A submitted job: its id, where its result goes, and its stream entry."""
+
+    id: str
+    reply_to: str
+    entry: str
+
+
+class JobStatus(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    state: State
+    consumer: str = ""
+    instance: str = ""
+    result: ResultView | None = None
+
+
+class QueueClient:
+    """Async client for one routerd deployment (identified by its request stream's name)."""
+
+    def __init__(self, redis: aioredis.Redis, *, stream: str = "routerd:requests",
+                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400) -> None:
+        self.redis: Any = redis
+        self.keys = Keys(stream=stream)
+        self._timeout = op_timeout_s
+        self._status_ttl_s = status_ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, *, stream: str = "routerd:requests", password: str | None = None,
+                 op_timeout_s: float = 5.0) -> QueueClient:
+        client = aioredis.Redis.from_url(url, password=password or None, socket_timeout=op_timeout_s + 5,
+                                         socket_connect_timeout=op_timeout_s)
+        return cls(client, stream=stream, op_timeout_s=op_timeout_s)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> QueueClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # submit --------------------------------------------------------------------------------------
+    def _job(self, body: Mapping[str, Any], endpoint: str | None, job_id: str | None,
+             reply_to: str | None, priority: int, deadline_ms: int | None) -> tuple[str, str, dict[str, Any]]:
+        job_id = job_id or uuid.uuid4().hex
+        reply_to = reply_to or self.keys.reply(job_id)
+        if endpoint is None:
+            endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        job = {"id": job_id, "endpoint": endpoint, "body": dict(body), "reply_to": reply_to,
+               "priority": priority, "deadline_ms": deadline_ms}
+        return job_id, reply_to, job
+
+    def _queue(self, pipe: Any, job_id: str, job: dict[str, Any], encoding: str) -> None:
+        status = self.keys.status(job_id)
+        # HSETNX before the XADD, in one MULTI: routerd's "running" can never be overwritten by it.
+        pipe.hsetnx(status, "state", "queued")
+        pipe.expire(status, self._status_ttl_s)
+        payload = msgpack_encode(job) if encoding == "msgpack" else json_encode(job)
+        pipe.xadd(self.keys.stream, {"job": payload})
+
+    async def submit(self, body: Mapping[str, Any], *, endpoint: str | None = None,
+                     job_id: str | None = None, reply_to: str | None = None, priority: int = 0,
+                     deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
+                     ) -> Submitted:
+        """Enqueue one OpenAI request. ``deadline_ms``: Unix ms, or ms after enqueueing if < 1e11."""
+        return (await self.submit_many([body], endpoint=endpoint, reply_to=reply_to, priority=priority,
+                                       deadline_ms=deadline_ms, encoding=encoding,
+                                       job_ids=[job_id] if job_id else None))[0]
+
+    async def submit_many(self, bodies: Iterable[Mapping[str, Any]], *, endpoint: str | None = None,
+                          reply_to: str | None = None, priority: int = 0,
+                          deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
+                          job_ids: Sequence[str] | None = None, batch: int = 500) -> list[Submitted]:
+        """Enqueue many jobs in pipelined batches (one MULTI per batch); returns them in order."""
+        out: list[Submitted] = []
+        pending: list[tuple[str, str]] = []
+        pipe = self.redis.pipeline(transaction=True)
+        for i, body in enumerate(bodies):
+            jid = job_ids[i] if job_ids else None
+            job_id, reply, job = self._job(body, endpoint, jid, reply_to, priority, deadline_ms)
+            self._queue(pipe, job_id, job, encoding)
+            pending.append((job_id, reply))
+            if len(pending) >= batch:
+                out += await self._flush(pipe, pending)
+                pending = []
+                pipe = self.redis.pipeline(transaction=True)
+        if pending:
+            out += await self._flush(pipe, pending)
+        return out
+
+    async def _flush(self, pipe: Any, pending: list[tuple[str, str]]) -> list[Submitted]:
+        async with asyncio.timeout(self._timeout + len(pending) / 1000):
+            replies = await pipe.execute()
+        entries = replies[2::3]
+        return [Submitted(jid, reply, _s(entry))
+                for (jid, reply), entry in zip(pending, entries, strict=True)]
+
+    # results -------------------------------------------------------------------------------------
+    async def result(self, job_id: str) -> ResultView | None:
+        """The job's result if it has one (from its idempotency record), else None."""
+        async with asyncio.timeout(self._timeout):
+            raw = await self.redis.get(self.keys.done(job_id))
+        return None if raw is None else decode_result(raw)
+
+    async def wait(self, job: Submitted | str, *, timeout: float, reply_to: str | None = None,
+                   ) -> ResultView:
+        """Wait for one job's result (blocking on its reply stream). Raises TimeoutError."""
+        job_id = job if isinstance(job, str) else job.id
+        reply = reply_to or (job.reply_to if isinstance(job, Submitted) else self.keys.reply(job_id))
+        async with asyncio.timeout(timeout):
+            async for item in self._reply_entries(reply, job_id):
+                if isinstance(item, ResultView):
+                    return item
+        raise TimeoutError(job_id)  # pragma: no cover - the iterator only ends by timeout
+
+    async def wait_many(self, jobs: Sequence[Submitted | str], *, timeout: float,
+                        poll_s: float = 0.05) -> dict[str, ResultView]:
+        """Wait for many results by polling their idempotency records in batches, riding out a Redis
+        restart. Raises TimeoutError (with how many are missing) if not all arrive in time."""
+        missing = [j if isinstance(j, str) else j.id for j in jobs]
+        results: dict[str, ResultView] = {}
+        deadline = time.monotonic() + timeout
+        while missing:
+            still: list[str] = []
+            for i in range(0, len(missing), 1000):
+                part = missing[i:i + 1000]
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        raws = await self.redis.mget([self.keys.done(j) for j in part])
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                    still += part  # Redis restarting: results are durable, look again shortly
+                    continue
+                for job_id, raw in zip(part, raws, strict=True):
+                    if raw is None:
+                        still.append(job_id)
+                    else:
+                        results[job_id] = decode_result(raw)
+            missing = still
+            if missing:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(missing)} of {len(jobs)} results missing")
+                await asyncio.sleep(poll_s)
+        return results
+
+    async def chunks(self, job: Submitted, *, timeout: float) -> AsyncIterator[ChunkView | ResultView]:
+        """A streamed job's chunks in order, then its result. Chunks of an abandoned earlier run (routerd
+        died mid-stream and ran the job again) are dropped: a newer run restarts the sequence."""
+        run = 0
+        async with asyncio.timeout(timeout):
+            async for item in self._reply_entries(job.reply_to, job.id):
+                if isinstance(item, ResultView):
+                    yield item
+                    return
+                if item.delivery < run:
+                    continue
+                run = item.delivery
+                yield item
+
+    async def _reply_entries(self, reply_to: str, job_id: str) -> AsyncIterator[ChunkView | ResultView]:
+        last = "0-0"
+        while True:
+            reply = await self.redis.xread({reply_to: last}, count=500, block=1000)
+            if not reply:
+                done = await self.result(job_id)  # the reply stream may have expired or been trimmed
+                if done is not None:
+                    yield done
+                    return
+                continue
+            for entry_id, fields in reply[0][1]:
+                last = _s(entry_id)
+                if b"result" in fields:
+                    result = decode_result(fields[b"result"])
+                    if result.id == job_id:
+                        yield result
+                        return
+                elif b"chunk" in fields:
+                    chunk = decode_chunk(fields[b"chunk"])
+                    if chunk.id == job_id:
+                        yield chunk
+
+    # control -------------------------------------------------------------------------------------
+    async def cancel(self, job: Submitted | str, *, ttl_s: int = 86_400) -> None:
+        """Cancel a job: before it runs (the key) or while it runs (the channel). A job that already
+        has a result keeps it."""
+        job_id = job if isinstance(job, str) else job.id
+        async with asyncio.timeout(self._timeout):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(self.keys.cancel(job_id), b"1", ex=ttl_s)
+            pipe.publish(self.keys.cancel_channel, job_id)
+            await pipe.execute()
+
+    async def status(self, job: Submitted | str) -> JobStatus:
+        """queued / running (on which consumer and instance) / done (with the result) / unknown."""
+        job_id = job if isinstance(job, str) else job.id
+        async with asyncio.timeout(self._timeout):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(self.keys.done(job_id))
+            pipe.hgetall(self.keys.status(job_id))
+            raw, fields = await pipe.execute()
+        fields = {_s(k): _s(v) for k, v in fields.items()}
+        if raw is not None:
+            result = decode_result(raw)
+            return JobStatus(id=job_id, state="done", result=result, instance=result.instance,
+                             consumer=fields.get("consumer", ""))
+        state = fields.get("state", "unknown")
+        if state not in ("queued", "running"):
+            state = "unknown"
+        return JobStatus(id=job_id, state=state,
+                         consumer=fields.get("consumer", ""), instance=fields.get("instance", ""))
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def submit_main(argv: list[str]) -> int:
+    """``routerd submit [--redis URL] [--model M] [--wait] PROMPT``."""
+    p = argparse.ArgumentParser(prog="routerd submit", description="Enqueue one request on routerd's "
+                                "Redis queue; print its id (or, with --wait, its result as JSON).")
+    p.add_argument("prompt")
+    p.add_argument("--redis", default=os.environ.get("ROUTERD_REDIS_URL", ""),
+                   help="Redis URL (default: $ROUTERD_REDIS_URL, else the config's, else localhost)")
+    p.add_argument("--config", help="read the Redis URL, stream and first model from this config")
+    p.add_argument("--model", help="model name (default: the config's first fleet)")
+    p.add_argument("--chat", action="store_true", help="send as /v1/chat/completions")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--deadline-ms", type=int, help="ms from now after which the job is not run")
+    p.add_argument("--stream", action="store_true", help="stream: print chunks as they arrive")
+    p.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    url, stream, model = _resolve(args)
+    if not model:
+        p.error("--model is required (or --config with a fleet)")
+    return asyncio.run(_submit(args, url, stream, model))
+
+
+def _resolve(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    url, stream, model = args.redis, "routerd:requests", args.model
+    if args.config:
+        from . import config
+
+        cfg = config.load(args.config)
+        stream = cfg.redis.stream
+        model = model or (cfg.fleets[0].model if cfg.fleets else None)
+        if not url:
+            url = cfg.redis.url
+            if url == "embedded":
+                url = f"unix://{config.state_dir(cfg) / 'redis' / 'redis.sock'}"
+    return url or "redis://127.0.0.1:6379/0", stream, model
+
+
+async def _submit(args: argparse.Namespace, url: str, stream: str, model: str) -> int:
+    if args.chat:
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
+    else:
+        body = {"model": model, "prompt": args.prompt}
+    body["max_tokens"] = args.max_tokens
+    if args.stream:
+        body["stream"] = True
+    async with QueueClient.from_url(url, stream=stream,
+                                    password=os.environ.get("ROUTERD_REDIS_PASSWORD")) as q:
+        job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms)
+        if not args.wait:
+            print(job.id)
+            return 0
+        result: ResultView | None = None
+        try:
+            if args.stream:
+                async for item in q.chunks(job, timeout=args.timeout):
+                    if isinstance(item, ResultView):
+                        result = item
+                    else:
+                        sys.stdout.write(json_encode(item.data).decode() + "\n")
+            else:
+                result = await q.wait(job, timeout=args.timeout)
+        except TimeoutError:
+            print(f"{job.id}: no result within {args.timeout}s", file=sys.stderr)
+            return 1
+        assert result is not None
+        print(json_encode(result).decode())
+        return 0 if result.status == "ok" else 1

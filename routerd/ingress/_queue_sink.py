@@ -1,0 +1,121 @@
+"""Where the upstream writes a queue job's response: in memory for plain jobs, to the reply stream for
+streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from ..jobs import Chunk, Result, error_result, json_encode
+from ._queue_store import BatchWriter
+
+INSTANCE_HEADER = "x-routerd-instance"
+_decode = msgspec.json.Decoder().decode
+
+
+class _Sink:
+    def __init__(self, on_instance: Callable[[str], None]) -> None:
+        self._on_instance = on_instance
+        self.status = 0
+        self._parts: list[bytes] = []
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
+        instance = headers.get(INSTANCE_HEADER) or headers.get(INSTANCE_HEADER.title())
+        if instance:
+            self._on_instance(instance)
+
+    def _error_from_body(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
+        body = b"".join(self._parts)
+        try:
+            obj: Any = _decode(body)
+        except msgspec.DecodeError:
+            obj = None
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict):
+            return Result(id=job_id, status="error", error=err, instance=instance, attempts=attempts)
+        text = body[:500].decode(errors="replace") or f"upstream status {status}"
+        return error_result(job_id, text, "UpstreamError", status or 502, instance=instance,
+                            attempts=attempts)
+
+
+class BufferSink(_Sink):
+    """Collects a non-streamed response; the result embeds the engine's JSON byte for byte."""
+
+    async def write(self, chunk: bytes) -> None:
+        self._parts.append(chunk)
+
+    def result(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
+        if not 200 <= status < 300:
+            return self._error_from_body(job_id, instance, attempts, status)
+        body = b"".join(self._parts)
+        try:
+            _decode(body)
+        except msgspec.DecodeError:
+            return error_result(job_id, "the engine's response is not valid JSON", "UpstreamError", 502,
+                                instance=instance, attempts=attempts)
+        return Result(id=job_id, status="ok", response=msgspec.Raw(body), instance=instance,
+                      attempts=attempts)
+
+
+class StreamSink(_Sink):
+    """Turns SSE events into ``chunk`` entries on ``reply_to``, each written before the next is read."""
+
+    def __init__(self, writer: BatchWriter, job_id: str, reply_to: str, run: int, maxlen: int,
+                 on_instance: Callable[[str], None]) -> None:
+        super().__init__(on_instance)
+        self._writer = writer
+        self._job_id = job_id
+        self._reply_to = reply_to
+        self._run = run
+        self._maxlen = maxlen
+        self._buf = b""
+        self.seq = 0
+        self.failed = False
+        self._last: bytes | None = None
+
+    async def write(self, chunk: bytes) -> None:
+        if self.status != 200:
+            self._parts.append(chunk)
+            return
+        self._buf += chunk.replace(b"\r\n", b"\n")
+        *events, self._buf = self._buf.split(b"\n\n")
+        futures: list[asyncio.Future[Any]] = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]" or not data:
+                    continue
+                if data.startswith(b'{"error"'):
+                    self.failed = True  # a mid-stream failure: this run will be retried
+                    continue
+                futures.append(self._send(data))
+        if futures:
+            await asyncio.gather(*futures)
+
+    def _send(self, data: bytes) -> asyncio.Future[Any]:
+        try:
+            _decode(data)
+        except msgspec.DecodeError:
+            data = json_encode(data.decode(errors="replace"))
+        self._last = data
+        entry = Chunk(id=self._job_id, seq=self.seq, delivery=self._run, data=msgspec.Raw(data))
+        self.seq += 1
+        return self._writer.enqueue("XADD", self._reply_to, "MAXLEN", "~", self._maxlen, "*",
+                                    "chunk", json_encode(entry))
+
+    def result(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
+        if status != 200:
+            return self._error_from_body(job_id, instance, attempts, status)
+        usage = None
+        if self._last is not None:
+            last = _decode(self._last)
+            usage = last.get("usage") if isinstance(last, dict) else None
+        summary = {"object": "routerd.stream", "chunks": self.seq, "delivery": self._run, "usage": usage}
+        return Result(id=job_id, status="ok", response=msgspec.Raw(json_encode(summary)),
+                      instance=instance, attempts=attempts)

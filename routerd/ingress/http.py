@@ -1,0 +1,319 @@
+"""The HTTP way in: OpenAI routes, health and readiness, ``/metrics`` and ``GET /admin/fleets``.
+
+A completion request is checked just enough to route it — a JSON object with a string ``model`` and a
+``prompt``/``messages`` of the right kind, ``stream`` a boolean — with msgspec decoding only those
+fields (``msgspec.Raw`` for the rest), and then forwarded as the very bytes the client sent. Everything
+the engine validates (sampling parameters, lengths) is left to the engine, whose 4xx answer is passed
+through. Errors routerd finds itself use vLLM/OpenAI's error JSON with a matching status.
+
+The app runs with ``handler_cancellation=True``: a client that disconnects cancels its handler, the
+cancellation reaches :meth:`Upstream.forward`, and that closes the engine connection so the engine
+aborts the request instead of generating into the void.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from .. import log
+from ..admission import Admission
+from ..config import Config
+from ..errors import (
+    BadRequest,
+    BodyTooLarge,
+    NotFound,
+    Overloaded,
+    RouterdError,
+    ShuttingDown,
+    Unauthorized,
+    error_json,
+    sse_error_event,
+)
+from ..registry import InstanceState, Registry
+from ..router import CircuitBreaker
+from ..telemetry import CONTENT_TYPE, Telemetry
+from ..upstream import Upstream
+
+_log = log.get("routerd.http")
+
+ExtraRoutes = Callable[[web.Application], None]
+
+
+class _Completion(msgspec.Struct):
+    model: str
+    prompt: msgspec.Raw
+    stream: bool | None = None
+
+
+class _Chat(msgspec.Struct):
+    model: str
+    messages: msgspec.Raw
+    stream: bool | None = None
+
+
+_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    "/v1/completions": msgspec.json.Decoder(_Completion),
+    "/v1/chat/completions": msgspec.json.Decoder(_Chat),
+}
+
+
+def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
+    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field."""
+    try:
+        head = _DECODERS[endpoint].decode(body)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0] if "`$." in msg else None
+        if param is None and "missing required field" in msg:
+            param = msg.rsplit("`", 2)[-2]
+        raise BadRequest(f"invalid request: {msg}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if isinstance(head, _Chat):
+        if not bytes(head.messages).startswith(b"["):
+            raise BadRequest("invalid request: `messages` must be an array", param="messages")
+    elif bytes(head.prompt)[:1] not in (b'"', b"["):
+        raise BadRequest("invalid request: `prompt` must be a string or an array", param="prompt")
+    return head.model, bool(head.stream)
+
+
+def error_response(err: RouterdError) -> web.Response:
+    headers: dict[str, str] = {}
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
+    return web.Response(status=err.status, body=error_json(err.message, err.type, err.status, err.param),
+                        content_type="application/json", headers=headers)
+
+
+class _HttpSink:
+    """:class:`routerd.upstream.ResponseSink` onto the client's response."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        resp = web.StreamResponse(status=status, headers=headers)
+        self.response = resp
+        await resp.prepare(self.request)
+
+    async def write(self, chunk: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(chunk)
+
+
+class HttpIngress:
+    """The aiohttp application and its handlers; one per data plane."""
+
+    def __init__(self, cfg: Config, registry: Registry, admission: Admission, upstream: Upstream,
+                 telemetry: Telemetry, breaker: CircuitBreaker,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.admission = admission
+        self.upstream = upstream
+        self.telemetry = telemetry
+        self.breaker = breaker
+        self.clock = clock
+        self.created = int(time.time())
+        self.draining = False
+        self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
+        self.close_reason = ""
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.update_config(cfg)
+
+    def update_config(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._models = {f.model: f.name for f in cfg.fleets}
+        self._keys = [k.encode() for k in cfg.http.api_keys]
+        self._admin_key = cfg.http.admin_api_key.encode()
+
+    def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
+        """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
+        app = web.Application(client_max_size=self.cfg.http.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/admin/fleets", self.admin_fleets)
+        if extra_routes is not None:
+            extra_routes(app)
+        return app
+
+    # auth ------------------------------------------------------------------------------------
+    @staticmethod
+    def _bearer(request: web.Request) -> bytes:
+        auth = request.headers.get("Authorization", "")
+        return auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+
+    def _check_key(self, request: web.Request) -> None:
+        if not self._keys:
+            return
+        token = self._bearer(request)
+        if not any(hmac.compare_digest(token, k) for k in self._keys):
+            raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
+
+    def check_admin(self, request: web.Request) -> None:
+        """Admin routes need ``http.admin_api_key`` when one is set (public so added routes share it)."""
+        if self._admin_key and not hmac.compare_digest(self._bearer(request), self._admin_key):
+            raise Unauthorized("missing or invalid admin API key")
+
+    # OpenAI routes ---------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions")
+
+    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        started = self.clock()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        self.idle.clear()
+        sink = _HttpSink(request)
+        fields: dict[str, Any] = {"request_id": request_id, "endpoint": endpoint}
+        try:
+            return await self._dispatch(request, endpoint, request_id, sink, fields)
+        except asyncio.CancelledError:
+            fields["status"] = 499
+            fields["error"] = self.close_reason or "client disconnected"
+            if self.close_reason and sink.response is not None:
+                await self._close_stream(sink)
+            raise
+        except (ConnectionResetError, RuntimeError) as e:
+            # The client's socket went away under a write (before aiohttp cancelled us).
+            fields["status"], fields["error"] = 499, f"client gone: {e}"
+            return sink.response or web.Response(status=499)
+        finally:
+            self.handlers.discard(task)
+            if not self.handlers:
+                self.idle.set()
+            fields.pop("forwarded", None)
+            duration = self.clock() - started
+            fields["duration_ms"] = round(duration * 1000, 2)
+            if "fleet" in fields:
+                self.telemetry.request_seconds.labels(fields["fleet"]).observe(duration)
+            _log.info("request", **fields)
+
+    async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
+                        fields: dict[str, Any]) -> web.StreamResponse:
+        try:
+            if self.draining:
+                raise ShuttingDown("routerd is shutting down")
+            self._check_key(request)
+            if (request.content_length or 0) > self.cfg.http.max_body_bytes:
+                raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes") from None
+            model, stream = parse_request(endpoint, body)
+            fields["model"], fields["stream"] = model, stream
+            fleet = self._models.get(model)
+            if fleet is None:
+                raise NotFound(f"The model `{model}` does not exist. Valid models: "
+                               f"{', '.join(sorted(self._models)) or 'none'}", param="model")
+            fields["fleet"] = fleet
+            async with self.admission.ticket(fleet, priority=0, deadline=None, source="http"):
+                fields["forwarded"] = True  # from here on upstream counts the request
+                result = await self.upstream.forward(fleet, endpoint, body, sink, stream=stream,
+                                                     request_id=request_id)
+        except RouterdError as e:
+            fields["status"], fields["error"] = e.status, e.message
+            if "attempts" in e.data:
+                fields["attempts"] = e.data["attempts"]
+            if not fields.pop("forwarded", False):
+                self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
+            return error_response(e)
+        fields.pop("forwarded", None)
+        fields.update(status=result.status, instance=result.instance, attempts=result.attempts,
+                      ttfb_ms=round(result.ttfb_s * 1000, 2))
+        if result.error:
+            fields["error"] = result.error
+        assert sink.response is not None
+        await sink.response.write_eof()
+        return sink.response
+
+    async def _close_stream(self, sink: _HttpSink) -> None:
+        """On shutdown, tell a client whose stream is cut why (best effort, bounded)."""
+        assert sink.response is not None
+        try:
+            async with asyncio.timeout(1.0):
+                await sink.response.write(sse_error_event(self.close_reason, "ServiceUnavailableError", 503))
+                await sink.response.write_eof()
+        except (ConnectionResetError, RuntimeError, TimeoutError):
+            pass
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+        except RouterdError as e:
+            return error_response(e)
+        data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
+                 "root": f.model, "parent": None} for f in self.cfg.fleets]
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    # operations ------------------------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        fleets = {f.name: self.registry.ready_count(f.name) for f in self.cfg.fleets}
+        not_ready = sorted(name for name, n in fleets.items() if n == 0)
+        ready = not not_ready and not self.draining
+        body = {"ready": ready, "draining": self.draining, "ready_instances": fleets,
+                "not_ready": not_ready}
+        return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(self.telemetry.render) if len(self.handlers) > 64 \
+            else self.telemetry.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def admin_fleets(self, request: web.Request) -> web.Response:
+        try:
+            self.check_admin(request)
+        except RouterdError as e:
+            return error_response(e)
+        return web.json_response(self.fleets_status(), dumps=_dumps)
+
+    def fleets_status(self) -> dict[str, Any]:
+        """Fleets → instances (``Instance.status()``) plus admission stats: ``GET /admin/fleets``."""
+        now = self.clock()
+        out: dict[str, Any] = {}
+        configured = {f.name: f for f in self.cfg.fleets}
+        for name in sorted(set(configured) | set(self.registry.fleets())):
+            f = configured.get(name)
+            instances = []
+            for inst in sorted(self.registry.instances(name), key=lambda i: i.id):
+                st = inst.status(now)
+                st["circuit"] = self.breaker.state(inst, now)
+                st["consecutive_failures"] = inst.consecutive_failures
+                instances.append(st)
+            out[name] = {
+                "model": f.model if f else None,
+                "engine": f.engine if f else None,
+                "replicas": f.replicas if f else None,
+                "ready": sum(1 for i in self.registry.instances(name) if i.state is InstanceState.READY),
+                "instances": instances,
+                "admission": self.admission.stats(name),
+            }
+        return {"fleets": out, "policy": self.upstream.router.policy.name}
+
+
+def _dumps(obj: Any) -> str:
+    return msgspec.json.encode(obj).decode()

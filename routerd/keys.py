@@ -1,0 +1,60 @@
+"""Every Redis key and stream name routerd or its producers' client touches, in one place.
+
+The request stream, consumer group and dead-letter stream come from ``[redis]`` in the config; every
+per-job key is derived from a namespace — the request stream's name up to its last ``:`` (``routerd``
+for ``routerd:requests``) — so two routerd deployments with different stream names can share one
+Redis without seeing each other's jobs. The client computes the same names from the same stream name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import RedisConfig
+
+
+def namespace_of(stream: str) -> str:
+    """``routerd:requests`` → ``routerd``; a stream name without ``:`` is its own namespace."""
+    return stream.rsplit(":", 1)[0] if ":" in stream else stream
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Names for one deployment. Build with :meth:`from_config` or directly from the stream name."""
+
+    stream: str = "routerd:requests"
+    group: str = "routerd"
+    dead: str = "routerd:dead"
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig) -> Keys:
+        return cls(stream=cfg.stream, group=cfg.group, dead=cfg.dead_stream)
+
+    @property
+    def ns(self) -> str:
+        return namespace_of(self.stream)
+
+    def done(self, job_id: str) -> str:
+        """The idempotency record: exists once the job's one result is stored; holds that result."""
+        return f"{self.ns}:done:{job_id}"
+
+    def status(self, job_id: str) -> str:
+        """Hash: state (queued | running | done), consumer, instance, entry, updated_ms."""
+        return f"{self.ns}:job:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        """Set by a producer to cancel a job; checked before dispatch (the channel covers the run)."""
+        return f"{self.ns}:cancel:{job_id}"
+
+    def history(self, job_id: str) -> str:
+        """List of failed attempts (JSON), copied into the dead-letter entry if the job ends there."""
+        return f"{self.ns}:history:{job_id}"
+
+    def reply(self, job_id: str) -> str:
+        """The client's default reply stream for one job."""
+        return f"{self.ns}:reply:{job_id}"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel on which cancel requests are announced to every consumer."""
+        return f"{self.ns}:cancel"

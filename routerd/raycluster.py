@@ -1,0 +1,297 @@
+"""The connection to Ray: an explicit address, or routerd's own local head that outlives routerd.
+
+Why a separate ``ray start --head --block`` process for the local default: a cluster started by a
+driver's own ``ray.init()`` dies with that driver, detached actors included, so engines could never
+survive a routerd restart. The head is started in its own session (it must outlive routerd — the one
+place routerd deliberately starts something without a parent-death signal), its address and pid are
+recorded in ``<state_dir>/ray/head.json``, and a restarted routerd finds it there again.
+
+Traps handled here (measured on Ray 2.60): token auth turns itself on unless ``RAY_AUTH_MODE=disabled``
+(set for the head and the driver); ``address="auto"`` picks the newest cluster on the machine (we never
+use it); ``ray.init`` to a dead GCS blocks for minutes (bounded by ``connect_timeout_s`` and Ray's own
+GCS wait settings); unix socket paths must stay under 108 bytes (a long state dir gets a short temp dir
+under /tmp, named from a hash of the state dir so it is found again); ``ray.init``/``ray.get_actor`` are
+blocking, so they run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from .config import RayConfig
+
+_logger = structlog.get_logger("routerd.raycluster")
+
+_MAX_TEMP_DIR_LEN = 40  # Ray adds ~60 bytes (session_<date>_<pid>/sockets/plasma_store) below it
+
+
+class RayConnectError(RuntimeError):
+    """Ray could not be reached or started within the configured timeout."""
+
+
+def ray_env() -> dict[str, str]:
+    """Environment for every Ray process routerd starts or drives (auth off, no usage stats)."""
+    env = dict(os.environ)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def short_temp_dir(state_dir: Path) -> Path:
+    """``<state_dir>/ray`` if short enough for Ray's socket paths, else a stable short dir under /tmp."""
+    preferred = state_dir / "ray"
+    if len(str(preferred)) <= _MAX_TEMP_DIR_LEN:
+        return preferred
+    digest = hashlib.sha1(str(state_dir).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"rd-{digest}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (pid 1 here does not reap) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def ray_binary() -> str:
+    """The ``ray`` CLI of this interpreter's environment (workers must run the same Python)."""
+    candidate = Path(sys.executable).parent / "ray"
+    return str(candidate) if candidate.exists() else "ray"
+
+
+class LocalHead:
+    """routerd's own ``ray start --head --block``: found again through its state file, else started."""
+
+    def __init__(self, cfg: RayConfig, state_dir: Path) -> None:
+        self.cfg = cfg
+        self.state_file = state_dir / "ray" / "head.json"
+        self.temp_dir = short_temp_dir(state_dir)
+        self.log_file = state_dir / "ray" / "head.log"
+
+    def find(self) -> str | None:
+        """The address of a still-running head recorded by an earlier routerd, or None."""
+        try:
+            rec = json.loads(self.state_file.read_text())
+            pid, host, port = int(rec["pid"]), str(rec["host"]), int(rec["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if _pid_alive(pid) and _port_open(host, port):
+            return f"{host}:{port}"
+        return None
+
+    def start(self, timeout_s: float) -> str:
+        """Start a head bound to 127.0.0.1 with the declared resources; wait until its GCS answers."""
+        host = "127.0.0.1"
+        port = free_port(host)
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        num_cpus = self.cfg.num_cpus or (os.cpu_count() or 1)
+        argv = [ray_binary(), "start", "--head", "--block", "--port", str(port),
+                "--node-ip-address", host, "--num-cpus", str(num_cpus), "--num-gpus", str(self.cfg.num_gpus),
+                "--include-dashboard=false", "--dashboard-agent-listen-port=0",
+                "--ray-client-server-port", str(free_port(host)), "--temp-dir", str(self.temp_dir),
+                "--disable-usage-stats"]
+        if self.cfg.resources:
+            argv += ["--resources", json.dumps(self.cfg.resources)]
+        with open(self.log_file, "ab") as log:
+            # New session on purpose: the head (and the detached engines in it) must outlive routerd.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=ray_env(), start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not _port_open(host, port):
+            if proc.poll() is not None:
+                raise RayConnectError(f"ray start exited with {proc.returncode}; see {self.log_file}")
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGTERM)
+                raise RayConnectError(f"local Ray head did not open {host}:{port} in {timeout_s}s")
+            time.sleep(0.1)
+        self.state_file.write_text(json.dumps({"pid": proc.pid, "host": host, "port": port,
+                                               "temp_dir": str(self.temp_dir)}))
+        _logger.info("ray_head_started", address=f"{host}:{port}", pid=proc.pid, temp_dir=str(self.temp_dir),
+                     num_cpus=num_cpus, num_gpus=self.cfg.num_gpus)
+        return f"{host}:{port}"
+
+
+class RayCluster:
+    """routerd's driver connection to one Ray cluster (``connect`` once, ``close`` at exit).
+
+    Closing disconnects the driver only: the cluster and its detached engines stay up, which is what
+    lets a restarted routerd adopt them.
+    """
+
+    def __init__(self, address: str, namespace: str, *, owns_connection: bool, local_head: bool) -> None:
+        self.address = address
+        self.namespace = namespace
+        self._owns_connection = owns_connection
+        self.local_head = local_head
+
+    @classmethod
+    async def connect(cls, cfg: RayConfig, state_dir: Path) -> RayCluster:
+        """Connect to ``cfg.address``, or find/start the local head in ``state_dir``; bounded by a timeout."""
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Without these, ray.init to a dead GCS retries for minutes; with them it fails in seconds.
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(max(1, int(cfg.connect_timeout_s / 3))))
+        os.environ.setdefault("RAY_py_gcs_connect_timeout_s", str(max(2, int(cfg.connect_timeout_s / 2))))
+        local = not cfg.address
+        address: str = cfg.address
+        if local:
+            head = LocalHead(cfg, state_dir)
+            found = await asyncio.to_thread(head.find)
+            address = found if found is not None else await asyncio.to_thread(head.start, cfg.connect_timeout_s)
+            if found:
+                _logger.info("ray_head_found", address=address)
+        try:
+            owns = await asyncio.wait_for(asyncio.to_thread(_init, address, cfg.namespace),
+                                          cfg.connect_timeout_s)
+        except TimeoutError as e:
+            raise RayConnectError(f"ray.init({address!r}) did not finish in {cfg.connect_timeout_s}s") from e
+        except ConnectionError as e:
+            raise RayConnectError(f"cannot connect to Ray at {address!r}: {e}") from e
+        _logger.info("ray_connected", address=address, namespace=cfg.namespace, local_head=local)
+        return cls(address, cfg.namespace, owns_connection=owns, local_head=local)
+
+    async def close(self) -> None:
+        """Disconnect the driver (never stops the cluster: engines must outlive routerd)."""
+        if self._owns_connection:
+            import ray
+
+            await asyncio.to_thread(ray.shutdown)
+            self._owns_connection = False
+
+    async def resources(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(total, available) resources of the cluster right now."""
+        import ray
+
+        def read() -> tuple[dict[str, float], dict[str, float]]:
+            total = ray.cluster_resources()  # type: ignore[no-untyped-call]  # ray is untyped
+            return dict(total), dict(ray.available_resources())  # type: ignore[no-untyped-call]
+
+        return await asyncio.wait_for(asyncio.to_thread(read), 10.0)
+
+    async def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
+        """Run one blocking Ray API call (get_actor, list_named_actors, PG table) off the loop, bounded."""
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+
+
+    # Ray operations the fleet manager needs, each off the loop and bounded ----------------------
+    async def named_actors(self) -> list[str]:
+        """Names of the live named actors in our namespace."""
+        import ray.util
+
+        names = await self.call(ray.util.list_named_actors, False)
+        return [str(n) for n in names]
+
+    async def get_actor(self, name: str) -> Any | None:
+        import ray
+
+        try:
+            return await self.call(lambda: ray.get_actor(name, namespace=self.namespace))
+        except ValueError:
+            return None
+
+    async def create_actor(self, cls: type, name: str, bundle: dict[str, float], pg: Any,
+                           *args: Any) -> Any:
+        """A detached, never-auto-restarted actor of ``cls`` in bundle 0 of ``pg`` (restarts are ours)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def create() -> Any:
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0,
+                                                        placement_group_capture_child_tasks=False)
+            return ray.remote(cls).options(
+                name=name, namespace=self.namespace, lifetime="detached", max_restarts=0,
+                max_task_retries=0, num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),
+                scheduling_strategy=strategy).remote(*args)
+
+        return await self.call(create)
+
+    async def kill(self, actor: Any) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # already dead is fine: the goal is "not running"
+            await self.call(lambda: ray.kill(actor, no_restart=True))
+
+    async def placement_group(self, name: str, bundle: dict[str, float]) -> Any:
+        """The detached STRICT_PACK placement group ``name`` (reused if it exists, else created)."""
+        import ray.util
+
+        def get_or_create() -> Any:
+            with contextlib.suppress(ValueError):
+                return ray.util.get_placement_group(name)
+            return ray.util.placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+
+        return await self.call(get_or_create)
+
+    async def remove_placement_group(self, pg: Any) -> None:
+        import ray.util
+
+        with contextlib.suppress(Exception):  # already removed
+            await self.call(ray.util.remove_placement_group, pg)
+
+    async def placement_groups(self) -> list[tuple[str, str, Any]]:
+        """(name, state, handle) of every not-removed named placement group in the cluster."""
+        import ray.util
+        from ray.util.placement_group import PlacementGroup
+
+        def read() -> list[tuple[str, str, Any]]:
+            out: list[tuple[str, str, Any]] = []
+            for pg_id, rec in ray.util.placement_group_table().items():
+                if rec.get("name") and rec.get("state") != "REMOVED":
+                    out.append((str(rec["name"]), str(rec["state"]),
+                                PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))))
+            return out
+
+        pgs: list[tuple[str, str, Any]] = await self.call(read)
+        return pgs
+
+
+def _init(address: str, namespace: str) -> bool:
+    """ray.init unless this process is already connected to the same cluster; True if we connected."""
+    import ray
+
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        current = getattr(ray._private.worker.global_worker.node, "gcs_address", "")
+        if current == address and ctx.namespace == namespace:
+            return False
+        raise RayConnectError(f"this process is already connected to Ray at {current!r} "
+                              f"(namespace {ctx.namespace!r}); cannot also use {address!r}")
+    with contextlib.redirect_stdout(sys.stderr):
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    return True

@@ -1,0 +1,203 @@
+"""Redis as a dependency: the client factory, and embedded mode (routerd runs its own redis-server).
+
+``redis.url = "embedded"`` is for one machine: routerd starts ``redis-server`` with an append-only
+file in ``<state_dir>/redis``, bound to 127.0.0.1 and a unix socket (no TCP port at all when the
+socket path fits), restarts it if it dies, and stops it with SIGTERM so the AOF is flushed. The child
+gets SIGTERM too if routerd itself is SIGKILLed (PR_SET_PDEATHSIG), so no orphan keeps the port and
+the next start replays the same AOF: queued jobs survive routerd, Redis, or both dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from . import log
+from .config import RedisConfig
+
+_log = log.get("routerd.redis")
+_PR_SET_PDEATHSIG = 1
+_MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
+
+
+def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> aioredis.Redis:
+    """A client for ``url``; password from config (``ROUTERD_REDIS_PASSWORD``), TLS for ``rediss://``.
+
+    The socket timeout covers the longest blocking read routerd issues, so a dead server is noticed
+    within ``op_timeout_s`` past it rather than never.
+    """
+    kwargs: dict[str, Any] = {
+        "socket_timeout": cfg.op_timeout_s + (block_ms if block_ms is not None else cfg.block_ms) / 1000,
+        "socket_connect_timeout": cfg.op_timeout_s,
+        "retry_on_timeout": False,
+    }
+    if cfg.password:
+        kwargs["password"] = cfg.password
+    if url.startswith("rediss://") and cfg.ssl_ca_certs:
+        kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
+    client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
+    return client
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:  # runs in the forked child before exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EmbeddedRedis:
+    """``async with EmbeddedRedis(directory) as url:`` — a supervised redis-server for the block's life.
+
+    ``directory`` holds its AOF, socket, pid file and log; the daemon passes ``<state_dir>/redis``.
+    """
+
+    def __init__(self, directory: str | Path, *, binary: str = "redis-server",
+                 appendfsync: str = "everysec", ready_timeout_s: float = 10.0,
+                 restart_backoff_s: float = 0.5) -> None:
+        self.dir = Path(directory).expanduser().resolve()
+        self._binary = binary
+        self._appendfsync = appendfsync
+        self._ready_timeout_s = ready_timeout_s
+        self._backoff_s = restart_backoff_s
+        self._proc: asyncio.subprocess.Process | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0
+        sock = self.dir / "redis.sock"
+        self._socket = sock if len(str(sock)) <= _MAX_UNIX_PATH else None
+        self._port = 0 if self._socket else _free_port()
+        self.url = f"unix://{sock}" if self._socket else f"redis://127.0.0.1:{self._port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc and self._proc.returncode is None else None
+
+    async def __aenter__(self) -> str:
+        if shutil.which(self._binary) is None:
+            raise FileNotFoundError(f"{self._binary} not found on PATH (apt-get install redis-server)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        await self._stop_stale()
+        await self._start()
+        self._supervisor = asyncio.create_task(self._supervise(), name="embedded-redis")
+        return self.url
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await self._terminate()
+
+    def _argv(self) -> list[str]:
+        argv = [self._binary, "--bind", "127.0.0.1", "--port", str(self._port),
+                "--dir", str(self.dir), "--appendonly", "yes", "--appendfsync", self._appendfsync,
+                "--save", "", "--daemonize", "no", "--pidfile", str(self.dir / "redis.pid"),
+                "--logfile", str(self.dir / "redis.log"), "--protected-mode", "yes"]
+        if self._socket is not None:
+            argv += ["--unixsocket", str(self._socket), "--unixsocketperm", "700"]
+        return argv
+
+    async def _start(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            *self._argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self._ready_timeout_s
+        client = aioredis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            while True:
+                if self._proc.returncode is not None:
+                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}; "
+                                       f"see {self.dir / 'redis.log'}")
+                try:
+                    if await client.ping():
+                        break
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    await self._terminate()
+                    raise TimeoutError(f"redis-server did not answer within {self._ready_timeout_s}s")
+                await asyncio.sleep(0.02)
+        finally:
+            await client.aclose()
+        _log.info("embedded_redis_started", pid=self._proc.pid, url=self.url, dir=str(self.dir))
+
+    async def _supervise(self) -> None:
+        """Restart redis-server whenever it exits on its own; the AOF brings the data back."""
+        backoff = self._backoff_s
+        while True:
+            assert self._proc is not None
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            _log.error("embedded_redis_exited", returncode=code, restart_in_s=backoff)
+            await asyncio.sleep(backoff)
+            try:
+                await self._start()
+                self.restarts += 1
+                backoff = self._backoff_s
+            except (OSError, RuntimeError, TimeoutError):
+                _log.exception("embedded_redis_restart_failed")
+                backoff = min(backoff * 2, 30.0)
+
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)  # redis flushes the AOF on SIGTERM
+        try:
+            await asyncio.wait_for(proc.wait(), 10.0)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        _log.info("embedded_redis_stopped", pid=proc.pid)
+
+    async def _stop_stale(self) -> None:
+        """A redis-server left from an earlier run on the same dir would own the socket: stop it."""
+        pid = _stale_pid(self.dir)
+        if pid is None:
+            return
+        _log.warning("embedded_redis_stale", pid=pid)
+        os.kill(pid, signal.SIGTERM)  # SIGTERM: it flushes its AOF first
+        for _ in range(500):
+            if not _is_redis(pid):
+                return
+            await asyncio.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+
+def _stale_pid(directory: Path) -> int | None:
+    try:
+        pid = int((directory / "redis.pid").read_text().strip())
+        cwd = os.readlink(f"/proc/{pid}/cwd")  # redis-server chdirs into --dir
+    except (OSError, ValueError):
+        return None
+    return pid if _is_redis(pid) and cwd == str(directory) else None
+
+
+def _is_redis(pid: int) -> bool:
+    """Alive and redis-server (a zombie has an empty cmdline: pid 1 here does not reap)."""
+    try:
+        return b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

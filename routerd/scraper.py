@@ -1,0 +1,122 @@
+"""Concurrent ``/metrics`` scrapes: one small loop per instance, each scrape bounded by a timeout.
+
+Per-instance loops (not one gather per round) so that a hung engine, whose scrape waits for the whole
+``scrape_timeout_s``, never delays the load figures of the others. Loops follow the registry: an
+instance added by anyone (static fleet set-up, the fleet manager adopting a Ray actor) gets a loop
+within one registry change; a removed or replaced one loses it.
+
+The scraper is the one writer of ``snapshot``, ``inflight_at_scrape`` and the ``scrape_*`` fields.
+``inflight_at_scrape`` is routerd's in-flight count when the answer arrived: the engine's gauges
+already include those requests, so only what routerd sends *after* it is added on top (see
+``Instance.estimated_queue``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from . import log, promtext
+from .config import RoutingConfig
+from .registry import Instance, InstanceState, Registry
+from .telemetry import Telemetry
+
+_log = log.get("routerd.scraper")
+
+MAX_PAGE_BYTES = 8 * 1024 * 1024
+
+
+class Scraper:
+    """Keeps every instance's ``snapshot`` fresh; ``run()`` until cancelled."""
+
+    def __init__(self, registry: Registry, session: aiohttp.ClientSession, cfg: RoutingConfig,
+                 telemetry: Telemetry | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None) -> None:
+        self.registry = registry
+        self.session = session
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self._loops: dict[str, tuple[Instance, asyncio.Task[None]]] = {}
+
+    def update_config(self, cfg: RoutingConfig) -> None:
+        self.cfg = cfg
+
+    async def run(self) -> None:
+        """Start and stop per-instance loops as the registry changes."""
+        version = self.registry.version
+        try:
+            while True:
+                self._sync()
+                version = await self.registry.wait_changed(version, timeout=1.0)
+        finally:
+            loops = [task for _, task in self._loops.values()]
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            self._loops.clear()
+
+    def _sync(self) -> None:
+        current = {inst.id: inst for inst in self.registry if inst.state is not InstanceState.STOPPED}
+        for iid, (inst, task) in list(self._loops.items()):
+            if current.get(iid) is not inst or task.done():
+                task.cancel()
+                del self._loops[iid]
+        for iid, inst in current.items():
+            if iid not in self._loops:
+                task = asyncio.create_task(self._loop(inst), name=f"scrape:{iid}")
+                self._loops[iid] = (inst, task)
+
+    async def _loop(self, inst: Instance) -> None:
+        # Spread the instances over the interval so their scrapes do not all land at once.
+        await asyncio.sleep(self.rng.uniform(0, self.cfg.scrape_interval_s))
+        while True:
+            started = self.clock()
+            await self.scrape(inst)
+            await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
+
+    async def scrape(self, inst: Instance) -> bool:
+        """Scrape ``inst`` once; on failure keep the old snapshot and record the error. Returns success."""
+        inst.last_scrape_attempt = self.clock()
+        try:
+            async with asyncio.timeout(self.cfg.scrape_timeout_s):
+                async with self.session.get(inst.url + "/metrics",
+                                            headers={"Accept-Encoding": "identity"}) as resp:
+                    if resp.status != 200:
+                        raise promtext.ParseError(f"HTTP {resp.status}")
+                    page = await resp.content.read(MAX_PAGE_BYTES + 1)
+                    if len(page) > MAX_PAGE_BYTES:
+                        raise promtext.ParseError("page larger than 8 MiB")
+            snap = promtext.parse(page.decode("utf-8", "replace"), self.clock())
+        except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
+            message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            if not inst.scrape_error:
+                _log.info("scrape_failing", instance=inst.id, error=message)
+            inst.scrape_error = message
+            inst.scrape_errors_total += 1
+            return False
+        finally:
+            if self.telemetry is not None:
+                self.telemetry.scrape_seconds.observe(self.clock() - inst.last_scrape_attempt)
+        if inst.scrape_error:
+            _log.info("scrape_recovered", instance=inst.id)
+        inst.snapshot = snap
+        inst.inflight_at_scrape = inst.inflight
+        inst.scrape_error = ""
+        return True
+
+    def scraping(self) -> list[str]:
+        """Ids with a live scrape loop (status and tests)."""
+        return [iid for iid, (_, task) in self._loops.items() if not task.done()]
+
+
+def fresh(inst: Instance, now: float, stale_after_s: float) -> bool:
+    """True when the instance's last successful scrape is recent and the latest one did not fail."""
+    snap = inst.snapshot
+    return snap is not None and not inst.scrape_error and now - snap.scraped_at <= stale_after_s
+

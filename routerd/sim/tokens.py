@@ -1,0 +1,130 @@
+"""Deterministic "model output": what the simulated engine generates is a pure function of its inputs.
+
+Tests on the router, the queue and failover need to know *exactly* what should reach a client, so the
+text depends only on (seed, prompt or rendered chat messages, max_tokens, stop, eos settings) and never
+on timing, batching or which instance served it. :func:`expected_text` is the function tests call.
+
+Tokenization is deliberately simple (whitespace words) — the sim needs token *counts* that grow with the
+prompt, not a real vocabulary. Chat messages are rendered with ChatML, as the tiny test model does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+# A small vocabulary of plain words: generated text is readable and never contains a stop-looking
+# sequence by accident unless a test asks for one.
+VOCAB: tuple[str, ...] = (
+    "the", "router", "sends", "a", "request", "to", "engine", "which", "streams", "tokens", "back",
+    "while", "queue", "holds", "many", "users", "and", "each", "replica", "answers", "batch", "of",
+    "prompts", "with", "cache", "blocks", "in", "time", "model", "reply", "metrics", "show", "load",
+    "fleet", "drains", "slowly", "fast", "one", "two", "three", "more", "less", "ready", "again",
+)
+
+Messages = Sequence[dict[str, Any]]
+
+
+def render_chat(messages: Messages) -> str:
+    """ChatML with the assistant turn opened, like vLLM applying the tiny model's template."""
+    parts = [f"<|im_start|>{m.get('role', '')}\n{_content_text(m.get('content'))}<|im_end|>\n"
+             for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _content_text(content: Any) -> str:
+    # OpenAI allows content as a list of parts; only text parts carry tokens here.
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def prompt_words(prompt: str | Sequence[int]) -> list[str]:
+    """The prompt's "tokens": whitespace words of a string, or the ids of a token-id prompt."""
+    if isinstance(prompt, str):
+        return prompt.split()
+    return [str(t) for t in prompt]
+
+
+def count_prompt_tokens(prompt: str | Sequence[int]) -> int:
+    """At least 1: vLLM prepends BOS, so even an empty prompt costs a token."""
+    return max(1, len(prompt_words(prompt)))
+
+
+def _rng(seed: int, key: str) -> random.Random:
+    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
+
+
+def prompt_key(prompt: str | Sequence[int] | Messages) -> str:
+    """The string the output is seeded from: the prompt text, token ids, or the rendered chat."""
+    if isinstance(prompt, str):
+        return prompt
+    items: list[Any] = list(prompt)
+    if items and isinstance(items[0], dict):
+        return render_chat(items)
+    return " ".join(str(t) for t in items)
+
+
+def generate(seed: int, prompt: str | Sequence[int] | Messages, max_tokens: int, *,
+             stop: Sequence[str] = (), eos_prob: float = 0.0,
+             ignore_eos: bool = False) -> tuple[list[str], str, str | None]:
+    """The token texts the engine will emit, the finish reason and the stop reason.
+
+    One piece per generated token (so ``len(pieces)`` is ``completion_tokens``). ``finish_reason`` is
+    "length" when ``max_tokens`` ran out, "stop" for EOS or a stop string; the stop string itself is not
+    part of the output (vLLM's default ``include_stop_str_in_output=False``) and is the stop reason.
+    """
+    rng = _rng(seed, prompt_key(prompt))
+    tokens: list[str] = []
+    for _ in range(max_tokens):
+        word = VOCAB[rng.randrange(len(VOCAB))]
+        eos = rng.random() < eos_prob
+        if eos and not ignore_eos:
+            tokens.append("")  # the EOS token counts as generated but detokenizes to nothing
+            return tokens, "stop", None
+        tokens.append(" " + word)
+    if stop:
+        cut = _apply_stop(tokens, stop)
+        if cut is not None:
+            return cut[0], "stop", cut[1]
+    return tokens, "length", None
+
+
+def _apply_stop(tokens: list[str], stop: Sequence[str]) -> tuple[list[str], str] | None:
+    """Cut at the first stop string to *complete* (vLLM checks after each token).
+
+    The result has one piece per token generated up to and including the one that completed the stop
+    (vLLM counts them all as completion tokens); text from the stop string on is removed, so trailing
+    pieces may be shorter or empty.
+    """
+    text = ""
+    for i, tok in enumerate(tokens):
+        before = len(text)
+        text += tok
+        found = [(pos, s) for s in stop if s
+                 if (pos := text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if not found:
+            continue
+        cut, which = min(found)
+        pieces: list[str] = []
+        start = 0
+        for t in tokens[: i + 1]:
+            pieces.append(t[: max(0, cut - start)])
+            start += len(t)
+        return pieces, which
+    return None
+
+
+def expected_text(seed: int, prompt: str | Sequence[int] | Messages, max_tokens: int, *,
+                  stop: Sequence[str] = (), eos_prob: float = 0.0, ignore_eos: bool = False) -> str:
+    """Exactly the text a sim with this ``seed`` returns for ``prompt`` (a string, token ids or chat
+    messages) and ``max_tokens`` — streamed chunks concatenated or the non-streaming ``text``."""
+    return "".join(generate(seed, prompt, max_tokens, stop=stop, eos_prob=eos_prob,
+                            ignore_eos=ignore_eos)[0])

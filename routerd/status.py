@@ -1,0 +1,89 @@
+"""``routerd status [--url URL] [--json] [--admin-key KEY]``: fleets and instances of a running daemon.
+
+Reads ``GET /admin/fleets`` and prints one line per instance — state, URL, PID, node, generation, last
+heartbeat, load, restarts and the engine's resource use — so an operator sees a crash loop (restarts
+climbing, the reason column) or an unplaceable instance without reading logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon did not answer
+
+
+async def fetch(url: str, admin_key: str, timeout_s: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
+            session.get(url.rstrip("/") + "/admin/fleets", headers=headers) as resp:
+        body: dict[str, Any] = await resp.json(content_type=None)
+        if resp.status != 200:
+            msg = body.get("error", {}).get("message", body) if isinstance(body, dict) else body
+            raise RuntimeError(f"HTTP {resp.status}: {msg}")
+        return body
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return "-"
+
+
+def _age(ts: float | None, now: float) -> str:
+    return "-" if not ts else f"{max(0.0, now - ts):.1f}s ago"
+
+
+def render(status: dict[str, Any], now: float | None = None) -> str:
+    """The table: one block per fleet, one row per instance."""
+    now = time.time() if now is None else now
+    cols = ["INSTANCE", "STATE", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "LOAD", "RUN/WAIT", "RESTARTS",
+            "CPU%", "RSS", "GPU MEM", "REASON"]
+    rows: list[list[str]] = []
+    for name, fleet in status.get("fleets", {}).items():
+        rows.append([f"[{name}] model={fleet.get('model')} engine={fleet.get('engine')} "
+                     f"ready={fleet.get('ready')}/{fleet.get('replicas')}"])
+        for i in fleet.get("instances", []):
+            res = i.get("resources") or {}
+            run_wait = "-" if i.get("running") is None else f"{i['running']:.0f}/{i.get('waiting') or 0:.0f}"
+            rows.append([
+                i.get("id", ""), i.get("state", ""), i.get("url") or "-", str(i.get("pid") or "-"),
+                i.get("node") or "-", str(i.get("generation", "")), _age(i.get("last_heartbeat"), now),
+                f"{i.get('load', 0):.2f}", run_wait, str(i.get("restarts", 0)),
+                "-" if res.get("cpu_percent") is None else f"{res['cpu_percent']:.0f}",
+                _bytes(res.get("rss_bytes")), _bytes(res.get("gpu_memory_bytes")),
+                i.get("state_reason") or "",
+            ])
+    widths = [max([len(c)] + [len(r[k]) for r in rows if len(r) == len(cols)]) for k, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    for r in rows:
+        lines.append(r[0] if len(r) == 1 else "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
+                     .rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="routerd status", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=os.environ.get("ROUTERD_URL", "http://127.0.0.1:8080"))
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    parser.add_argument("--admin-key", default=os.environ.get("ROUTERD_HTTP_ADMIN_API_KEY", ""))
+    parser.add_argument("--timeout", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    try:
+        status = asyncio.run(fetch(args.url, args.admin_key, args.timeout))
+    except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
+        print(f"routerd status: {args.url}: {e or type(e).__name__}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    print(json.dumps(status, indent=2, sort_keys=True) if args.json else render(status))
+    return 0

@@ -1,0 +1,122 @@
+"""routerd's own Prometheus metrics (``routerd_*``) on a private CollectorRegistry.
+
+Events (requests, retries, failures) are counters and histograms updated where they happen. State
+(in-flight per instance, scrape age, circuit state, readiness) is *not* mirrored into gauges that could
+drift: a collector reads it from the registry at scrape time, so what ``/metrics`` shows is exactly
+what routing sees. The registry is private so two data planes in one process (tests, benchmarks)
+never share series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .registry import Instance, Registry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0, 300.0, 600.0)
+_CIRCUIT = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+class _RegistryCollector:
+    """Per-instance state read from the registry at collection time."""
+
+    def __init__(self, registry: Registry, circuit_state: Callable[[Instance, float], str],
+                 admission_stats: Callable[[str], dict[str, int]] | None,
+                 clock: Callable[[], float]) -> None:
+        self._registry = registry
+        self._circuit_state = circuit_state
+        self._admission_stats = admission_stats
+        self._clock = clock
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked collector: families are built per collect
+
+    def collect(self) -> Iterator[Any]:
+        now = self._clock()
+        labels = ["fleet", "instance"]
+        inflight = GaugeMetricFamily("routerd_instance_inflight", "Requests routerd has in flight to an "
+                                     "instance", labels=labels)
+        load = GaugeMetricFamily("routerd_instance_load", "Normalised load routing uses", labels=labels)
+        ready = GaugeMetricFamily("routerd_instance_ready", "1 when the instance is in rotation",
+                                  labels=labels)
+        age = GaugeMetricFamily("routerd_scrape_age_seconds", "Seconds since the last successful "
+                                "/metrics scrape", labels=labels)
+        errors = CounterMetricFamily("routerd_scrape_errors", "Failed /metrics scrapes", labels=labels)
+        circuit = GaugeMetricFamily("routerd_circuit_state", "Circuit breaker: 0 closed, 1 half-open, "
+                                    "2 open", labels=labels)
+        for inst in self._registry:
+            lv = [inst.fleet, inst.id]
+            inflight.add_metric(lv, inst.inflight)
+            load.add_metric(lv, inst.load())
+            ready.add_metric(lv, 1.0 if inst.state.value == "ready" else 0.0)
+            if inst.snapshot is not None:
+                age.add_metric(lv, now - inst.snapshot.scraped_at)
+            errors.add_metric(lv, inst.scrape_errors_total)
+            circuit.add_metric(lv, _CIRCUIT[self._circuit_state(inst, now)])
+        yield from (inflight, load, ready, age, errors, circuit)
+        if self._admission_stats is not None:
+            active = GaugeMetricFamily("routerd_admission_active", "Admitted requests per fleet",
+                                       labels=["fleet"])
+            queued = GaugeMetricFamily("routerd_admission_queued", "Requests waiting for admission",
+                                       labels=["fleet", "source"])
+            rejected = CounterMetricFamily("routerd_admission_rejected", "Requests refused by admission",
+                                           labels=["fleet"])
+            for fleet in self._registry.fleets():
+                s = self._admission_stats(fleet)
+                active.add_metric([fleet], s["active"])
+                queued.add_metric([fleet, "http"], s["queued_http"])
+                queued.add_metric([fleet, "queue"], s["queued_queue"])
+                rejected.add_metric([fleet], s["rejected_total"])
+            yield from (active, queued, rejected)
+
+
+class Telemetry:
+    """The counters and histograms of the request path; :meth:`render` is the ``/metrics`` body."""
+
+    def __init__(self) -> None:
+        self.prom = CollectorRegistry(auto_describe=False)
+        r = self.prom
+        self.requests = Counter("routerd_requests", "Requests answered, by fleet, instance and status "
+                                "(instance empty when none was reached)",
+                                ["fleet", "instance", "code"], registry=r)
+        self.request_seconds = Histogram("routerd_request_duration_seconds", "Whole request, from "
+                                         "arrival at routerd to the last byte", ["fleet"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfb_seconds = Histogram("routerd_time_to_first_byte_seconds", "From the request reaching "
+                                      "upstream to its first byte going to the client", ["fleet"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("routerd_retries", "Attempts repeated on another instance before the "
+                               "first byte", ["fleet"], registry=r)
+        self.upstream_failures = Counter("routerd_upstream_failures", "Failed engine calls by reason",
+                                         ["fleet", "instance", "reason"], registry=r)
+        self.circuit_opened = Counter("routerd_circuit_opened", "Times an instance's circuit opened",
+                                      ["fleet", "instance"], registry=r)
+        self.scrape_seconds = Histogram("routerd_scrape_duration_seconds", "One /metrics scrape",
+                                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                 1.0, 2.5), registry=r)
+        self._children: dict[tuple[str, str, str], Any] = {}
+
+    def attach(self, registry: Registry, circuit_state: Callable[[Instance, float], str],
+               admission_stats: Callable[[str], dict[str, int]] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> None:
+        """Expose per-instance state from ``registry`` (called once by the data plane)."""
+        self.prom.register(_RegistryCollector(registry, circuit_state, admission_stats, clock))
+
+    def count_request(self, fleet: str, instance: str, code: int) -> None:
+        key = (fleet, instance, str(code))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(*key)
+        child.inc()
+
+    def render(self) -> bytes:
+        data: bytes = generate_latest(self.prom)
+        return data

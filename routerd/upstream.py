@@ -1,0 +1,312 @@
+"""The call to the engine: timeouts, failover before the first byte, circuit breaker, SSE passthrough.
+
+One request's life here:
+
+1. the router picks an instance; its ``inflight`` goes up *before* anything is awaited (so the next
+   pick already sees it) and down in ``finally`` on every path — success, failure, cancellation;
+2. the request is sent with connect and read timeouts, and the response's first byte must arrive
+   within ``first_byte_timeout_s``. For a stream "first byte" means the first SSE chunk, so an engine
+   that answers 200 and then dies (or sends an error event first) is still retried;
+3. until the first byte goes to the :class:`ResponseSink` every failure — connect error, timeout,
+   5xx/503, an empty body, a leading ``data: {"error"`` event — is retried on another instance
+   (at most ``max_attempts``, jittered exponential backoff); 4xx answers are the client's problem and
+   are passed through as they are;
+4. after the first byte nothing is retried: the chunks go to the sink as raw bytes, and if the engine
+   fails (connection dropped, read timeout, closed without ``[DONE]``) the sink gets routerd's terminal
+   ``data: {"error": …}`` + ``data: [DONE]``. An error event the engine sent itself passes through as
+   is (it already ends with ``[DONE]``); either way the result says ``ok=False``.
+
+Cancelling ``forward`` (the client went away) closes the upstream connection, which is what makes
+vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
+way and do not count against the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+import msgspec
+
+from . import log
+from .config import RoutingConfig
+from .errors import NoReadyInstance, UpstreamError, sse_error_event
+from .registry import Instance
+from .router import Router
+from .telemetry import Telemetry
+
+_log = log.get("routerd.upstream")
+
+_ERROR_MARK = b'data: {"error"'
+_DONE = b"data: [DONE]"
+_TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
+# What the engine may fail with before or during a response (aiohttp wraps most socket errors).
+_NET_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+class ResponseSink(Protocol):
+    """Where an engine response goes: the client's HTTP response, or a queue job's result."""
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...  # once, before any byte
+
+    async def write(self, chunk: bytes) -> None: ...  # raw bytes, in order
+
+
+@dataclass
+class ForwardResult:
+    """How a forwarded request ended once bytes reached the sink."""
+
+    instance: str
+    attempts: int
+    status: int
+    ok: bool  # 2xx and, for streams, ended with [DONE] and no error event
+    error: str | None
+    ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte reached the sink: try another instance."""
+
+    def __init__(self, reason: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status
+
+
+def _error_message(body: bytes, status: int) -> str:
+    """The engine's error message from either vLLM error shape (nested ≥0.10.1, flat before)."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body[:200].decode(errors="replace") or f"HTTP {status}"
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+    return f"HTTP {status}"
+
+
+def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
+    """The one pooled client session of a process.
+
+    Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive, so routerd never
+    writes a request onto a connection the engine is closing. No pool limit: admission bounds
+    concurrency, and a pool wait would be an unbounded, untimed queue.
+    """
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0,
+                                     enable_cleanup_closed=False)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                                               sock_read=cfg.read_timeout_s),
+                                 skip_auto_headers=("User-Agent",))
+
+
+class Upstream:
+    """Forwards requests to a fleet's instances; shared by the HTTP ingress and the queue consumer."""
+
+    def __init__(self, session: aiohttp.ClientSession, router: Router, cfg: RoutingConfig,
+                 telemetry: Telemetry | None = None, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.session = session
+        self.router = router
+        self.cfg = cfg
+        self.telemetry = telemetry or Telemetry()
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.active = 0  # forward() calls in progress (drain waits on this)
+        self._timeout = self._make_timeout(cfg)
+
+    @staticmethod
+    def _make_timeout(cfg: RoutingConfig) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                     sock_read=cfg.read_timeout_s)
+
+    def update_config(self, cfg: RoutingConfig) -> None:
+        self.cfg = cfg
+        self._timeout = self._make_timeout(cfg)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Pause before attempt ``attempt`` (2, 3, …): exponential from ``retry_backoff_ms``, ±50% jitter."""
+        base: float = self.cfg.retry_backoff_ms / 1000.0 * (2 ** max(0, attempt - 2))
+        return base * self.rng.uniform(0.5, 1.5)
+
+    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
+                      stream: bool, request_id: str) -> ForwardResult:
+        """Send ``body`` (an OpenAI request, bytes as received) to ``endpoint`` of an instance of ``fleet``.
+
+        Returns once the response has gone to ``sink`` (see :class:`ForwardResult`). Raises
+        :class:`NoReadyInstance` or :class:`UpstreamError` when no byte could be sent.
+        """
+        started = self.clock()
+        tried: list[str] = []
+        last: _Retry | None = None
+        tel = self.telemetry
+        self.active += 1
+        try:
+            for attempt in range(1, self.cfg.max_attempts + 1):
+                if attempt > 1:
+                    tel.retries.labels(fleet).inc()
+                    await asyncio.sleep(self.backoff_s(attempt))
+                try:
+                    inst = self.router.pick(fleet, tried)
+                except NoReadyInstance:
+                    if last is None:
+                        tel.count_request(fleet, "", NoReadyInstance.status)
+                        raise
+                    break
+                tried.append(inst.id)
+                try:
+                    result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started)
+                except _Retry as e:
+                    last = e
+                    tel.upstream_failures.labels(fleet, inst.id, e.reason).inc()
+                    _log.debug("upstream_attempt_failed", request_id=request_id, instance=inst.id,
+                               attempt=attempt, reason=e.reason, error=e.message)
+                    continue
+                result.attempts = attempt
+                tel.count_request(fleet, inst.id, result.status)
+                tel.ttfb_seconds.labels(fleet).observe(result.ttfb_s)
+                return result
+            assert last is not None
+            err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",
+                                upstream_status=last.status, instance=tried[-1])
+            err.data["attempts"] = len(tried)
+            tel.count_request(fleet, tried[-1], err.status)
+            raise err
+        finally:
+            self.active -= 1
+
+    async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
+                       stream: bool, request_id: str, started: float) -> ForwardResult:
+        breaker = self.router.breaker
+        inst.inflight += 1
+        breaker.begin(inst)
+        resp: aiohttp.ClientResponse | None = None
+        clean = False
+        try:
+            resp, first = await self._first_byte(inst, endpoint, body, stream, request_id)
+            headers = {"Content-Type": resp.headers.get("Content-Type", "application/json"),
+                       "X-Routerd-Instance": inst.id}
+            if not stream or not 200 <= resp.status < 300:
+                headers["Content-Length"] = str(len(first))
+            await sink.start(resp.status, headers)
+            ttfb = self.clock() - started
+            await sink.write(first)
+            if stream and 200 <= resp.status < 300:
+                ok, error = await self._pump(inst, resp, sink, first)
+            else:
+                ok = 200 <= resp.status < 300
+                error = None if ok else _error_message(first, resp.status)
+            clean = True
+            return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
+                                 ttfb_s=ttfb)
+        finally:
+            inst.inflight -= 1
+            breaker.end(inst)
+            if resp is not None:
+                if clean:
+                    resp.release()
+                else:
+                    resp.close()  # drop the connection: the engine sees the disconnect and aborts
+
+    async def _first_byte(self, inst: Instance, endpoint: str, body: bytes, stream: bool,
+                          request_id: str) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Send the request and read up to the first byte the client may see; raise _Retry on failure."""
+        breaker = self.router.breaker
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.cfg.first_byte_timeout_s):
+                resp = await self.session.post(
+                    inst.url + endpoint, data=body, timeout=self._timeout,
+                    headers={"Content-Type": "application/json", "X-Request-Id": request_id,
+                             "Accept-Encoding": "identity"})
+                if resp.status >= 500:
+                    msg = _error_message(await resp.read(), resp.status)
+                    raise _Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status)
+                if stream and 200 <= resp.status < 300:
+                    first = await resp.content.readany()
+                    if not first:
+                        raise _Retry("empty", "the engine closed the stream before sending anything")
+                    if first.startswith(_ERROR_MARK):
+                        raise _Retry("error_event", "error event before any token: "
+                                     + _event_message(first))
+                    breaker.success(inst)
+                    return resp, first
+            # Non-streaming (or an error answer): the whole body is the first byte. Its read is bounded
+            # by the socket read timeout, not the first-byte one (headers came; the body is flowing).
+            first = await resp.read()
+            breaker.success(inst)
+            return resp, first
+        except _Retry:
+            self._failed(inst)
+            if resp is not None:
+                resp.close()
+            raise
+        except TimeoutError as e:
+            self._failed(inst)
+            if resp is not None:
+                resp.close()
+            raise _Retry("timeout", f"no first byte from {inst.id} in time") from e
+        except _NET_ERRORS as e:
+            self._failed(inst)
+            if resp is not None:
+                resp.close()
+            reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else "disconnect"
+            raise _Retry(reason, f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+
+    async def _pump(self, inst: Instance, resp: aiohttp.ClientResponse, sink: ResponseSink,
+                    first: bytes) -> tuple[bool, str | None]:
+        """Copy the rest of a stream to the sink as raw bytes; make sure it ends in a terminal event."""
+        tail = first[-_TAIL:]
+        saw_error = _ERROR_MARK in first
+        read = resp.content.readany
+        failure: str | None = None
+        while True:
+            try:
+                chunk = await read()
+            except _NET_ERRORS as e:
+                failure = f"the engine failed mid-stream ({type(e).__name__}: {e})"
+                break
+            if not chunk:
+                break
+            await sink.write(chunk)
+            if not saw_error and (_ERROR_MARK in chunk or _ERROR_MARK in tail + chunk[:_TAIL]):
+                saw_error = True
+            tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+        if failure is None and saw_error:
+            self._failed(inst, "error_event")
+            if _DONE not in tail:
+                await sink.write(b"data: [DONE]\n\n")
+            return False, "the engine sent an error event mid-stream"
+        if failure is None and _DONE not in tail:
+            failure = "the engine closed the stream before [DONE]"
+        if failure is not None:
+            self._failed(inst, "stream_broken")
+            await sink.write(sse_error_event(failure, "UpstreamError", 502))
+            return False, failure
+        return True, None
+
+    def _failed(self, inst: Instance, reason: str | None = None) -> None:
+        if reason is not None:
+            self.telemetry.upstream_failures.labels(inst.fleet, inst.id, reason).inc()
+        if self.router.breaker.failure(inst):
+            self.telemetry.circuit_opened.labels(inst.fleet, inst.id).inc()
+            _log.warning("circuit_opened", instance=inst.id, failures=inst.consecutive_failures,
+                         cooldown_s=self.cfg.circuit_cooldown_s)
+
+
+def _event_message(chunk: bytes) -> str:
+    line = chunk.split(b"\n", 1)[0][len(b"data: "):]
+    return _error_message(line, 500)

@@ -1,0 +1,97 @@
+"""The producers' client and ``routerd submit`` against a real Redis and a running consumer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from routerd.client import QueueClient, submit_main
+from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
+
+
+async def test_status_follows_a_job_from_queued_to_done(redis_server: RedisServer,
+                                                        redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    q = QueueClient(redis_async)
+    assert (await q.status("never-submitted")).state == "unknown"
+    job = await q.submit({**BODY, "stream": True})
+    assert (await q.status(job)).state == "queued"
+    await bench.start()
+    try:
+        for _ in range(200):
+            st = await q.status(job)
+            if st.state == "running" and st.instance:
+                break
+            await asyncio.sleep(0.02)
+        assert st.state == "running"
+        assert st.consumer == "c1"
+        assert st.instance == "f:0"  # known from the engine's first byte (the upstream's header)
+        assert await q.result(job.id) is None
+        hold.set()
+        result = await q.wait(job, timeout=10)
+    finally:
+        hold.set()
+        await bench.stop()
+    done = await q.status(job)
+    assert done.state == "done"
+    assert done.result == result
+    assert result.response["chunks"] == 3
+
+
+async def test_wait_times_out_without_a_consumer(redis_async: aioredis.Redis) -> None:
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY)
+    with pytest.raises(TimeoutError):
+        await q.wait(job, timeout=0.3)
+    with pytest.raises(TimeoutError, match="1 of 1 results missing"):
+        await q.wait_many([job], timeout=0.2)
+
+
+async def test_submit_wire_format_is_the_interface(redis_async: aioredis.Redis) -> None:
+    q = QueueClient(redis_async)
+    chat = await q.submit({"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                          priority=3, deadline_ms=5000, encoding="msgpack")
+    plain = await q.submit(BODY, job_id="my-id", reply_to="my-replies")
+    entries = await redis_async.xrange("routerd:requests")
+    first = msgspec.msgpack.decode(entries[0][1][b"job"])
+    second = msgspec.json.decode(entries[1][1][b"job"])
+    assert first == {"id": chat.id, "endpoint": "/v1/chat/completions", "reply_to": chat.reply_to,
+                     "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                     "priority": 3, "deadline_ms": 5000}
+    assert second["id"] == "my-id"
+    assert second["reply_to"] == "my-replies"
+    assert second["endpoint"] == "/v1/completions"
+    assert plain.entry == entries[1][0].decode()
+
+
+async def test_routerd_submit_command(redis_server: RedisServer, redis_async: aioredis.Redis,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    await bench.start()
+    try:
+        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
+                                                     "--wait", "--timeout", "10", "say hi"])
+        out = capsys.readouterr().out
+        assert code == 0
+        result = msgspec.json.decode(out.strip().splitlines()[-1])
+        assert result["status"] == "ok"
+        assert result["response"]["choices"][0]["text"] == "echo:say hi"
+        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
+                                                     "--wait", "--stream", "--max-tokens", "4", "s"])
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert code == 0
+        assert [msgspec.json.decode(x)["choices"][0]["text"] for x in lines[:-1]] == [
+            "t0", "t1", "t2", "t3"]
+        assert msgspec.json.decode(lines[-1])["response"]["chunks"] == 4
+        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m", "x"])
+        job_id = capsys.readouterr().out.strip()
+        assert code == 0
+        assert len(job_id) == 32
+    finally:
+        await bench.stop()

@@ -1,0 +1,153 @@
+"""Failures under traffic on a real Ray cluster: SIGKILL, SIGSTOP and a killed actor, each replaced,
+with no failed request that had not started streaming (the data plane retries those elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from routerd.engine_actor import group_members
+from routerd.registry import Instance, InstanceState
+from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.test_fleet import SIM_ARGS, Running, make_cfg, running
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+
+@dataclass
+class Traffic:
+    """Closed-loop clients alternating plain and streaming requests; failures sorted by when they hit."""
+
+    url: str
+    model: str
+    ok: int = 0
+    failed_before_stream: list[str] = field(default_factory=list)
+    failed_mid_stream: int = 0
+
+    async def client(self, session: aiohttp.ClientSession, stop: asyncio.Event, stream: bool) -> None:
+        body = {"model": self.model, "prompt": "hello", "max_tokens": 12, "stream": stream}
+        while not stop.is_set():
+            try:
+                async with session.post(f"{self.url}/v1/completions", json=body,
+                                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    if resp.status != 200:
+                        self.failed_before_stream.append(f"{resp.status} {await resp.text()}"[:200])
+                        continue
+                    if not stream:
+                        await resp.json()
+                        self.ok += 1
+                        continue
+                    chunks, error = 0, False
+                    async for line in resp.content:
+                        if line.startswith(b"data: {") and b'"error"' in line:
+                            error = True
+                        elif line.startswith(b"data: {"):
+                            chunks += 1
+                    if not error:
+                        self.ok += 1
+                    elif chunks:
+                        self.failed_mid_stream += 1  # bytes had reached the client: an error event is right
+                    else:
+                        self.failed_before_stream.append("error event before any chunk")
+            except (aiohttp.ClientError, TimeoutError) as e:
+                self.failed_before_stream.append(repr(e))
+
+
+async def replaced(r: Running, inst: Instance, generation: int, timeout: float = 30.0) -> None:
+    await r.wait(lambda: inst.state is InstanceState.READY and inst.generation > generation, timeout,
+                 f"{inst.id} replaced")
+
+
+async def left_rotation_within(r: Running, inst: Instance, limit_s: float) -> float:
+    started = time.monotonic()
+    await r.wait(lambda: inst.state is not InstanceState.READY, limit_s + 5, f"{inst.id} out of rotation")
+    took = time.monotonic() - started
+    assert took <= limit_s, f"{inst.id} left rotation after {took:.2f}s (limit {limit_s}s)"
+    return took
+
+
+async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_cluster: RayTestCluster,
+                                                                         tmp_path: Path) -> None:
+    import ray
+
+    cfg = make_cfg(ray_cluster, tmp_path, "fo", [
+        {"name": "fo", "model": "sim-fo", "engine": "sim", "replicas": 2, "num_cpus_per_instance": 0.25,
+         "engine_args": SIM_ARGS}])
+    h = cfg.health
+    async with running(cfg, http=True) as r, aiohttp.ClientSession() as s:
+        await r.wait_ready("fo", 2)
+        traffic = Traffic(r.url, "sim-fo")
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(traffic.client(s, stop, stream=i % 2 == 1)) for i in range(4)]
+        try:
+            await asyncio.sleep(1.0)
+            a, b = r.registry.get("fo:0"), r.registry.get("fo:1")
+            assert a is not None
+            assert b is not None
+            timings: dict[str, float] = {}
+
+            # 1. SIGKILL the engine: the death sentinel takes it out of rotation at once.
+            gen, pid = a.generation, a.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            timings["sigkill"] = await left_rotation_within(r, a, 2.0)
+            await replaced(r, a, gen)
+            assert a.pid != pid
+
+            # 2. SIGSTOP: the port stays open, only the heartbeats notice.
+            gen, pid = b.generation, b.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            timings["sigstop"] = await left_rotation_within(
+                r, b, h.heartbeat_timeout_s + h.heartbeat_interval_s * 1.2 + 1.0)  # +1 s: 2 busy cores
+            await replaced(r, b, gen)
+            assert await eventually(lambda: not group_members(pid), 5), "the stopped engine was not killed"
+
+            # 3. Kill the actor: its engine goes with it, a new actor takes the same placement group.
+            gen, pid = a.generation, a.pid
+            assert pid is not None
+            actor = await r.cluster.get_actor("routerd:fo:0")
+            await asyncio.to_thread(ray.kill, actor, no_restart=True)
+            timings["actor_kill"] = await left_rotation_within(r, a, 2.0)
+            await replaced(r, a, gen)
+            assert await eventually(lambda: not group_members(pid), 5), "the engine outlived its actor"
+            await asyncio.sleep(1.0)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        print("failover timings", {k: round(v, 3) for k, v in timings.items()}, "ok", traffic.ok,
+              "mid-stream errors", traffic.failed_mid_stream)
+        assert traffic.failed_before_stream == []
+        assert traffic.ok > 50
+        assert a.restarts == 2
+        assert b.restarts == 1
+        assert r.registry.ready_count("fo") == 2
+
+
+async def test_status_fields_for_operators(ray_cluster: RayTestCluster, tmp_path: Path) -> None:
+    """What `routerd status` shows comes from the registry the fleet manager fills."""
+    cfg = make_cfg(ray_cluster, tmp_path, "st", [
+        {"name": "st", "model": "sim-st", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
+         "engine_args": SIM_ARGS}])
+    async with running(cfg) as r:
+        await r.wait_ready("st", 1)
+        inst = r.registry.get("st:0")
+        assert inst is not None
+        await r.wait(lambda: inst.last_heartbeat > 0 and bool(inst.resources.get("rss_bytes")), 10,
+                     "heartbeat and resource use")
+        st: dict[str, Any] = inst.status(time.monotonic())
+        assert st["url"].startswith("http://127.0.0.1:")
+        assert st["pid"] == inst.pid
+        assert st["node"]
+        assert st["generation"] == 1
+        assert st["health"] == "ok"
+        assert abs(time.time() - st["last_heartbeat"]) < 5
+        assert st["resources"]["processes"] == 1

@@ -1,0 +1,170 @@
+"""The HTTP ingress: request checks and their OpenAI error JSON, auth, admin, readiness, metrics, 429."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from routerd.errors import BadRequest
+from routerd.ingress.http import parse_request
+from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def plane(scripted_engine: EngineFactory, dataplane: PlaneFactory) -> RunningPlane:
+    eng = await scripted_engine()
+    return await dataplane([eng.url], http={"max_body_bytes": 2048})
+
+
+async def error_of(resp: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    err: dict[str, Any] = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    return err
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), [
+    (CHAT, b"{not json", None),
+    (CHAT, b"[1, 2]", None),
+    (CHAT, b'{"messages": []}', "model"),
+    (CHAT, b'{"model": 3, "messages": []}', "model"),
+    (CHAT, b'{"model": "m"}', "messages"),
+    (CHAT, b'{"model": "m", "messages": "hi"}', "messages"),
+    (CHAT, b'{"model": "m", "messages": [], "stream": "yes"}', "stream"),
+    (COMP, b'{"model": "m", "prompt": 5}', "prompt"),
+    (COMP, b'{"model": "m"}', "prompt"),
+])
+async def test_malformed_requests_are_400(plane: RunningPlane, client: aiohttp.ClientSession,
+                                          endpoint: str, body: bytes, param: str | None) -> None:
+    async with client.post(plane.url + endpoint, data=body,
+                           headers={"Content-Type": "application/json"}) as r:
+        err = await error_of(r, 400)
+    assert err["param"] == param
+
+
+def test_parse_request_accepts_what_clients_send() -> None:
+    assert parse_request(COMP, b'{"model":"m","prompt":["a","b"],"stream":true,"n":2}') == ("m", True)
+    assert parse_request(CHAT, b'{"model":"m","messages":[],"stream":null}') == ("m", False)
+    with pytest.raises(BadRequest):
+        parse_request(COMP, b'{"model":"m","prompt":null}')
+
+
+async def test_body_too_large_is_413(plane: RunningPlane, client: aiohttp.ClientSession) -> None:
+    big = b'{"model": "m", "prompt": "' + b"x" * 4096 + b'"}'
+    async with client.post(plane.url + COMP, data=big) as r:
+        await error_of(r, 413)
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the limit still holds
+        yield big[:1000]
+        yield big[1000:]
+
+    async with client.post(plane.url + COMP, data=chunks()) as r:
+        await error_of(r, 413)
+
+
+async def test_unknown_model_is_404_listing_valid_ones(plane: RunningPlane,
+                                                       client: aiohttp.ClientSession) -> None:
+    async with client.post(plane.url + COMP, json={"model": "gpt-9", "prompt": "x"}) as r:
+        err = await error_of(r, 404)
+    assert err["param"] == "model"
+    assert "gpt-9" in err["message"]
+    assert "`m`" not in err["message"]
+    assert "Valid models: m" in err["message"]
+
+
+async def test_api_keys(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                        client: aiohttp.ClientSession) -> None:
+    eng = await scripted_engine()
+    p = await dataplane([eng.url], http={"api_keys": ["k1", "k2"], "admin_api_key": "adm"})
+    body = {"model": "m", "prompt": "x"}
+    async with client.post(p.url + COMP, json=body) as r:
+        await error_of(r, 401)
+    async with client.post(p.url + COMP, json=body, headers={"Authorization": "Bearer nope"}) as r:
+        await error_of(r, 401)
+    async with client.post(p.url + COMP, json=body, headers={"Authorization": "Bearer k2"}) as r:
+        assert r.status == 200
+    async with client.get(p.url + "/v1/models") as r:
+        await error_of(r, 401)
+    async with client.get(p.url + "/admin/fleets", headers={"Authorization": "Bearer k1"}) as r:
+        await error_of(r, 401)  # a client key is not an admin key
+    async with client.get(p.url + "/admin/fleets", headers={"Authorization": "Bearer adm"}) as r:
+        assert r.status == 200
+    async with client.get(p.url + "/healthz") as r:
+        assert r.status == 200  # operations routes stay open
+
+
+async def test_models_readyz_admin_metrics(plane: RunningPlane, client: aiohttp.ClientSession) -> None:
+    async with client.get(plane.url + "/v1/models") as r:
+        models = await r.json()
+    assert [m["id"] for m in models["data"]] == ["m"]
+    assert models["object"] == "list"
+    async with client.get(plane.url + "/readyz") as r:
+        assert r.status == 200
+        assert (await r.json())["ready"] is True
+    async with client.get(plane.url + "/admin/fleets") as r:
+        fleets = (await r.json())["fleets"]
+    inst = fleets["f"]["instances"][0]
+    assert inst["id"] == "f:static0"
+    assert inst["state"] == "ready"
+    assert inst["circuit"] == "closed"
+    assert inst["scrape_age_s"] is not None
+    assert inst["scrape_age_s"] < 1.0
+    assert fleets["f"]["admission"]["limit"] > 0
+    async with client.post(plane.url + COMP, json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 200
+    async with client.get(plane.url + "/metrics") as r:
+        text = await r.text()
+    for needle in ('routerd_requests_total{code="200",fleet="f",instance="f:static0"} 1.0',
+                   'routerd_instance_inflight{fleet="f",instance="f:static0"} 0.0',
+                   "routerd_request_duration_seconds_bucket", "routerd_time_to_first_byte_seconds_count",
+                   'routerd_circuit_state{fleet="f",instance="f:static0"} 0.0', "routerd_scrape_age_seconds"):
+        assert needle in text, needle
+
+
+async def test_readyz_503_names_the_fleet_without_ready_instances(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    eng = await scripted_engine(healthy=False)
+    p = await dataplane([eng.url], wait=False, admission={"waiting_room_s": 0.2})
+    async with client.get(p.url + "/readyz") as r:
+        assert r.status == 503
+        assert (await r.json())["not_ready"] == ["f"]
+    async with client.post(p.url + COMP, json={"model": "m", "prompt": "x"}) as r:
+        await error_of(r, 503)
+    eng.healthy = True
+    await p.wait_ready(1)
+    async with client.get(p.url + "/readyz") as r:
+        assert r.status == 200
+
+
+async def test_over_capacity_is_429_with_retry_after(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    eng = await scripted_engine(default="hang")
+    p = await dataplane([eng.url], admission={"max_inflight_per_instance": 1, "max_queued": 1})
+    body = {"model": "m", "prompt": "x"}
+    first = asyncio.create_task(client.post(p.url + COMP, json=body))
+    await p.wait_for(lambda: eng.active == 1, what="first request at the engine")
+    second = asyncio.create_task(client.post(p.url + COMP, json=body))  # waits in admission
+    await p.wait_for(lambda: p.dp.admission.stats("f")["queued_http"] == 1, what="second queued")
+    async with client.post(p.url + COMP, json=body) as r:
+        await error_of(r, 429)
+        assert int(r.headers["Retry-After"]) >= 1
+    for t in (first, second):
+        t.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+    await p.wait_for(lambda: p.dp.admission.stats("f")["active"] == 0, what="admission released")
+    await p.wait_for(lambda: p.inflight() == 0, what="in-flight released")

@@ -1,0 +1,112 @@
+"""promtext: vLLM's /metrics page (as prometheus_client writes it) → LoadSnapshot."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from routerd import promtext
+
+
+def vllm_page(*, running: float, waiting: float, kv: float, old_names: bool = False,
+              engines: int = 1, max_num_seqs: int | None = None) -> str:
+    """A page produced the way vLLM produces it: prometheus_client, labels model_name + engine."""
+    r = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    g_run = Gauge("vllm:num_requests_running", "running", labels, registry=r)
+    g_wait = Gauge("vllm:num_requests_waiting", "waiting", labels, registry=r)
+    g_reason = Gauge("vllm:num_requests_waiting_by_reason", "by reason", [*labels, "reason"], registry=r)
+    kv_name = "vllm:gpu_cache_usage_perc" if old_names else "vllm:kv_cache_usage_perc"
+    g_kv = Gauge(kv_name, "kv", labels, registry=r)
+    pfx = "vllm:gpu_prefix_cache" if old_names else "vllm:prefix_cache"
+    c_q = Counter(f"{pfx}_queries", "q", labels, registry=r)
+    c_h = Counter(f"{pfx}_hits", "h", labels, registry=r)
+    c_gen = Counter("vllm:generation_tokens", "gen", labels, registry=r)
+    c_succ = Counter("vllm:request_success", "succ", [*labels, "finished_reason"], registry=r)
+    c_pre = Counter("vllm:num_preemptions", "pre", labels, registry=r)
+    h_ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", labels, registry=r)
+    info_labels = {"block_size": "16", "num_gpu_blocks": "8192", "enable_prefix_caching": "True"}
+    if max_num_seqs is not None:
+        info_labels["max_num_seqs"] = str(max_num_seqs)
+    info = Gauge("vllm:cache_config_info", "info", [*info_labels, "engine"], registry=r)
+    for e in range(engines):
+        lv = ("m", str(e))
+        g_run.labels(*lv).set(running)
+        g_wait.labels(*lv).set(waiting)
+        g_reason.labels(*lv, "capacity").set(waiting)
+        g_kv.labels(*lv).set(kv)
+        c_q.labels(*lv).inc(100)
+        c_h.labels(*lv).inc(40)
+        c_gen.labels(*lv).inc(1234)
+        c_succ.labels(*lv, "stop").inc(3)
+        c_succ.labels(*lv, "length").inc(2)
+        c_pre.labels(*lv).inc(1)
+        h_ttft.labels(*lv).observe(0.05)
+        info.labels(*info_labels.values(), str(e)).set(1)
+    return generate_latest(r).decode()
+
+
+def test_current_names() -> None:
+    snap = promtext.parse(vllm_page(running=3, waiting=2, kv=0.25), scraped_at=12.5)
+    assert (snap.running, snap.waiting, snap.kv_usage) == (3, 2, 0.25)
+    assert snap.scraped_at == 12.5
+    # counters read by family (exposed as *_total), _created samples ignored
+    assert snap.generation_tokens == 1234
+    assert snap.requests_finished == 5
+    assert snap.preemptions == 1
+    assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (100, 40)
+    assert (snap.num_gpu_blocks, snap.block_size) == (8192, 16)
+    assert snap.capacity is None  # vLLM's cache_config_info does not carry max_num_seqs
+
+
+def test_pre_012_names() -> None:
+    snap = promtext.parse(vllm_page(running=1, waiting=0, kv=0.5, old_names=True), scraped_at=0.0)
+    assert snap.kv_usage == 0.5
+    assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (100, 40)
+
+
+def test_new_name_wins_when_both_present() -> None:
+    page = vllm_page(running=1, waiting=0, kv=0.5) + 'vllm:gpu_cache_usage_perc{engine="0"} 0.9\n'
+    assert promtext.parse(page, 0.0).kv_usage == 0.5
+
+
+def test_sums_over_engines_and_averages_kv() -> None:
+    snap = promtext.parse(vllm_page(running=2, waiting=1, kv=0.4, engines=2), 0.0)
+    assert (snap.running, snap.waiting) == (4, 2)
+    assert snap.kv_usage == pytest.approx(0.4)
+
+
+def test_capacity_from_info_label() -> None:
+    snap = promtext.parse(vllm_page(running=0, waiting=0, kv=0, max_num_seqs=48), 0.0)
+    assert snap.capacity == 48
+
+
+def test_plain_counter_names_and_timestamps() -> None:
+    page = ("# HELP x\nvllm:generation_tokens 7 1700000000000\n"
+            'vllm:num_requests_running{model_name="a b}c"} 2\n')
+    snap = promtext.parse(page, 0.0)
+    assert (snap.generation_tokens, snap.running) == (7, 2)
+
+
+@pytest.mark.parametrize("page", ["<html>502 Bad Gateway</html>", "", "# only comments\n"])
+def test_not_a_vllm_page_is_an_error(page: str) -> None:
+    with pytest.raises(promtext.ParseError):
+        promtext.parse(page, 0.0)
+
+
+def test_bad_value_is_an_error() -> None:
+    with pytest.raises(promtext.ParseError):
+        promtext.parse("vllm:num_requests_running{engine=\"0\"} abc\n", 0.0)
+
+
+def test_fast_enough_for_the_event_loop() -> None:
+    page = vllm_page(running=3, waiting=2, kv=0.25)
+    page = page * 4  # ≈ the size of a real vLLM page (600+ lines, mostly histogram buckets)
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        promtext.parse(page, 0.0)
+    per_page = (time.perf_counter() - t0) / n
+    assert per_page < 0.005, f"{per_page * 1000:.2f} ms per page"

@@ -1,0 +1,314 @@
+"""The queue consumer against a real redis-server, with a fake upstream (the Forwarder Protocol).
+
+What a producer relies on: one result per job id whatever happens, bad messages dead-lettered with a
+reason while the consumer keeps going, deadlines and cancels honoured, streamed chunks in order, and
+the backlog staying in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from routerd.client import QueueClient
+from routerd.jobs import decode_result
+from tests.fixtures.redis_server import (
+    FakeUpstream,
+    QueueBench,
+    RedisServer,
+    fields,
+    queue_config,
+)
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
+
+
+async def results_in(r: aioredis.Redis, reply_to: str) -> list[dict[str, Any]]:
+    entries = await r.xrange(reply_to)
+    return [msgspec.json.decode(f[b"result"]) for _, f in entries if b"result" in f]
+
+
+async def until(pred: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_jobs_get_one_result_each(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    jobs = await q.submit_many([{**BODY, "prompt": f"p{i}"} for i in range(150)], reply_to="replies")
+    jobs += await q.submit_many([{**BODY, "prompt": f"m{i}"} for i in range(50)], reply_to="replies",
+                                encoding="msgpack")
+    await bench.start()
+    try:
+        results = await q.wait_many(jobs, timeout=20)
+    finally:
+        await bench.stop()
+    assert len(results) == 200
+    for job, body_prompt in zip(jobs, [f"p{i}" for i in range(150)] + [f"m{i}" for i in range(50)],
+                                strict=True):
+        res = results[job.id]
+        assert res.status == "ok"
+        assert res.response["choices"][0]["text"] == f"echo:{body_prompt}"
+        assert res.instance == "f:0"
+    in_stream = await results_in(redis_async, "replies")
+    assert sorted(r["id"] for r in in_stream) == sorted(j.id for j in jobs)  # exactly one each
+    assert await redis_async.xpending("routerd:requests", "routerd") == {
+        "pending": 0, "min": None, "max": None, "consumers": []}
+    assert await redis_async.xlen("routerd:requests") == 0  # acknowledged and deleted
+    status = await q.status(jobs[0])
+    assert status.state == "done"
+    assert status.instance == "f:0"
+    assert status.consumer == "c1"
+
+
+async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    bad: list[bytes] = [
+        b"\xc1 not msgpack",
+        b'{"id": "x1", "endpoint": "/v1/completions"',  # truncated JSON
+        msgspec.json.encode({"id": "x2", "endpoint": "/v1/completions", "body": BODY}),  # no reply_to
+        msgspec.json.encode({"id": "x3", "endpoint": "/v1/embeddings", "body": BODY, "reply_to": "r3"}),
+        msgspec.json.encode({"id": "x4", "endpoint": "/v1/completions", "reply_to": "r4",
+                             "body": {"model": "nope", "prompt": "p"}}),
+        msgspec.json.encode({"id": "x5", "endpoint": "/v1/chat/completions", "reply_to": "r5",
+                             "body": {"model": "m", "messages": "not a list"}}),
+        msgspec.json.encode(["a", "list"]),
+    ]
+    for raw in bad:
+        await redis_async.xadd("routerd:requests", {"job": raw})
+    await redis_async.xadd("routerd:requests", {"nojobfield": b"1"})
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    good = await q.submit(BODY)
+    await bench.start()
+    try:
+        assert (await q.wait(good, timeout=10)).status == "ok"
+        await until(lambda: _xlen(redis_async, "routerd:dead", 8))
+    finally:
+        await bench.stop()
+    dead = [fields(f) for _, f in await redis_async.xrange("routerd:dead")]
+    reasons = [d["reason"] for d in dead]
+    assert "not valid msgpack" in reasons[0]
+    assert "not valid JSON" in reasons[1]
+    assert "reply_to" in reasons[2]
+    assert "endpoint" in reasons[3]
+    assert "no fleet serves model 'nope'" in reasons[4]
+    assert "body.messages" in reasons[5]
+    assert all(d["deliveries"] == "1" for d in dead)
+    for rid, code in (("r3", 400), ("r4", 404), ("r5", 400)):  # a readable reply_to gets an error
+        (res,) = await results_in(redis_async, rid)
+        assert res["status"] == "error"
+        assert res["error"]["code"] == code
+    assert bench.upstream.calls == {good.id: 1}  # no bad message reached an engine
+    assert await redis_async.xlen("routerd:requests") == 0
+
+
+async def _xlen(r: aioredis.Redis, key: str, n: int) -> bool:
+    return int(await r.xlen(key)) >= n
+
+
+async def test_duplicate_job_id_gets_one_result(redis_server: RedisServer,
+                                                redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    await q.submit(BODY, job_id="same", reply_to="rr")
+    await bench.start()
+    try:
+        await q.wait("same", reply_to="rr", timeout=10)
+        await q.submit(BODY, job_id="same", reply_to="rr")  # a producer retrying its XADD
+        await until(lambda: _drained(redis_async))
+    finally:
+        await bench.stop()
+    assert len(await results_in(redis_async, "rr")) == 1
+    assert bench.upstream.calls["same"] == 1
+    assert bench.ingress.stats["duplicates"] == 1
+
+
+async def _drained(r: aioredis.Redis) -> bool:
+    return int(await r.xlen("routerd:requests")) == 0
+
+
+async def test_failing_engine_is_retried_then_one_result(redis_server: RedisServer,
+                                                         redis_async: aioredis.Redis) -> None:
+    up = FakeUpstream(fail=lambda job_id, n: n < 3)  # the first two deliveries hit a dead engine
+    bench = QueueBench(queue_config(redis_server.url, max_deliveries=5), up)
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY)
+    await bench.start()
+    try:
+        res = await q.wait(job, timeout=15)
+    finally:
+        await bench.stop()
+    assert res.status == "ok"
+    assert up.calls[job.id] == 3
+    assert len(await results_in(redis_async, job.reply_to)) == 1
+    assert await redis_async.exists(f"routerd:history:{job.id}") == 0  # cleared with the result
+
+
+async def test_max_deliveries_dead_letters_with_history(redis_server: RedisServer,
+                                                        redis_async: aioredis.Redis) -> None:
+    up = FakeUpstream(fail=lambda job_id, n: True)
+    bench = QueueBench(queue_config(redis_server.url, max_deliveries=3), up)
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY)
+    await bench.start()
+    try:
+        res = await q.wait(job, timeout=20)
+    finally:
+        await bench.stop()
+    assert res.status == "error"
+    assert res.error is not None
+    assert res.error["code"] == 502
+    assert up.calls[job.id] == 3
+    (dead,) = [fields(f) for _, f in await redis_async.xrange("routerd:dead")]
+    assert "delivered 3 times" in dead["reason"]
+    history = msgspec.json.decode(dead["history"])
+    assert [h["delivery"] for h in history] == [1, 2, 3]
+    assert all("connection refused" in h["error"] for h in history)
+    assert msgspec.json.decode(dead["job"])["id"] == job.id  # the original message is kept
+
+
+async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: RedisServer,
+                                                             redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    expired = await q.submit(BODY, deadline_ms=int(time.time() * 1000) - 1)
+    relative_ok = await q.submit(BODY, deadline_ms=60_000)  # < 1e11: ms after enqueueing
+    await bench.start()
+    try:
+        res = await q.wait(expired, timeout=10)
+        ok = await q.wait(relative_ok, timeout=10)
+    finally:
+        await bench.stop()
+    assert res.status == "error"
+    assert res.error is not None
+    assert res.error["code"] == 504
+    assert ok.status == "ok"
+    assert expired.id not in bench.upstream.calls
+
+
+async def test_deadline_passing_during_run(redis_server: RedisServer,
+                                           redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(delay_s=5))
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY, deadline_ms=300)
+    await bench.start()
+    try:
+        res = await q.wait(job, timeout=10)
+    finally:
+        await bench.stop()
+    assert res.status == "error"
+    assert res.error is not None
+    assert res.error["code"] == 504
+
+
+async def test_cancel_before_and_during_run(redis_server: RedisServer,
+                                            redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    q = QueueClient(redis_async)
+    before = await q.submit(BODY)
+    await q.cancel(before)
+    during = await q.submit(BODY)
+    await bench.start()
+    try:
+        await until(lambda: _running(q, during.id))
+        await until(lambda: _called(bench, during.id))
+        await q.cancel(during)
+        r_during = await q.wait(during, timeout=10)
+        r_before = await q.wait(before, timeout=10)
+        hold.set()
+    finally:
+        await bench.stop()
+    assert r_before.status == "error"
+    assert r_before.error is not None
+    assert r_before.error["code"] == 499
+    assert r_during.status == "error"
+    assert r_during.error is not None
+    assert r_during.error["code"] == 499
+    assert before.id not in bench.upstream.calls
+    assert len(await results_in(redis_async, during.reply_to)) == 1
+
+
+async def _running(q: QueueClient, job_id: str) -> bool:
+    return (await q.status(job_id)).state == "running"
+
+
+async def _called(bench: QueueBench, job_id: str) -> bool:
+    return job_id in bench.upstream.calls
+
+
+async def test_streamed_job_chunks_in_order_then_result(redis_server: RedisServer,
+                                                        redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    job = await q.submit({**BODY, "max_tokens": 20, "stream": True})
+    await bench.start()
+    try:
+        items = [item async for item in q.chunks(job, timeout=10)]
+    finally:
+        await bench.stop()
+    *chunks, result = items
+    assert [c.seq for c in chunks] == list(range(20))  # type: ignore[union-attr]
+    assert [c.data["choices"][0]["text"] for c in chunks] == [f"t{i}" for i in range(20)]  # type: ignore[union-attr]
+    assert result.status == "ok"
+    assert result.response["chunks"] == 20
+    raw = await redis_async.xrange(job.reply_to)
+    assert b"result" in raw[-1][1]
+    assert all(b"chunk" in f for _, f in raw[:-1])
+
+
+async def test_crashed_consumer_jobs_are_recovered_exactly_once(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    up1 = FakeUpstream(hold=hold)
+    first = QueueBench(queue_config(redis_server.url), up1, consumer="c1")
+    q = QueueClient(redis_async)
+    jobs = await q.submit_many([BODY] * 40, reply_to="replies")
+    await first.start()
+    await until(lambda: _held(first, 40))
+    await first.crash()  # 40 jobs read, none acknowledged
+    info = await redis_async.xpending("routerd:requests", "routerd")
+    assert info["pending"] == 40
+    # Another daemon (different name) takes them over after reclaim_idle_ms; the first comes back too.
+    other = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c2")
+    again = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c1")
+    await other.start()
+    await again.start()
+    try:
+        results = await q.wait_many(jobs, timeout=20)
+    finally:
+        await other.stop()
+        await again.stop()
+    assert all(r.status == "ok" for r in results.values())
+    in_stream = await results_in(redis_async, "replies")
+    assert sorted(r["id"] for r in in_stream) == sorted(j.id for j in jobs)
+    total = other.ingress.stats["done"] + again.ingress.stats["done"]
+    assert total >= 40
+    assert other.ingress.stats["reclaimed"] + again.ingress.stats["reclaimed"] >= 40
+
+
+async def _held(bench: QueueBench, n: int) -> bool:
+    return bench.ingress.held >= n and sum(bench.upstream.calls.values()) >= n
+
+
+async def test_result_record_matches_reply(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    bench = QueueBench(queue_config(redis_server.url, result_ttl_s=100), FakeUpstream())
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY)
+    await bench.start()
+    try:
+        res = await q.wait(job, timeout=10)
+    finally:
+        await bench.stop()
+    stored = decode_result(await redis_async.get(f"routerd:done:{job.id}"))
+    assert stored == res
+    for key in (f"routerd:done:{job.id}", job.reply_to, f"routerd:job:{job.id}"):
+        assert 0 < await redis_async.ttl(key) <= 100

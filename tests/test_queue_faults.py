@@ -1,0 +1,124 @@
+"""The queue path when Redis goes away, and its backpressure: nothing lost, nothing doubled, and the
+backlog stays in Redis rather than in routerd's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import redis.asyncio as aioredis
+
+from routerd.client import QueueClient
+from routerd.redis_server import EmbeddedRedis
+from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
+
+
+async def result_counts(r: aioredis.Redis, reply_to: str) -> Counter[str]:
+    entries = await r.xrange(reply_to)
+    return Counter(msgspec.json.decode(f[b"result"])["id"] for _, f in entries)
+
+
+async def wait_done(r: aioredis.Redis, reply_to: str, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await r.xlen(reply_to) >= n:
+                return
+        except (aioredis.ConnectionError, OSError):
+            pass  # the server is being restarted by the test
+        assert time.monotonic() < deadline, "results did not arrive in time"
+        await asyncio.sleep(0.05)
+
+
+async def run_through_outage(redis_server: RedisServer, redis_async: aioredis.Redis, *,
+                             kill: bool) -> QueueBench:
+    n = 1500
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(delay_s=0.002))
+    jobs = await QueueClient(redis_async).submit_many([BODY] * n, reply_to="replies")
+    await bench.start()
+    await wait_done(redis_async, "replies", n // 4, timeout=20)
+    if kill:
+        await asyncio.to_thread(redis_server.kill)
+        await asyncio.sleep(1.0)  # routerd must notice and pause, not die
+        assert bench.ingress.paused or bench.task is not None and not bench.task.done()
+        await asyncio.to_thread(redis_server.start)
+    else:
+        await asyncio.to_thread(redis_server.restart)
+    await wait_done(redis_async, "replies", n, timeout=30)
+    await bench.stop()
+    counts = await result_counts(redis_async, "replies")
+    assert set(counts) == {j.id for j in jobs}  # every job has a result...
+    assert max(counts.values()) == 1  # ...exactly one
+    assert (await redis_async.xpending("routerd:requests", "routerd"))["pending"] == 0
+    return bench
+
+
+async def test_redis_restarted_mid_run(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    await run_through_outage(redis_server, redis_async, kill=False)
+
+
+async def test_redis_killed_mid_run_then_back(redis_server: RedisServer,
+                                              redis_async: aioredis.Redis) -> None:
+    bench = await run_through_outage(redis_server, redis_async, kill=True)
+    assert not bench.ingress.paused  # resumed
+
+
+async def test_backlog_stays_in_redis(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    up = FakeUpstream(hold=hold)
+    cfg = queue_config(redis_server.url)
+    bench = QueueBench(cfg, up, ready=2)  # 2 instances × 64 in flight each = 128 slots
+    n = 5000
+    await QueueClient(redis_async).submit_many([BODY] * n, reply_to="replies")
+    await bench.start()
+    try:
+        await asyncio.sleep(1.0)
+        limit = 2 * cfg.admission.max_inflight_per_instance
+        assert bench.ingress.held == limit  # exactly what the fleet can run, not the backlog
+        assert up.concurrent == limit
+        info = await redis_async.xinfo_groups("routerd:requests")
+        assert info[0]["pending"] == limit
+        assert info[0]["lag"] == n - limit  # the rest was never read: it is durable in Redis
+        hold.set()
+        await wait_done(redis_async, "replies", n, timeout=60)
+    finally:
+        hold.set()
+        await bench.stop()
+    assert up.max_concurrent == limit
+
+
+async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
+    directory = tmp_path / "redis"
+    async with EmbeddedRedis(directory, restart_backoff_s=0.05) as url:
+        assert url.startswith("unix://")
+        client = aioredis.Redis.from_url(url, socket_timeout=5)
+        try:
+            await client.xadd("s", {"job": b"1"})
+            embedded_pid = (await client.info("server"))["process_id"]
+            # redis-server dies: the supervisor brings it back and the AOF brings the data back
+            await client.shutdown(nosave=False)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    if await client.ping():
+                        break
+                except (aioredis.ConnectionError, OSError):
+                    pass
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert (await client.info("server"))["process_id"] != embedded_pid
+            assert await client.xlen("s") == 1
+        finally:
+            await client.aclose()
+    assert (directory / "appendonlydir").is_dir()
+    async with EmbeddedRedis(directory) as url:  # a second life on the same state dir
+        client = aioredis.Redis.from_url(url, socket_timeout=5)
+        try:
+            assert await client.xlen("s") == 1
+        finally:
+            await client.aclose()

@@ -1,0 +1,136 @@
+"""Router + circuit breaker over a real Registry, with an injected clock (no sleeping)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from routerd.config import RoutingConfig
+from routerd.errors import NoReadyInstance
+from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
+from routerd.router import CircuitBreaker, Router
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make(clock: Clock, n: int, policy: str = "least_load", **routing: float) -> tuple[Registry, Router]:
+    reg = Registry(clock=clock)
+    for i in range(n):
+        inst = reg.add(Instance(id=f"f:{i}", fleet="f", url=f"http://127.0.0.1:{9000 + i}", capacity_hint=4))
+        inst.state = InstanceState.READY
+        inst.snapshot = LoadSnapshot(scraped_at=clock.t)
+    cfg = RoutingConfig(policy=policy, **routing)  # type: ignore[arg-type]
+    return reg, Router.from_config(reg, cfg, rng=random.Random(0), clock=clock)
+
+
+def test_burst_between_scrapes_spreads(clock: Clock) -> None:
+    """The scrape said all idle; routerd's own in-flight deltas must spread 8 picks 2/2/2/2."""
+    _reg, router = make(clock, 4)
+    picks = []
+    for _ in range(8):
+        inst = router.pick("f")
+        inst.inflight += 1  # what upstream does before it awaits anything
+        picks.append(inst.id)
+    assert collections.Counter(picks) == {"f:0": 2, "f:1": 2, "f:2": 2, "f:3": 2}
+
+
+def test_scraped_load_counts_with_inflight_delta(clock: Clock) -> None:
+    reg, router = make(clock, 2)
+    a, b = reg.instances("f")
+    a.snapshot = LoadSnapshot(scraped_at=clock.t, running=3)  # engine busy with others' work
+    assert router.pick("f") is b
+    b.inflight = 4  # routerd sent 4 to b since the scrape
+    assert router.pick("f") is a
+
+
+def test_never_a_non_ready_instance(clock: Clock) -> None:
+    reg, router = make(clock, 3)
+    states = [InstanceState.STARTING, InstanceState.DRAINING, InstanceState.UNHEALTHY]
+    for inst, st in zip(reg.instances("f"), states, strict=True):
+        inst.state = st
+    with pytest.raises(NoReadyInstance):
+        router.pick("f")
+    reg.instances("f")[1].state = InstanceState.READY
+    assert {router.pick("f").id for _ in range(20)} == {"f:1"}
+
+
+def test_unknown_fleet_has_no_instance(clock: Clock) -> None:
+    _, router = make(clock, 1)
+    with pytest.raises(NoReadyInstance):
+        router.pick("other")
+
+
+def test_stale_and_failed_scrapes_excluded_while_fresh_exist(clock: Clock) -> None:
+    reg, router = make(clock, 3, stale_after_s=2.0)
+    a, b, c = reg.instances("f")
+    a.snapshot = LoadSnapshot(scraped_at=clock.t - 5)  # stale (and looks idle)
+    b.scrape_error = "timed out"  # last scrape failed
+    c.inflight = 50  # fresh but busy: still preferred over guesses
+    assert {router.pick("f").id for _ in range(10)} == {"f:2"}
+    c.scrape_error = "timed out"  # nothing fresh left: fall back to all of them
+    assert {router.pick("f").id for _ in range(30)} <= {"f:0", "f:1", "f:2"}
+    assert router.pick("f") is not c
+
+
+def test_tried_instances_excluded_while_others_exist(clock: Clock) -> None:
+    _reg, router = make(clock, 2)
+    assert router.pick("f", exclude={"f:0"}).id == "f:1"
+    assert router.pick("f", exclude={"f:0", "f:1"}).id in {"f:0", "f:1"}
+
+
+def test_circuit_opens_after_threshold_and_half_opens_after_cooldown(clock: Clock) -> None:
+    reg, router = make(clock, 2, circuit_failure_threshold=3, circuit_cooldown_s=5.0)
+    br: CircuitBreaker = router.breaker
+    bad, good = reg.instances("f")
+    assert not br.failure(bad)
+    assert not br.failure(bad)
+    assert br.failure(bad)  # third in a row opens it
+    assert br.state(bad, clock.t) == "open"
+    good.inflight = 100  # even far busier, the open one is not chosen
+    assert {router.pick("f").id for _ in range(10)} == {"f:1"}
+    clock.t += 5.1
+    assert br.state(bad, clock.t) == "half_open"
+    good.inflight = 100
+    assert router.pick("f") is bad  # the one trial
+    assert br.begin(bad)
+    assert router.pick("f") is good  # no second trial while the first is out
+    br.end(bad)
+    br.failure(bad)  # trial failed: open again for a whole cool-down
+    assert br.state(bad, clock.t) == "open"
+    clock.t += 5.1
+    br.begin(bad)
+    br.success(bad)
+    br.end(bad)
+    assert br.state(bad, clock.t) == "closed"
+    assert bad.consecutive_failures == 0
+
+
+def test_success_resets_the_failure_run(clock: Clock) -> None:
+    reg, router = make(clock, 1, circuit_failure_threshold=3)
+    inst = reg.instances("f")[0]
+    br = router.breaker
+    br.failure(inst)
+    br.failure(inst)
+    br.success(inst)
+    assert not br.failure(inst)
+    assert br.state(inst, clock.t) == "closed"
+
+
+def test_policy_swap_on_config_update(clock: Clock) -> None:
+    _, router = make(clock, 3)
+    router.update_config(RoutingConfig(policy="round_robin"))
+    assert router.policy.name == "round_robin"
+    assert [router.pick("f").id for _ in range(3)] == ["f:0", "f:1", "f:2"]

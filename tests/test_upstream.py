@@ -1,0 +1,206 @@
+"""Failover, stream integrity, cancellation and counters, through routerd's HTTP over scripted engines."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from routerd.registry import InstanceState
+from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {**BODY, "stream": True}
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def settle(plane: RunningPlane) -> None:
+    """Every kind of ending must give the counters back: in-flight per instance and admission slots."""
+    await plane.wait_for(lambda: plane.inflight() == 0, timeout=3, what="in-flight back to 0")
+    assert plane.dp.admission.stats("f")["active"] == 0
+    assert plane.dp.upstream.active == 0
+
+
+async def test_503_and_500_are_retried_on_another_instance(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    bad = await scripted_engine(default="status:503")
+    bad2 = await scripted_engine(default="status:500")
+    good = await scripted_engine()
+    plane = await dataplane([bad.url, bad2.url, good.url], routing={"max_attempts": 3,
+                                                                    "circuit_failure_threshold": 100})
+    for _ in range(6):
+        async with client.post(plane.url + CHAT, json=BODY) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == "hello"
+            assert r.headers["X-Routerd-Instance"] == "f:static2"
+    assert good.requests == 6
+    assert bad.requests + bad2.requests >= 1
+    metrics = await (await client.get(plane.url + "/metrics")).text()
+    assert 'routerd_retries_total{fleet="f"}' in metrics
+    assert 'routerd_requests_total{code="200",fleet="f",instance="f:static2"} 6.0' in metrics
+    await settle(plane)
+
+
+async def test_connect_error_is_retried(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                        client: aiohttp.ClientSession) -> None:
+    dead = await scripted_engine()
+    good = await scripted_engine()
+    plane = await dataplane([dead.url, good.url], routing={"stale_after_s": 30})
+    await dead.stop()  # killed after it was ready; routing still believes in it for a while
+    for _ in range(5):
+        async with client.post(plane.url + CHAT, json=STREAM) as r:
+            assert r.status == 200
+            text = await r.text()
+            assert text.endswith("data: [DONE]\n\n")
+            assert "error" not in text
+    assert good.requests == 5
+    await settle(plane)
+
+
+async def test_client_errors_pass_through_unretried(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                    client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine(default="status:400")
+    b = await scripted_engine(default="status:400")
+    plane = await dataplane([a.url, b.url])
+    for _ in range(4):
+        async with client.post(plane.url + CHAT, json=BODY) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["message"] == "scripted 400"
+    assert a.requests + b.requests == 4
+    await settle(plane)
+
+
+async def test_all_attempts_fail_gives_502_json(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine(default="status:500")
+    b = await scripted_engine(default="status:500")
+    plane = await dataplane([a.url, b.url], routing={"max_attempts": 2, "circuit_failure_threshold": 100})
+    async with client.post(plane.url + CHAT, json=STREAM) as r:
+        assert r.status == 502
+        err = (await r.json())["error"]
+        assert err["code"] == 502
+        assert "scripted 500" in err["message"]
+    assert a.requests == 1
+    assert b.requests == 1
+    await settle(plane)
+
+
+async def test_hung_instance_first_byte_timeout_retries_and_aborts(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    hung = await scripted_engine(default="hang")
+    good = await scripted_engine(running=5)  # looks busier, so the hung one is tried first
+    plane = await dataplane([hung.url, good.url], routing={"first_byte_timeout_s": 0.3,
+                                                           "circuit_failure_threshold": 1,
+                                                           "circuit_cooldown_s": 30})
+    for _ in range(4):
+        async with client.post(plane.url + CHAT, json=STREAM) as r:
+            assert r.status == 200
+            assert (await r.text()).endswith("data: [DONE]\n\n")
+    # One request went to the hung engine; its circuit opened on that timeout and it got no more.
+    assert hung.requests == 1
+    assert good.requests == 4
+    await plane.wait_for(lambda: hung.cancelled == 1, timeout=3, what="hung request aborted")
+    status = plane.dp.status()["fleets"]["f"]["instances"][0]
+    assert status["circuit"] == "open"
+    await settle(plane)
+
+
+async def test_error_event_before_any_token_is_retried(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine(default="error_first")
+    b = await scripted_engine(running=5)  # looks busier, so the failing one is tried first
+    plane = await dataplane([a.url, b.url], routing={"circuit_failure_threshold": 100})
+    for _ in range(4):
+        async with client.post(plane.url + CHAT, json=STREAM) as r:
+            text = await r.text()
+            assert r.status == 200
+            assert "error" not in text
+            assert text.endswith("data: [DONE]\n\n")
+            assert text.count("data: ") == 6  # 5 chunks + [DONE]
+    assert a.requests == 4
+    assert b.requests == 4
+    await settle(plane)
+
+
+@pytest.mark.parametrize(("behaviour", "engine_error"), [("error_after:2", True), ("drop_after:2", False),
+                                                        ("no_done", False)])
+async def test_failure_after_first_byte_ends_the_stream_with_an_error_event(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession,
+        behaviour: str, engine_error: bool) -> None:
+    a = await scripted_engine(default=behaviour)
+    plane = await dataplane([a.url])
+    async with client.post(plane.url + CHAT, json=STREAM) as r:
+        assert r.status == 200
+        text = await r.text()
+    events = [e for e in text.split("\n\n") if e]
+    assert events[0].startswith('data: {"choices"')
+    assert events[-1] == "data: [DONE]"
+    assert events[-2].startswith('data: {"error"')
+    assert ("engine died" in events[-2]) is engine_error  # the engine's own event passes through as is
+    assert a.requests == 1  # nothing is retried once bytes went out
+    await settle(plane)
+
+
+async def test_client_disconnect_cancels_upstream(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                  client: aiohttp.ClientSession) -> None:
+    slow = await scripted_engine(chunks=100, chunk_delay_s=0.05)
+    plane = await dataplane([slow.url])
+    # Streaming: disconnect after the first chunk.
+    async with client.post(plane.url + CHAT, json=STREAM) as r:
+        assert r.status == 200
+        await r.content.readline()
+    await plane.wait_for(lambda: slow.cancelled == 1, timeout=3, what="stream aborted upstream")
+    # Non-streaming: disconnect while routerd waits for the engine.
+    task = asyncio.create_task(client.post(plane.url + CHAT, json=BODY))
+    await plane.wait_for(lambda: slow.active == 1, timeout=3, what="request reached the engine")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await plane.wait_for(lambda: slow.cancelled == 2, timeout=3, what="non-stream aborted upstream")
+    assert slow.completed == 0
+    await settle(plane)
+
+
+async def test_circuit_breaker_takes_failing_instance_out_then_back(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    flaky = await scripted_engine(default="status:500")
+    good = await scripted_engine()
+    plane = await dataplane([flaky.url, good.url], routing={"circuit_failure_threshold": 2,
+                                                            "circuit_cooldown_s": 0.5})
+    for _ in range(20):
+        async with client.post(plane.url + CHAT, json=BODY) as r:
+            assert r.status == 200
+    assert flaky.requests == 2  # two failures in a row, then out of rotation
+    flaky.default = "ok"
+    await asyncio.sleep(0.6)  # cool-down over: half-open, one trial, which succeeds
+    seen: collections.Counter[str] = collections.Counter()
+    for _ in range(20):
+        async with client.post(plane.url + CHAT, json=BODY) as r:
+            seen[r.headers["X-Routerd-Instance"]] += 1
+    assert seen["f:static0"] > 0  # back in rotation
+    await settle(plane)
+
+
+async def test_static_instance_leaves_rotation_when_scrapes_fail(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine()
+    b = await scripted_engine()
+    plane = await dataplane([a.url, b.url], routing={"stale_after_s": 0.3})
+    a.metrics_ok = False  # /metrics hangs from now on
+    inst = plane.registry.get("f:static0")
+    assert inst is not None
+    await plane.wait_for(lambda: inst.state is InstanceState.UNHEALTHY, timeout=5, what="out of rotation")
+    for _ in range(5):
+        async with client.post(plane.url + CHAT, json=BODY) as r:
+            assert r.headers["X-Routerd-Instance"] == "f:static1"
+    a.metrics_ok = True
+    await plane.wait_ready(2, timeout=5)
+    await settle(plane)
