@@ -67,6 +67,22 @@ class EngineOps:
         return info
 
     @staticmethod
+    def renew(slot: Slot, registry: Registry, info: dict[str, Any]) -> Instance:
+        """A new engine generation gets a new registry Instance, so nothing of the old engine's —
+        its scrape snapshot and token counters, its circuit-breaker failures, its in-flight count —
+        is held against the fresh one. Requests still holding the old object finish against it."""
+        old = slot.inst
+        inst = old
+        if old.generation and int(info["generation"]) != old.generation:
+            inst = Instance(id=old.id, fleet=old.fleet, url=info["url"], capacity_hint=old.capacity_hint,
+                            restarts=old.restarts, state=InstanceState.STARTING,
+                            state_reason=old.state_reason)
+            registry.add(inst)
+            slot.inst = inst
+        EngineOps.apply_info(inst, info)
+        return inst
+
+    @staticmethod
     def apply_info(inst: Instance, info: dict[str, Any]) -> None:
         inst.url = info["url"]
         inst.pid = info["pid"]
@@ -148,7 +164,7 @@ class EngineOps:
         slot.placement.actor_dead = False
         info: dict[str, Any] = await asyncio.wait_for(_resolve(actor.start.remote()), 120.0)
         slot.info = info
-        self.apply_info(inst, info)
+        inst = self.renew(slot, registry, info)
         _logger.info("engine_started", instance=inst.id, pid=info["pid"], url=info["url"],
                      generation=info["generation"], log=info["log_path"])
 
@@ -166,7 +182,7 @@ class EngineOps:
                 info: dict[str, Any] = await asyncio.wait_for(
                     _resolve(slot.placement.actor.restart_engine.remote(grace_s)), 60.0)
                 slot.info = info
-                self.apply_info(inst, info)
+                inst = self.renew(slot, registry, info)
                 _logger.info("engine_restarted", instance=inst.id, pid=info["pid"], url=info["url"],
                              generation=info["generation"])
                 return

@@ -66,8 +66,10 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
 
 
 def get(name: str | None = None) -> Any:
-    """A bound structlog logger; ``name`` becomes the ``logger`` field."""
-    return structlog.get_logger(name) if name is None else structlog.get_logger().bind(logger=name)
+    """A bound structlog logger; ``name`` becomes the ``component`` field."""
+    # get_logger(**initial_values) stays lazy: a module-level logger made before setup() still
+    # renders with the processors setup() installs.
+    return structlog.get_logger() if name is None else structlog.get_logger(component=name)
 
 
 bind_request_id = structlog.contextvars.bind_contextvars

@@ -39,7 +39,7 @@ class Traffic:
                 async with session.post(f"{self.url}/v1/completions", json=body,
                                         timeout=aiohttp.ClientTimeout(total=30)) as resp:
                     if resp.status != 200:
-                        self.failed_before_stream.append(f"{resp.status} {await resp.text()}"[:200])
+                        self.failed_before_stream.append(f"{time.monotonic():.2f} {resp.status} {await resp.text()}"[:200])
                         continue
                     if not stream:
                         await resp.json()
@@ -86,6 +86,11 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
         await r.wait_ready("fo", 2)
         traffic = Traffic(r.url, "sim-fo")
         stop = asyncio.Event()
+        async def watch() -> None:
+            while True:
+                print(f"{time.monotonic():.2f}", [(i.id, i.state.value, i.generation, i.state_reason[:40]) for i in r.registry])
+                await asyncio.sleep(0.25)
+        wt = asyncio.create_task(watch())
         clients = [asyncio.create_task(traffic.client(s, stop, stream=i % 2 == 1)) for i in range(4)]
         try:
             await asyncio.sleep(1.0)

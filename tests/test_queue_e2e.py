@@ -150,6 +150,10 @@ async def test_redis_restarted_mid_run_real_path(redis_server: RedisServer, redi
     await asyncio.to_thread(redis_server.restart)  # SIGTERM (AOF flushed), same port and dir
     await q.wait_many(jobs, timeout=60)
     await check_one_for_one(redis_async, jobs, bodies, "replies")
+    for _ in range(300):  # the reader resumes on its own backoff schedule (≤ 2 s)
+        if not consumer.paused:
+            break
+        await asyncio.sleep(0.02)
     assert not consumer.paused
 
 

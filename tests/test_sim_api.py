@@ -219,3 +219,15 @@ def test_cli_flags_map_onto_sim_config() -> None:
     assert (args["model"], args["max_num_seqs"], args["itl_ms"]) == ("m", 3, 2.5)
     assert (args["enable_prefix_caching"], args["num_gpu_blocks"], args["ttft_ms"]) == (False, 64, 20.0)
     assert main(["--port", "0", "--model", "m", "--max-num-seqs", "0"]) == 2
+
+
+async def test_eos_stops_early_unless_ignore_eos(sim_engine: SimEngineFactory) -> None:
+    eng = await sim_engine(model="m", eos_prob=0.3, seed=2, **FAST)
+    body = {"model": "m", "prompt": "early end", "max_tokens": 40}
+    choice = json.loads((await post(f"{eng.url}/v1/completions", body))[2])["choices"][0]
+    assert choice["finish_reason"] == "stop"  # P(no EOS in 40 tokens at 0.3) ≈ 6e-7; fixed by the seed
+    assert choice["text"] == expected_text(2, "early end", 40, eos_prob=0.3)
+    full = json.loads((await post(f"{eng.url}/v1/completions", {**body, "ignore_eos": True}))[2])
+    assert full["choices"][0]["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == 40
+    assert full["choices"][0]["text"].startswith(choice["text"])

@@ -7,9 +7,10 @@ Method:
   ``ttft_ms=120``, ``itl_ms=30``), each in its own process; routerd in its own process, restarted
   for each policy. Each instance's capacity (``max_num_seqs``) is given to routerd, as a launched
   fleet's config would.
-* The fleet's capacity is estimated from the engines' latency model at a full batch:
-  ``Σ max_num_seqs / (ttft + max_tokens × itl × (1 + batch_factor))`` requests/s. For each load in
-  ``--loads`` (fractions of that), Poisson arrivals of streaming completions
+* The fleet's capacity is measured, not computed: one instance of each kind is saturated directly
+  (closed loop, twice its batch size) for ``--calibrate-s`` seconds, and the fleet's capacity is the
+  sum over instances of their kind's completed requests/s. For each load in ``--loads`` (fractions
+  of that), Poisson arrivals of streaming completions
   (``max_tokens = --max-tokens``) for ``--duration`` seconds — the *same* arrival sequence for every
   policy (one seed).
 * Per policy and load: mean and p99 of time to first token (first SSE event) and of end-to-end
@@ -34,10 +35,23 @@ MODEL = "bench"
 POLICIES = ("round_robin", "least_load", "power_of_two")
 
 
-def _capacity(sim: dict[str, Any], max_tokens: int) -> float:
-    per_request_s = (sim["ttft_ms"] + max_tokens * sim["itl_ms"] * (1 + sim["batch_factor"])) / 1000.0
-    cap: float = sim["max_num_seqs"] / per_request_s
-    return cap
+async def measure_capacity(session: aiohttp.ClientSession, url: str, *, concurrency: int, duration: float,
+                           max_tokens: int) -> float:
+    """Requests/s one instance completes when saturated (closed loop, twice its batch size)."""
+    body = msgspec.json.encode({"model": MODEL, "prompt": "route me somewhere quick",
+                                "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+    stop_at = time.perf_counter() + duration
+    done = 0
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            if (await timed_request(session, url + "/v1/completions", body, True)).ok:
+                done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.perf_counter() - t0)
 
 
 async def poisson(session: aiohttp.ClientSession, url: str, *, rate: float, duration: float,
@@ -70,15 +84,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fast = {"max_num_seqs": 8, "ttft_ms": 40.0, "itl_ms": 10.0, "batch_factor": 0.5}
     slow = {"max_num_seqs": 4, "ttft_ms": 120.0, "itl_ms": 30.0, "batch_factor": 0.5}
     kinds = [fast] * args.fast + [slow] * args.slow
-    capacity = sum(_capacity(k, args.max_tokens) for k in kinds)
-    results: dict[str, Any] = {"params": vars(args).copy(), "fleet": {"fast": fast, "slow": slow,
-                               "capacity_rps": round(capacity, 1)}, "runs": []}
+    results: dict[str, Any] = {"params": vars(args).copy(), "fleet": {"fast": fast, "slow": slow}, "runs": []}
     with Processes() as procs:
         urls = list(await asyncio.gather(*(procs.sim(MODEL, **k, seed=i) for i, k in enumerate(kinds))))
         capacities = {f"bench:static{i}": int(k["max_num_seqs"]) for i, k in enumerate(kinds)}
         names = {f"bench:static{i}": ("fast" if k is fast else "slow") + str(i) for i, k in enumerate(kinds)}
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
+            # The fleet's capacity, measured: saturate the first instance of each kind directly.
+            per_kind = {}
+            for name, kind in (("fast", fast), ("slow", slow)):
+                if kind in kinds:
+                    per_kind[name] = await measure_capacity(
+                        session, urls[kinds.index(kind)], concurrency=2 * int(kind["max_num_seqs"]),
+                        duration=args.calibrate_s, max_tokens=args.max_tokens)
+            capacity = per_kind.get("fast", 0.0) * args.fast + per_kind.get("slow", 0.0) * args.slow
+            results["fleet"]["capacity_rps"] = round(capacity, 1)
+            results["fleet"]["measured_rps_per_instance"] = {k: round(v, 2) for k, v in per_kind.items()}
+            await asyncio.sleep(1.0)
             for policy in args.policies:
                 cfg = {"redis": {"enabled": False}, "daemon": {"log_level": "warning"},
                        "routing": {"policy": policy, "scrape_interval_s": args.scrape_interval_s},
@@ -136,6 +159,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--scrape-interval-s", type=float, default=0.2)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--calibrate-s", type=float, default=5.0, help="seconds per capacity measurement")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     import uvloop

@@ -137,7 +137,7 @@ class BatchWriter:
                 _log.warning("queue_writer_redis_unavailable", error=repr(e), pending=len(self._items),
                              retry_in_s=round(backoff, 3))
                 await asyncio.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 2.0)
 
     async def _flush(self, batch: list[_Item]) -> None:
         client = self._client()

@@ -212,7 +212,7 @@ class QueueIngress:
                     _log.warning("queue_paused_redis_unavailable", error=repr(e))
                 self.paused = True
                 await asyncio.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 2.0)
             except redis.exceptions.ResponseError as e:
                 if "NOGROUP" not in str(e):
                     raise
@@ -340,7 +340,7 @@ class QueueIngress:
                         self.cancel_local(_s(msg["data"]))
             except REDIS_DOWN:
                 await asyncio.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(*REDIS_DOWN):
                     await asyncio.wait_for(pubsub.aclose(), 1.0)

@@ -65,7 +65,9 @@ class SimEngine:
 
     ``exit_on_crash`` makes the "crash" fault ``os._exit(1)`` the process (the CLI does this); in-process
     a crash instead drops the listening socket and every connection at once, which is what a router
-    sees of a dead process.
+    sees of a dead process, and sets the ``crashed`` event.
+
+    Tests read ``url``/``port`` after :meth:`start`, change ``faults`` and read ``stats``.
     """
 
     def __init__(self, config: SimConfig, *, exit_on_crash: bool = False) -> None:
@@ -90,7 +92,7 @@ class SimEngine:
 
     @property
     def stats(self) -> SimStats:
-        """running, waiting, completed, aborted, preemptions, kv_cache_usage — right now."""
+        """running, waiting, completed, aborted, failed, preemptions, kv_cache_usage — right now."""
         return self.engine.stats
 
     def build_app(self) -> web.Application:
@@ -162,15 +164,10 @@ class SimEngine:
             await asyncio.wait([task])
 
     def _crash(self) -> None:
+        """The "crash" fault. In-process: close the listener and reset every connection right now
+        (synchronously, so the next connect is refused), then tidy up in a task; ``crashed`` is set."""
         if self._exit_on_crash:
             os._exit(1)
-        task = asyncio.get_running_loop().create_task(self._abrupt_stop(), name="sim-crash")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _abrupt_stop(self) -> None:
-        """In-process crash: close the listener and reset every connection, no goodbyes."""
-        self.crashed.set()
         runner = self._runner
         if runner is not None:
             for site in list(runner.sites):
@@ -181,7 +178,10 @@ class SimEngine:
                 for conn in list(runner.server.connections):
                     if conn.transport is not None:
                         conn.transport.abort()
-        await self.stop()
+        self.crashed.set()
+        task = asyncio.get_running_loop().create_task(self.stop(), name="sim-crash-cleanup")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- middlewares ----------------------------------------------------------------------------
 
