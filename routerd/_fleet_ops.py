@@ -159,7 +159,8 @@ class EngineOps:
         registry.set_state(inst, InstanceState.STARTING, "starting engine")
         spec_json = msgspec.json.encode(slot.spec)
         actor = await self.cluster.create_actor(EngineActor, name, slot.placement.bundle, slot.placement.pg,
-                                                spec_json, inst.generation + 1, self.state_dir)
+                                                spec_json, inst.generation + 1, self.state_dir,
+                                                "127.0.0.1" if self.cluster.is_local() else "")
         slot.placement.actor = actor
         slot.placement.actor_dead = False
         info: dict[str, Any] = await asyncio.wait_for(_resolve(actor.start.remote()), 120.0)

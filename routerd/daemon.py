@@ -151,6 +151,9 @@ class Daemon:
 
         self.cluster = await RayCluster.connect(self.cfg.ray, state)
         stack.push_async_callback(self.cluster.close)
+        # ray.init installs its own (abseil) SIGTERM handler, which logs and re-raises; ours must win so
+        # that SIGTERM drains instead of killing the process.
+        self._install_signals()
         self.fleets = FleetManager(self.cfg, self.registry, self.cluster)
         await self.fleets.start()
 

@@ -79,7 +79,8 @@ def _node_ip_and_id() -> tuple[str, str]:
         import ray
 
         if ray.is_initialized():
-            ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # ray is untyped
+            # Ray rewrites a 127.0.0.1 node address to the host's reachable IP (resolve_ip_for_localhost).
+            ip = ray._private.worker.global_worker.node_ip_address
             return str(ip), str(ray.get_runtime_context().get_node_id())
     except ImportError:
         pass
@@ -93,12 +94,15 @@ class EngineActor:
     fleet manager's death sentinel) never blocks a ``probe`` or a ``stop``.
     """
 
-    def __init__(self, spec_json: bytes, generation: int, state_dir: str) -> None:
+    def __init__(self, spec_json: bytes, generation: int, state_dir: str, engine_host: str = "") -> None:
+        """``engine_host`` "" binds the engine to the node's IP (multi-node clusters); routerd passes
+        127.0.0.1 when the cluster is local, so engines never listen beyond loopback there."""
         self.spec = msgspec.json.decode(spec_json, type=LaunchSpec)
         self.spec_json = spec_json
         self.generation = generation
         self.state_dir = Path(state_dir)
-        self.host, self.node_id = _node_ip_and_id()
+        node_ip, self.node_id = _node_ip_and_id()
+        self.host = engine_host or node_ip
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.started_at = 0.0

@@ -310,7 +310,6 @@ class FleetManager:
     # supervision ------------------------------------------------------------------------------
     async def _supervise(self, slot: Slot) -> None:
         """One instance's life: launch or adopt, ready, watch, restart with backoff — until cancelled."""
-        inst = slot.inst
         failed_before = False
         while True:
             try:
@@ -318,7 +317,10 @@ class FleetManager:
                     await self._after_failure(slot)
                 await self.ops.ensure_running(slot, self.registry)
                 if await self.ops.wait_ready(slot, self.registry, self.cfg.health):
-                    if not slot.drained:
+                    inst = slot.inst  # a restart may have put a new Instance in the registry
+                    if slot.drained:
+                        self.registry.set_state(inst, InstanceState.DRAINING, "drained by admin")
+                    else:
                         self.registry.set_state(inst, InstanceState.READY)
                     slot.ready_since = self.clock()
                     _logger.info("instance_ready", instance=inst.id, url=inst.url, pid=inst.pid,
@@ -327,7 +329,7 @@ class FleetManager:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a loop boundary: this instance's step failed; back off and retry
-                _logger.exception("instance_step_failed", instance=inst.id)
+                _logger.exception("instance_step_failed", instance=slot.inst.id)
                 slot.fail_reason = slot.fail_reason or f"error: {e!r}"[:200]
             failed_before = True
 

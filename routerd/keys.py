@@ -50,6 +50,10 @@ class Keys:
         """List of failed attempts (JSON), copied into the dead-letter entry if the job ends there."""
         return f"{self.ns}:history:{job_id}"
 
+    def chunks(self, job_id: str) -> str:
+        """The last (run, seq) of a streamed job's chunks written, so none is written twice."""
+        return f"{self.ns}:chunks:{job_id}"
+
     def reply(self, job_id: str) -> str:
         """The client's default reply stream for one job."""
         return f"{self.ns}:reply:{job_id}"

@@ -128,22 +128,25 @@ class LocalHead:
                 "--disable-usage-stats"]
         if self.cfg.resources:
             argv += ["--resources", json.dumps(self.cfg.resources)]
-        with open(self.log_file, "ab") as log:
-            # New session on purpose: the head (and the detached engines in it) must outlive routerd.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=ray_env(), start_new_session=True)
+        # Detached on purpose (a new session, reparented away from routerd through a shell that exits at
+        # once): the head and the detached engines in it must outlive routerd, and routerd must not hold
+        # a child process object it will never wait for.
+        out = subprocess.run(["/bin/sh", "-c", '"$@" </dev/null >>"$ROUTERD_RAY_LOG" 2>&1 & echo $!', "sh",
+                              *argv], env={**ray_env(), "ROUTERD_RAY_LOG": str(self.log_file)},
+                             capture_output=True, text=True, start_new_session=True, timeout=10, check=True)
+        pid = int(out.stdout.strip())
         deadline = time.monotonic() + timeout_s
         while not _port_open(host, port):
-            if proc.poll() is not None:
-                raise RayConnectError(f"ray start exited with {proc.returncode}; see {self.log_file}")
+            if not _pid_alive(pid):
+                raise RayConnectError(f"ray start exited; see {self.log_file}")
             if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
                 raise RayConnectError(f"local Ray head did not open {host}:{port} in {timeout_s}s")
             time.sleep(0.1)
-        self.state_file.write_text(json.dumps({"pid": proc.pid, "host": host, "port": port,
+        self.state_file.write_text(json.dumps({"pid": pid, "host": host, "port": port,
                                                "temp_dir": str(self.temp_dir)}))
-        _logger.info("ray_head_started", address=f"{host}:{port}", pid=proc.pid, temp_dir=str(self.temp_dir),
-                     num_cpus=num_cpus, num_gpus=self.cfg.num_gpus)
+        _logger.info("ray_head_started", address=f"{host}:{port}", pid=pid, temp_dir=str(self.temp_dir),
+                     num_cpus=num_cpus, num_gpus=self.cfg.num_gpus, log=str(self.log_file))
         return f"{host}:{port}"
 
 
@@ -173,9 +176,11 @@ class RayCluster:
         if local:
             head = LocalHead(cfg, state_dir)
             found = await asyncio.to_thread(head.find)
-            address = found if found is not None else await asyncio.to_thread(head.start, cfg.connect_timeout_s)
-            if found:
-                _logger.info("ray_head_found", address=address)
+            if found is None:
+                found = await asyncio.to_thread(head.start, cfg.connect_timeout_s)
+            else:
+                _logger.info("ray_head_found", address=found)
+            address = found
         try:
             owns = await asyncio.wait_for(asyncio.to_thread(_init, address, cfg.namespace),
                                           cfg.connect_timeout_s)
@@ -185,6 +190,11 @@ class RayCluster:
             raise RayConnectError(f"cannot connect to Ray at {address!r}: {e}") from e
         _logger.info("ray_connected", address=address, namespace=cfg.namespace, local_head=local)
         return cls(address, cfg.namespace, owns_connection=owns, local_head=local)
+
+    def is_local(self) -> bool:
+        """True for routerd's own head or a cluster addressed on loopback: engines then bind 127.0.0.1."""
+        host = self.address.rsplit(":", 1)[0]
+        return self.local_head or host in ("127.0.0.1", "localhost", "::1", "[::1]")
 
     async def close(self) -> None:
         """Disconnect the driver (never stops the cluster: engines must outlive routerd)."""

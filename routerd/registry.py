@@ -193,8 +193,11 @@ class Registry:
     async def wait_changed(self, since: int, timeout: float) -> int:
         """Wait until the registry changed after ``since`` (or ``timeout``); return the new version."""
         if self._version == since:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that arrives as the
+            # event is set, and a cancelled loop would then wait forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
         return self._version
 
     def get(self, instance_id: str) -> Instance | None:

@@ -201,7 +201,8 @@ class Upstream:
             ttfb = self.clock() - started
             await sink.write(first)
             if stream and 200 <= resp.status < 300:
-                ok, error = await self._pump(inst, resp, sink, first)
+                sse = headers["Content-Type"].startswith("text/event-stream")
+                ok, error = await self._pump(inst, resp, sink, first, sse)
             else:
                 ok = 200 <= resp.status < 300
                 error = None if ok else _error_message(first, resp.status)
@@ -267,8 +268,9 @@ class Upstream:
             raise
 
     async def _pump(self, inst: Instance, resp: aiohttp.ClientResponse, sink: ResponseSink,
-                    first: bytes) -> tuple[bool, str | None]:
-        """Copy the rest of a stream to the sink as raw bytes; make sure it ends in a terminal event."""
+                    first: bytes, sse: bool) -> tuple[bool, str | None]:
+        """Copy the rest of a stream to the sink as raw bytes; make sure an SSE stream ends in a
+        terminal event (``[DONE]``, or an error event and ``[DONE]``)."""
         tail = first[-_TAIL:]
         saw_error = _ERROR_MARK in first
         read = resp.content.readany
@@ -290,11 +292,12 @@ class Upstream:
             if _DONE not in tail:
                 await sink.write(b"data: [DONE]\n\n")
             return False, "the engine sent an error event mid-stream"
-        if failure is None and _DONE not in tail:
+        if failure is None and sse and _DONE not in tail:
             failure = "the engine closed the stream before [DONE]"
         if failure is not None:
             self._failed(inst, "stream_broken")
-            await sink.write(sse_error_event(failure, "UpstreamError", 502))
+            if sse:
+                await sink.write(sse_error_event(failure, "UpstreamError", 502))
             return False, failure
         return True, None
 

@@ -11,7 +11,7 @@ import pytest
 
 from routerd.errors import BadRequest
 from routerd.ingress.http import parse_request
-from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane
+from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane, plane_config
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -168,3 +168,22 @@ async def test_over_capacity_is_429_with_retry_after(
     await asyncio.gather(first, second, return_exceptions=True)
     await p.wait_for(lambda: p.dp.admission.stats("f")["active"] == 0, what="admission released")
     await p.wait_for(lambda: p.inflight() == 0, what="in-flight released")
+
+
+async def test_reload_swaps_keys_policy_and_static_urls(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    old = await scripted_engine()
+    new = await scripted_engine()
+    p = await dataplane([old.url])
+    await p.dp.apply(plane_config([new.url], http={"api_keys": ["k"]}, routing={"policy": "round_robin"}))
+    body = {"model": "m", "prompt": "x"}
+    async with client.post(p.url + COMP, json=body) as r:
+        await error_of(r, 401)
+    await p.wait_ready(1)  # the changed URL is a new instance: in rotation once it answers /health
+    async with client.post(p.url + COMP, json=body, headers={"Authorization": "Bearer k"}) as r:
+        assert r.status == 200
+    assert (old.requests, new.requests) == (0, 1)
+    async with client.get(p.url + "/admin/fleets") as r:
+        status = await r.json()
+    assert status["policy"] == "round_robin"
+    assert [i["url"] for i in status["fleets"]["f"]["instances"]] == [new.url]

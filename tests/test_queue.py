@@ -312,3 +312,61 @@ async def test_result_record_matches_reply(redis_server: RedisServer, redis_asyn
     assert stored == res
     for key in (f"routerd:done:{job.id}", job.reply_to, f"routerd:job:{job.id}"):
         assert 0 < await redis_async.ttl(key) <= 100
+
+
+class _Exploding(FakeUpstream):
+    """An upstream with a bug for one job: the consumer must contain it, not die of it."""
+
+    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *, stream: bool,
+                      request_id: str) -> Any:
+        if b"boom" in body:
+            self.calls[request_id] += 1
+            raise ValueError("a bug triggered by this job")
+        return await super().forward(fleet, endpoint, body, sink, stream=stream, request_id=request_id)
+
+
+async def test_a_job_that_crashes_the_consumer_ends_dead_with_history(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    up = _Exploding()
+    bench = QueueBench(queue_config(redis_server.url, max_deliveries=2, reclaim_idle_ms=200), up)
+    q = QueueClient(redis_async)
+    bad = await q.submit({**BODY, "prompt": "boom"})
+    good = await q.submit_many([BODY] * 20)
+    await bench.start()
+    try:
+        res = await q.wait(bad, timeout=20)
+        assert all(r.status == "ok" for r in (await q.wait_many(good, timeout=10)).values())
+    finally:
+        await bench.stop()
+    assert res.status == "error"
+    assert up.calls[bad.id] == 2  # reclaimed once, then dead at max_deliveries
+    (dead,) = [fields(f) for _, f in await redis_async.xrange("routerd:dead")]
+    assert "delivered 2 times" in dead["reason"]
+    assert ["a bug triggered" in h["error"] for h in msgspec.json.decode(dead["history"])] == [True, True]
+
+
+async def test_stop_intake_finishes_in_flight_and_reads_no_more(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    q = QueueClient(redis_async)
+    first = await q.submit_many([BODY] * 5)
+    await bench.start()
+    await until(lambda: _held(bench, 5))
+    bench.ingress.stop_intake()
+    later = await q.submit_many([BODY] * 5)
+    await asyncio.sleep(0.5)
+    assert not await bench.ingress.wait_idle(0.1)  # the five are still running
+    hold.set()
+    assert await bench.ingress.wait_idle(5)
+    assert bench.task is not None
+    await asyncio.wait_for(bench.task, 5)  # run() returns once idle after stop_intake
+    assert all(r.status == "ok" for r in (await q.wait_many(first, timeout=1)).values())
+    assert [(await q.status(j)).state for j in later] == ["queued"] * 5  # left for the next start
+    again = QueueBench(queue_config(redis_server.url), FakeUpstream())  # the same consumer name
+    await again.start()
+    try:
+        assert all(r.status == "ok" for r in (await q.wait_many(later, timeout=10)).values())
+    finally:
+        await again.stop()
+    assert sum(bench.upstream.calls.values()) == 5

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -129,3 +130,33 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
             assert await client.xlen("s") == 1
         finally:
             await client.aclose()
+
+
+async def test_daemon_wiring_embedded_redis_and_factories(tmp_path: Path) -> None:
+    """The way the daemon builds the queue path: embedded Redis, then factories for the data plane."""
+    from routerd.admission import Admission
+    from routerd.ingress.queue import QueueIngress
+    from routerd.registry import Instance, InstanceState, Registry
+
+    async with EmbeddedRedis(tmp_path / "redis") as url:
+        cfg = queue_config("embedded")
+        registry = Registry()
+        registry.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
+        plane: dict[str, Any] = {}
+        queue = QueueIngress.from_config(cfg, url=url, registry=registry,
+                                         upstream_factory=lambda: plane["upstream"],
+                                         admission_factory=lambda: plane["admission"])
+        async with queue:
+            plane["upstream"] = FakeUpstream()  # built after Redis, as the daemon's data plane is
+            plane["admission"] = Admission(registry, cfg.admission)
+            task = asyncio.create_task(queue.run())
+            client = aioredis.Redis.from_url(url, socket_timeout=5)
+            try:
+                q = QueueClient(client)
+                result = await q.wait(await q.submit(BODY), timeout=10)
+            finally:
+                await client.aclose()
+            queue.stop_intake()
+            assert await queue.wait_idle(5)
+            await asyncio.wait_for(task, 5)
+    assert result.status == "ok"

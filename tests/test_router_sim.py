@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from routerd.registry import InstanceState
+from routerd.registry import Instance, InstanceState
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 
 COMP = "/v1/completions"
@@ -133,3 +133,27 @@ async def test_engine_500s_are_retried_and_counters_settle(sims: SimFactory, dat
     results = await asyncio.gather(*(post(client, plane.url + COMP, body) for _ in range(10)))
     assert [s for s, _, _ in results] == [200] * 10
     await settle(plane, flaky, good)
+
+
+async def test_instances_added_by_anyone_are_scraped_and_routed_once_ready(
+        sims: SimFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    static = await sims()
+    launched = await sims()
+    plane = await dataplane([static.url])
+    # What the fleet manager does for a launched engine: add it, then mark it ready when healthy.
+    inst = plane.registry.add(Instance(id="f:0", fleet="f", url=launched.url, capacity_hint=4))
+    await plane.wait_for(lambda: inst.snapshot is not None, timeout=3, what="first scrape")
+    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+    results = await asyncio.gather(*(post(client, plane.url + COMP, body) for _ in range(6)))
+    assert {i for _, i, _ in results} == {"f:static0"}  # scraped but starting: never chosen
+    plane.registry.set_state(inst, InstanceState.READY)
+    results = await asyncio.gather(*(post(client, plane.url + COMP, body) for _ in range(8)))
+    assert {i for _, i, _ in results} == {"f:static0", "f:0"}
+    await launched.stop()
+    await plane.wait_for(lambda: bool(inst.scrape_error), timeout=3, what="failed scrape recorded")
+    assert inst.scrape_errors_total >= 1
+    status = {i["id"]: i for i in plane.dp.status()["fleets"]["f"]["instances"]}
+    assert status["f:0"]["scrape_error"]
+    results = await asyncio.gather(*(post(client, plane.url + COMP, body) for _ in range(6)))
+    assert {i for _, i, _ in results} == {"f:static0"}  # a failed scrape leaves rotation while others exist
+    await settle(plane, static)

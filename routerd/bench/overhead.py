@@ -3,12 +3,16 @@
 Method:
 
 * Simulated engines with a fixed latency (``batch_factor = 0``, large ``max_num_seqs``, so a request's
-  time does not depend on what else runs) each in their own process; routerd's data plane in its own
-  process (uvloop, ``least_load``, info logging with its one canonical line per request, to /dev/null).
-* **Added latency (paired):** Poisson arrivals at ``--rate``; each arrival sends the *same* request
-  twice at the same instant, once straight to an engine and once through routerd (which routes it to
-  one of the same engines). The per-pair difference of end-to-end latency (and, for streams, of time
-  to first token) is routerd's added latency; p50/p90/p99 over all pairs.
+  time does not depend on what else runs; zero model time by default, so that the engine's step
+  boundaries do not put the two requests of a pair into different steps) each in their own
+  process; routerd's data plane in its own process (uvloop, ``least_load``, info logging with its
+  one canonical line per request, to /dev/null).
+* **Added latency (paired):** Poisson arrivals at each of ``--rates``; each arrival sends the *same*
+  request twice at the same instant, once straight to an engine (round-robin over them) and once
+  through routerd (which routes it to one of the same engines). The per-pair difference of end-to-end
+  latency (and, for streams, of time to first token) is routerd's added latency; p50/p90/p99 over all
+  pairs. A control run sends both requests of each pair direct: its spread is the measurement's own
+  noise (a shared CPU, the engine's step timing).
 * **Sustained rate:** ``--concurrency`` closed-loop clients through routerd for ``--duration``
   seconds; completed requests per second, and routerd's CPU seconds from ``/proc`` over the same
   window. ``rate / cpu_share`` is what one fully used core would carry (routerd is one event loop).
@@ -118,52 +122,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     sim = {"max_num_seqs": 1024, "ttft_ms": args.engine_ttft_ms, "itl_ms": args.engine_itl_ms,
            "batch_factor": 0, "default_max_tokens": args.max_tokens}
-    results: dict[str, Any] = {"params": vars(args).copy()}
+    results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
-        # Pairs: a routerd in front of one engine, so both requests of a pair join the same engine's
-        # batch and differ only by the path they took. The rate test: a routerd over all engines.
-        (pair_url, _), (all_url, all_proc) = await asyncio.gather(
-            procs.plane(_plane_config(engines[:1], args.log_level), log_level=args.log_level),
-            procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level))
+        url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
             # warm-up: connections, code paths
-            await paired(session, engines[:1], pair_url, rate=100, duration=1.0, stream=False,
+            await paired(session, engines, url, rate=100, duration=1.0, stream=False,
                          max_tokens=args.max_tokens, rng=rng)
             for stream in (False, True):
                 kind = "stream" if stream else "non_stream"
-                results[f"control_{kind}"] = await paired(
-                    session, engines[:1], engines[0], rate=args.rate, duration=args.duration / 2,
-                    stream=stream, max_tokens=args.max_tokens, rng=rng)
-                results[f"paired_{kind}"] = await paired(
-                    session, engines[:1], pair_url, rate=args.rate, duration=args.duration, stream=stream,
-                    max_tokens=args.max_tokens, rng=rng)
-                results[f"sustained_{kind}"] = await sustained(
-                    session, all_url, all_proc.pid, concurrency=args.concurrency, duration=args.duration,
-                    stream=stream, max_tokens=args.max_tokens)
+                for rate in args.rates:
+                    control = await paired(session, engines[:1], engines[0], rate=rate,
+                                           duration=args.duration / 2, stream=stream,
+                                           max_tokens=args.max_tokens, rng=rng)
+                    measured = await paired(session, engines, url, rate=rate, duration=args.duration,
+                                            stream=stream, max_tokens=args.max_tokens, rng=rng)
+                    results["paired"].append({"kind": kind, "rate": rate, "routerd": measured,
+                                              "control": control})
+                s = await sustained(session, url, proc.pid, concurrency=args.concurrency,
+                                    duration=args.duration, stream=stream, max_tokens=args.max_tokens)
+                results["sustained"].append({"kind": kind, **s})
     return results
 
 
 def report(results: dict[str, Any]) -> None:
     rows = []
-    for kind in ("non_stream", "stream"):
-        p = results[f"paired_{kind}"]
-        rows.append([kind, "added e2e", p["achieved_rate"], p["added_e2e_ms"]["p50"], p["added_e2e_ms"]["p90"],
-                     p["added_e2e_ms"]["p99"], p["direct_e2e_ms"]["p50"], p["failed"]])
-        if "added_ttft_ms" in p:
-            a = p["added_ttft_ms"]
-            rows.append([kind, "added ttft", p["achieved_rate"], a["p50"], a["p90"], a["p99"], "", ""])
-        c = results[f"control_{kind}"]
-        rows.append([kind, "noise (direct-direct)", c["achieved_rate"], c["added_e2e_ms"]["p50"],
-                     c["added_e2e_ms"]["p90"], c["added_e2e_ms"]["p99"], c["direct_e2e_ms"]["p50"],
-                     c["failed"]])
+    for r in results["paired"]:
+        m, c = r["routerd"], r["control"]
+        a = m["added_e2e_ms"]
+        rows.append([r["kind"], r["rate"], "added e2e", a["p50"], a["p90"], a["p99"],
+                     m["direct_e2e_ms"]["p50"], m["failed"]])
+        if "added_ttft_ms" in m:
+            t = m["added_ttft_ms"]
+            rows.append([r["kind"], r["rate"], "added ttft", t["p50"], t["p90"], t["p99"], "", ""])
+        n = c["added_e2e_ms"]
+        rows.append([r["kind"], r["rate"], "noise (direct-direct)", n["p50"], n["p90"], n["p99"],
+                     c["direct_e2e_ms"]["p50"], c["failed"]])
     print_table("routerd added latency (paired: same request direct and via routerd), ms",
-                ["requests", "metric", "pairs/s", "p50", "p90", "p99", "direct p50", "failed"], rows)
+                ["requests", "pairs/s", "metric", "p50", "p90", "p99", "direct p50", "failed"], rows)
     rows = []
-    for kind in ("non_stream", "stream"):
-        s = results[f"sustained_{kind}"]
-        rows.append([kind, s["rate"], s["routerd_cpu_share"], s["rate_per_core"], s["e2e_ms"]["p50"],
+    for s in results["sustained"]:
+        rows.append([s["kind"], s["rate"], s["routerd_cpu_share"], s["rate_per_core"], s["e2e_ms"]["p50"],
                      s["e2e_ms"]["p99"], s["failed"]])
     print_table("sustained rate through routerd (closed loop)",
                 ["requests", "req/s", "routerd cpu", "req/s per core", "p50 ms", "p99 ms", "failed"], rows)
@@ -172,12 +173,14 @@ def report(results: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="routerd bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--rate", type=float, default=500.0, help="paired arrivals per second")
-    ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
+    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 250.0, 500.0],
+                    help="paired arrivals per second (each a direct and a routerd request)")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for the rate test")
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--engine-ttft-ms", type=float, default=5.0)
-    ap.add_argument("--engine-itl-ms", type=float, default=1.0)
+    ap.add_argument("--engine-ttft-ms", type=float, default=0.0,
+                    help="engine latency model; 0 keeps its step timing from splitting a pair")
+    ap.add_argument("--engine-itl-ms", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--seed", type=int, default=0)

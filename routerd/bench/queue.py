@@ -6,6 +6,9 @@ then routerd's queue path (QueueIngress → admission → router → upstream ov
 script) is started in this process and timed until the N-th result is stored. The baseline is the
 least any consumer must do on the same Redis: ``XADD`` the same N messages, then ``XREADGROUP COUNT
 256`` + pipelined ``XACK`` until drained. Overhead per job = 1/routerd rate − 1/baseline rate.
+Because the machine is shared and wall-clock rates are noisy, CPU time per job of routerd's process
+is reported too, next to the CPU time per request of a bare aiohttp client posting straight to the
+same engines (``direct_http``): the difference is what the queue path itself costs.
 
 ``routerd bench queue serve --config FILE`` runs only the queue path (data plane with static fleets +
 consumer, no Ray, no HTTP listener) until SIGTERM/SIGINT; the crash tests run it as a subprocess so it
@@ -66,6 +69,15 @@ async def wait_ready(ingress: QueueIngress, fleets: list[str], timeout: float) -
         await asyncio.sleep(0.05)
 
 
+def _loop_runner() -> Any:
+    """uvloop when installed, as the daemon runs: the figures should be the daemon's."""
+    try:
+        import uvloop
+    except ImportError:  # optional off Linux
+        return asyncio.run
+    return uvloop.run
+
+
 # -- serve: the queue path alone, for the crash tests -------------------------------------------------
 def serve_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="routerd bench queue serve")
@@ -74,7 +86,8 @@ def serve_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cfg = load(args.config)
     log.setup(cfg.daemon.log_level, json=True)
-    return asyncio.run(_serve(cfg, args.consumer))
+    code: int = _loop_runner()(_serve(cfg, args.consumer))
+    return code
 
 
 async def _serve(cfg: Config, consumer: str | None) -> int:
@@ -173,6 +186,21 @@ async def baseline(client: Any, n: int, batch: int = 256) -> float:
     return n / elapsed
 
 
+async def direct_http(urls: list[str], n: int, concurrency: int) -> tuple[float, float]:
+    """Requests/s and CPU µs/request of a bare aiohttp client posting straight to the engines: the
+    share of routerd's per-job cost that is the HTTP call itself, not the queue."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one(i: int) -> None:
+            async with sem, s.post(urls[i % len(urls)] + "/v1/completions",
+                                   json={"model": "bench", "prompt": f"p{i}", "max_tokens": 1}) as r:
+                await r.read()
+
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return n / (time.perf_counter() - wall), (time.process_time() - cpu) / n * 1e6
+
+
 async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: int) -> dict[str, Any]:
     procs, urls = start_engines(engines, "bench", max_num_seqs)
     tmp = tempfile.mkdtemp(prefix="rdbq")
@@ -197,15 +225,17 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
             await q.submit_many([{"model": "bench", "prompt": f"p{i}", "max_tokens": 1} for i in range(n)],
                                 reply_to="bench:replies")
             submit_rate = n / (time.perf_counter() - t0)
+            http_rate, http_cpu_us = await direct_http(urls, min(n, 5000), max_num_seqs)
             async with queue_path(cfg, url) as ingress:
                 await wait_ready(ingress, ["bench"], 30)
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 run = asyncio.create_task(ingress.run())
                 while await raw.xlen("bench:replies") < n:
                     if run.done():
                         run.result()
                     await asyncio.sleep(0.01)
                 elapsed = time.perf_counter() - started
+                cpu_us = (time.process_time() - cpu) / n * 1e6
                 ingress.stop_intake()
                 await asyncio.wait_for(run, 30)
             errors = sum(1 for _, f in await raw.xrange("bench:replies")
@@ -218,7 +248,10 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
     rate = n / elapsed
     return {"jobs": n, "engines": engines, "jobs_per_s": round(rate, 1),
             "baseline_msgs_per_s": round(base_rate, 1), "submit_jobs_per_s": round(submit_rate, 1),
-            "overhead_us_per_job": round((1 / rate - 1 / base_rate) * 1e6, 1), "errors": errors,
+            "overhead_us_per_job": round((1 / rate - 1 / base_rate) * 1e6, 1),
+            "routerd_cpu_us_per_job": round(cpu_us, 1), "direct_http_req_per_s": round(http_rate, 1),
+            "direct_http_cpu_us_per_req": round(http_cpu_us, 1),
+            "queue_cpu_us_per_job": round(cpu_us - http_cpu_us, 1), "errors": errors,
             "elapsed_s": round(elapsed, 3)}
 
 
@@ -234,7 +267,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     log.setup("warning", json=False)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    res = asyncio.run(run_bench(args.jobs, args.engines, args.redis, args.max_num_seqs))
+    res = _loop_runner()(run_bench(args.jobs, args.engines, args.redis, args.max_num_seqs))
     print(f"{'metric':<28}{'value':>14}")
     for k, v in res.items():
         print(f"{k:<28}{v:>14}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -13,6 +13,29 @@ from ..jobs import Chunk, Result, error_result, json_encode
 from ._queue_store import BatchWriter
 
 INSTANCE_HEADER = "x-routerd-instance"
+
+
+class ResponseSink(Protocol):
+    """Where the upstream writes one response: ``start`` once before any byte, then raw bytes."""
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
+    async def write(self, chunk: bytes) -> None: ...
+
+
+class ForwardOutcome(Protocol):
+    instance: str
+    attempts: int
+    status: int
+    ok: bool
+    error: str | None
+
+
+class Forwarder(Protocol):
+    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
+
+    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *,
+                      stream: bool, request_id: str) -> ForwardOutcome: ...
+
 _decode = msgspec.json.Decoder().decode
 
 
@@ -65,9 +88,11 @@ class StreamSink(_Sink):
     """Turns SSE events into ``chunk`` entries on ``reply_to``, each written before the next is read."""
 
     def __init__(self, writer: BatchWriter, job_id: str, reply_to: str, run: int, maxlen: int,
-                 on_instance: Callable[[str], None]) -> None:
+                 on_instance: Callable[[str], None], *, cursor_key: str, ttl_s: int) -> None:
         super().__init__(on_instance)
         self._writer = writer
+        self._cursor_key = cursor_key
+        self._ttl_s = ttl_s
         self._job_id = job_id
         self._reply_to = reply_to
         self._run = run
@@ -106,8 +131,9 @@ class StreamSink(_Sink):
         self._last = data
         entry = Chunk(id=self._job_id, seq=self.seq, delivery=self._run, data=msgspec.Raw(data))
         self.seq += 1
-        return self._writer.enqueue("XADD", self._reply_to, "MAXLEN", "~", self._maxlen, "*",
-                                    "chunk", json_encode(entry))
+        return self._writer.enqueue_script(
+            "chunk", [self._reply_to, self._cursor_key],
+            [self._run, entry.seq, json_encode(entry), self._maxlen, self._ttl_s])
 
     def result(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
         if status != 200:

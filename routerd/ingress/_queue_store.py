@@ -24,6 +24,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from .. import log
+from ..config import RedisConfig
+from ..jobs import Attempt, Result, json_encode, now_ms
+from ..keys import Keys
 
 _log = log.get("routerd.queue")
 
@@ -44,7 +47,10 @@ return 0
 # ARGV: group, entry, result ('' = none), ttl_s, reply_maxlen, instance, now_ms, status,
 #       dead_reason ('' = not dead), raw job, deliveries, consumer.
 # → 1 when this call stored the job's result, 0 when there was none to store or one existed already.
+# A batch resent after a lost reply runs this twice: the XACK count (0 the second time) keeps the
+# dead-letter entry single, as SET NX keeps the result single.
 FINISH = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 local written = 0
 if ARGV[3] ~= '' then
   if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
@@ -56,19 +62,34 @@ if ARGV[3] ~= '' then
     written = 1
   end
 end
-if ARGV[9] ~= '' then
+if ARGV[9] ~= '' and acked == 1 then
   local hist = redis.call('LRANGE', KEYS[5], 0, -1)
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', '100000', '*', 'entry', ARGV[2], 'reason', ARGV[9],
              'job', ARGV[10], 'deliveries', ARGV[11], 'consumer', ARGV[12], 'at_ms', ARGV[7],
              'history', '[' .. table.concat(hist, ',') .. ']')
 end
 redis.call('DEL', KEYS[5])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return written
 """
 
-_SCRIPTS = {"begin": BEGIN, "finish": FINISH}
+# KEYS: reply, cursor. ARGV: run, seq, chunk, reply_maxlen, ttl_s.
+# A streamed job's chunk, once: the cursor remembers the last (run, seq) written, so a batch resent
+# after a lost reply does not repeat chunks. → 1 written, 0 already there.
+CHUNK = """
+local cur = redis.call('GET', KEYS[2])
+local run, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
+if cur then
+  local r, s = string.match(cur, '^(%d+):(%d+)$')
+  r, s = tonumber(r), tonumber(s)
+  if r > run or (r == run and s >= seq) then return 0 end
+end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'chunk', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[1] .. ':' .. ARGV[2], 'EX', ARGV[5])
+return 1
+"""
+
+_SCRIPTS = {"begin": BEGIN, "finish": FINISH, "chunk": CHUNK}
 
 
 @dataclass
@@ -138,6 +159,12 @@ class BatchWriter:
                              retry_in_s=round(backoff, 3))
                 await asyncio.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
+            except Exception as e:  # noqa: BLE001 — loop boundary: fail this batch, keep writing
+                _log.exception("queue_writer_batch_failed", size=len(batch))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(e)
+                del self._items[: len(batch)]
 
     async def _flush(self, batch: list[_Item]) -> None:
         client = self._client()
@@ -173,3 +200,44 @@ class BatchWriter:
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         _log.warning("queue_write_failed", error=repr(fut.exception()))
+
+
+class JobStore:
+    """The per-job writes of one consumer, each one atomic step through the :class:`BatchWriter`."""
+
+    def __init__(self, writer: BatchWriter, keys: Keys, consumer: str,
+                 cfg: Callable[[], RedisConfig]) -> None:
+        self.writer = writer
+        self.keys = keys
+        self.consumer = consumer
+        self._cfg = cfg
+
+    async def begin(self, job_id: str, entry_id: str) -> int:
+        """0 go (and mark the job running here), 1 it already has its result, 2 it was cancelled."""
+        k = self.keys
+        state: int = await self.writer.script(
+            "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id)],
+            [self.consumer, entry_id, now_ms(), self._cfg().result_ttl_s])
+        return state
+
+    async def record_failure(self, job_id: str, attempt: Attempt) -> None:
+        """Append a failed attempt to the job's history (copied into a dead-letter entry later)."""
+        key = self.keys.history(job_id)
+        self.writer.enqueue("RPUSH", key, json_encode(attempt)).add_done_callback(_log_failure)
+        await self.writer.command("EXPIRE", key, self._cfg().result_ttl_s)
+
+    async def finish(self, entry_id: str, job_id: str, reply_to: str, result: Result | None, *,
+                     delivery: int, dead_reason: str = "", raw: bytes = b"") -> bool:
+        """Store ``result`` (unless the job has one already), dead-letter if ``dead_reason``, and
+        acknowledge — all in one script. True when this call stored the result."""
+        r, k = self._cfg(), self.keys
+        has_id = bool(job_id and reply_to and result is not None)
+        payload = json_encode(result) if result is not None and has_id else b""
+        written: int = await self.writer.script(
+            "finish",
+            [r.stream, k.done(job_id) if has_id else "", reply_to, k.status(job_id) if has_id else "",
+             k.history(job_id) if job_id else "", r.dead_stream],
+            [r.group, entry_id, payload, r.result_ttl_s, r.reply_maxlen,
+             result.instance if result else "", now_ms(), result.status if result else "",
+             dead_reason, raw, delivery, self.consumer])
+        return written == 1

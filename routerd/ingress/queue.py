@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -46,32 +46,11 @@ from ..jobs import (
 from ..keys import Keys
 from ..redis_server import redis_client
 from ..registry import Registry
-from ._queue_sink import BufferSink, StreamSink
-from ._queue_store import REDIS_DOWN, BatchWriter
+from ._queue_sink import BufferSink, Forwarder, ForwardOutcome, ResponseSink, StreamSink
+from ._queue_store import REDIS_DOWN, BatchWriter, JobStore
 
 _log = log.get("routerd.queue")
-
-
-class ResponseSink(Protocol):
-    """Where the upstream writes one response: ``start`` once before any byte, then raw bytes."""
-
-    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
-    async def write(self, chunk: bytes) -> None: ...
-
-
-class ForwardOutcome(Protocol):
-    instance: str
-    attempts: int
-    status: int
-    ok: bool
-    error: str | None
-
-
-class Forwarder(Protocol):
-    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
-
-    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *,
-                      stream: bool, request_id: str) -> ForwardOutcome: ...
+__all__ = ["ForwardOutcome", "Forwarder", "QueueIngress", "ResponseSink"]
 
 
 class _Retry(Exception):
@@ -91,6 +70,7 @@ class _Running:
     touched: float = 0.0
     cancel_requested: bool = False
     finishing: bool = False
+    unadmitted: bool = True  # read, but not yet counted by admission (see QueueIngress._want)
 
 
 class QueueIngress:
@@ -112,6 +92,7 @@ class QueueIngress:
         self.keys = Keys.from_config(cfg.redis)
         self._rng = rng or random.Random()
         self._writer = BatchWriter(self.client, op_timeout_s=cfg.redis.op_timeout_s, rng=self._rng)
+        self._store = JobStore(self._writer, self.keys, self.consumer, lambda: self._cfg.redis)
         self._running: dict[str, _Running] = {}  # by entry id
         self._by_job: dict[str, _Running] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -214,9 +195,15 @@ class QueueIngress:
                 await asyncio.sleep(backoff * (0.5 + self._rng.random()))
                 backoff = min(backoff * 2, 2.0)
             except redis.exceptions.ResponseError as e:
+                self._group_ready = False  # NOGROUP: the stream or group was deleted; create it again
                 if "NOGROUP" not in str(e):
-                    raise
-                self._group_ready = False  # the stream or group was deleted: create it again
+                    _log.error("queue_read_failed", error=repr(e))
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+            except Exception:  # noqa: BLE001 — loop boundary: log, pause, go on reading
+                _log.exception("queue_read_failed")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
 
     def _want(self) -> int:
         """How many jobs to read now: what the fleets can admit, minus what is read but not admitted."""
@@ -244,6 +231,8 @@ class QueueIngress:
         async with asyncio.timeout(r.op_timeout_s + r.block_ms / 1000):
             reply = await client.xreadgroup(r.group, self.consumer, {r.stream: ">"}, count=want,
                                             block=r.block_ms)
+        if not self._intake:
+            return  # read while intake stopped: left pending; this consumer name recovers them on start
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
                 self.stats["read"] += 1
@@ -368,7 +357,6 @@ class QueueIngress:
         task.add_done_callback(self._tasks.discard)
 
     async def _job(self, running: _Running, raw: bytes) -> None:
-        admitted = False
         try:
             try:
                 job = decode_job(raw)
@@ -384,8 +372,6 @@ class QueueIngress:
                 await self._dead(running, raw, problem or "", job.id, job.reply_to,
                                  code=404 if fleet is None and not body_problem(job) else 400)
                 return
-            self._unadmitted -= 1
-            admitted = True
             try:
                 await self._deliveries(running, job, raw, fleet.name)
             except asyncio.CancelledError:
@@ -399,10 +385,15 @@ class QueueIngress:
                     job.id, "the job was cancelled", "CancelledError", 499, attempts=running.delivery))
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 — a job's failure must not end the consumer; it stays pending
+        except Exception as e:  # noqa: BLE001 — one job's bug must not end the consumer
+            # It stays pending: reclaimed after reclaim_idle_ms, counted, dead-lettered at the limit.
             _log.exception("queue_job_crashed", entry=running.entry_id, job_id=running.job_id)
+            if running.job_id and not running.finishing:
+                with contextlib.suppress(*REDIS_DOWN):
+                    await self._record_failure(running, running.job_id, f"routerd: {e!r}")
         finally:
-            if not admitted:
+            if running.unadmitted:
+                running.unadmitted = False
                 self._unadmitted -= 1
             self._running.pop(running.entry_id, None)
             if self._by_job.get(running.job_id) is running:
@@ -422,7 +413,7 @@ class QueueIngress:
             try:
                 result = await self._attempt(running, job, fleet)
             except _Retry as e:
-                await self._record_failure(running, job, e)
+                await self._record_failure(running, job.id, e.error, e.instance)
             else:
                 await self._finish(running, job, result)
                 return
@@ -434,21 +425,26 @@ class QueueIngress:
             self.stats["redelivered"] += 1
 
     async def _attempt(self, running: _Running, job: Job, fleet: str) -> Result | None:
-        """One delivery of ``job``: admission, the pre-dispatch check, the engine call. None = duplicate."""
+        """One delivery of ``job``: the pre-dispatch check, admission, the engine call. None = duplicate.
+
+        The check (already done? cancelled?) comes before admission so that its Redis round trip does
+        not hold an engine slot; it also marks the job running.
+        """
         deadline = job.deadline_epoch_s(running.entry_id)
         mono_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
+        state = await self._store.begin(job.id, running.entry_id)
+        if state == 1:
+            self.stats["duplicates"] += 1
+            return None
+        if state == 2:
+            self.stats["cancelled"] += 1
+            return error_result(job.id, "the job was cancelled", "CancelledError", 499)
+        if running.unadmitted:  # from here on admission counts it (active or waiting)
+            running.unadmitted = False
+            self._unadmitted -= 1
         try:
             async with self._admission.ticket(fleet, priority=job.priority, deadline=mono_deadline,
                                               source="queue"):
-                state = await self._writer.script(
-                    "begin", [self.keys.done(job.id), self.keys.cancel(job.id), self.keys.status(job.id)],
-                    [self.consumer, running.entry_id, now_ms(), self._cfg.redis.result_ttl_s])
-                if state == 1:
-                    self.stats["duplicates"] += 1
-                    return None
-                if state == 2:
-                    self.stats["cancelled"] += 1
-                    return error_result(job.id, "the job was cancelled", "CancelledError", 499)
                 if deadline is None:
                     return await self._forward(running, job, fleet)
                 async with asyncio.timeout(deadline - time.time()):
@@ -466,7 +462,8 @@ class QueueIngress:
         sink: BufferSink | StreamSink
         if job.stream:
             sink = StreamSink(self._writer, job.id, job.reply_to, run_no, self._cfg.redis.reply_maxlen,
-                              self._on_instance(job.id))
+                              self._on_instance(job.id), cursor_key=self.keys.chunks(job.id),
+                              ttl_s=self._cfg.redis.result_ttl_s)
         else:
             sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
         try:
@@ -487,14 +484,13 @@ class QueueIngress:
             self._writer.send("HSET", self.keys.status(job_id), "instance", instance)
         return note
 
-    async def _record_failure(self, running: _Running, job: Job, e: _Retry) -> None:
-        _log.warning("queue_job_attempt_failed", job_id=job.id, entry=running.entry_id,
-                     delivery=running.delivery, instance=e.instance, error=e.error)
-        attempt = Attempt(at_ms=now_ms(), consumer=self.consumer, delivery=running.delivery,
-                          instance=e.instance, error=e.error)
-        key = self.keys.history(job.id)
-        await self._writer.command("RPUSH", key, json_encode(attempt))
-        await self._writer.command("EXPIRE", key, self._cfg.redis.result_ttl_s)
+    async def _record_failure(self, running: _Running, job_id: str, error: str,
+                              instance: str = "") -> None:
+        _log.warning("queue_job_attempt_failed", job_id=job_id, entry=running.entry_id,
+                     delivery=running.delivery, instance=instance, error=error)
+        await self._store.record_failure(job_id, Attempt(
+            at_ms=now_ms(), consumer=self.consumer, delivery=running.delivery, instance=instance,
+            error=error))
 
     async def _redeliver(self, running: _Running) -> int:
         """XCLAIM the entry again (its delivery count goes up in Redis); 0 if it is no longer ours."""
@@ -514,8 +510,8 @@ class QueueIngress:
 
     async def _finish(self, running: _Running, job: Job, result: Result | None) -> None:
         running.finishing = True
-        payload = b"" if result is None else json_encode(result)
-        await self._store(running, job.id, job.reply_to, payload, result, "", b"")
+        await self._store.finish(running.entry_id, job.id, job.reply_to, result,
+                                 delivery=running.delivery)
         self.stats["done"] += 1
 
     async def _dead(self, running: _Running, raw: bytes, reason: str, job_id: str | None,
@@ -527,21 +523,9 @@ class QueueIngress:
         if job_id and reply_to:
             result = error_result(job_id, reason, "BadRequestError" if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
-        payload = b"" if result is None else json_encode(result)
-        await self._store(running, job_id or "", reply_to or "", payload, result, reason, raw)
+        await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
+                                 delivery=running.delivery, dead_reason=reason, raw=raw)
         self.stats["dead"] += 1
-
-    async def _store(self, running: _Running, job_id: str, reply_to: str, payload: bytes,
-                     result: Result | None, dead_reason: str, raw: bytes) -> None:
-        r, k = self._cfg.redis, self.keys
-        has_id = bool(job_id and reply_to)
-        await self._writer.script(
-            "finish",
-            [r.stream, k.done(job_id) if has_id else "", reply_to, k.status(job_id) if has_id else "",
-             k.history(job_id) if job_id else "", r.dead_stream],
-            [r.group, running.entry_id, payload if has_id else b"", r.result_ttl_s, r.reply_maxlen,
-             result.instance if result else "", now_ms(), result.status if result else "",
-             dead_reason, raw, running.delivery, self.consumer])
 
 
 def _ignore(_: str) -> None:

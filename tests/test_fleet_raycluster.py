@@ -1,0 +1,92 @@
+"""routerd's own local Ray head: started once in the state dir, found again after a restart, outliving
+the driver that started it; plus the launchers' command lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from routerd_builtin.launchers import SimLauncher, VllmLauncher
+
+from routerd.config import RayConfig
+from routerd.plugins import LaunchSpec
+from routerd.raycluster import LocalHead, RayCluster, RayConnectError, short_temp_dir
+from tests.fixtures.ray_cluster import eventually
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+async def test_local_head_outlives_the_driver_and_is_found_again(tmp_path: Path) -> None:
+    cfg = RayConfig(num_cpus=2, num_gpus=1, resources={"accel": 2.0}, connect_timeout_s=60)
+    state = tmp_path / "state"
+    first = await RayCluster.connect(cfg, state)
+    rec = json.loads((state / "ray" / "head.json").read_text())
+    try:
+        assert first.local_head
+        assert first.is_local()
+        total, _ = await first.resources()
+        assert total["GPU"] == 1.0
+        assert total["accel"] == 2.0
+        await first.close()  # the driver goes; the head must stay
+        assert _alive(rec["pid"])
+        second = await RayCluster.connect(cfg, state)
+        assert second.address == first.address
+        assert json.loads((state / "ray" / "head.json").read_text())["pid"] == rec["pid"]
+        await second.close()
+    finally:
+        os.kill(rec["pid"], signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
+        assert await eventually(lambda: not _alive(rec["pid"]), 30, 0.2)
+    assert LocalHead(cfg, state).find() is None
+
+
+async def test_unreachable_address_fails_within_the_timeout(tmp_path: Path) -> None:
+    cfg = RayConfig(address="127.0.0.1:9", connect_timeout_s=3)
+    with pytest.raises(RayConnectError):
+        await asyncio.wait_for(RayCluster.connect(cfg, tmp_path), 30)
+
+
+def test_long_state_dirs_get_a_short_stable_ray_temp_dir(tmp_path: Path) -> None:
+    long = tmp_path / ("x" * 80)
+    assert len(str(short_temp_dir(long))) <= 40
+    assert short_temp_dir(long) == short_temp_dir(long)
+    assert short_temp_dir(Path("/s")) == Path("/s/ray")
+
+
+async def test_vllm_launcher_command_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROUTERD_VLLM_CPU", "1")
+    spec = LaunchSpec(fleet="f", index=0, model="served", engine="vllm", tensor_parallel_size=2,
+                      engine_args={"model": "/m", "vllm-bin": "/v/vllm", "max-model-len": 256,
+                                   "enforce-eager": True, "enable-prefix-caching": False})
+    plan = await VllmLauncher().plan(spec, host="127.0.0.1", port=8123, workdir="/w")
+    assert plan.argv[:3] == ["/v/vllm", "serve", "/m"]
+    argv = " ".join(plan.argv)
+    assert "--served-model-name served --host 127.0.0.1 --port 8123 --tensor-parallel-size 2" in argv
+    assert "--distributed-executor-backend mp" in argv
+    assert "--max-model-len 256 --enforce-eager" in argv
+    assert "disable-log-stats" not in argv
+    assert "enable-prefix-caching" not in argv
+    assert plan.env["OMP_NUM_THREADS"] == ""  # removed from what the engine inherits from Ray
+    assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    with pytest.raises(ValueError, match="metrics"):
+        await VllmLauncher().plan(LaunchSpec(fleet="f", index=0, model="m", engine="vllm",
+                                             engine_args={"disable-log-stats": True}),
+                                  host="127.0.0.1", port=1, workdir="/w")
+
+
+async def test_sim_launcher_command() -> None:
+    spec = LaunchSpec(fleet="f", index=0, model="sim-m", engine="sim", engine_args={"itl_ms": 3})
+    plan = await SimLauncher().plan(spec, host="127.0.0.1", port=9, workdir="/w")
+    assert plan.argv[1:] == ["-m", "routerd", "sim-engine", "--host", "127.0.0.1", "--port", "9",
+                             "--model", "sim-m", "--itl-ms", "3"]
