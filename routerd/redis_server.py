@@ -32,6 +32,14 @@ _PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
 
 
+def embedded_url(directory: str | Path) -> str | None:
+    """The URL an embedded redis-server in ``directory`` was last started on (None if never)."""
+    try:
+        return (Path(directory) / "url").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> aioredis.Redis:
     """A client for ``url``; password from config (``ROUTERD_REDIS_PASSWORD``), TLS for ``rediss://``.
 
@@ -140,6 +148,7 @@ class EmbeddedRedis:
                 await asyncio.sleep(0.02)
         finally:
             await client.aclose()
+        (self.dir / "url").write_text(self.url + "\n")  # for `routerd submit --config` to find it
         _log.info("embedded_redis_started", pid=self._proc.pid, url=self.url, dir=str(self.dir))
 
     async def _supervise(self) -> None:

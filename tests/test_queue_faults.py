@@ -13,7 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
-from routerd.redis_server import EmbeddedRedis
+from routerd.redis_server import EmbeddedRedis, embedded_url
 from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
@@ -104,6 +104,7 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
     directory = tmp_path / "redis"
     async with EmbeddedRedis(directory, restart_backoff_s=0.05) as url:
         assert url.startswith("unix://")
+        assert embedded_url(directory) == url  # where `routerd submit --config` finds it
         client = aioredis.Redis.from_url(url, socket_timeout=5)
         try:
             await client.xadd("s", {"job": b"1"})

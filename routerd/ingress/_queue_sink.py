@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import msgspec
 
 from ..jobs import Chunk, Result, error_result, json_encode
-from ._queue_store import BatchWriter
+from ._queue_store import JobStore
 
 INSTANCE_HEADER = "x-routerd-instance"
 
@@ -87,16 +87,13 @@ class BufferSink(_Sink):
 class StreamSink(_Sink):
     """Turns SSE events into ``chunk`` entries on ``reply_to``, each written before the next is read."""
 
-    def __init__(self, writer: BatchWriter, job_id: str, reply_to: str, run: int, maxlen: int,
-                 on_instance: Callable[[str], None], *, cursor_key: str, ttl_s: int) -> None:
+    def __init__(self, store: JobStore, job_id: str, reply_to: str, run: int,
+                 on_instance: Callable[[str], None]) -> None:
         super().__init__(on_instance)
-        self._writer = writer
-        self._cursor_key = cursor_key
-        self._ttl_s = ttl_s
+        self._store = store
         self._job_id = job_id
         self._reply_to = reply_to
         self._run = run
-        self._maxlen = maxlen
         self._buf = b""
         self.seq = 0
         self.failed = False
@@ -131,9 +128,7 @@ class StreamSink(_Sink):
         self._last = data
         entry = Chunk(id=self._job_id, seq=self.seq, delivery=self._run, data=msgspec.Raw(data))
         self.seq += 1
-        return self._writer.enqueue_script(
-            "chunk", [self._reply_to, self._cursor_key],
-            [self._run, entry.seq, json_encode(entry), self._maxlen, self._ttl_s])
+        return self._store.chunk(self._reply_to, self._job_id, self._run, entry.seq, json_encode(entry))
 
     def result(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
         if status != 200:

@@ -1,15 +1,19 @@
 """The queue consumer's Redis writes: Lua scripts for the atomic steps, and one batching writer.
 
 Every per-job write (the pre-dispatch check, stream chunks, the final result + acknowledgement) goes
-through :class:`BatchWriter`, which sends whatever is waiting as one pipeline. That keeps the per-job
-cost near one command instead of one round trip, and it keeps order: a job's chunks are always sent
-before its result because they sit earlier in the same FIFO. When Redis is unreachable the writer keeps
-the batch and retries with backoff, so work that finished during an outage is stored when Redis is back
-instead of being run again.
+through :class:`BatchWriter`. Whatever is waiting goes out as one pipeline, and consecutive steps of the
+same kind go as *one* script call that loops over their records (msgpack, unpacked by Redis' built-in
+``cmsgpack``): the per-job cost is a few bytes of msgpack rather than a command to pack and parse. Order
+is kept — a job's chunks are always sent before its result because they sit earlier in the same FIFO.
+When Redis is unreachable the writer keeps the batch and resends it with backoff, so work finished
+during an outage is stored when Redis is back instead of being run again; every step is written to be
+safe to run twice (a resent batch whose first reply was lost).
 
-The result script is what makes "exactly one result per job id" true: the idempotency record
-(``SET done:<id> <result> NX``), the ``XADD`` to ``reply_to``, the status hash and the ``XACK`` happen in
-one script, so Redis never holds a result without its record or an acknowledgement without its result.
+The result step is what makes "exactly one result per job id" true: the idempotency record
+(``SET done:<id> <result> NX``), the ``XADD`` to ``reply_to``, the status hash and the ``XACK`` happen
+inside one script, so Redis never holds a result without its record or an acknowledgement without its
+result. Key names come from :mod:`routerd.keys` inside each record; scripts touch keys they are not
+given in KEYS, so Redis Cluster is not supported (one Redis, or Sentinel).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
@@ -29,64 +34,85 @@ from ..jobs import Attempt, Result, json_encode, now_ms
 from ..keys import Keys
 
 _log = log.get("routerd.queue")
+_pack = msgspec.msgpack.Encoder().encode
 
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
 
-# KEYS: done, cancel, status. ARGV: consumer, entry, now_ms, ttl_s.
-# → 1 already done (duplicate or reclaimed after its result was stored), 2 cancelled, 0 go.
+# ARGV[1]: [consumer, now_ms, ttl_s]; ARGV[2]: records [done_key, cancel_key, status_key, entry].
+# Per record: 1 already done (a duplicate, or reclaimed after its result was stored), 2 cancelled,
+# 0 go (and the job is marked running here).
 BEGIN = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
-redis.call('HSET', KEYS[3], 'state', 'running', 'consumer', ARGV[1], 'entry', ARGV[2],
-           'updated_ms', ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[4])
-return 0
-"""
-
-# KEYS: stream, done, reply, status, history, dead.
-# ARGV: group, entry, result ('' = none), ttl_s, reply_maxlen, instance, now_ms, status,
-#       dead_reason ('' = not dead), raw job, deliveries, consumer.
-# → 1 when this call stored the job's result, 0 when there was none to store or one existed already.
-# A batch resent after a lost reply runs this twice: the XACK count (0 the second time) keeps the
-# dead-letter entry single, as SET NX keeps the result single.
-FINISH = """
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-local written = 0
-if ARGV[3] ~= '' then
-  if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[4]) then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'result', ARGV[3])
-    redis.call('EXPIRE', KEYS[3], ARGV[4])
-    redis.call('HSET', KEYS[4], 'state', 'done', 'status', ARGV[8], 'instance', ARGV[6],
-               'updated_ms', ARGV[7])
-    redis.call('EXPIRE', KEYS[4], ARGV[4])
-    written = 1
+local c = cmsgpack.unpack(ARGV[1])
+local out = {}
+for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
+  if redis.call('EXISTS', r[1]) == 1 then out[i] = 1
+  elseif redis.call('EXISTS', r[2]) == 1 then out[i] = 2
+  else
+    redis.call('HSET', r[3], 'state', 'running', 'consumer', c[1], 'entry', r[4], 'updated_ms', c[2])
+    redis.call('EXPIRE', r[3], c[3])
+    out[i] = 0
   end
 end
-if ARGV[9] ~= '' and acked == 1 then
-  local hist = redis.call('LRANGE', KEYS[5], 0, -1)
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', '100000', '*', 'entry', ARGV[2], 'reason', ARGV[9],
-             'job', ARGV[10], 'deliveries', ARGV[11], 'consumer', ARGV[12], 'at_ms', ARGV[7],
-             'history', '[' .. table.concat(hist, ',') .. ']')
-end
-redis.call('DEL', KEYS[5])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return written
+return out
 """
 
-# KEYS: reply, cursor. ARGV: run, seq, chunk, reply_maxlen, ttl_s.
-# A streamed job's chunk, once: the cursor remembers the last (run, seq) written, so a batch resent
-# after a lost reply does not repeat chunks. → 1 written, 0 already there.
-CHUNK = """
-local cur = redis.call('GET', KEYS[2])
-local run, seq = tonumber(ARGV[1]), tonumber(ARGV[2])
-if cur then
-  local r, s = string.match(cur, '^(%d+):(%d+)$')
-  r, s = tonumber(r), tonumber(s)
-  if r > run or (r == run and s >= seq) then return 0 end
+# ARGV[1]: [stream, group, ttl_s, reply_maxlen, now_ms, consumer, dead_stream]
+# ARGV[2]: records [entry, done_key, reply_to, status_key, history_key, result ('' = none), instance,
+#          status, dead_reason ('' = not dead), raw job, deliveries]
+# Per record: 1 when this call stored the job's result, 0 when there was none or one existed already.
+# Run twice (a resent batch), the XACK count (0 the second time) keeps the dead-letter entry single,
+# as SET NX keeps the result single.
+FINISH = """
+local c = cmsgpack.unpack(ARGV[1])
+local out = {}
+for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
+  local acked = redis.call('XACK', c[1], c[2], r[1])
+  out[i] = 0
+  if r[6] ~= '' then
+    if redis.call('SET', r[2], r[6], 'NX', 'EX', c[3]) then
+      redis.call('XADD', r[3], 'MAXLEN', '~', c[4], '*', 'result', r[6])
+      redis.call('EXPIRE', r[3], c[3])
+      redis.call('HSET', r[4], 'state', 'done', 'status', r[8], 'instance', r[7], 'updated_ms', c[5])
+      redis.call('EXPIRE', r[4], c[3])
+      out[i] = 1
+    end
+  end
+  if r[9] ~= '' and acked == 1 then
+    local hist = {}
+    if r[5] ~= '' then hist = redis.call('LRANGE', r[5], 0, -1) end
+    redis.call('XADD', c[7], 'MAXLEN', '~', '100000', '*', 'entry', r[1], 'reason', r[9], 'job', r[10],
+               'deliveries', r[11], 'consumer', c[6], 'at_ms', c[5],
+               'history', '[' .. table.concat(hist, ',') .. ']')
+  end
+  if r[5] ~= '' then redis.call('DEL', r[5]) end
+  redis.call('XDEL', c[1], r[1])
 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'chunk', ARGV[3])
-redis.call('SET', KEYS[2], ARGV[1] .. ':' .. ARGV[2], 'EX', ARGV[5])
-return 1
+return out
+"""
+
+# ARGV[1]: [reply_maxlen, ttl_s]; ARGV[2]: records [reply_to, cursor_key, run, seq, chunk].
+# A streamed job's chunk, once: the cursor holds the last (run, seq) written, so a resent batch does
+# not repeat chunks. Per record: 1 written, 0 already there.
+CHUNK = """
+local c = cmsgpack.unpack(ARGV[1])
+local out = {}
+for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
+  out[i] = 0
+  local run, seq = tonumber(r[3]), tonumber(r[4])
+  local cur = redis.call('GET', r[2])
+  local fresh = true
+  if cur then
+    local cr, cs = string.match(cur, '^(%d+):(%d+)$')
+    cr, cs = tonumber(cr), tonumber(cs)
+    fresh = cr < run or (cr == run and cs < seq)
+  end
+  if fresh then
+    redis.call('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', r[5])
+    redis.call('SET', r[2], r[3] .. ':' .. r[4], 'EX', c[2])
+    out[i] = 1
+  end
+end
+return out
 """
 
 _SCRIPTS = {"begin": BEGIN, "finish": FINISH, "chunk": CHUNK}
@@ -94,38 +120,41 @@ _SCRIPTS = {"begin": BEGIN, "finish": FINISH, "chunk": CHUNK}
 
 @dataclass
 class _Item:
-    name: str  # a script name, or "" for a raw command
+    name: str  # a script name (``args`` is one record), or "" for a raw command
     args: tuple[Any, ...]
     future: asyncio.Future[Any] = field(
         repr=False, default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class BatchWriter:
-    """Pipelines queued commands; each caller awaits its own reply. One instance per consumer."""
+    """Pipelines queued steps; each caller awaits its own reply. One instance per consumer.
+
+    ``common`` gives, per script, the arguments shared by every record of a call (evaluated at send
+    time, so a reloaded config or the current time is picked up).
+    """
 
     def __init__(self, client: Callable[[], aioredis.Redis], *, op_timeout_s: float,
-                 max_batch: int = 512, rng: random.Random | None = None) -> None:
+                 common: dict[str, Callable[[], list[Any]]], max_batch: int = 1024,
+                 rng: random.Random | None = None) -> None:
         self._client = client
         self._timeout = op_timeout_s
+        self._common = common
         self._max_batch = max_batch
         self._items: list[_Item] = []
         self._wake = asyncio.Event()
         self._shas: dict[str, str] = {}
         self._rng = rng or random.Random()
-        self.healthy = asyncio.Event()
         self.batches = 0
 
-    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return await self.enqueue_script(name, keys, args)
+    def step(self, name: str, record: list[Any]) -> asyncio.Future[Any]:
+        """Queue one record for script ``name`` now (order is fixed at this call)."""
+        return self._submit(_Item(name, tuple(record)))
 
     async def command(self, *args: Any) -> Any:
         return await self.enqueue(*args)
 
-    def enqueue_script(self, name: str, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
-        return self._submit(_Item(name, (len(keys), *keys, *args)))
-
     def enqueue(self, *args: Any) -> asyncio.Future[Any]:
-        """Queue a command now (order is fixed at this call); await the future for its reply."""
+        """Queue a raw command now (order is fixed at this call); await the future for its reply."""
         return self._submit(_Item("", args))
 
     def send(self, *args: Any) -> None:
@@ -151,9 +180,7 @@ class BatchWriter:
             try:
                 await self._flush(batch)
                 backoff = 0.05
-                self.healthy.set()
             except REDIS_DOWN as e:
-                self.healthy.clear()
                 self._shas.clear()  # a restarted Redis has lost its script cache
                 _log.warning("queue_writer_redis_unavailable", error=repr(e), pending=len(self._items),
                              retry_in_s=round(backoff, 3))
@@ -166,31 +193,48 @@ class BatchWriter:
                         item.future.set_exception(e)
                 del self._items[: len(batch)]
 
+    @staticmethod
+    def _runs(batch: list[_Item]) -> list[list[_Item]]:
+        """Consecutive records of one script become one call; raw commands stay alone."""
+        runs: list[list[_Item]] = []
+        for item in batch:
+            if item.name and runs and runs[-1][0].name == item.name:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        return runs
+
     async def _flush(self, batch: list[_Item]) -> None:
         client = self._client()
         if not self._shas:
             async with asyncio.timeout(self._timeout):
                 for name, src in _SCRIPTS.items():
                     self._shas[name] = await client.script_load(src)
+        runs = self._runs(batch)
         pipe = client.pipeline(transaction=False)
-        for item in batch:
-            if item.name:
-                pipe.execute_command("EVALSHA", self._shas[item.name], *item.args)
+        for run in runs:
+            name = run[0].name
+            if name:
+                pipe.execute_command("EVALSHA", self._shas[name], 0, _pack(self._common[name]()),
+                                     _pack([item.args for item in run]))
             else:
-                pipe.execute_command(*item.args)
+                pipe.execute_command(*run[0].args)
         async with asyncio.timeout(self._timeout):
             replies = await pipe.execute(raise_on_error=False)
         self.batches += 1
         retry: list[_Item] = []
-        for item, reply in zip(batch, replies, strict=True):
+        for run, reply in zip(runs, replies, strict=True):
             if isinstance(reply, redis.exceptions.NoScriptError):
-                retry.append(item)
-            elif item.future.done():
-                continue  # the caller went away (cancelled); the write still happened
-            elif isinstance(reply, Exception):
-                item.future.set_exception(reply)
-            else:
-                item.future.set_result(reply)
+                retry += run
+                continue
+            results = reply if run[0].name and isinstance(reply, list) else [reply] * len(run)
+            for item, res in zip(run, results, strict=True):
+                if item.future.done():
+                    continue  # the caller went away (cancelled); the write still happened
+                if isinstance(res, Exception):
+                    item.future.set_exception(res)
+                else:
+                    item.future.set_result(res)
         if retry:
             self._shas.clear()
         # The batch leaves the queue only once sent; NOSCRIPT items go back to the front, in order.
@@ -203,22 +247,34 @@ def _log_failure(fut: asyncio.Future[Any]) -> None:
 
 
 class JobStore:
-    """The per-job writes of one consumer, each one atomic step through the :class:`BatchWriter`."""
+    """The per-job steps of one consumer, each atomic, all through one :class:`BatchWriter`."""
 
-    def __init__(self, writer: BatchWriter, keys: Keys, consumer: str,
-                 cfg: Callable[[], RedisConfig]) -> None:
-        self.writer = writer
+    def __init__(self, client: Callable[[], aioredis.Redis], keys: Keys, consumer: str,
+                 cfg: Callable[[], RedisConfig], *, rng: random.Random | None = None) -> None:
         self.keys = keys
         self.consumer = consumer
         self._cfg = cfg
+        self.writer = BatchWriter(client, op_timeout_s=cfg().op_timeout_s, rng=rng, common={
+            "begin": lambda: [consumer, str(now_ms()), str(cfg().result_ttl_s)],
+            "finish": self._finish_common,
+            "chunk": lambda: [str(cfg().reply_maxlen), str(cfg().result_ttl_s)],
+        })
+
+    def _finish_common(self) -> list[Any]:
+        r = self._cfg()
+        return [r.stream, r.group, str(r.result_ttl_s), str(r.reply_maxlen), str(now_ms()),
+                self.consumer, r.dead_stream]
 
     async def begin(self, job_id: str, entry_id: str) -> int:
         """0 go (and mark the job running here), 1 it already has its result, 2 it was cancelled."""
         k = self.keys
-        state: int = await self.writer.script(
-            "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id)],
-            [self.consumer, entry_id, now_ms(), self._cfg().result_ttl_s])
+        state: int = await self.writer.step(
+            "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id), entry_id])
         return state
+
+    def chunk(self, reply_to: str, job_id: str, run: int, seq: int, chunk: bytes) -> asyncio.Future[Any]:
+        """Queue one stream chunk (written once even if its batch is resent)."""
+        return self.writer.step("chunk", [reply_to, self.keys.chunks(job_id), run, seq, chunk])
 
     async def record_failure(self, job_id: str, attempt: Attempt) -> None:
         """Append a failed attempt to the job's history (copied into a dead-letter entry later)."""
@@ -229,15 +285,12 @@ class JobStore:
     async def finish(self, entry_id: str, job_id: str, reply_to: str, result: Result | None, *,
                      delivery: int, dead_reason: str = "", raw: bytes = b"") -> bool:
         """Store ``result`` (unless the job has one already), dead-letter if ``dead_reason``, and
-        acknowledge — all in one script. True when this call stored the result."""
-        r, k = self._cfg(), self.keys
+        acknowledge — all in one atomic step. True when this call stored the result."""
+        k = self.keys
         has_id = bool(job_id and reply_to and result is not None)
         payload = json_encode(result) if result is not None and has_id else b""
-        written: int = await self.writer.script(
-            "finish",
-            [r.stream, k.done(job_id) if has_id else "", reply_to, k.status(job_id) if has_id else "",
-             k.history(job_id) if job_id else "", r.dead_stream],
-            [r.group, entry_id, payload, r.result_ttl_s, r.reply_maxlen,
-             result.instance if result else "", now_ms(), result.status if result else "",
-             dead_reason, raw, delivery, self.consumer])
+        written: int = await self.writer.step("finish", [
+            entry_id, k.done(job_id) if has_id else "", reply_to, k.status(job_id) if has_id else "",
+            k.history(job_id) if job_id else "", payload, result.instance if result else "",
+            result.status if result else "", dead_reason, raw, str(delivery)])
         return written == 1

@@ -47,7 +47,7 @@ from ..keys import Keys
 from ..redis_server import redis_client
 from ..registry import Registry
 from ._queue_sink import BufferSink, Forwarder, ForwardOutcome, ResponseSink, StreamSink
-from ._queue_store import REDIS_DOWN, BatchWriter, JobStore
+from ._queue_store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
 __all__ = ["ForwardOutcome", "Forwarder", "QueueIngress", "ResponseSink"]
@@ -91,8 +91,9 @@ class QueueIngress:
         self.consumer = consumer or cfg.redis.consumer or socket.gethostname()
         self.keys = Keys.from_config(cfg.redis)
         self._rng = rng or random.Random()
-        self._writer = BatchWriter(self.client, op_timeout_s=cfg.redis.op_timeout_s, rng=self._rng)
-        self._store = JobStore(self._writer, self.keys, self.consumer, lambda: self._cfg.redis)
+        self._store = JobStore(self.client, self.keys, self.consumer, lambda: self._cfg.redis,
+                               rng=self._rng)
+        self._writer = self._store.writer
         self._running: dict[str, _Running] = {}  # by entry id
         self._by_job: dict[str, _Running] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -461,9 +462,7 @@ class QueueIngress:
         run_no = running.delivery
         sink: BufferSink | StreamSink
         if job.stream:
-            sink = StreamSink(self._writer, job.id, job.reply_to, run_no, self._cfg.redis.reply_maxlen,
-                              self._on_instance(job.id), cursor_key=self.keys.chunks(job.id),
-                              ttl_s=self._cfg.redis.result_ttl_s)
+            sink = StreamSink(self._store, job.id, job.reply_to, run_no, self._on_instance(job.id))
         else:
             sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
         try:
