@@ -271,12 +271,10 @@ class FleetManager:
         if slot.task is not None:
             slot.task.cancel()
             await asyncio.gather(slot.task, return_exceptions=True)
-        if slot.placement is not None:
-            report = await self.ops.dispose(slot.placement.actor,
-                                            self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
-            _logger.info("instance_stopped", instance=slot.inst.id, **report)
-        elif slot.placement is None:
-            await self.ops.dispose(None, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=False)
+        # Never placed (or cancelled mid-placement): dispose still removes a pending placement group.
+        actor = slot.placement.actor if slot.placement is not None else None
+        report = await self.ops.dispose(actor, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
+        _logger.info("instance_stopped", instance=slot.inst.id, **report)
         self.registry.remove(slot.inst.id)
         if self.slots.get(slot.inst.id) is slot:
             del self.slots[slot.inst.id]

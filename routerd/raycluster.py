@@ -181,9 +181,16 @@ class RayCluster:
             else:
                 _logger.info("ray_head_found", address=found)
             address = found
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        # A dead address fails here, quickly; ray.init itself would retry for minutes.
+        while not await asyncio.to_thread(_port_open, host.strip("[]"), int(port), 1.0):
+            if time.monotonic() > deadline:
+                raise RayConnectError(f"no Ray GCS answers at {address!r} (waited {cfg.connect_timeout_s}s)")
+            await asyncio.sleep(0.5)
         try:
-            owns = await asyncio.wait_for(asyncio.to_thread(_init, address, cfg.namespace),
-                                          cfg.connect_timeout_s)
+            owns = await asyncio.wait_for(_in_daemon_thread(_init, address, cfg.namespace),
+                                          max(1.0, deadline - time.monotonic()))
         except TimeoutError as e:
             raise RayConnectError(f"ray.init({address!r}) did not finish in {cfg.connect_timeout_s}s") from e
         except ConnectionError as e:
@@ -289,6 +296,35 @@ class RayCluster:
 
         pgs: list[tuple[str, str, Any]] = await self.call(read)
         return pgs
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
+    """Run a blocking call that may never return (ray.init to a half-dead GCS) in a daemon thread, so
+    giving up on it with a timeout does not leave routerd unable to exit (the loop's executor would
+    wait for the thread at shutdown)."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001  # handed to the awaiting coroutine
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop may be gone if the caller gave up long ago
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=target, name="ray-init", daemon=True).start()
+    return fut
 
 
 def _init(address: str, namespace: str) -> bool:

@@ -64,6 +64,8 @@ class Scraper:
     def _sync(self) -> None:
         current = {inst.id: inst for inst in self.registry if inst.state is not InstanceState.STOPPED}
         for iid, (inst, task) in list(self._loops.items()):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                _log.error("scrape_loop_failed", instance=iid, exc_info=task.exception())
             if current.get(iid) is not inst or task.done():
                 task.cancel()
                 del self._loops[iid]

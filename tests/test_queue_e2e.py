@@ -129,7 +129,7 @@ async def test_10000_jobs_checked_one_for_one(redis_server: RedisServer, redis_a
     print(f"10000 jobs in {elapsed:.2f}s = {10_000 / elapsed:.0f} jobs/s")
 
 
-@pytest.mark.parametrize("engines", [(2.0, 1.0)], indirect=True)
+@pytest.mark.parametrize("engines", [(2.0, 20.0)], indirect=True)
 async def test_engine_killed_mid_run(redis_server: RedisServer, redis_async: aioredis.Redis,
                                      engines: Engines, consumer: QueueIngress) -> None:
     bodies = jobs_spec(2000, stream_every=5)

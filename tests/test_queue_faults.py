@@ -161,3 +161,35 @@ async def test_daemon_wiring_embedded_redis_and_factories(tmp_path: Path) -> Non
             assert await queue.wait_idle(5)
             await asyncio.wait_for(task, 5)
     assert result.status == "ok"
+
+
+async def test_redis_password_from_the_environment(tmp_path: Path) -> None:
+    from tests.fixtures.redis_server import RedisServer as Server
+
+    server = Server(tmp_path, extra_args=("--requirepass", "s3cret"))
+    server.start()
+    try:
+        raw = queue_config(server.url)
+        cfg = parse_with_env(server.url, {"ROUTERD_REDIS_PASSWORD": "s3cret"})
+        assert cfg.redis.password == "s3cret"
+        assert raw.redis.password == ""
+        bench = QueueBench(cfg, FakeUpstream())
+        client = aioredis.Redis.from_url(server.url, password="s3cret", socket_timeout=5)
+        try:
+            q = QueueClient(client)
+            job = await q.submit(BODY)
+            await bench.start()
+            result = await q.wait(job, timeout=10)
+            await bench.stop()
+        finally:
+            await client.aclose()
+        assert result.status == "ok"
+    finally:
+        server.kill()
+
+
+def parse_with_env(url: str, environ: dict[str, str]) -> Any:
+    from routerd.config import parse
+
+    return parse({"redis": {"url": url, "consumer": "c1", "block_ms": 200},
+                  "fleets": [{"name": "f", "model": "m", "engine": "sim"}]}, environ=environ)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -203,4 +204,20 @@ async def test_static_instance_leaves_rotation_when_scrapes_fail(
             assert r.headers["X-Routerd-Instance"] == "f:static1"
     a.metrics_ok = True
     await plane.wait_ready(2, timeout=5)
+    await settle(plane)
+
+
+@pytest.mark.parametrize(("capture", "stream"), [
+    ("chat_stream.sse", True), ("completion_stream_usage.sse", True), ("chat.json", False)])
+async def test_real_vllm_responses_pass_through_byte_for_byte(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession,
+        capture: str, stream: bool) -> None:
+    """Bytes a real vLLM sent (tests/data/vllm), re-sent in odd-sized pieces, reach the client unchanged."""
+    raw = (Path(__file__).parent / "data" / "vllm" / capture).read_bytes()
+    eng = await scripted_engine(replay=raw, replay_piece=7)
+    plane = await dataplane([eng.url])
+    async with client.post(plane.url + CHAT, json={**BODY, "stream": stream}) as r:
+        assert r.status == 200
+        assert await r.read() == raw
+        assert r.headers["Content-Type"].startswith("text/event-stream" if stream else "application/json")
     await settle(plane)

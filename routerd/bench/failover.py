@@ -210,6 +210,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default="")
     args = ap.parse_args(argv)
+    from routerd import log
+
+    log.setup("warning")  # one log line per request would cost the CPU being measured
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     with tempfile.TemporaryDirectory(prefix="rbf") as state:

@@ -58,7 +58,8 @@ return out
 
 # ARGV[1]: [stream, group, ttl_s, reply_maxlen, now_ms, consumer, dead_stream]
 # ARGV[2]: records [entry, done_key, reply_to, status_key, history_key, result ('' = none), instance,
-#          status, dead_reason ('' = not dead), raw job, deliveries]
+#          status, dead_reason ('' = not dead), raw job, deliveries]; result and raw job are bytes,
+#          so they travel as ARGV[n] and the record holds n (0 = empty: Redis' cmsgpack has no bin type)
 # Per record: 1 when this call stored the job's result, 0 when there was none or one existed already.
 # Run twice (a resent batch), the XACK count (0 the second time) keeps the dead-letter entry single,
 # as SET NX keeps the result single.
@@ -66,6 +67,8 @@ FINISH = """
 local c = cmsgpack.unpack(ARGV[1])
 local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
+  r[6] = r[6] == 0 and '' or ARGV[r[6]]
+  r[10] = r[10] == 0 and '' or ARGV[r[10]]
   local acked = redis.call('XACK', c[1], c[2], r[1])
   out[i] = 0
   if r[6] ~= '' then
@@ -90,7 +93,7 @@ end
 return out
 """
 
-# ARGV[1]: [reply_maxlen, ttl_s]; ARGV[2]: records [reply_to, cursor_key, run, seq, chunk].
+# ARGV[1]: [reply_maxlen, ttl_s]; ARGV[2]: records [reply_to, cursor_key, run, seq, chunk (ARGV n)].
 # A streamed job's chunk, once: the cursor holds the last (run, seq) written, so a resent batch does
 # not repeat chunks. Per record: 1 written, 0 already there.
 CHUNK = """
@@ -107,7 +110,7 @@ for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
     fresh = cr < run or (cr == run and cs < seq)
   end
   if fresh then
-    redis.call('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', r[5])
+    redis.call('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', ARGV[r[5]])
     redis.call('SET', r[2], r[3] .. ':' .. r[4], 'EX', c[2])
     out[i] = 1
   end
@@ -215,8 +218,10 @@ class BatchWriter:
         for run in runs:
             name = run[0].name
             if name:
+                blobs: list[bytes] = []
+                records = [[_blob(v, blobs) for v in item.args] for item in run]
                 pipe.execute_command("EVALSHA", self._shas[name], 0, _pack(self._common[name]()),
-                                     _pack([item.args for item in run]))
+                                     _pack(records), *blobs)
             else:
                 pipe.execute_command(*run[0].args)
         async with asyncio.timeout(self._timeout):
@@ -239,6 +244,17 @@ class BatchWriter:
             self._shas.clear()
         # The batch leaves the queue only once sent; NOSCRIPT items go back to the front, in order.
         self._items[: len(batch)] = retry
+
+
+def _blob(value: Any, blobs: list[bytes]) -> Any:
+    """Bytes go as extra ARGVs (Redis' cmsgpack cannot read msgpack's bin type); the record keeps the
+    ARGV index (the first two ARGVs are the common arguments and the records), 0 for empty."""
+    if not isinstance(value, bytes):
+        return value
+    if not value:
+        return 0
+    blobs.append(value)
+    return len(blobs) + 2
 
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:

@@ -180,6 +180,7 @@ class HttpIngress:
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = self.clock()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        log.bind_request_id(request_id=request_id)  # every line logged while serving it carries it
         task = asyncio.current_task()
         assert task is not None
         self.handlers.add(task)
@@ -191,11 +192,17 @@ class HttpIngress:
         except asyncio.CancelledError:
             fields["status"] = 499
             fields["error"] = self.close_reason or "client disconnected"
-            if self.close_reason and sink.response is not None:
+            if self.close_reason and sink.response is not None \
+                    and sink.response.content_type == "text/event-stream":
                 await self._close_stream(sink)
             raise
         except (ConnectionResetError, RuntimeError) as e:
-            # The client's socket went away under a write (before aiohttp cancelled us).
+            # The client's socket went away under a write (before aiohttp cancelled us); aiohttp
+            # says so with ConnectionResetError or, on a closing transport, RuntimeError.
+            transport = request.transport
+            if not isinstance(e, ConnectionResetError) and transport is not None \
+                    and not transport.is_closing():
+                raise
             fields["status"], fields["error"] = 499, f"client gone: {e}"
             return sink.response or web.Response(status=499)
         finally:

@@ -50,6 +50,7 @@ from ._queue_sink import BufferSink, Forwarder, ForwardOutcome, ResponseSink, St
 from ._queue_store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
+_HELD_PER_SLOT = 2
 __all__ = ["ForwardOutcome", "Forwarder", "QueueIngress", "ResponseSink"]
 
 
@@ -207,10 +208,15 @@ class QueueIngress:
                 backoff = min(backoff * 2, 2.0)
 
     def _want(self) -> int:
-        """How many jobs to read now: what the fleets can admit, minus what is read but not admitted."""
+        """How many jobs to read now: what the fleets can admit, minus what is read but not admitted.
+
+        Jobs whose result is being stored no longer hold an engine slot, so they count only against
+        the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least one read batch).
+        """
         fleets = [f.name for f in self._cfg.fleets]
         free = sum(self._admission.free_slots(f) for f in fleets) - self._unadmitted
-        bound = max(sum(self._admission.limit(f) for f in fleets), self._cfg.redis.read_batch)
+        limit = sum(self._admission.limit(f) for f in fleets)
+        bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) if limit else 0
         return max(0, min(self._cfg.redis.read_batch, free, bound - self.held))
 
     async def _read_once(self) -> None:
