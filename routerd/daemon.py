@@ -112,7 +112,7 @@ class Daemon:
         self.dataplane = DataPlane(cfg, self.registry)
         await stack.enter_async_context(self.dataplane)
 
-        if any(f.engine != "static" for f in cfg.fleets):
+        if _launches(cfg):
             self.notifier.status("starting: ray")
             await self._start_fleets(stack, state)
 
@@ -124,7 +124,8 @@ class Daemon:
         self._spawn(tg, self.dataplane.run(), "dataplane")
         if self.fleets is not None:
             self._spawn(tg, self.fleets.run(), "fleets")
-        sd_path = Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path else state / "file_sd" / "engines.json"
+        sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
+                   else state / "file_sd" / "engines.json")
         self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
         self._spawn(tg, self._watchdog(), "watchdog")
 
@@ -191,7 +192,7 @@ class Daemon:
 
     # drain -----------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
-        """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest, stop or keep engines."""
+        """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest; keep engines."""
         cfg = self.cfg
         self.notifier.stopping()
         _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
@@ -234,14 +235,15 @@ class Daemon:
         for section, key in _RESTART_ONLY:
             old_v, new_v = getattr(getattr(self.cfg, section), key), getattr(getattr(new, section), key)
             if old_v != new_v:
-                _logger.warning("reload_needs_restart", key=f"{section}.{key}", running=old_v, configured=new_v)
+                _logger.warning("reload_needs_restart", key=f"{section}.{key}", running=old_v,
+                                configured=new_v)
         new = _keep_restart_only(self.cfg, new)
         old = self.cfg
         self.cfg = new
         await self.dataplane.apply(new)
         if self.fleets is not None:
             await self.fleets.apply(new)
-        elif any(f.engine != "static" for f in new.fleets) and not any(f.engine != "static" for f in old.fleets):
+        elif _launches(new) and not _launches(old):
             _logger.warning("reload_needs_restart", key="fleets", reason="first launched fleet needs Ray")
         if self.queue is not None:
             self.queue.update_config(new)
@@ -256,6 +258,11 @@ class Daemon:
             total = len(self.registry.instances(fleet.name))
             parts.append(f"{fleet.name} {ready}/{total} ready")
         return "; ".join(parts) or "no fleets"
+
+
+def _launches(cfg: Config) -> bool:
+    """Whether any fleet is launched by routerd (and so needs Ray), rather than static URLs."""
+    return any(f.engine != "static" for f in cfg.fleets)
 
 
 def _check_policy(cfg: Config) -> None:

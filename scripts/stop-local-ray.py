@@ -4,6 +4,7 @@ Ray drains for up to 30 s on SIGTERM before its processes exit, and the detached
 waiting here means a following ``make run`` starts a fresh head instead of finding a dying one.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -27,10 +28,8 @@ def port_open() -> bool:
         return False
 
 
-try:
+with contextlib.suppress(ProcessLookupError):
     os.kill(head["pid"], signal.SIGTERM)
-except ProcessLookupError:
-    pass
 deadline = time.monotonic() + 60
 while port_open() and time.monotonic() < deadline:
     time.sleep(0.5)

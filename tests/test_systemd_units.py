@@ -31,7 +31,8 @@ def test_unit_verifies(tmp_path: Path, name: str) -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(tmp_path / name)],
                             capture_output=True, text=True, timeout=60, check=False)
     own = [line for line in (result.stdout + result.stderr).splitlines() if name in line]
-    assert result.returncode == 0 and not own, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not own, own
 
 
 def test_routerd_unit_settings() -> None:
@@ -52,10 +53,13 @@ def test_routerd_unit_settings() -> None:
 def test_ray_runs_in_its_own_units() -> None:
     head = _unit("ray-head.service")["Service"]
     worker = _unit("ray-worker.service")
-    assert "--block" in head["ExecStart"] and "--head" in head["ExecStart"]
+    assert "--block" in head["ExecStart"]
+    assert "--head" in head["ExecStart"]
     assert "--block" in worker["Service"]["ExecStart"]
     assert "ExecStartPre" in worker["Service"]  # waits for the head before joining
     unit = _unit("routerd.service")["Unit"]
-    assert "ray-head.service" in unit["After"] and "redis-server.service" in unit["After"]
+    assert "ray-head.service" in unit["After"]
+    assert "redis-server.service" in unit["After"]
     # routerd must not be bound to Ray: stopping it never stops the engines.
-    assert "BindsTo" not in unit and "Requires" not in unit
+    assert "BindsTo" not in unit
+    assert "Requires" not in unit
