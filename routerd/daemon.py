@@ -120,7 +120,10 @@ class Daemon:
         await self.dataplane.start_http(extra_routes=self._admin_routes)
 
         if self.queue is not None:
-            self._spawn(tg, self.queue.run(), "queue")
+            q = self.queue
+            self.dataplane.telemetry.attach_queue(lambda: q.stats, lambda: q.depth, lambda: q.paused,
+                                                  lambda: q.held)
+            self._spawn(tg, q.run(), "queue")
         self._spawn(tg, self.dataplane.run(), "dataplane")
         if self.fleets is not None:
             self._spawn(tg, self.fleets.run(), "fleets")

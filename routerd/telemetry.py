@@ -52,8 +52,17 @@ class _RegistryCollector:
         errors = CounterMetricFamily("routerd_scrape_errors", "Failed /metrics scrapes", labels=labels)
         circuit = GaugeMetricFamily("routerd_circuit_state", "Circuit breaker: 0 closed, 1 half-open, "
                                     "2 open", labels=labels)
+        restarts = CounterMetricFamily("routerd_instance_restarts", "Times routerd restarted an "
+                                       "instance (a crash loop shows as a steady rise)", labels=labels)
+        generation = GaugeMetricFamily("routerd_instance_generation", "Launch generation of the "
+                                       "instance's current engine", labels=labels)
+        state = GaugeMetricFamily("routerd_instance_state", "1 for the instance's current state",
+                                  labels=[*labels, "state"])
         for inst in self._registry:
             lv = [inst.fleet, inst.id]
+            restarts.add_metric(lv, inst.restarts)
+            generation.add_metric(lv, inst.generation)
+            state.add_metric([*lv, inst.state.value], 1.0)
             inflight.add_metric(lv, inst.inflight)
             load.add_metric(lv, inst.load())
             ready.add_metric(lv, 1.0 if inst.state.value == "ready" else 0.0)
@@ -61,7 +70,7 @@ class _RegistryCollector:
                 age.add_metric(lv, now - inst.snapshot.scraped_at)
             errors.add_metric(lv, inst.scrape_errors_total)
             circuit.add_metric(lv, _CIRCUIT[self._circuit_state(inst, now)])
-        yield from (inflight, load, ready, age, errors, circuit)
+        yield from (inflight, load, ready, age, errors, circuit, restarts, generation, state)
         if self._admission_stats is not None:
             active = GaugeMetricFamily("routerd_admission_active", "Admitted requests per fleet",
                                        labels=["fleet"])
@@ -76,6 +85,35 @@ class _RegistryCollector:
                 queued.add_metric([fleet, "queue"], s["queued_queue"])
                 rejected.add_metric([fleet], s["rejected_total"])
             yield from (active, queued, rejected)
+
+
+class _QueueCollector:
+    """The Redis queue's counters and sampled depth, read from the consumer at collection time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]], depth: Callable[[], dict[str, int]],
+                 paused: Callable[[], bool], held: Callable[[], int]) -> None:
+        self._stats, self._depth, self._paused, self._held = stats, depth, paused, held
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        jobs = CounterMetricFamily("routerd_queue_jobs", "Queue jobs by outcome (read, done, dead, "
+                                   "redelivered, reclaimed, duplicates, cancelled, expired)",
+                                   labels=["outcome"])
+        for outcome, n in self._stats().items():
+            jobs.add_metric([outcome], n)
+        depth = GaugeMetricFamily("routerd_queue_depth", "Request stream sampled from Redis: backlog "
+                                  "(not yet read), pending (read, not acknowledged), dead letters",
+                                  labels=["kind"])
+        for kind, n in self._depth().items():
+            depth.add_metric([kind], n)
+        yield jobs
+        yield depth
+        yield GaugeMetricFamily("routerd_queue_held", "Jobs this routerd holds (read, not finished)",
+                                value=self._held())
+        yield GaugeMetricFamily("routerd_queue_paused", "1 while Redis is unreachable and the queue "
+                                "path is paused", value=1.0 if self._paused() else 0.0)
 
 
 class Telemetry:
@@ -109,6 +147,11 @@ class Telemetry:
                clock: Callable[[], float] = time.monotonic) -> None:
         """Expose per-instance state from ``registry`` (called once by the data plane)."""
         self.prom.register(_RegistryCollector(registry, circuit_state, admission_stats, clock))
+
+    def attach_queue(self, stats: Callable[[], dict[str, int]], depth: Callable[[], dict[str, int]],
+                     paused: Callable[[], bool], held: Callable[[], int]) -> None:
+        """Expose the queue consumer's figures (called once by the daemon when Redis is enabled)."""
+        self.prom.register(_QueueCollector(stats, depth, paused, held))
 
     def count_request(self, fleet: str, instance: str, code: int) -> None:
         key = (fleet, instance, str(code))

@@ -152,3 +152,40 @@ def test_bad_config_exits_78(routerd_process: RouterdFactory, routerd_config: An
     cfg = routerd_config(fleets=[{"name": "x", "model": "m", "replicas": -1}])
     rp = routerd_process(cfg, wait_ready=False)
     assert rp.wait_exit(30) == 78
+
+
+async def test_both_ways_in_through_one_daemon_with_queue_metrics(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any, redis_server: Any) -> None:
+    from routerd.client import QueueClient
+    from routerd.sim.tokens import expected_text
+
+    sim = await sim_process(model="m")
+    cfg = routerd_config(redis={"enabled": True, "url": redis_server.url}, fleets=[_static_fleet(sim.url)])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession() as s:
+        await _wait_ready(s, rp.url)
+        client = QueueClient.from_url(redis_server.url)
+        try:
+            job = await client.submit({"model": "m", "prompt": "queue me", "max_tokens": 5},
+                                      endpoint="/v1/completions")
+            result = await client.wait(job, timeout=20)
+        finally:
+            await client.aclose()
+        assert result.status == "ok"
+        assert result.response["choices"][0]["text"] == expected_text(0, "queue me", 5)
+        async with s.post(f"{rp.url}/v1/completions",
+                          json={"model": "m", "prompt": "queue me", "max_tokens": 5}) as r:
+            assert (await r.json())["choices"][0]["text"] == expected_text(0, "queue me", 5)
+        end = asyncio.get_running_loop().time() + 10
+        while True:  # the depth is sampled every 5 s
+            async with s.get(f"{rp.url}/metrics") as r:
+                text = await r.text()
+            if 'routerd_queue_depth{kind="dead"} 0.0' in text:
+                break
+            assert asyncio.get_running_loop().time() < end, text[-2000:]
+            await asyncio.sleep(0.5)
+        assert 'routerd_queue_jobs_total{outcome="done"} 1.0' in text
+        assert 'routerd_queue_paused 0.0' in text
+        # Both ways in are counted per engine call: the queue job and the HTTP request.
+        assert 'routerd_requests_total{code="200",fleet="f",instance="f:static0"} 2.0' in text
+        assert 'routerd_instance_state{fleet="f",instance="f:static0",state="ready"} 1.0' in text

@@ -109,6 +109,8 @@ class QueueIngress:
         self.paused = False
         self.stats = {"read": 0, "done": 0, "dead": 0, "redelivered": 0, "reclaimed": 0,
                       "duplicates": 0, "cancelled": 0, "expired": 0}
+        # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
+        self.depth: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, cfg: Config, *, url: str, registry: Registry,
@@ -166,7 +168,8 @@ class QueueIngress:
         try:
             async with asyncio.TaskGroup() as tg:
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
-                           tg.create_task(self._cancel_listener(), name="queue-cancels")]
+                           tg.create_task(self._cancel_listener(), name="queue-cancels"),
+                           tg.create_task(self._depth_loop(), name="queue-depth")]
                 await self._read_loop()
                 await self._idle.wait()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
@@ -178,6 +181,23 @@ class QueueIngress:
             if self._client is not None:
                 await self._client.aclose()
                 self._client = None
+
+    async def _depth_loop(self, interval_s: float = 5.0) -> None:
+        """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
+        while True:
+            try:
+                async with asyncio.timeout(self._cfg.redis.op_timeout_s):
+                    pipe = self.client().pipeline(transaction=False)
+                    pipe.xlen(self.keys.stream)
+                    pipe.xpending(self.keys.stream, self.keys.group)
+                    pipe.xlen(self.keys.dead)
+                    length, pending, dead = await pipe.execute()
+                npending = int(pending["pending"]) if isinstance(pending, dict) else 0
+                self.depth = {"stream": int(length), "pending": npending,
+                              "backlog": max(0, int(length) - npending), "dead": int(dead)}
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                pass  # no group yet, or Redis away: the read loop reports that; keep the last sample
+            await asyncio.sleep(interval_s)
 
     # reading -------------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
