@@ -96,8 +96,11 @@ class Admission:
 
     async def wait_freed(self, timeout: float) -> None:
         """Wait until some slot is released (or the registry changes); the queue consumer's pacing."""
+        # asyncio.timeout rather than wait_for: on 3.11 wait_for can lose a cancellation that arrives
+        # just as the awaited thing completes (the daemon could then never stop this loop).
         with suppress(TimeoutError):
-            await asyncio.wait_for(self._freed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._freed.wait()
 
     # the ticket --------------------------------------------------------------------------------
     @asynccontextmanager
@@ -143,7 +146,8 @@ class Admission:
         try:
             while not waiter.future.done():
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.future), self._slice(q, waiter))
+                    async with asyncio.timeout(self._slice(q, waiter)):
+                        await asyncio.shield(waiter.future)
                 except TimeoutError:
                     self._sweep_fleet(fleet, q, self._clock())
             waiter.future.result()  # raises what sweep decided (deadline, no ready instance)

@@ -154,7 +154,8 @@ class QueueIngress:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no job is held here; False if some still are after ``timeout`` seconds."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True
