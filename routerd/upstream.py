@@ -179,6 +179,8 @@ class Upstream:
             err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",
                                 upstream_status=last.status, instance=tried[-1])
             err.data["attempts"] = len(tried)
+            if last.status == 503:  # every engine said "queue full" (--max-num-queued-reqs): keep the 503
+                err.status, err.type = 503, "ServiceUnavailableError"
             tel.count_request(fleet, tried[-1], err.status)
             raise err
         finally:

@@ -95,6 +95,17 @@ async def test_all_attempts_fail_gives_502_json(scripted_engine: EngineFactory, 
     await settle(plane)
 
 
+async def test_every_engine_queue_full_gives_503(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                 client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine(default="status:503")
+    b = await scripted_engine(default="status:503")
+    plane = await dataplane([a.url, b.url], routing={"max_attempts": 2, "circuit_failure_threshold": 100})
+    async with client.post(plane.url + CHAT, json=STREAM) as r:
+        assert r.status == 503
+        assert (await r.json())["error"]["code"] == 503
+    await settle(plane)
+
+
 async def test_hung_instance_first_byte_timeout_retries_and_aborts(
         scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     hung = await scripted_engine(default="hang")
