@@ -14,7 +14,10 @@ fleet manager still supervises, probes and restarts it the same way; GPU account
 Every instance has one supervising task (``_supervise``): place → start → ready (``/health`` 200 and
 one warm-up generation) → READY → watch (death sentinel, heartbeat failures, admin restarts) → out of
 rotation at once → capped exponential backoff → restart (same actor if it lives, else a new actor in the
-same placement group) → generation + 1. The request path never awaits Ray: it reads the registry.
+same placement group) → generation + 1 (a new registry Instance per generation, so nothing of the old
+engine's scrape or circuit state is held against the new one). A changed spec (reload, or an engine
+adopted from an earlier config) is rolled out one instance at a time while the others serve. The request
+path never awaits Ray: it reads the registry.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Slot:
     fail_reason: str = ""
     restart_requested: bool = False
     retiring: bool = False
+    stale: bool = False  # runs an older spec than the config's: replaced by the rolling update
     drained: bool = False
     streak: int = 0  # failures since it was last healthy for HEALTHY_RESET_S
     ready_since: float | None = None
@@ -161,20 +165,22 @@ class FleetManager:
             return False
         recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
         desired = self._desired_spec(fleet, index)
-        if desired != recorded:
-            _logger.info("adopt_mismatch_stopping", actor=name, recorded=msgspec.to_builtins(recorded),
-                         desired=msgspec.to_builtins(desired) if desired else None)
+        if desired is None:  # its fleet is gone, or it is beyond the replica count
+            _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
             await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
             return False
         fcfg = self.cfg.fleet(fleet)
         assert fcfg is not None
-        assert desired is not None
-        slot = self._new_slot(fcfg, index, desired)
+        # A changed spec is adopted as it runs and marked stale: it keeps serving until the rolling
+        # replacement in _reconcile swaps it, one instance at a time, for one with the new spec.
+        slot = self._new_slot(fcfg, index, recorded)
+        slot.stale = desired != recorded
         slot.placement = Placement(actor=actor, pg=await self.ops.find_pg(fleet, index),
-                                   bundle=bundle_for(desired))
+                                   bundle=bundle_for(recorded))
         slot.info = info
         self.ops.apply_info(slot.inst, info)
-        _logger.info("adopted", instance=slot.inst.id, pid=info["pid"], url=info["url"], alive=info["alive"])
+        _logger.info("adopted", instance=slot.inst.id, pid=info["pid"], url=info["url"], alive=info["alive"],
+                     stale=slot.stale)
         self._spawn_supervisor(slot)
         return True
 
@@ -193,7 +199,7 @@ class FleetManager:
                 self._wake.clear()
 
     async def apply(self, cfg: Config) -> None:
-        """Reload: new/removed fleets, replica counts, changed specs (replaced), health settings."""
+        """Reload: new/removed fleets, replica counts, changed specs (rolled out), health settings."""
         old = self.cfg
         self.cfg = cfg
         self.monitor.update_config(cfg.health)
@@ -201,9 +207,9 @@ class FleetManager:
             o, n = old.fleet(name), cfg.fleet(name)
             if o is None or n is None or o.replicas != n.replicas:
                 del self._replicas_override[name]  # the file changed its count: the file wins
-        for slot in list(self.slots.values()):
-            if not slot.retiring and self._desired_spec(slot.spec.fleet, slot.spec.index) != slot.spec:
-                self._retire(slot)
+        for slot in self.slots.values():
+            desired = self._desired_spec(slot.spec.fleet, slot.spec.index)
+            slot.stale = desired is not None and desired != slot.spec  # None: _reconcile retires it
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
@@ -245,7 +251,9 @@ class FleetManager:
                                                                                  self.cluster.address)))
         for iid, slot in list(self.slots.items()):
             if iid not in wanted and not slot.retiring:
-                self._retire(slot)
+                self._retire(slot, "scaling down")
+        for fleet in self._fleets():
+            self._roll(fleet.name)
         configured = {f.name for f in self.cfg.fleets}
         for name in self.registry.fleets():
             if name not in configured and not any(s.spec.fleet == name for s in self.slots.values()):
@@ -260,13 +268,26 @@ class FleetManager:
     def _spawn_supervisor(self, slot: Slot) -> None:
         slot.task = self._spawn(self._supervise(slot), f"supervise:{slot.inst.id}")
 
-    def _retire(self, slot: Slot) -> None:
-        """Scale-down/removal: out of rotation, let in-flight requests finish, then stop everything."""
-        slot.retiring = True
-        self._spawn(self._retire_slot(slot), f"retire:{slot.inst.id}")
+    def _roll(self, fleet: str) -> None:
+        """Rolling update: replace one stale instance at a time, and only while every other instance of
+        the fleet is in rotation — a new spec that cannot start halts the rollout instead of emptying
+        the fleet. The retired slot's index is relaunched with the new spec by the next reconcile."""
+        slots = sorted((s for s in self.slots.values() if s.spec.fleet == fleet), key=lambda s: s.spec.index)
+        if any(s.retiring for s in slots):
+            return
+        stale = [s for s in slots if s.stale]
+        others_ready = all(s.inst.state is InstanceState.READY for s in slots if not s.stale)
+        if stale and others_ready:
+            _logger.info("rolling_replace", instance=stale[0].inst.id, remaining=len(stale) - 1)
+            self._retire(stale[0], "replacing: spec changed")
 
-    async def _retire_slot(self, slot: Slot) -> None:
-        self.registry.set_state(slot.inst, InstanceState.DRAINING, "scaling down")
+    def _retire(self, slot: Slot, reason: str) -> None:
+        """Scale-down/removal/replacement: out of rotation, let in-flight requests finish, stop everything."""
+        slot.retiring = True
+        self._spawn(self._retire_slot(slot, reason), f"retire:{slot.inst.id}")
+
+    async def _retire_slot(self, slot: Slot, reason: str) -> None:
+        self.registry.set_state(slot.inst, InstanceState.DRAINING, reason)
         await self._wait_idle(slot.inst, self.cfg.daemon.drain_timeout_s)
         if slot.task is not None:
             slot.task.cancel()

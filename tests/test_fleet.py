@@ -144,8 +144,14 @@ async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestC
         assert drained["draining"]["state"] == "draining"
         assert r.registry.routable("tp") == []
         await post(s, f"{r.url}/admin/instances/tp:0/restart")
-        await r.wait(lambda: inst.state is InstanceState.READY and inst.generation == gen + 1, 30,
-                     "tp:0 restarted")
+
+        def restarted() -> bool:
+            new = r.registry.get("tp:0")  # each engine generation is a fresh registry Instance
+            return new is not None and new.state is InstanceState.READY and new.generation == gen + 1
+
+        await r.wait(restarted, 30, "tp:0 restarted")
+        inst = r.registry.get("tp:0")
+        assert inst is not None
         assert inst.pid != pid0
         assert pid0 is not None
         assert not group_members(pid0)
@@ -197,14 +203,18 @@ async def test_restart_adopts_same_pids_and_replaces_changed_specs(ray_cluster: 
                                                     f"routerd:{r.cluster.namespace}:ad:1"]
     assert adopt_s < 10
 
-    # Changed engine_args and fewer replicas: the old engines are stopped, a new one launched.
+    # Changed engine_args and fewer replicas: ad:1 is stopped at once; ad:0 is adopted as it runs,
+    # keeps serving, and is then replaced by the rolling update with an engine of the new spec.
     changed = make_cfg(ray_cluster, tmp_path, "ad", [{**fleets[0], "replicas": 1,
                                                      "engine_args": {**SIM_ARGS, "itl-ms": 4}}])
+    old_pids = {p for p, _, _ in before.values()}
     async with running(changed, stop_engines=True) as r:
-        await r.wait_ready("ad", 1)
-        inst = r.registry.get("ad:0")
-        assert inst is not None
-        assert inst.pid not in {p for p, _, _ in before.values()}
+        def renewed() -> bool:
+            inst = r.registry.get("ad:0")
+            return inst is not None and inst.state is InstanceState.READY and inst.pid not in old_pids
+
+        await r.wait(renewed, 60, "ad:0 replaced with the new spec")
+        assert r.fm.slots["ad:0"].spec.engine_args["itl-ms"] == 4
         for pid, _, _ in before.values():
             assert pid is not None
             assert not group_members(pid)
@@ -233,3 +243,31 @@ async def test_crash_loop_and_unplaceable_are_visible(ray_cluster: RayTestCluste
     logs = sorted((tmp_path / "engines" / "cl-0").glob("g*.log"))
     assert len(logs) >= 2  # one log per engine generation, kept for the operator
     assert "no-such-flag" in logs[0].read_text()
+
+
+async def test_reload_rolls_changed_specs_one_at_a_time(ray_cluster: RayTestCluster, tmp_path: Path) -> None:
+    fleet = {"name": "ro", "model": "sim-ro", "engine": "sim", "replicas": 2, "num_cpus_per_instance": 0.25,
+             "engine_args": SIM_ARGS}
+    cfg = make_cfg(ray_cluster, tmp_path, "ro", [fleet])
+    async with running(cfg) as r:
+        await r.wait_ready("ro", 2)
+        old = {i.pid for i in r.registry}
+        min_ready = 2
+
+        async def watch() -> None:
+            nonlocal min_ready
+            while True:
+                min_ready = min(min_ready, r.registry.ready_count("ro"))
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await r.fm.apply(make_cfg(ray_cluster, tmp_path, "ro",
+                                      [{**fleet, "engine_args": {**SIM_ARGS, "itl-ms": 4}}]))
+            await r.wait(lambda: r.registry.ready_count("ro") == 2 and not old & {i.pid for i in r.registry},
+                         60, "both instances replaced")
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        assert min_ready == 1  # never both out of rotation at once
+        assert all(s.spec.engine_args["itl-ms"] == 4 for s in r.fm.slots.values())
