@@ -160,6 +160,7 @@ class Daemon:
         self._install_signals()
         self.fleets = FleetManager(self.cfg, self.registry, self.cluster)
         await self.fleets.start()
+        self.dataplane.http.desired_replicas = self.fleets.desired
 
     def _admin_routes(self, app: Any) -> None:
         if self.fleets is None:

@@ -79,7 +79,8 @@ class Scraper:
         await asyncio.sleep(self.rng.uniform(0, self.cfg.scrape_interval_s))
         while True:
             started = self.clock()
-            await self.scrape(inst)
+            if inst.url:  # an instance waiting for placement has no URL yet: nothing to scrape
+                await self.scrape(inst)
             await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
 
     async def scrape(self, inst: Instance) -> bool:

@@ -79,6 +79,8 @@ async def running(cfg: Config, *, http: bool = False, stop_engines: bool = True)
             if http:
                 dp = await stack.enter_async_context(DataPlane(cfg, registry))
                 r.url = await dp.start_http(lambda app: add_admin_routes(app, fm, ""), port=0)
+                assert dp.http is not None
+                dp.http.desired_replicas = fm.desired  # as the daemon wires it
                 tasks.append(asyncio.create_task(dp.run()))
             try:
                 yield r
@@ -119,6 +121,8 @@ async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestC
                      "tp:2 reported as waiting for GPUs")
         third = r.registry.get("tp:2")
         assert third is not None
+        async with s.get(f"{r.url}/admin/fleets") as resp:
+            assert (await resp.json())["fleets"]["tp"]["replicas"] == 3  # the run-time count
         assert third.state is InstanceState.STARTING
         assert "waiting for resources" in third.state_reason
 

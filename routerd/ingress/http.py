@@ -25,7 +25,7 @@ from aiohttp import web
 
 from .. import log
 from ..admission import Admission
-from ..config import Config
+from ..config import Config, FleetConfig
 from ..errors import (
     BadRequest,
     BodyTooLarge,
@@ -126,6 +126,9 @@ class HttpIngress:
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
+        # Set by the daemon when routerd launches fleets: the run-time replica count (admin scaling
+        # overrides the file until the next reload that changes it).
+        self.desired_replicas: Callable[[FleetConfig], int] | None = None
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -314,7 +317,8 @@ class HttpIngress:
             out[name] = {
                 "model": f.model if f else None,
                 "engine": f.engine if f else None,
-                "replicas": f.replicas if f else None,
+                "replicas": (self.desired_replicas(f) if self.desired_replicas and f else
+                             f.replicas if f else None),
                 "ready": sum(1 for i in self.registry.instances(name) if i.state is InstanceState.READY),
                 "instances": instances,
                 "admission": self.admission.stats(name),
