@@ -189,3 +189,26 @@ async def test_both_ways_in_through_one_daemon_with_queue_metrics(
         # Both ways in are counted per engine call: the queue job and the HTTP request.
         assert 'routerd_requests_total{code="200",fleet="f",instance="f:static0"} 2.0' in text
         assert 'routerd_instance_state{fleet="f",instance="f:static0",state="ready"} 1.0' in text
+
+
+async def test_second_sigterm_exits_at_once(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    sim = await sim_process(model="m", ttft_ms=10, itl_ms=100)
+    cfg = routerd_config(daemon={"drain_timeout_s": 60.0}, fleets=[_static_fleet(sim.url)])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession() as s:
+        await _wait_ready(s, rp.url)
+        events: list[bytes] = []
+        first = asyncio.Event()
+        stream = asyncio.create_task(_stream(s, rp.url, "m", 300, events, first))  # ≈ 30 s
+        await asyncio.wait_for(first.wait(), 10)
+        rp.signal(signal.SIGTERM)
+        await asyncio.to_thread(rp.wait_notify, "STOPPING=1", 10)
+        started = asyncio.get_running_loop().time()
+        rp.signal(signal.SIGTERM)
+        code = await asyncio.to_thread(rp.wait_exit, 15)
+        assert asyncio.get_running_loop().time() - started < 10  # not the 60 s drain
+        await asyncio.wait_for(stream, 10)
+    assert code == 0
+    assert events[-1] == b"data: [DONE]"
+    assert b'"error"' in events[-2]  # the open stream learns it was cut

@@ -1,0 +1,61 @@
+"""Logging: JSON lines for journald, stdlib loggers in the same format, the request id on every line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, logging
+    from routerd import log
+    log.setup("info", json={json})
+    logger = log.get("routerd.test")
+
+    async def handle(rid):
+        log.bind_request_id(request_id=rid)
+        logger.info("request_done", status=200)
+        logging.getLogger("aiohttp.server").warning("from stdlib %s", "aiohttp")
+
+    async def main():
+        await asyncio.gather(handle("r1"), handle("r2"))
+        logger.info("outside")
+        logger.debug("hidden")
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            logger.exception("boom")
+
+    asyncio.run(main())
+""")
+
+
+def _run(json_mode: bool) -> str:
+    out = subprocess.run([sys.executable, "-c", SCRIPT.replace("{json}", str(json_mode))],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout
+
+
+def test_json_lines_with_request_id_from_contextvars() -> None:
+    lines = [json.loads(line) for line in _run(True).splitlines()]
+    events = [(d["event"], d.get("request_id")) for d in lines]
+    # Each request's lines carry its own id, stdlib ones included; lines outside a request carry none.
+    assert ("request_done", "r1") in events
+    assert ("request_done", "r2") in events
+    assert ("from stdlib aiohttp", "r1") in events
+    assert ("from stdlib aiohttp", "r2") in events
+    assert ("outside", None) in events
+    assert all(d["level"] in {"info", "warning", "error"} and "timestamp" in d for d in lines)
+    assert not any(d["event"] == "hidden" for d in lines)  # below the configured level
+    done = next(d for d in lines if d["event"] == "request_done")
+    assert done["component"] == "routerd.test"
+    assert done["status"] == 200
+    boom = next(d for d in lines if d["event"] == "boom")
+    assert "ZeroDivisionError" in boom["exception"]
+
+
+def test_console_renderer_when_asked() -> None:
+    out = _run(False)
+    assert "request_done" in out
+    assert not out.lstrip().startswith("{")
