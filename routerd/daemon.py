@@ -167,7 +167,7 @@ class Daemon:
             return
         from .ingress.admin import add_admin_routes
 
-        add_admin_routes(app, self.fleets, self.cfg.http.admin_api_key)
+        add_admin_routes(app, self.fleets, lambda: self.cfg.http.admin_api_key)
 
     async def _main_loop(self) -> None:
         stop = asyncio.create_task(self._stop.wait())

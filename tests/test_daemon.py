@@ -11,38 +11,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures.daemon import RouterdFactory
+from tests.fixtures.daemon import RouterdFactory, open_stream, wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _static_fleet(url: str, name: str = "f", model: str = "m") -> dict[str, Any]:
     return {"name": name, "model": model, "engine": "static", "urls": [url]}
-
-
-async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout: float = 30.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            async with session.get(f"{url}/readyz") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        assert asyncio.get_running_loop().time() < end, "routerd never became ready"
-        await asyncio.sleep(0.1)
-
-
-async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int,
-                  events: list[bytes], first: asyncio.Event) -> int:
-    body = {"model": model, "prompt": "hello there", "max_tokens": max_tokens, "stream": True}
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        assert r.status == 200
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                events.append(line.strip())
-                first.set()
-    return len(events)
 
 
 async def test_ready_only_after_listener_and_watchdog_pings(
@@ -71,11 +46,8 @@ async def test_sigterm_drains_open_stream_and_refuses_new_requests(
     sim = await sim_process(model="m", ttft_ms=10, itl_ms=40)
     rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[_static_fleet(sim.url)]))
     async with aiohttp.ClientSession() as s:
-        await _wait_ready(s, rp.url)
-        events: list[bytes] = []
-        first = asyncio.Event()
-        stream = asyncio.create_task(_stream(s, rp.url, "m", 40, events, first))  # ≈ 1.6 s of tokens
-        await asyncio.wait_for(first.wait(), 10)
+        await wait_ready(s, rp.url)
+        stream = await open_stream(s, rp.url, "m", 40)  # ≈ 1.6 s of tokens
         rp.signal(signal.SIGTERM)
         await asyncio.to_thread(rp.wait_notify, "STOPPING=1", 10)
         # A new request is refused while the open stream keeps going.
@@ -87,7 +59,7 @@ async def test_sigterm_drains_open_stream_and_refuses_new_requests(
         except aiohttp.ClientConnectionError:
             refused = True
         assert refused
-        await asyncio.wait_for(stream, 20)
+        events = await stream.finish(20)
     assert events[-1] == b"data: [DONE]"
     assert not any(b'"error"' in e for e in events)
     assert len([e for e in events if e != b"data: [DONE]"]) == 40
@@ -100,13 +72,10 @@ async def test_drain_timeout_ends_streams_with_an_error_event(
     cfg = routerd_config(daemon={"drain_timeout_s": 0.5}, fleets=[_static_fleet(sim.url)])
     rp = await asyncio.to_thread(routerd_process, cfg)
     async with aiohttp.ClientSession() as s:
-        await _wait_ready(s, rp.url)
-        events: list[bytes] = []
-        first = asyncio.Event()
-        stream = asyncio.create_task(_stream(s, rp.url, "m", 200, events, first))  # ≈ 20 s
-        await asyncio.wait_for(first.wait(), 10)
+        await wait_ready(s, rp.url)
+        stream = await open_stream(s, rp.url, "m", 200)  # ≈ 20 s
         rp.signal(signal.SIGTERM)
-        await asyncio.wait_for(stream, 15)
+        events = await stream.finish(15)
     assert events[-1] == b"data: [DONE]"
     assert b'"error"' in events[-2]
     assert await asyncio.to_thread(rp.wait_exit, 20) == 0
@@ -119,7 +88,7 @@ async def test_sighup_applies_keys_and_policy_and_rejects_a_bad_file(
     rp = await asyncio.to_thread(routerd_process, cfg)
     body = {"model": "m", "prompt": "hi", "max_tokens": 2}
     async with aiohttp.ClientSession() as s:
-        await _wait_ready(s, rp.url)
+        await wait_ready(s, rp.url)
         async with s.post(f"{rp.url}/v1/completions", json=body) as r:
             assert r.status == 200
         new = json.loads(json.dumps(cfg))
@@ -163,7 +132,7 @@ async def test_both_ways_in_through_one_daemon_with_queue_metrics(
     cfg = routerd_config(redis={"enabled": True, "url": redis_server.url}, fleets=[_static_fleet(sim.url)])
     rp = await asyncio.to_thread(routerd_process, cfg)
     async with aiohttp.ClientSession() as s:
-        await _wait_ready(s, rp.url)
+        await wait_ready(s, rp.url)
         client = QueueClient.from_url(redis_server.url)
         try:
             job = await client.submit({"model": "m", "prompt": "queue me", "max_tokens": 5},
@@ -197,18 +166,15 @@ async def test_second_sigterm_exits_at_once(
     cfg = routerd_config(daemon={"drain_timeout_s": 60.0}, fleets=[_static_fleet(sim.url)])
     rp = await asyncio.to_thread(routerd_process, cfg)
     async with aiohttp.ClientSession() as s:
-        await _wait_ready(s, rp.url)
-        events: list[bytes] = []
-        first = asyncio.Event()
-        stream = asyncio.create_task(_stream(s, rp.url, "m", 300, events, first))  # ≈ 30 s
-        await asyncio.wait_for(first.wait(), 10)
+        await wait_ready(s, rp.url)
+        stream = await open_stream(s, rp.url, "m", 300)  # ≈ 30 s
         rp.signal(signal.SIGTERM)
         await asyncio.to_thread(rp.wait_notify, "STOPPING=1", 10)
         started = asyncio.get_running_loop().time()
         rp.signal(signal.SIGTERM)
         code = await asyncio.to_thread(rp.wait_exit, 15)
         assert asyncio.get_running_loop().time() - started < 10  # not the 60 s drain
-        await asyncio.wait_for(stream, 10)
+        events = await stream.finish(10)
     assert code == 0
     assert events[-1] == b"data: [DONE]"
     assert b'"error"' in events[-2]  # the open stream learns it was cut

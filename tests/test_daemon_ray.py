@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures.daemon import RouterdFactory
+from tests.fixtures.daemon import RouterdFactory, open_stream
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -70,20 +70,7 @@ async def test_reload_scales_while_streaming_and_engines_outlive_routerd(
         assert await eventually(lambda: len(_file_sd(cfg)) == 1, 5)
 
         # Open a stream (60 tokens x 40 ms), then reload: two replicas and another policy.
-        events: list[bytes] = []
-        first = asyncio.Event()
-
-        async def stream() -> None:
-            body = {"model": "m", "prompt": "hello", "max_tokens": 60, "stream": True}
-            async with s.post(f"{rp.url}/v1/completions", json=body) as r:
-                assert r.status == 200
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        events.append(line.strip())
-                        first.set()
-
-        task = asyncio.create_task(stream())
-        await asyncio.wait_for(first.wait(), 20)
+        stream = await open_stream(s, rp.url, "m", 60)
         new = json.loads(json.dumps(cfg))
         new["fleets"][0]["replicas"] = 2
         new["routing"]["policy"] = "power_of_two"
@@ -92,7 +79,7 @@ async def test_reload_scales_while_streaming_and_engines_outlive_routerd(
         await asyncio.to_thread(rp.wait_notify, "RELOADING=1", 10)
         pids = await _ready_pids(s, rp.url, "s", 2)
         assert pid0 in pids  # scaling up leaves the running engine alone
-        await asyncio.wait_for(task, 30)
+        events = await stream.finish(30)
         assert events[-1] == b"data: [DONE]"
         assert not any(b'"error"' in e for e in events)
         assert len(events) == 61

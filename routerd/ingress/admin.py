@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -58,51 +59,43 @@ async def _body(request: web.Request, typ: type[Any]) -> Any:
         raise BadRequest(f"invalid body: {e}") from e
 
 
-def add_admin_routes(app: web.Application, fleet_manager: FleetManager, admin_key: str) -> None:
+Handler = Callable[[web.Request], Awaitable[Any]]
+
+
+def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
+                     admin_key: str | Callable[[], str]) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
-    ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``). Instance ids look like ``small:0``."""
+    ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``). Instance ids look like ``small:0``.
 
-    async def restart(request: web.Request) -> web.Response:
-        try:
-            _authorize(request, admin_key)
-            iid = request.match_info["instance"]
+    ``admin_key`` may be a callable so a reload that changes the key applies to these routes too."""
+    key = admin_key if callable(admin_key) else (lambda: admin_key)
+
+    def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """Authorize, run, and map routerd's errors (and a missing instance or fleet) to JSON."""
+        async def wrapped(request: web.Request) -> web.Response:
             try:
-                result = await fleet_manager.restart_instance(iid)
-            except KeyError:
-                raise NotFound(f"no launched instance {iid!r}") from None
-        except RouterdError as e:
-            return _error(e)
-        return web.json_response({"restarting": result})
+                _authorize(request, key())
+                return web.json_response(await handler(request))
+            except KeyError as e:
+                return _error(NotFound(f"no launched instance or fleet {e.args[0]!r}"))
+            except RouterdError as e:
+                return _error(e)
+        return wrapped
 
-    async def drain(request: web.Request) -> web.Response:
-        try:
-            _authorize(request, admin_key)
-            body: _Drain = await _body(request, _Drain)
-            iid = request.match_info["instance"]
-            try:
-                result = await fleet_manager.drain_instance(iid, max(0.0, body.timeout_s))
-            except KeyError:
-                raise NotFound(f"no launched instance {iid!r}") from None
-        except RouterdError as e:
-            return _error(e)
-        return web.json_response({"draining": result})
+    async def restart(request: web.Request) -> Any:
+        return {"restarting": await fleet_manager.restart_instance(request.match_info["instance"])}
 
-    async def replicas(request: web.Request) -> web.Response:
-        try:
-            _authorize(request, admin_key)
-            body: _Replicas = await _body(request, _Replicas)
-            if not 0 <= body.replicas <= _MAX_REPLICAS:
-                raise BadRequest(f"replicas must be 0..{_MAX_REPLICAS}", param="replicas")
-            fleet = request.match_info["fleet"]
-            try:
-                result = await fleet_manager.set_replicas(fleet, body.replicas)
-            except KeyError:
-                raise NotFound(f"no launched fleet {fleet!r}") from None
-        except RouterdError as e:
-            return _error(e)
-        return web.json_response(result)
+    async def drain(request: web.Request) -> Any:
+        body: _Drain = await _body(request, _Drain)
+        result = await fleet_manager.drain_instance(request.match_info["instance"], max(0.0, body.timeout_s))
+        return {"draining": result}
 
-    app.router.add_post("/admin/instances/{instance}/restart", restart)
-    app.router.add_post("/admin/instances/{instance}/drain", drain)
-    app.router.add_post("/admin/fleets/{fleet}/replicas", replicas)
+    async def replicas(request: web.Request) -> Any:
+        body: _Replicas = await _body(request, _Replicas)
+        if not 0 <= body.replicas <= _MAX_REPLICAS:
+            raise BadRequest(f"replicas must be 0..{_MAX_REPLICAS}", param="replicas")
+        return await fleet_manager.set_replicas(request.match_info["fleet"], body.replicas)
 
+    app.router.add_post("/admin/instances/{instance}/restart", route(restart))
+    app.router.add_post("/admin/instances/{instance}/drain", route(drain))
+    app.router.add_post("/admin/fleets/{fleet}/replicas", route(replicas))
