@@ -20,6 +20,7 @@ import aiohttp
 import msgspec
 import structlog
 
+from ._aio import wait_for
 from .config import HealthConfig
 from .engine_actor import EngineActor, group_members
 from .health import ActorProbe, ProbeFn
@@ -63,7 +64,7 @@ class EngineOps:
         return f"routerd:{self.cluster.namespace}:{fleet}:{index}"
 
     async def actor_info(self, actor: Any, timeout: float) -> dict[str, Any]:
-        info: dict[str, Any] = await asyncio.wait_for(_resolve(actor.info.remote()), timeout)
+        info: dict[str, Any] = await wait_for(_resolve(actor.info.remote()), timeout)
         return info
 
     @staticmethod
@@ -163,7 +164,7 @@ class EngineOps:
                                                 "127.0.0.1" if self.cluster.is_local() else "")
         slot.placement.actor = actor
         slot.placement.actor_dead = False
-        info: dict[str, Any] = await asyncio.wait_for(_resolve(actor.start.remote()), 120.0)
+        info: dict[str, Any] = await wait_for(_resolve(actor.start.remote()), 120.0)
         slot.info = info
         inst = self.renew(slot, registry, info)
         _logger.info("engine_started", instance=inst.id, pid=info["pid"], url=info["url"],
@@ -180,7 +181,7 @@ class EngineOps:
         old_pid = inst.pid
         if not slot.placement.actor_dead and slot.placement.actor is not None:
             try:
-                info: dict[str, Any] = await asyncio.wait_for(
+                info: dict[str, Any] = await wait_for(
                     _resolve(slot.placement.actor.restart_engine.remote(grace_s)), 60.0)
                 slot.info = info
                 inst = self.renew(slot, registry, info)
@@ -262,7 +263,7 @@ class EngineOps:
                     return "actor died", True
                 # ActorUnavailableError or a broken connection: dead only if it stays unreachable.
                 try:
-                    await asyncio.wait_for(_resolve(actor.ping.remote()), 2.0)
+                    await wait_for(_resolve(actor.ping.remote()), 2.0)
                 except Exception:  # noqa: BLE001  # unreachable twice in a row: treat as gone
                     return f"actor unreachable: {type(e).__name__}", True
 
@@ -276,7 +277,7 @@ class EngineOps:
             if slot is None or slot.placement is None or slot.placement.actor is None:
                 return None, True, False
             try:
-                res = await asyncio.wait_for(_resolve(slot.placement.actor.probe.remote(deadline_s * 0.9)),
+                res = await wait_for(_resolve(slot.placement.actor.probe.remote(deadline_s * 0.9)),
                                              deadline_s)
             except TimeoutError:
                 return None, False, False
@@ -296,9 +297,9 @@ class EngineOps:
         pid = None
         if actor is not None and stop:
             try:
-                info = await asyncio.wait_for(_resolve(actor.info.remote()), 5.0)
+                info = await wait_for(_resolve(actor.info.remote()), 5.0)
                 pid = info.get("pid")
-                report = await asyncio.wait_for(_resolve(actor.stop.remote(10.0)), 30.0)
+                report = await wait_for(_resolve(actor.stop.remote(10.0)), 30.0)
             except Exception as e:  # noqa: BLE001  # a dead/hung actor: the kill below and the reap do it
                 report = {"stop_error": repr(e)}
         if actor is not None:

@@ -36,6 +36,7 @@ import msgspec
 import structlog
 
 from . import config as config_mod
+from ._aio import wait_for
 from ._fleet_ops import EngineOps, Placement
 from .config import Config, FleetConfig
 from .health import HealthMonitor, ProbeResult
@@ -195,7 +196,7 @@ class FleetManager:
                 except Exception:  # a loop boundary: log and go on
                     _logger.exception("fleet_step_failed")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                    await wait_for(self._wake.wait(), 1.0)
                 self._wake.clear()
 
     async def apply(self, cfg: Config) -> None:

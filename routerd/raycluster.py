@@ -32,6 +32,7 @@ from typing import Any
 
 import structlog
 
+from ._aio import wait_for
 from .config import RayConfig
 
 _logger = structlog.get_logger("routerd.raycluster")
@@ -189,7 +190,7 @@ class RayCluster:
                 raise RayConnectError(f"no Ray GCS answers at {address!r} (waited {cfg.connect_timeout_s}s)")
             await asyncio.sleep(0.5)
         try:
-            owns = await asyncio.wait_for(_in_daemon_thread(_init, address, cfg.namespace),
+            owns = await wait_for(_in_daemon_thread(_init, address, cfg.namespace),
                                           max(1.0, deadline - time.monotonic()))
         except TimeoutError as e:
             raise RayConnectError(f"ray.init({address!r}) did not finish in {cfg.connect_timeout_s}s") from e
@@ -219,11 +220,11 @@ class RayCluster:
             total = ray.cluster_resources()  # type: ignore[no-untyped-call]  # ray is untyped
             return dict(total), dict(ray.available_resources())  # type: ignore[no-untyped-call]
 
-        return await asyncio.wait_for(asyncio.to_thread(read), 10.0)
+        return await wait_for(asyncio.to_thread(read), 10.0)
 
     async def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
         """Run one blocking Ray API call (get_actor, list_named_actors, PG table) off the loop, bounded."""
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
+        return await wait_for(asyncio.to_thread(fn, *args), timeout)
 
 
     # Ray operations the fleet manager needs, each off the loop and bounded ----------------------

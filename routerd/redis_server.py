@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from . import log
+from ._aio import wait_for
 from .config import RedisConfig
 
 _log = log.get("routerd.redis")
@@ -175,7 +176,7 @@ class EmbeddedRedis:
             return
         proc.send_signal(signal.SIGTERM)  # redis flushes the AOF on SIGTERM
         try:
-            await asyncio.wait_for(proc.wait(), 10.0)
+            await wait_for(proc.wait(), 10.0)
         except TimeoutError:
             proc.kill()
             await proc.wait()

@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from .. import log
+from .._aio import wait_for
 from ..admission import Admission
 from ..config import Config
 from ..errors import DeadlineExceeded, RouterdError
@@ -360,7 +361,7 @@ class QueueIngress:
                 backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(*REDIS_DOWN):
-                    await asyncio.wait_for(pubsub.aclose(), 1.0)
+                    await wait_for(pubsub.aclose(), 1.0)
 
     def cancel_local(self, job_id: str) -> bool:
         """Cancel job ``job_id`` if it is held here (waiting for admission or running)."""
