@@ -192,7 +192,7 @@ class EngineOps:
                 _logger.warning("actor_restart_failed", instance=inst.id, error=repr(e))
         if slot.placement.actor is not None:
             await self.cluster.kill(slot.placement.actor)
-        if old_pid is not None:
+        if old_pid is not None and self.cluster.is_local():
             await asyncio.to_thread(reap_local_group, old_pid)
         await self._wait_name_free(actor_name(slot.spec.fleet, slot.spec.index))
         await self._new_actor(slot, registry, actor_name(slot.spec.fleet, slot.spec.index))
@@ -304,7 +304,7 @@ class EngineOps:
                 report = {"stop_error": repr(e)}
         if actor is not None:
             await self.cluster.kill(actor)
-        if pid is not None:
+        if pid is not None and self.cluster.is_local():
             report["reaped"] = await asyncio.to_thread(reap_local_group, pid)
         for name, _, handle in await self.cluster.placement_groups():
             if name == pg_name:
@@ -316,7 +316,8 @@ def reap_local_group(pgid: int, wait_s: float = 3.0) -> list[int]:
     """After-the-fact check on this node: kill anything still in the dead engine's process group.
 
     PDEATHSIG covers the engine itself; this covers grandchildren (vLLM's EngineCore/workers) that a
-    killed actor could leave behind. Returns the pids that had to be killed. No-op on other nodes.
+    killed actor could leave behind. Returns the pids that had to be killed. Callers use it only on a
+    local cluster: an engine's pid on another node may be an unrelated process group here.
     """
     deadline = time.monotonic() + wait_s
     members = group_members(pgid)

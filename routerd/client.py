@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
@@ -183,8 +183,17 @@ class QueueClient:
         """A streamed job's chunks in order, then its result. Chunks of an abandoned earlier run (routerd
         died mid-stream and ran the job again) are dropped: a newer run restarts the sequence."""
         run = 0
-        async with asyncio.timeout(timeout):
-            async for item in self._reply_entries(job.reply_to, job.id):
+        # The deadline bounds each fetch, not a block around the yields: a timeout spanning a yield
+        # would fire in the caller's code as a bare CancelledError instead of a TimeoutError here.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        entries = self._reply_entries(job.reply_to, job.id)
+        try:
+            while True:
+                if loop.time() >= deadline:  # checked here: redis-py can lose an immediate cancel
+                    raise TimeoutError(job.id)
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(entries)
                 if isinstance(item, ResultView):
                     yield item
                     return
@@ -192,8 +201,11 @@ class QueueClient:
                     continue
                 run = item.delivery
                 yield item
+        finally:
+            await entries.aclose()
 
-    async def _reply_entries(self, reply_to: str, job_id: str) -> AsyncIterator[ChunkView | ResultView]:
+    async def _reply_entries(self, reply_to: str, job_id: str,
+                             ) -> AsyncGenerator[ChunkView | ResultView, None]:
         last = "0-0"
         while True:
             reply = await self.redis.xread({reply_to: last}, count=500, block=1000)

@@ -191,6 +191,7 @@ def _env_value(value: str, default: Any) -> Any:
 
 
 _PATH_RE = re.compile(r"at `(\$[^`]*)`")
+_HOST_PORT_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):\d{1,5}")
 
 
 def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
@@ -229,6 +230,10 @@ def _semantic_problems(cfg: Config) -> list[str]:
         problems.append("$.health.restart_backoff_max_s: must be >= restart_backoff_initial_s")
     if any(not k for k in cfg.http.api_keys):
         problems.append("$.http.api_keys: empty key")
+    if cfg.ray.address and not _HOST_PORT_RE.fullmatch(cfg.ray.address):
+        # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
+        problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
+                        f"got {cfg.ray.address!r}")
     return problems
 
 
@@ -307,6 +312,8 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError([f"$: cannot read {path}: {e.strerror}"]) from e
+    except UnicodeDecodeError as e:  # a ValueError: uncaught, it would end the daemon on SIGHUP
+        raise ConfigError([f"$: {path} is not UTF-8 text: {e.reason} at byte {e.start}"]) from e
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -30,7 +30,9 @@ _logger = log.get("routerd.daemon")
 # Settings that are bound at start-up; a reload that changes them is applied except for these.
 _RESTART_ONLY = (
     ("http", "host"), ("http", "port"), ("redis", "url"), ("redis", "stream"), ("redis", "group"),
-    ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
+    ("redis", "dead_stream"), ("redis", "consumer"), ("redis", "password"), ("redis", "ssl_ca_certs"),
+    ("redis", "enabled"), ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
+    ("daemon", "file_sd_path"), ("daemon", "log_level"),
 )
 
 
@@ -159,6 +161,9 @@ class Daemon:
         # that SIGTERM drains instead of killing the process.
         self._install_signals()
         self.fleets = FleetManager(self.cfg, self.registry, self.cluster)
+        # If a later start-up step fails (say the HTTP port is taken), stop supervising and close the
+        # fleet's HTTP session; after a normal drain this second shutdown finds nothing left to do.
+        stack.push_async_callback(self.fleets.shutdown, False)
         await self.fleets.start()
         self.dataplane.http.desired_replicas = self.fleets.desired
 
@@ -178,7 +183,11 @@ class Daemon:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if reload in done:
                     self._reload.clear()
-                    await self.reload()
+                    try:
+                        await self.reload()
+                    except Exception:  # a loop boundary: a failed reload must not end the daemon
+                        _logger.exception("reload_failed", path=str(self.config_path))
+                        self.notifier.ready("reload failed; see the log")
                 else:
                     reload.cancel()
                 self.notifier.status(self.status_line())
@@ -229,7 +238,7 @@ class Daemon:
         """Re-read the config file and apply what changed; an invalid file keeps the old config."""
         self.notifier.reloading()
         try:
-            new = config_mod.load(self.config_path)
+            new = await asyncio.to_thread(config_mod.load, self.config_path)  # file I/O: off the loop
             _check_policy(new)
         except (config_mod.ConfigError, LookupError) as e:
             problems = e.problems if isinstance(e, config_mod.ConfigError) else [str(e)]

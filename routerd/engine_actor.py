@@ -117,7 +117,7 @@ class EngineActor:
         async with self._lock:
             if self.proc is None or self.proc.poll() is not None:
                 await self._spawn()
-        return self.info()
+        return await self.info()
 
     async def restart_engine(self, grace_s: float = 5.0) -> dict[str, Any]:
         """Stop the engine, then start a new one (new port, generation + 1) under the same resources."""
@@ -125,7 +125,7 @@ class EngineActor:
             await self._stop(grace_s)
             self.generation += 1
             await self._spawn()
-        return self.info()
+        return await self.info()
 
     async def stop(self, grace_s: float = 10.0) -> dict[str, Any]:
         """SIGTERM to the engine's group, SIGKILL after ``grace_s``, then prove nothing is left."""
@@ -197,10 +197,13 @@ class EngineActor:
         return self.last_stop
 
     # observation -----------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    async def info(self) -> dict[str, Any]:
         """Everything status shows about this engine, plus the recorded spec adoption compares."""
         proc = self.proc
         alive = proc is not None and proc.poll() is None
+        # The /proc scan and nvidia-smi (up to 2 s) run in a thread: on the actor's loop they would hold
+        # up a concurrent probe past its deadline and fail a healthy engine.
+        resources = await asyncio.to_thread(self.resource_use) if alive else {}
         return {
             "spec": self.spec_json.decode(),
             "generation": self.generation,
@@ -214,7 +217,7 @@ class EngineActor:
             "actor_pid": os.getpid(),
             "started_at": self.started_at,
             "log_path": self.log_path,
-            "resources": self.resource_use() if alive else {},
+            "resources": resources,
         }
 
     async def probe(self, timeout_s: float) -> dict[str, Any]:

@@ -164,7 +164,12 @@ class FleetManager:
             _logger.warning("adopt_unresponsive", actor=name, error=repr(e))
             await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=False)
             return False
-        recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
+        try:
+            recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
+        except (KeyError, AttributeError, msgspec.DecodeError) as e:  # another routerd version's record
+            _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
+            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
+            return False
         desired = self._desired_spec(fleet, index)
         if desired is None:  # its fleet is gone, or it is beyond the replica count
             _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
@@ -211,6 +216,9 @@ class FleetManager:
         for slot in self.slots.values():
             desired = self._desired_spec(slot.spec.fleet, slot.spec.index)
             slot.stale = desired is not None and desired != slot.spec  # None: _reconcile retires it
+            fcfg = cfg.fleet(slot.spec.fleet)
+            if fcfg is not None:  # not part of the spec (no relaunch), so applied in place, as for static
+                slot.inst.capacity_hint = fcfg.max_num_seqs
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
@@ -220,10 +228,10 @@ class FleetManager:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if stop_engines:
-            await asyncio.gather(*(self.ops.dispose(s.placement.actor, self.ops.pg_name(s.spec.fleet,
-                                                                                        s.spec.index),
-                                                    stop=True)
-                                   for s in self.slots.values() if s.placement is not None),
+            # Slots still being placed have no Placement yet but may own a pending placement group.
+            await asyncio.gather(*(self.ops.dispose(s.placement.actor if s.placement is not None else None,
+                                                    self.ops.pg_name(s.spec.fleet, s.spec.index), stop=True)
+                                   for s in self.slots.values()),
                                  return_exceptions=True)
             for s in self.slots.values():
                 self.registry.remove(s.inst.id)
@@ -338,7 +346,9 @@ class FleetManager:
                 await self.ops.ensure_running(slot, self.registry)
                 if await self.ops.wait_ready(slot, self.registry, self.cfg.health):
                     inst = slot.inst  # a restart may have put a new Instance in the registry
-                    if slot.drained:
+                    if slot.retiring:  # restarted while being retired: never back into rotation
+                        self.registry.set_state(inst, InstanceState.DRAINING, "retiring")
+                    elif slot.drained:
                         self.registry.set_state(inst, InstanceState.DRAINING, "drained by admin")
                     else:
                         self.registry.set_state(inst, InstanceState.READY)
@@ -356,7 +366,6 @@ class FleetManager:
     async def _watch(self, slot: Slot) -> None:
         """Wait for a death (sentinel), a heartbeat failure or an admin restart."""
         assert slot.placement is not None
-        slot.failed.clear()
         sentinel = asyncio.ensure_future(self.ops.death_sentinel(slot))
         failed = asyncio.ensure_future(slot.failed.wait())
         try:
@@ -379,14 +388,18 @@ class FleetManager:
 
     async def _on_failed(self, inst: Instance, result: ProbeResult) -> None:
         slot = self.slots.get(inst.id)
-        if slot is None or slot.inst is not inst:
-            return
+        if slot is None or slot.inst is not inst or inst.state not in (InstanceState.READY,
+                                                                       InstanceState.DRAINING):
+            return  # gone, a past generation, or already failed (the death sentinel was first)
         if result is ProbeResult.ACTOR_DEAD and slot.placement is not None:
             slot.placement.actor_dead = True
         _logger.warning("instance_failed", instance=inst.id, result=result.value, generation=inst.generation)
         self._fail(slot, f"heartbeat: {result.value}")
 
     async def _after_failure(self, slot: Slot) -> None:
+        # Cleared here, not when watching starts: an admin restart that arrives while the engine is
+        # still starting must survive until _watch sees it.
+        slot.failed.clear()
         inst = slot.inst
         if slot.ready_since is not None and self.clock() - slot.ready_since >= HEALTHY_RESET_S:
             slot.streak = 0

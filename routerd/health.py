@@ -244,7 +244,12 @@ class HealthMonitor:
         while (inst.state in (InstanceState.READY, InstanceState.DRAINING)
                and inst.generation == generation and self.registry.get(inst.id) is inst):
             started = self._clock()
-            verdict = await self.check_once(inst, tracker)
+            try:
+                verdict = await self.check_once(inst, tracker)
+            except Exception:  # a loop boundary: an unexpected probe error is a miss, not a fresh tracker
+                _logger.exception("heartbeat_probe_error", instance=inst.id)
+                verdict = tracker.record(ProbeResult.TIMEOUT)
+                inst.health = ProbeResult.TIMEOUT.value
             if verdict is Verdict.FAILED:
                 await self._on_failed(inst, tracker.last_result or ProbeResult.TIMEOUT)
                 return

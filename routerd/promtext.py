@@ -58,7 +58,7 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None
     try:
         v = int(float(raw))
-    except ValueError:
+    except (ValueError, OverflowError):  # "NaN", "x"; "+Inf" or "1e400" overflow int()
         return None
     return v if v > 0 else None
 

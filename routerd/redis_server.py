@@ -112,11 +112,14 @@ class EmbeddedRedis:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
-        await self._terminate()
+        try:
+            if self._supervisor is not None:
+                self._supervisor.cancel()
+                # asyncio.wait, not `await task` under suppress(CancelledError): that would also
+                # swallow a cancellation of the caller arriving meanwhile.
+                await asyncio.wait([self._supervisor])
+        finally:
+            await self._terminate()  # even when cancelled: no redis-server is left behind
 
     def _argv(self) -> list[str]:
         argv = [self._binary, "--bind", "127.0.0.1", "--port", str(self._port),
@@ -188,12 +191,14 @@ class EmbeddedRedis:
         if pid is None:
             return
         _log.warning("embedded_redis_stale", pid=pid)
-        os.kill(pid, signal.SIGTERM)  # SIGTERM: it flushes its AOF first
+        with contextlib.suppress(ProcessLookupError):  # it may have exited since it was found
+            os.kill(pid, signal.SIGTERM)  # SIGTERM: it flushes its AOF first
         for _ in range(500):
             if not _is_redis(pid):
                 return
             await asyncio.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _stale_pid(directory: Path) -> int | None:

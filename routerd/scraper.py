@@ -92,9 +92,16 @@ class Scraper:
                                             headers={"Accept-Encoding": "identity"}) as resp:
                     if resp.status != 200:
                         raise promtext.ParseError(f"HTTP {resp.status}")
-                    page = await resp.content.read(MAX_PAGE_BYTES + 1)
-                    if len(page) > MAX_PAGE_BYTES:
-                        raise promtext.ParseError("page larger than 8 MiB")
+                    # to EOF: content.read(n) returns only what has arrived so far, which for a
+                    # page sent in several chunks would be a truncated page
+                    parts: list[bytes] = []
+                    size = 0
+                    async for part in resp.content.iter_any():
+                        size += len(part)
+                        if size > MAX_PAGE_BYTES:
+                            raise promtext.ParseError("page larger than 8 MiB")
+                        parts.append(part)
+                    page = b"".join(parts)
             snap = promtext.parse(page.decode("utf-8", "replace"), self.clock())
         except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
             message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"

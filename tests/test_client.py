@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 import pytest
@@ -51,6 +52,30 @@ async def test_wait_times_out_without_a_consumer(redis_async: aioredis.Redis) ->
         await q.wait(job, timeout=0.3)
     with pytest.raises(TimeoutError, match="1 of 1 results missing"):
         await q.wait_many([job], timeout=0.2)
+
+
+async def test_chunks_deadline_is_a_timeout_even_while_the_caller_works(
+        redis_async: aioredis.Redis) -> None:
+    """The deadline passing while the caller handles a chunk must surface as TimeoutError from the
+    iterator, never as a stray cancellation of the caller's task."""
+    q = QueueClient(redis_async)
+    job = await q.submit({**BODY, "stream": True})
+    for seq in range(3):  # a run that never finishes: chunks, no result
+        await redis_async.xadd(job.reply_to, {"chunk": msgspec.json.encode(
+            {"id": job.id, "seq": seq, "delivery": 1, "data": {"n": seq}})})
+    seen: list[Any] = []
+
+    async def consume() -> None:
+        async for item in q.chunks(job, timeout=0.3):
+            seen.append(item)
+            await asyncio.sleep(0.2)  # the caller's own work
+
+    with pytest.raises(TimeoutError):
+        await consume()
+    assert len(seen) >= 1
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
 
 
 async def test_submit_wire_format_is_the_interface(redis_async: aioredis.Redis) -> None:

@@ -74,6 +74,13 @@ def test_not_toml_and_missing_file_exit_78(tmp_path: Path) -> None:
     bad.write_text("[http\nport=1")
     assert _check(bad).returncode == 78
     assert _check(tmp_path / "missing.toml").returncode == 78
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[daemon]\nstate_dir = "caf\xe9"\n')
+    with pytest.raises(config.ConfigError) as info:  # not a UnicodeDecodeError: SIGHUP must survive it
+        config.load(latin1)
+    assert info.value.problems[0].startswith("$: ")
+    assert "UTF-8" in info.value.problems[0]
+    assert _check(latin1).returncode == 78
 
 
 def test_unknown_section_and_semantic_errors() -> None:
@@ -124,3 +131,16 @@ def test_config_is_frozen() -> None:
     cfg = config.parse({}, environ={})
     with pytest.raises(AttributeError):
         cfg.http.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "ray://10.0.0.5:10001", "auto", "head:port"])
+def test_ray_address_must_be_host_port(address: str) -> None:
+    # Without this check "10.0.0.5" passed validation and routerd died at start-up with a ValueError.
+    with pytest.raises(config.ConfigError) as info:
+        config.parse({"ray": {"address": address}}, environ={})
+    assert info.value.problems[0].startswith("$.ray.address: expected host:port")
+
+
+@pytest.mark.parametrize("address", ["", "127.0.0.1:6379", "ray-head.internal:6379", "[::1]:6379"])
+def test_ray_addresses_that_are_accepted(address: str) -> None:
+    assert config.parse({"ray": {"address": address}}, environ={}).ray.address == address

@@ -94,10 +94,14 @@ async def test_sighup_applies_keys_and_policy_and_rejects_a_bad_file(
         new = json.loads(json.dumps(cfg))
         new["http"]["api_keys"] = ["sekret"]
         new["routing"]["policy"] = "round_robin"
+        new.setdefault("daemon", {})["file_sd_path"] = str(rp.config_path.parent / "elsewhere.json")
         rp.rewrite_config(new)
         rp.signal(signal.SIGHUP)
         await asyncio.to_thread(rp.wait_notify, "RELOADING=1", 10)
         await asyncio.to_thread(rp.wait_notify, "READY=1", 10)
+        # Bound at start-up (the file_sd writer has its path): said so, not silently ignored.
+        assert "daemon.file_sd_path" in rp.log()
+        assert not (rp.config_path.parent / "elsewhere.json").exists()
         async with s.post(f"{rp.url}/v1/completions", json=body) as r:
             assert r.status == 401
             assert (await r.json())["error"]["code"] == 401
@@ -111,6 +115,13 @@ async def test_sighup_applies_keys_and_policy_and_rejects_a_bad_file(
         rp.signal(signal.SIGHUP)
         line = await asyncio.to_thread(rp.wait_notify, "STATUS=reload rejected", 10)
         assert "$.http.port" in line
+        async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
+            assert r.status == 200
+        # A file that is not UTF-8 is rejected the same way (it used to end the daemon).
+        rp.config_path.write_bytes(b"[daemon]\nstate_dir = 'caf\xe9'\n")
+        rp.signal(signal.SIGHUP)
+        line = await asyncio.to_thread(rp.wait_notify, "STATUS=reload rejected", 10)
+        assert "UTF-8" in line
         async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
             assert r.status == 200
     assert rp.proc.poll() is None

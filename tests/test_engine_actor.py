@@ -163,3 +163,30 @@ async def test_sigkill_of_the_ray_actor_leaves_no_engine(ray_cluster: RayTestClu
         await cluster.remove_placement_group(pg)
     finally:
         await cluster.close()
+
+
+async def test_info_never_holds_up_a_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On GPU nodes info() runs nvidia-smi, which can take seconds; Ray runs every method of this async
+    # actor on one loop, so done inline it made a concurrent heartbeat time out on a healthy engine.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    slow = bin_dir / "nvidia-smi"
+    slow.write_text("#!/bin/sh\nsleep 1.5\n")
+    slow.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    actor = EngineActor(msgspec.json.encode(SPEC), 1, str(tmp_path / "state"))
+    info = await actor.start()
+    try:
+        await wait_health(info["url"])
+
+        async def call_info() -> dict[str, object]:
+            res = actor.info()
+            return await res if asyncio.iscoroutine(res) else res  # type: ignore[no-any-return]  # either shape
+
+        probe = asyncio.create_task(actor.probe(1.0))
+        await asyncio.sleep(0)  # the probe is on its way
+        full = await call_info()
+        assert (await probe)["http_status"] == 200
+        assert full["resources"]["gpu_memory_bytes"] == 0  # type: ignore[index]  # a dict when alive
+    finally:
+        await actor.stop(grace_s=5.0)

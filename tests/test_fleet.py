@@ -275,3 +275,50 @@ async def test_reload_rolls_changed_specs_one_at_a_time(ray_cluster: RayTestClus
             await asyncio.gather(watcher, return_exceptions=True)
         assert min_ready == 1  # never both out of rotation at once
         assert all(s.spec.engine_args["itl-ms"] == 4 for s in r.fm.slots.values())
+
+
+async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluster: RayTestCluster,
+                                                                      tmp_path: Path) -> None:
+    import socket
+
+    import msgspec
+
+    from routerd.daemon import Daemon
+
+    cfg = make_cfg(ray_cluster, tmp_path, "su", [
+        {"name": "su", "model": "sim-su", "engine": "sim", "replicas": 0, "engine_args": SIM_ARGS}])
+    with socket.socket() as busy:  # the HTTP port is taken: start-up fails after the fleets started
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = msgspec.structs.replace(cfg, http=msgspec.structs.replace(cfg.http, port=busy.getsockname()[1]))
+        daemon = Daemon(tmp_path / "routerd.toml", cfg)
+        with pytest.raises(ExceptionGroup) as info:  # the TaskGroup's
+            await daemon.run()
+        assert info.group_contains(OSError)
+    assert daemon.fleets is not None
+    assert daemon.fleets._session is None  # no leaked aiohttp session
+    assert not daemon.fleets._tasks  # no supervisor left running
+
+
+async def test_an_actor_record_this_version_cannot_read_is_replaced(ray_cluster: RayTestCluster,
+                                                                    tmp_path: Path) -> None:
+    class OlderEngineActor:  # local, so Ray pickles it by value; stands in for another routerd version's
+        def info(self) -> dict[str, Any]:
+            return {"spec": '{"fleet": "ur", "index": "zero"}', "pid": None}
+
+        def ping(self) -> bool:
+            return True
+
+    cfg = make_cfg(ray_cluster, tmp_path, "ur", [
+        {"name": "ur", "model": "sim-ur", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
+         "engine_args": SIM_ARGS}])
+    cluster = await RayCluster.connect(cfg.ray, config.state_dir(cfg))
+    try:
+        pg = await cluster.placement_group(f"routerd:{cluster.namespace}:ur:0", {"CPU": 0.25})
+        older = await cluster.create_actor(OlderEngineActor, "routerd:ur:0", {"CPU": 0.25}, pg)
+        assert await older.ping.remote() is True
+    finally:
+        await cluster.close()
+    async with running(cfg) as r:  # start() used to raise here, so routerd could never start again
+        await r.wait_ready("ur", 1)
+        assert r.fm.slots["ur:0"].spec.model == "sim-ur"

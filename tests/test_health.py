@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from routerd.config import HealthConfig
@@ -173,3 +175,35 @@ async def test_monitor_check_once_updates_registry_and_reports(clock: Clock) -> 
     assert await mon.check_once(inst, tracker) is Verdict.FAILED
     assert inst.health == "actor_dead"
     assert seen_deadlines == [1.0, 1.0]
+
+
+async def test_a_probe_that_raises_counts_as_a_miss_and_fails_the_instance() -> None:
+    # A crashing probe loop used to be restarted with a fresh tracker, so its misses never added up.
+    reg = Registry()
+    reg.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
+    calls = 0
+
+    async def probe(_: Instance, deadline: float) -> tuple[ActorProbe | None, bool, bool]:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("ray said something unexpected")
+
+    failed: list[tuple[str, ProbeResult]] = []
+    failed_event = asyncio.Event()
+
+    async def on_failed(i: Instance, r: ProbeResult) -> None:
+        failed.append((i.id, r))
+        reg.set_state(i, InstanceState.UNHEALTHY, "failed")
+        failed_event.set()
+
+    cfg = HealthConfig(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.3, failure_threshold=3)
+    mon = HealthMonitor(reg, cfg, probe, on_failed)
+    task = asyncio.create_task(mon.run())
+    try:
+        async with asyncio.timeout(5):
+            await failed_event.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert failed == [("f:0", ProbeResult.TIMEOUT)]
+    assert calls == 3

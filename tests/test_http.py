@@ -77,6 +77,27 @@ async def test_body_too_large_is_413(plane: RunningPlane, client: aiohttp.Client
         await error_of(r, 413)
 
 
+async def test_reload_applies_the_body_limit(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                            client: aiohttp.ClientSession) -> None:
+    eng = await scripted_engine()
+    p = await dataplane([eng.url], http={"max_body_bytes": 2048})
+    await p.wait_ready(1)
+    big = b'{"model": "m", "prompt": "' + b"x" * 4096 + b'"}'
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield big[:1000]
+        yield big[1000:]
+
+    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 8192}))
+    async with client.post(p.url + COMP, data=big) as r:
+        assert r.status == 200, await r.text()
+    async with client.post(p.url + COMP, data=chunks()) as r:  # no Content-Length
+        assert r.status == 200, await r.text()
+    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 1024}))
+    async with client.post(p.url + COMP, data=chunks()) as r:
+        await error_of(r, 413)
+
+
 async def test_unknown_model_is_404_listing_valid_ones(plane: RunningPlane,
                                                        client: aiohttp.ClientSession) -> None:
     async with client.post(plane.url + COMP, json={"model": "gpt-9", "prompt": "x"}) as r:

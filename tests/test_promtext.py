@@ -91,6 +91,16 @@ def test_plain_counter_names_and_timestamps() -> None:
     assert (snap.generation_tokens, snap.running) == (7, 2)
 
 
+@pytest.mark.parametrize("raw", ["+Inf", "1e400", "NaN", "many"])
+def test_unusable_info_label_is_ignored(raw: str) -> None:
+    """An odd ``*_info`` label must not break the scrape (int(inf) raises OverflowError)."""
+    page = (f'vllm:cache_config_info{{num_gpu_blocks="{raw}",block_size="16"}} 1\n'
+            f'vllm:scheduler_config_info{{max_num_seqs="{raw}"}} 1\n'
+            "vllm:num_requests_running 2\n")
+    snap = promtext.parse(page, 0.0)
+    assert (snap.running, snap.capacity, snap.num_gpu_blocks, snap.block_size) == (2, None, None, 16)
+
+
 @pytest.mark.parametrize("page", ["<html>502 Bad Gateway</html>", "", "# only comments\n"])
 def test_not_a_vllm_page_is_an_error(page: str) -> None:
     with pytest.raises(promtext.ParseError):

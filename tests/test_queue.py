@@ -370,3 +370,96 @@ async def test_stop_intake_finishes_in_flight_and_reads_no_more(
     finally:
         await again.stop()
     assert sum(bench.upstream.calls.values()) == 5
+
+
+async def test_unusable_reply_to_fails_only_its_own_job(redis_server: RedisServer,
+                                                       redis_async: aioredis.Redis) -> None:
+    """A producer's reply_to that refuses XADD (WRONGTYPE) must not fail the other jobs whose
+    results or chunks go to Redis in the same batch (they would be run by the engine again)."""
+    await redis_async.set("not-a-stream", "x")
+    hold = asyncio.Event()
+    up = FakeUpstream(hold=hold)
+    bench = QueueBench(queue_config(redis_server.url), up)
+    q = QueueClient(redis_async)
+    streamed = {**BODY, "stream": True, "max_tokens": 4}
+    bad = await q.submit(BODY, reply_to="not-a-stream")
+    bad_stream = await q.submit(streamed, reply_to="not-a-stream")
+    good = await q.submit_many([BODY] * 5, reply_to="replies")
+    good_stream = await q.submit_many([streamed] * 3)
+    await bench.start()
+    try:
+        await until(_calls_at_least(up, 10))
+        await asyncio.sleep(0.2)  # the streams wrote their first chunk and hold after it
+        hold.set()
+        results = await q.wait_many(good + good_stream, timeout=10)
+        await until(lambda: _xlen(redis_async, "routerd:dead", 2))
+    finally:
+        await bench.stop()
+    assert all(r.status == "ok" for r in results.values())
+    assert all(up.calls[j.id] == 1 for j in good + good_stream)  # none run twice
+    for job in good_stream:
+        chunks = [i async for i in q.chunks(job, timeout=5)]
+        assert len(chunks) == 5  # 4 chunks and the result
+    dead = {d["entry"]: d for d in (fields(f) for _, f in await redis_async.xrange("routerd:dead"))}
+    assert "WRONGTYPE" in dead[bad.entry]["reason"]
+    assert bad_stream.entry in dead
+    stored = await q.result(bad.id)  # the result itself is kept in the job's done record
+    assert stored is not None
+    assert stored.status == "ok"
+    assert await redis_async.xlen("routerd:requests") == 0
+
+
+def _calls_at_least(up: FakeUpstream, n: int) -> Any:
+    async def pred() -> bool:
+        return sum(up.calls.values()) >= n
+    return pred
+
+
+class _SlowToUnwind(FakeUpstream):
+    """An engine call that needs a moment to clean up when cancelled (closing its connection)."""
+
+    async def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().forward(*args, **kwargs)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)
+            raise
+
+
+async def test_stopped_consumer_leaves_no_job_task_behind(redis_server: RedisServer,
+                                                          redis_async: aioredis.Redis) -> None:
+    hold = asyncio.Event()
+    bench = QueueBench(queue_config(redis_server.url), _SlowToUnwind(hold=hold))
+    q = QueueClient(redis_async)
+    await q.submit_many([BODY] * 5, reply_to="replies")
+    await bench.start()
+    await until(lambda: _held(bench, 5))
+    await bench.crash()
+    assert bench.ingress.held == 0  # every job task was cancelled *and* awaited by run()
+    assert bench.admission.stats("f")["active"] == 0  # and gave its slot back
+
+
+async def test_jobs_running_through_a_drain_are_not_taken_over(redis_server: RedisServer,
+                                                              redis_async: aioredis.Redis) -> None:
+    """Draining can outlast reclaim_idle_ms: a job still running here must stay ours, not be
+    XAUTOCLAIMed and run a second time by another consumer."""
+    hold = asyncio.Event()
+    draining = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold), consumer="c1")
+    other = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c2")
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY)
+    await draining.start()
+    await until(lambda: _held(draining, 1))
+    await other.start()
+    draining.ingress.stop_intake()
+    try:
+        await asyncio.sleep(1.5)  # three times reclaim_idle_ms
+        hold.set()
+        res = await q.wait(job, timeout=10)
+    finally:
+        hold.set()
+        await draining.stop()
+        await other.stop()
+    assert res.status == "ok"
+    assert draining.upstream.calls[job.id] == 1
+    assert job.id not in other.upstream.calls

@@ -193,3 +193,18 @@ def parse_with_env(url: str, environ: dict[str, str]) -> Any:
 
     return parse({"redis": {"url": url, "consumer": "c1", "block_ms": 200},
                   "fleets": [{"name": "f", "model": "m", "engine": "sim"}]}, environ=environ)
+
+
+async def test_embedded_redis_exit_keeps_the_callers_cancellation(tmp_path: Path) -> None:
+    """Cancelling the task that is stopping embedded Redis must cancel it (never swallowed), and the
+    redis-server must still be stopped."""
+    er = EmbeddedRedis(tmp_path / "redis")
+    await er.__aenter__()
+    pid = er.pid
+    assert pid is not None
+    stopping = asyncio.create_task(er.__aexit__(None, None, None))
+    await asyncio.sleep(0)  # it has cancelled the supervisor and waits for it
+    stopping.cancel()
+    await asyncio.wait([stopping])
+    assert stopping.cancelled()
+    assert er.pid is None  # redis-server was terminated all the same

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import random
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from routerd.config import RoutingConfig
 from routerd.errors import NoReadyInstance
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 from routerd.router import CircuitBreaker, Router
+from routerd.scraper import Scraper
 
 
 class Clock:
@@ -134,3 +138,34 @@ def test_policy_swap_on_config_update(clock: Clock) -> None:
     router.update_config(RoutingConfig(policy="round_robin"))
     assert router.policy.name == "round_robin"
     assert [router.pick("f").id for _ in range(3)] == ["f:0", "f:1", "f:2"]
+
+
+async def test_scrape_reads_a_page_sent_in_several_chunks() -> None:
+    """A /metrics page that arrives in pieces (a real vLLM page is ~100 KiB) is read to its end:
+    the queue figures sit near the bottom and must not be read as 0 from a truncated page."""
+    filler = "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{i}"}} 0\n' for i in range(2000))
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(filler.encode())
+        await asyncio.sleep(0.05)
+        await resp.write(b"vllm:num_requests_running 5\nvllm:num_requests_waiting 7\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as session:
+            inst = Instance(id="f:0", fleet="f", url=f"http://{host}:{port}")
+            assert await Scraper(Registry(), session, RoutingConfig()).scrape(inst)
+    finally:
+        await runner.cleanup()
+    assert inst.snapshot is not None
+    assert (inst.snapshot.running, inst.snapshot.waiting) == (5, 7)

@@ -61,6 +61,7 @@ return out
 #          status, dead_reason ('' = not dead), raw job, deliveries]; result and raw job are bytes,
 #          so they travel as ARGV[n] and the record holds n (0 = empty: Redis' cmsgpack has no bin type)
 # Per record: 1 when this call stored the job's result, 0 when there was none or one existed already.
+# A reply_to that refuses the XADD dead-letters the entry (the result stays in the done record).
 # Run twice (a resent batch), the XACK count (0 the second time) keeps the dead-letter entry single,
 # as SET NX keeps the result single.
 FINISH = """
@@ -73,8 +74,14 @@ for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
   out[i] = 0
   if r[6] ~= '' then
     if redis.call('SET', r[2], r[6], 'NX', 'EX', c[3]) then
-      redis.call('XADD', r[3], 'MAXLEN', '~', c[4], '*', 'result', r[6])
-      redis.call('EXPIRE', r[3], c[3])
+      -- reply_to is the producer's key: if it cannot take an XADD (WRONGTYPE), only this job fails
+      -- (a raised error would abort the script and fail every other job of the batch with it)
+      local sent = redis.pcall('XADD', r[3], 'MAXLEN', '~', c[4], '*', 'result', r[6])
+      if type(sent) == 'table' and sent.err then
+        if r[9] == '' then r[9] = 'reply_to ' .. r[3] .. ' cannot take the result: ' .. sent.err end
+      else
+        redis.call('EXPIRE', r[3], c[3])
+      end
       redis.call('HSET', r[4], 'state', 'done', 'status', r[8], 'instance', r[7], 'updated_ms', c[5])
       redis.call('EXPIRE', r[4], c[3])
       out[i] = 1
@@ -95,7 +102,7 @@ return out
 
 # ARGV[1]: [reply_maxlen, ttl_s]; ARGV[2]: records [reply_to, cursor_key, run, seq, chunk (ARGV n)].
 # A streamed job's chunk, once: the cursor holds the last (run, seq) written, so a resent batch does
-# not repeat chunks. Per record: 1 written, 0 already there.
+# not repeat chunks. Per record: 1 written, 0 already there, an error reply if reply_to refused it.
 CHUNK = """
 local c = cmsgpack.unpack(ARGV[1])
 local out = {}
@@ -110,9 +117,13 @@ for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
     fresh = cr < run or (cr == run and cs < seq)
   end
   if fresh then
-    redis.call('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', ARGV[r[5]])
-    redis.call('SET', r[2], r[3] .. ':' .. r[4], 'EX', c[2])
-    out[i] = 1
+    local sent = redis.pcall('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', ARGV[r[5]])
+    if type(sent) == 'table' and sent.err then
+      out[i] = sent  -- this record's error only (see FINISH)
+    else
+      redis.call('SET', r[2], r[3] .. ':' .. r[4], 'EX', c[2])
+      out[i] = 1
+    end
   end
 end
 return out

@@ -227,10 +227,7 @@ class HttpIngress:
             self._check_key(request)
             if (request.content_length or 0) > self.cfg.http.max_body_bytes:
                 raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes") from None
+            body = await self._read_body(request)
             model, stream = parse_request(endpoint, body)
             fields["model"], fields["stream"] = model, stream
             fleet = self._models.get(model)
@@ -257,6 +254,19 @@ class HttpIngress:
         assert sink.response is not None
         await sink.response.write_eof()
         return sink.response
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
+        ``client_max_size``, which is fixed when the app is built, so a reloaded limit applies."""
+        limit = self.cfg.http.max_body_bytes
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"the body is larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _close_stream(self, sink: _HttpSink) -> None:
         """On shutdown, tell a client whose stream is cut why (best effort, bounded)."""

@@ -173,16 +173,33 @@ class QueueIngress:
                            tg.create_task(self._cancel_listener(), name="queue-cancels"),
                            tg.create_task(self._depth_loop(), name="queue-depth")]
                 await self._read_loop()
-                await self._idle.wait()
+                await self._drain_held()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
                 for t in helpers:
                     t.cancel()
         finally:
-            for t in list(self._tasks):
+            jobs = list(self._tasks)
+            for t in jobs:
                 t.cancel()
-            if self._client is not None:
-                await self._client.aclose()
-                self._client = None
+            try:
+                if jobs:  # let them unwind (release slots, close engine connections) before Redis goes
+                    await asyncio.wait(jobs, timeout=5.0)
+            finally:
+                if self._client is not None:
+                    await self._client.aclose()
+                    self._client = None
+
+    async def _drain_held(self) -> None:
+        """Wait for the jobs still held, keeping them fresh meanwhile: a drain can outlast
+        ``reclaim_idle_ms``, and another consumer must not take over (and run again) a job that
+        is still running here."""
+        while not self._idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._cfg.redis.reclaim_interval_s):
+                    await self._idle.wait()
+            if not self._idle.is_set():
+                with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
+                    await self._keep_alive(self.client())
 
     async def _depth_loop(self, interval_s: float = 5.0) -> None:
         """Sample the stream's length, the group's pending count and the dead letters for /metrics."""

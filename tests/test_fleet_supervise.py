@@ -1,0 +1,219 @@
+"""The fleet manager's supervision policy (restart, retire, shutdown, reload) without Ray.
+
+``FakeOps`` stands in for ``routerd._fleet_ops.EngineOps`` (the Ray-facing mechanism) so each race is
+driven step by step; the Ray-backed behaviour is in test_fleet.py and test_fleet_failover.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from routerd import config
+from routerd._fleet_ops import EngineOps, Placement
+from routerd.config import Config, HealthConfig
+from routerd.fleet import FleetManager, Slot
+from routerd.health import ProbeResult
+from routerd.raycluster import RayCluster
+from routerd.registry import InstanceState, Registry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeOps:
+    """EngineOps' interface as the fleet manager uses it; every engine step is a controllable event."""
+
+    def __init__(self) -> None:
+        self.ready = asyncio.Event()  # wait_ready blocks until set (engine "starting")
+        self.placed = asyncio.Event()  # ensure_running blocks placement until set
+        self.placed.set()
+        self.dead = asyncio.Event()  # the death sentinel resolves when set
+        self.restarts: list[float] = []
+        self.ready_calls = 0
+        self.disposed: list[tuple[Any, str]] = []
+
+    def pg_name(self, fleet: str, index: int) -> str:
+        return f"pg:{fleet}:{index}"
+
+    async def ensure_running(self, slot: Slot, registry: Registry) -> None:
+        if slot.placement is None:
+            await self.placed.wait()
+            slot.placement = Placement(actor=f"actor:{slot.inst.id}", pg=None, bundle={"CPU": 1.0})
+            slot.inst.url = "http://127.0.0.1:9"
+
+    async def wait_ready(self, slot: Slot, registry: Registry, health: HealthConfig) -> bool:
+        self.ready_calls += 1
+        await self.ready.wait()
+        return True
+
+    async def death_sentinel(self, slot: Slot) -> tuple[str, bool]:
+        await self.dead.wait()
+        return "process exited (rc=1)", False
+
+    async def restart(self, slot: Slot, registry: Registry, grace_s: float = 1.0) -> None:
+        self.restarts.append(grace_s)
+        self.dead = asyncio.Event()
+        registry.set_state(slot.inst, InstanceState.STARTING, "restarting")
+
+    async def dispose(self, actor: Any, pg_name: str, *, stop: bool) -> dict[str, Any]:
+        self.disposed.append((actor, pg_name))
+        return {}
+
+
+def make_cfg(tmp_path: Path, replicas: int = 0, max_num_seqs: int = 8, backoff_s: float = 0.01) -> Config:
+    return config.parse({
+        "daemon": {"state_dir": str(tmp_path), "drain_timeout_s": 30},
+        "redis": {"enabled": False},
+        "health": {"restart_backoff_initial_s": backoff_s, "restart_backoff_max_s": 1.0},
+        "fleets": [{"name": "f", "model": "m", "engine": "sim", "replicas": replicas,
+                    "max_num_seqs": max_num_seqs}],
+    }, environ={})
+
+
+def manager(cfg: Config) -> tuple[FleetManager, FakeOps, Registry]:
+    registry = Registry()
+    cluster = RayCluster("127.0.0.1:1", "ns", owns_connection=False, local_head=True)  # never called
+    fm = FleetManager(cfg, registry, cluster)
+    ops = FakeOps()
+    fm.ops = ops  # type: ignore[assignment]  # a fake of EngineOps' interface
+    return fm, ops, registry
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not cond():  # noqa: ASYNC110  # polls state the fleet manager sets; no event to await
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_admin_restart_while_starting_is_carried_out_once_ready(tmp_path: Path) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path))
+    try:
+        await fm.set_replicas("f", 1)
+        await until(lambda: ops.ready_calls == 1, "the engine starting")
+        await fm.restart_instance("f:0")  # the operator restarts an engine that is still warming up
+        ops.ready.set()
+        await until(lambda: len(ops.restarts) == 1, "the requested restart")
+        assert ops.restarts == [10.0]  # a requested restart: full grace, no backoff
+        await until(lambda: registry.ready_count("f") == 1, "ready again")
+    finally:
+        await fm.shutdown(stop_engines=False)
+
+
+async def test_a_late_heartbeat_failure_does_not_restart_twice(tmp_path: Path) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path, backoff_s=0.3))
+    try:
+        ops.ready.set()
+        await fm.set_replicas("f", 1)
+        await until(lambda: registry.ready_count("f") == 1, "ready")
+        inst = fm.slots["f:0"].inst
+        ops.dead.set()  # the sentinel sees the death first ...
+        await until(lambda: "restart 1 in" in inst.state_reason, "the restart backoff")
+        await fm._on_failed(inst, ProbeResult.PROCESS_DEAD)  # ... then a probe that was in flight
+        await until(lambda: len(ops.restarts) == 1 and registry.ready_count("f") == 1, "restarted")
+        await asyncio.sleep(0.1)
+        assert len(ops.restarts) == 1
+        assert registry.ready_count("f") == 1
+    finally:
+        await fm.shutdown(stop_engines=False)
+
+
+async def test_an_instance_restarted_while_retiring_stays_out_of_rotation(tmp_path: Path) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path))
+    try:
+        ops.ready.set()
+        await fm.set_replicas("f", 1)
+        await until(lambda: registry.ready_count("f") == 1, "ready")
+        inst = fm.slots["f:0"].inst
+        inst.inflight = 1  # a long stream keeps the retirement draining
+        await fm.set_replicas("f", 0)
+        await until(lambda: inst.state is InstanceState.DRAINING, "draining")
+        ops.dead.set()  # the engine dies during the drain: the supervisor restarts it
+        await until(lambda: len(ops.restarts) == 1 and ops.ready_calls == 2, "the restart")
+        await asyncio.sleep(0.05)
+        assert registry.routable("f") == []  # about to be stopped: must take no new requests
+        assert inst.state is InstanceState.DRAINING
+        inst.inflight = 0
+        await until(lambda: "f:0" not in fm.slots, "retired")
+        assert ops.disposed == [("actor:f:0", "pg:f:0")]
+        assert registry.get("f:0") is None
+    finally:
+        await fm.shutdown(stop_engines=False)
+
+
+async def test_shutdown_stopping_engines_removes_a_placement_still_pending(tmp_path: Path) -> None:
+    fm, ops, _ = manager(make_cfg(tmp_path))
+    ops.placed.clear()  # waiting for resources
+    await fm.set_replicas("f", 1)
+    await asyncio.sleep(0.02)
+    assert fm.slots["f:0"].placement is None
+    await fm.shutdown(stop_engines=True)
+    assert ops.disposed == [(None, "pg:f:0")]
+
+
+async def test_reload_applies_max_num_seqs_to_running_instances(tmp_path: Path) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path, replicas=1, max_num_seqs=8))
+    try:
+        ops.ready.set()
+        await fm.set_replicas("f", 1)
+        await until(lambda: registry.ready_count("f") == 1, "ready")
+        assert registry.instances("f")[0].capacity == 8
+        await fm.apply(make_cfg(tmp_path, replicas=1, max_num_seqs=32))
+        assert registry.instances("f")[0].capacity == 32  # as for static fleets; no relaunch needed
+        assert not fm.slots["f:0"].stale
+    finally:
+        await fm.shutdown(stop_engines=False)
+
+
+class _Method:
+    def __init__(self, result: dict[str, Any]) -> None:
+        self.result = result
+
+    def remote(self, *_: Any) -> Coroutine[Any, Any, dict[str, Any]]:
+        async def ref() -> dict[str, Any]:
+            return self.result
+        return ref()
+
+
+class FakeActor:
+    """An engine actor that reports ``pid`` as its engine's and stops it at once."""
+
+    def __init__(self, pid: int) -> None:
+        self.info = _Method({"pid": pid})
+        self.stop = _Method({"stopped": True})
+
+
+class OfflineCluster(RayCluster):
+    """RayCluster with the Ray calls dispose makes answered locally."""
+
+    async def kill(self, actor: Any) -> None:
+        return None
+
+    async def placement_groups(self) -> list[tuple[str, str, Any]]:
+        return []
+
+
+@pytest.mark.parametrize(("address", "local", "reaped"), [("10.255.0.1:6379", False, False),
+                                                          ("127.0.0.1:6379", True, True)])
+async def test_dispose_reaps_a_process_group_only_on_a_local_cluster(tmp_path: Path, address: str,
+                                                                     local: bool, reaped: bool) -> None:
+    # An engine's pid on another node says nothing about this one: here it may be anybody's group.
+    bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)  # noqa: ASYNC220  # fork+exec returns at once
+    try:
+        ops = EngineOps(OfflineCluster(address, "ns", owns_connection=False, local_head=local),
+                        str(tmp_path), time.monotonic)
+        report = await ops.dispose(FakeActor(bystander.pid), "pg:f:0", stop=True)
+        await asyncio.sleep(0.1)
+        assert (bystander.poll() is not None) is reaped
+        assert ("reaped" in report) is reaped
+    finally:
+        bystander.kill()
+        bystander.wait()
