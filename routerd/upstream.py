@@ -181,6 +181,8 @@ class Upstream:
             err.data["attempts"] = len(tried)
             if last.status == 503:  # every engine said "queue full" (--max-num-queued-reqs): keep the 503
                 err.status, err.type = 503, "ServiceUnavailableError"
+            elif last.reason == "timeout":  # no engine answered in first_byte_timeout_s
+                err.status, err.type = 504, "GatewayTimeoutError"
             tel.count_request(fleet, tried[-1], err.status)
             raise err
         finally:

@@ -230,3 +230,36 @@ async def test_drain_stops_intake_keeps_streams_then_ends_them_with_an_error_eve
     assert await p.dp.wait_idle(1.0)
     await p.wait_for(lambda: eng.cancelled == 1, timeout=3, what="engine request aborted")
     await p.wait_for(lambda: p.inflight() == 0, what="in-flight released")
+
+
+async def test_unknown_routes_and_unexpected_failures_answer_in_openai_json(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    # Two instances, so the policy is consulted (one candidate skips it).
+    plane = await dataplane([(await scripted_engine()).url, (await scripted_engine()).url])
+    async with client.get(plane.url + "/v1/nope") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == 404
+    async with client.get(plane.url + CHAT) as r:
+        assert r.status == 405
+        assert (await r.json())["error"]["code"] == 405
+
+    class Broken:
+        name = "broken"
+
+        def choose(self, candidates: Any, rng: Any) -> Any:
+            raise LookupError("a faulty policy plugin")
+
+    router = plane.dp.router
+    good = router.policy
+    router.policy = Broken()  # type: ignore[assignment]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        async with client.post(plane.url + CHAT, json=body) as r:
+            assert r.status == 500
+            err = (await r.json())["error"]
+            assert err["type"] == "InternalServerError"
+    finally:
+        router.policy = good
+    async with client.post(plane.url + CHAT, json=body) as r:  # the server goes on
+        assert r.status == 200
+    assert all(i.inflight == 0 for i in plane.dp.registry.instances("f"))

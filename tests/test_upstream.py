@@ -106,6 +106,18 @@ async def test_every_engine_queue_full_gives_503(scripted_engine: EngineFactory,
     await settle(plane)
 
 
+async def test_every_engine_timing_out_gives_504(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                 client: aiohttp.ClientSession) -> None:
+    a = await scripted_engine(default="hang")
+    b = await scripted_engine(default="hang")
+    plane = await dataplane([a.url, b.url], routing={"first_byte_timeout_s": 0.2, "max_attempts": 2,
+                                                     "circuit_failure_threshold": 100})
+    async with client.post(plane.url + CHAT, json=STREAM) as r:
+        assert r.status == 504
+        assert (await r.json())["error"]["code"] == 504
+    await settle(plane)
+
+
 async def test_hung_instance_first_byte_timeout_retries_and_aborts(
         scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     hung = await scripted_engine(default="hang")

@@ -93,6 +93,28 @@ def error_response(err: RouterdError) -> web.Response:
                         content_type="application/json", headers=headers)
 
 
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The request boundary: whatever escapes a handler is answered in OpenAI's error shape.
+
+    aiohttp's own answers (unknown route, wrong method) and anything unexpected (a faulty policy plugin,
+    a bug) would otherwise reach an OpenAI client as a plain-text page it cannot parse."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.Response(status=e.status, body=error_json(e.reason, "InvalidRequestError", e.status),
+                            content_type="application/json")
+    except RouterdError as e:
+        return error_response(e)
+    except Exception:  # noqa: BLE001  # the request boundary: logged whole, answered, server goes on
+        _log.exception("request_failed", path=request.path)
+        return web.Response(status=500, body=error_json("internal error in routerd", "InternalServerError",
+                                                        500), content_type="application/json")
+
+
 class _HttpSink:
     """:class:`routerd.upstream.ResponseSink` onto the client's response."""
 
@@ -143,7 +165,7 @@ class HttpIngress:
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
-        app = web.Application(client_max_size=self.cfg.http.max_body_bytes)
+        app = web.Application(client_max_size=self.cfg.http.max_body_bytes, middlewares=[errors_as_json])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
