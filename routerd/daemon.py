@@ -48,7 +48,6 @@ class Daemon:
         self._force = asyncio.Event()
         self._reload = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        self.started = asyncio.Event()
         # components, set in _startup
         self.dataplane: Any = None
         self.fleets: Any = None
@@ -85,7 +84,6 @@ class Daemon:
             async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
                 await self._startup(stack, tg)
                 self.notifier.ready(self.status_line())
-                self.started.set()
                 _logger.info("routerd_ready", http=f"{self.cfg.http.host}:{self.cfg.http.port}",
                              fleets=[f.name for f in self.cfg.fleets], redis=self.redis_url or None)
                 await self._main_loop()
@@ -205,7 +203,8 @@ class Daemon:
 
     # drain -----------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
-        """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest; keep engines."""
+        """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest, then keep the
+        engines running (or stop them with ``daemon.stop_engines_on_exit``)."""
         cfg = self.cfg
         self.notifier.stopping()
         _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
@@ -217,21 +216,19 @@ class Daemon:
         waits = [self.dataplane.wait_idle(deadline - time.monotonic())]
         if self.queue is not None:
             waits.append(self.queue.wait_idle(deadline - time.monotonic()))
-        drained = asyncio.gather(*waits)
-        force = asyncio.create_task(self._force.wait())
-        done, _ = await asyncio.wait({asyncio.ensure_future(drained), force},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        drained: asyncio.Future[Any] = asyncio.gather(*waits)
+        force: asyncio.Future[Any] = asyncio.create_task(self._force.wait())
+        done, _ = await asyncio.wait({drained, force}, return_when=asyncio.FIRST_COMPLETED)
         force.cancel()
         if force in done:
             drained.cancel()
             _logger.warning("drain_interrupted")
+        elif drained.exception() is not None:  # retrieved, so it is logged once, here
+            _logger.error("drain_wait_failed", exc_info=drained.exception())
         await self.dataplane.close_streams("routerd is shutting down")
         if self.fleets is not None:
             await self.fleets.shutdown(stop_engines=cfg.daemon.stop_engines_on_exit)
         _logger.info("drain_finished", took_s=round(time.monotonic() - started, 3))
-
-    async def wait_idle(self, timeout: float) -> None:
-        await self.dataplane.wait_idle(timeout)
 
     # reload ----------------------------------------------------------------------------------
     async def reload(self) -> bool:

@@ -73,4 +73,3 @@ def get(name: str | None = None) -> Any:
 
 
 bind_request_id = structlog.contextvars.bind_contextvars
-clear_context = structlog.contextvars.clear_contextvars
