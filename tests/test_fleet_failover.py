@@ -7,58 +7,19 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from routerd.bench.failover import Load
 from routerd.engine_actor import group_members
 from routerd.registry import Instance, InstanceState
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import SIM_ARGS, Running, make_cfg, running
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
-
-
-@dataclass
-class Traffic:
-    """Closed-loop clients alternating plain and streaming requests; failures sorted by when they hit."""
-
-    url: str
-    model: str
-    ok: int = 0
-    failed_before_stream: list[str] = field(default_factory=list)
-    failed_mid_stream: int = 0
-
-    async def client(self, session: aiohttp.ClientSession, stop: asyncio.Event, stream: bool) -> None:
-        body = {"model": self.model, "prompt": "hello", "max_tokens": 12, "stream": stream}
-        while not stop.is_set():
-            try:
-                async with session.post(f"{self.url}/v1/completions", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                    if resp.status != 200:
-                        self.failed_before_stream.append(f"{resp.status} {await resp.text()}"[:200])
-                        continue
-                    if not stream:
-                        await resp.json()
-                        self.ok += 1
-                        continue
-                    chunks, error = 0, False
-                    async for line in resp.content:
-                        if line.startswith(b"data: {") and b'"error"' in line:
-                            error = True
-                        elif line.startswith(b"data: {"):
-                            chunks += 1
-                    if not error:
-                        self.ok += 1
-                    elif chunks:
-                        self.failed_mid_stream += 1  # bytes had reached the client: an error event is right
-                    else:
-                        self.failed_before_stream.append("error event before any chunk")
-            except (aiohttp.ClientError, TimeoutError) as e:
-                self.failed_before_stream.append(repr(e))
 
 
 def current(r: Running, iid: str) -> Instance:
@@ -96,7 +57,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
     h = cfg.health
     async with running(cfg, http=True) as r, aiohttp.ClientSession() as s:
         await r.wait_ready("fo", 2)
-        traffic = Traffic(r.url, "sim-fo")
+        traffic = Load(r.url, "sim-fo", max_tokens=12)
         stop = asyncio.Event()
         clients = [asyncio.create_task(traffic.client(s, stop, stream=i % 2 == 1)) for i in range(4)]
         try:
@@ -136,7 +97,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
             await asyncio.gather(*clients)
         print("failover timings", {k: round(v, 3) for k, v in timings.items()}, "ok", traffic.ok,
               "mid-stream errors", traffic.failed_mid_stream)
-        assert traffic.failed_before_stream == []
+        assert traffic.failed_before_stream == 0, traffic.errors
         assert traffic.ok > 50
         assert current(r, "fo:0").restarts == 2
         assert current(r, "fo:1").restarts == 1

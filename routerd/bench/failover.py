@@ -36,15 +36,19 @@ import aiohttp
 
 @dataclass
 class Load:
+    """Closed-loop clients (plain or streaming); a failure is "before stream" unless a chunk had reached
+    the client first — only those may end in an error event. The failover test uses it too."""
+
     url: str
     model: str
+    max_tokens: int = 24
     ok: int = 0
     failed_before_stream: int = 0
     failed_mid_stream: int = 0
     errors: list[str] = field(default_factory=list)
 
     async def client(self, session: aiohttp.ClientSession, stop: asyncio.Event, stream: bool) -> None:
-        body = {"model": self.model, "prompt": "benchmark", "max_tokens": 24, "stream": stream}
+        body = {"model": self.model, "prompt": "benchmark", "max_tokens": self.max_tokens, "stream": stream}
         while not stop.is_set():
             try:
                 async with session.post(f"{self.url}/v1/completions", json=body,
