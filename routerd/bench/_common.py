@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -148,11 +149,38 @@ class Processes:
                             "--log-level", log_level])
         return f"http://127.0.0.1:{port}", proc
 
+    async def vllm_router(self, engines: list[str], policy: str = "power_of_two") -> str:
+        """Start the Rust vLLM Router (PyPI ``vllm-router``) in front of ``engines``; returns its URL.
+
+        It is a peer measured in the same run on the same engines; raises LookupError when it is not
+        installed (``pip install vllm-router``) so a benchmark can say so and go on without it.
+        """
+        binary = find_vllm_router()
+        if binary is None:
+            raise LookupError("vllm-router is not installed (pip install vllm-router)")
+        port = free_port()
+        # Its own health checker and retries stay at their defaults; its logs go to a temp dir.
+        self._spawn([binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                     "--log-level", "error", "--log-dir", self.tmp.name,
+                     "--prometheus-port", str(free_port()), "--worker-urls", *engines])
+        url = f"http://127.0.0.1:{port}"
+        await wait_http(url + "/health", timeout=60.0, proc=self.procs[-1])
+        return url
+
     async def plane(self, cfg: dict[str, Any], capacities: dict[str, int] | None = None,
                     log_level: str = "info") -> tuple[str, subprocess.Popen[bytes]]:
         url, proc = self.spawn_plane(cfg, capacities, log_level)
         await wait_http(url + "/readyz", proc=proc)
         return url, proc
+
+
+def find_vllm_router() -> str | None:
+    """The ``vllm-router`` binary: ``$ROUTERD_VLLM_ROUTER``, then PATH, then beside this Python."""
+    for candidate in (os.environ.get("ROUTERD_VLLM_ROUTER"), shutil.which("vllm-router"),
+                      str(Path(sys.executable).with_name("vllm-router"))):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
 
 
 class Timing(msgspec.Struct):

@@ -107,6 +107,7 @@ async def sustained(session: aiohttp.ClientSession, routerd: str, pid: int, *, c
     return {"requests": len(done), "failed": len(done) - len(ok), "rate": round(rate, 1),
             "routerd_cpu_share": round(share, 3),
             "rate_per_core": round(rate / share, 1) if share > 0 else None,
+            "cpu_us_per_request": round(share / rate * 1e6, 1) if rate > 0 else None,
             "e2e_ms": summary([t.e2e for t in ok])}
 
 
@@ -118,66 +119,123 @@ def _plane_config(urls: list[str], log_level: str) -> dict[str, Any]:
                         "max_num_seqs": 1024}]}
 
 
+async def sequential(session: aiohttp.ClientSession, engines: list[str], router: str, *, count: int,
+                     stream: bool, max_tokens: int) -> dict[str, Any]:
+    """One request at a time, alternating direct and via ``router``: the latency added on an idle path."""
+    body = _body(stream, max_tokens)
+    direct: list[Timing] = []
+    via: list[Timing] = []
+    for i in range(count):
+        direct.append(await timed_request(session, engines[i % len(engines)] + "/v1/completions", body,
+                                          stream))
+        via.append(await timed_request(session, router + "/v1/completions", body, stream))
+    ok = [(d, v) for d, v in zip(direct, via, strict=True) if d.ok and v.ok]
+    return {"requests": count, "failed": count - len(ok),
+            "direct_e2e_ms": summary([d.e2e for d, _ in ok]),
+            "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])}
+
+
+async def _peers(procs: Processes, engines: list[str], names: list[str]) -> dict[str, tuple[str, int]]:
+    """Peer routers in front of the same engines: name → (URL, pid). Missing ones are reported."""
+    out: dict[str, tuple[str, int]] = {}
+    for name in names:
+        policy = name.split(":", 1)[1] if ":" in name else "power_of_two"
+        try:
+            url = await procs.vllm_router(engines, policy=policy)
+        except LookupError as e:
+            print(f"peer {name} skipped: {e}")
+            continue
+        out[name] = (url, procs.procs[-1].pid)
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     sim = {"max_num_seqs": 1024, "ttft_ms": args.engine_ttft_ms, "itl_ms": args.engine_itl_ms,
            "batch_factor": 0, "default_max_tokens": args.max_tokens}
-    results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": []}
+    results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": [], "sequential": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
         url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
+        routers = {"routerd": (url, proc.pid), **await _peers(procs, engines, args.peers)}
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            # warm-up: connections, code paths
-            await paired(session, engines, url, rate=100, duration=1.0, stream=False,
-                         max_tokens=args.max_tokens, rng=rng)
+            for target, _pid in routers.values():  # warm-up: connections, code paths
+                await paired(session, engines, target, rate=100, duration=1.0, stream=False,
+                             max_tokens=args.max_tokens, rng=rng)
             for stream in (False, True):
                 kind = "stream" if stream else "non_stream"
+                for name, (target, _pid) in routers.items():
+                    seq = await sequential(session, engines, target, count=args.sequential, stream=stream,
+                                           max_tokens=args.max_tokens)
+                    results["sequential"].append({"kind": kind, "router": name, **seq})
                 for rate in args.rates:
                     control = await paired(session, engines[:1], engines[0], rate=rate,
                                            duration=args.duration / 2, stream=stream,
                                            max_tokens=args.max_tokens, rng=rng)
-                    measured = await paired(session, engines, url, rate=rate, duration=args.duration,
-                                            stream=stream, max_tokens=args.max_tokens, rng=rng)
-                    results["paired"].append({"kind": kind, "rate": rate, "routerd": measured,
-                                              "control": control})
-                s = await sustained(session, url, proc.pid, concurrency=args.concurrency,
-                                    duration=args.duration, stream=stream, max_tokens=args.max_tokens)
-                results["sustained"].append({"kind": kind, **s})
+                    row: dict[str, Any] = {"kind": kind, "rate": rate, "control": control}
+                    # The same seeded arrivals for every router, one after the other on the same engines.
+                    for name, (target, _pid) in routers.items():
+                        row[name] = await paired(session, engines, target, rate=rate,
+                                                 duration=args.duration, stream=stream,
+                                                 max_tokens=args.max_tokens,
+                                                 rng=random.Random(args.seed + int(rate)))
+                    results["paired"].append(row)
+                for name, (target, pid) in routers.items():
+                    s = await sustained(session, target, pid, concurrency=args.concurrency,
+                                        duration=args.duration, stream=stream, max_tokens=args.max_tokens)
+                    results["sustained"].append({"kind": kind, "router": name, **s})
+    results["routers"] = list(routers)
     return results
 
 
 def report(results: dict[str, Any]) -> None:
+    routers = results.get("routers", ["routerd"])
+    rows = []
+    for r in results["sequential"]:
+        a = r["added_e2e_ms"]
+        rows.append([r["kind"], r["router"], a["p50"], a["p90"], a["p99"], r["direct_e2e_ms"]["p50"],
+                     r["failed"]])
+    print_table("added latency, one request at a time (idle path), ms",
+                ["requests", "router", "p50", "p90", "p99", "direct p50", "failed"], rows)
     rows = []
     for r in results["paired"]:
-        m, c = r["routerd"], r["control"]
-        a = m["added_e2e_ms"]
-        rows.append([r["kind"], r["rate"], "added e2e", a["p50"], a["p90"], a["p99"],
-                     m["direct_e2e_ms"]["p50"], m["failed"]])
-        if "added_ttft_ms" in m:
-            t = m["added_ttft_ms"]
-            rows.append([r["kind"], r["rate"], "added ttft", t["p50"], t["p90"], t["p99"], "", ""])
-        n = c["added_e2e_ms"]
-        rows.append([r["kind"], r["rate"], "noise (direct-direct)", n["p50"], n["p90"], n["p99"],
-                     c["direct_e2e_ms"]["p50"], c["failed"]])
-    print_table("routerd added latency (paired: same request direct and via routerd), ms",
-                ["requests", "pairs/s", "metric", "p50", "p90", "p99", "direct p50", "failed"], rows)
+        for name in routers:
+            m = r[name]
+            a = m["added_e2e_ms"]
+            rows.append([r["kind"], r["rate"], name, "added e2e", a["p50"], a["p90"], a["p99"],
+                         m["direct_e2e_ms"]["p50"], m["failed"]])
+            if "added_ttft_ms" in m:
+                t = m["added_ttft_ms"]
+                rows.append([r["kind"], r["rate"], name, "added ttft", t["p50"], t["p90"], t["p99"], "", ""])
+        n = r["control"]["added_e2e_ms"]
+        rows.append([r["kind"], r["rate"], "-", "noise (direct-direct)", n["p50"], n["p90"], n["p99"],
+                     r["control"]["direct_e2e_ms"]["p50"], r["control"]["failed"]])
+    print_table("added latency (paired: same request direct and via the router), ms",
+                ["requests", "pairs/s", "router", "metric", "p50", "p90", "p99", "direct p50", "failed"],
+                rows)
     rows = []
     for s in results["sustained"]:
-        rows.append([s["kind"], s["rate"], s["routerd_cpu_share"], s["rate_per_core"], s["e2e_ms"]["p50"],
-                     s["e2e_ms"]["p99"], s["failed"]])
-    print_table("sustained rate through routerd (closed loop)",
-                ["requests", "req/s", "routerd cpu", "req/s per core", "p50 ms", "p99 ms", "failed"], rows)
+        rows.append([s["kind"], s.get("router", "routerd"), s["rate"], s["routerd_cpu_share"],
+                     s["rate_per_core"], s["cpu_us_per_request"], s["e2e_ms"]["p50"], s["e2e_ms"]["p99"],
+                     s["failed"]])
+    print_table("sustained rate through the router (closed loop)",
+                ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "p50 ms", "p99 ms",
+                 "failed"], rows)
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="routerd bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 250.0, 500.0],
+    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0, 500.0],
                     help="paired arrivals per second (each a direct and a routerd request)")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for the rate test")
     ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--sequential", type=int, default=300,
+                    help="requests sent one at a time (each direct, then via the router)")
+    ap.add_argument("--peers", nargs="*", default=["vllm-router:power_of_two"],
+                    help="peer routers measured in the same run (vllm-router:<policy>); none: --peers")
     ap.add_argument("--engine-ttft-ms", type=float, default=0.0,
                     help="engine latency model; 0 keeps its step timing from splitting a pair")
     ap.add_argument("--engine-itl-ms", type=float, default=0.0)
