@@ -1,21 +1,90 @@
-"""Small asyncio helpers shared across components.
+"""Small asyncio helpers shared across components: deadlines that never lose a cancellation.
 
-``wait_for`` exists because ``asyncio.wait_for`` on Python 3.11 can swallow a cancellation that arrives
-in the same loop iteration as the awaited thing completes (fixed in 3.12, gh-86296). A control loop
-cancelled that way keeps running, and the daemon's TaskGroup never finishes shutting down — which is
-exactly what happened to routerd's registry waits. ``asyncio.timeout`` counts cancellations properly.
+``asyncio.wait_for`` on Python 3.11 swallows a cancellation that arrives after the awaited thing has
+finished but before ``wait_for`` resumes (fixed in 3.12, gh-86296): it returns the result instead. A
+control loop cancelled that way keeps running, and the TaskGroup that owns it never finishes shutting
+down. redis-py 8.1 calls ``asyncio.wait_for`` around every command it sends, so *any* redis.asyncio
+call can eat a cancel this way; with a busy queue writer it happened on about one shutdown in three,
+and the daemon then never exited (issue 9).
+
+``timeout``/``timeout_at`` are ``asyncio.timeout`` plus a check on leaving the block: a cancellation
+of the current task requested while the block ran, that neither reached the block's caller nor was
+withdrawn (``uncancel``), is raised there — also when the block ended with another exception. Wrap
+every call into such a library in them. ``wait_for`` is the same for one awaitable.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+def _cancel_requests() -> int:
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+class Deadline:
+    """``async with Deadline(when):`` — ``asyncio.timeout_at(when)`` that never loses a cancel."""
+
+    def __init__(self, when: float | None) -> None:
+        self._timeout = asyncio.Timeout(when)
+        self._before = 0
+
+    async def __aenter__(self) -> asyncio.Timeout:
+        self._before = _cancel_requests()
+        return await self._timeout.__aenter__()
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._timeout.__aexit__(et, e, tb)  # may turn our own expiry into TimeoutError
+        if et is not asyncio.CancelledError and _cancel_requests() > self._before:
+            raise asyncio.CancelledError from e  # a library swallowed it (see the module docstring)
+
+
+def timeout_at(when: float | None) -> Deadline:
+    """``asyncio.timeout_at`` that re-raises a cancellation swallowed inside the block."""
+    return Deadline(when)
+
+
+def timeout(delay: float | None) -> Deadline:
+    """``asyncio.timeout`` that re-raises a cancellation swallowed inside the block."""
+    return Deadline(None if delay is None else asyncio.get_running_loop().time() + delay)
+
+
 async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
     """``await aw`` with a deadline; raises TimeoutError like ``asyncio.wait_for``, never loses a cancel."""
-    async with asyncio.timeout(timeout):
+    async with timeout_at(None if timeout is None else asyncio.get_running_loop().time() + timeout):
         return await aw
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> set[asyncio.Task[Any]]:
+    """Cancel ``tasks`` and wait up to ``timeout`` seconds for them to end; return those still running.
+
+    A task still running then ignored its cancellation (or lost it, as above): nothing will end it,
+    and a TaskGroup or ``asyncio.run`` waiting for it waits forever. The caller decides what to do.
+    """
+    pending = {t for t in tasks if not t.done()}
+    for t in pending:
+        t.cancel()
+    if not pending:
+        return set()
+    _, still = await asyncio.wait(pending, timeout=timeout)
+    return still
+
+
+def where(task: asyncio.Task[Any]) -> str:
+    """A task's name and the chain of coroutines it is suspended in, innermost last (``get_stack``
+    shows only the outermost frame of a suspended coroutine)."""
+    steps: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(steps) < 12:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            steps.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return f"{task.get_name()}: " + " > ".join(steps)

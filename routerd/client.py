@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from . import _aio
 from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
 from .keys import Keys
 
@@ -126,7 +128,7 @@ class QueueClient:
         return out
 
     async def _flush(self, pipe: Any, pending: list[tuple[str, str]]) -> list[Submitted]:
-        async with asyncio.timeout(self._timeout + len(pending) / 1000):
+        async with _aio.timeout(self._timeout + len(pending) / 1000):
             replies = await pipe.execute()
         entries = replies[2::3]
         return [Submitted(jid, reply, _s(entry))
@@ -135,7 +137,7 @@ class QueueClient:
     # results -------------------------------------------------------------------------------------
     async def result(self, job_id: str) -> ResultView | None:
         """The job's result if it has one (from its idempotency record), else None."""
-        async with asyncio.timeout(self._timeout):
+        async with _aio.timeout(self._timeout):
             raw = await self.redis.get(self.keys.done(job_id))
         return None if raw is None else decode_result(raw)
 
@@ -144,8 +146,9 @@ class QueueClient:
         """Wait for one job's result (blocking on its reply stream). Raises TimeoutError."""
         job_id = job if isinstance(job, str) else job.id
         reply = reply_to or (job.reply_to if isinstance(job, Submitted) else self.keys.reply(job_id))
-        async with asyncio.timeout(timeout):
-            async for item in self._reply_entries(reply, job_id):
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with contextlib.aclosing(self._reply_entries(reply, job_id, deadline)) as entries:
+            async for item in entries:
                 if isinstance(item, ResultView):
                     return item
         raise TimeoutError(job_id)  # pragma: no cover - the iterator only ends by timeout
@@ -162,7 +165,7 @@ class QueueClient:
             for i in range(0, len(missing), 1000):
                 part = missing[i:i + 1000]
                 try:
-                    async with asyncio.timeout(self._timeout):
+                    async with _aio.timeout(self._timeout):
                         raws = await self.redis.mget([self.keys.done(j) for j in part])
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
                     still += part  # Redis restarting: results are durable, look again shortly
@@ -185,15 +188,9 @@ class QueueClient:
         run = 0
         # The deadline bounds each fetch, not a block around the yields: a timeout spanning a yield
         # would fire in the caller's code as a bare CancelledError instead of a TimeoutError here.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        entries = self._reply_entries(job.reply_to, job.id)
-        try:
-            while True:
-                if loop.time() >= deadline:  # checked here: redis-py can lose an immediate cancel
-                    raise TimeoutError(job.id)
-                async with asyncio.timeout_at(deadline):
-                    item = await anext(entries)
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with contextlib.aclosing(self._reply_entries(job.reply_to, job.id, deadline)) as entries:
+            async for item in entries:
                 if isinstance(item, ResultView):
                     yield item
                     return
@@ -201,38 +198,56 @@ class QueueClient:
                     continue
                 run = item.delivery
                 yield item
-        finally:
-            await entries.aclose()
 
-    async def _reply_entries(self, reply_to: str, job_id: str,
+    async def _reply_entries(self, reply_to: str, job_id: str, deadline: float,
                              ) -> AsyncGenerator[ChunkView | ResultView, None]:
-        last = "0-0"
+        """This job's entries on ``reply_to``, then its result; TimeoutError at ``deadline`` (loop time).
+
+        The deadline is checked before every fetch as well as bounding it: redis-py can swallow the
+        cancellation by which an expiring timeout interrupts a call (see ``routerd._aio``), and then
+        only this check ends the loop. Entries that are not this job's, or not readable at all (a
+        reply stream is the producer's to share), are skipped. A ``reply_to`` that is not a stream
+        (routerd dead-letters such a job and stores its error result) is left for the result record.
+        """
+        loop = asyncio.get_running_loop()
+        last, readable = "0-0", True
         while True:
-            reply = await self.redis.xread({reply_to: last}, count=500, block=1000)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(job_id)
+            reply: Any = None
+            if readable:
+                try:
+                    async with _aio.timeout_at(deadline):
+                        reply = await self.redis.xread({reply_to: last}, count=500,
+                                                       block=max(1, min(1000, int(left * 1000))))
+                except redis.exceptions.ResponseError as e:
+                    if not str(e).startswith("WRONGTYPE"):
+                        raise
+                    readable = False
             if not reply:
-                done = await self.result(job_id)  # the reply stream may have expired or been trimmed
+                async with _aio.timeout_at(deadline):
+                    done = await self.result(job_id)  # the reply stream may be gone, trimmed or no stream
                 if done is not None:
                     yield done
                     return
+                if not readable:
+                    await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
                 continue
             for entry_id, fields in reply[0][1]:
                 last = _s(entry_id)
-                if b"result" in fields:
-                    result = decode_result(fields[b"result"])
-                    if result.id == job_id:
-                        yield result
+                item = _reply_item(fields, job_id)
+                if item is not None:
+                    yield item
+                    if isinstance(item, ResultView):
                         return
-                elif b"chunk" in fields:
-                    chunk = decode_chunk(fields[b"chunk"])
-                    if chunk.id == job_id:
-                        yield chunk
 
     # control -------------------------------------------------------------------------------------
     async def cancel(self, job: Submitted | str, *, ttl_s: int = 86_400) -> None:
         """Cancel a job: before it runs (the key) or while it runs (the channel). A job that already
         has a result keeps it."""
         job_id = job if isinstance(job, str) else job.id
-        async with asyncio.timeout(self._timeout):
+        async with _aio.timeout(self._timeout):
             pipe = self.redis.pipeline(transaction=True)
             pipe.set(self.keys.cancel(job_id), b"1", ex=ttl_s)
             pipe.publish(self.keys.cancel_channel, job_id)
@@ -241,7 +256,7 @@ class QueueClient:
     async def status(self, job: Submitted | str) -> JobStatus:
         """queued / running (on which consumer and instance) / done (with the result) / unknown."""
         job_id = job if isinstance(job, str) else job.id
-        async with asyncio.timeout(self._timeout):
+        async with _aio.timeout(self._timeout):
             pipe = self.redis.pipeline(transaction=False)
             pipe.get(self.keys.done(job_id))
             pipe.hgetall(self.keys.status(job_id))
@@ -259,7 +274,21 @@ class QueueClient:
 
 
 def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _reply_item(fields: dict[bytes, bytes], job_id: str) -> ChunkView | ResultView | None:
+    """The entry as this job's chunk or result; None for anyone else's entry or one not readable."""
+    try:
+        if b"result" in fields:
+            result = decode_result(fields[b"result"])
+            return result if result.id == job_id else None
+        if b"chunk" in fields:
+            chunk = decode_chunk(fields[b"chunk"])
+            return chunk if chunk.id == job_id else None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # msgspec's ValidationError too
+        return None
+    return None
 
 
 def submit_main(argv: list[str]) -> int:

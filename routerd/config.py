@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from . import redact
+
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
@@ -44,7 +46,12 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     api_keys: list[str] = []
     admin_api_key: str = ""
     max_body_bytes: PositiveInt = 16 * 1024 * 1024
-    keepalive_timeout_s: PositiveFloat = 75.0
+    # Client bounds (routerd/ingress/_connections.py); a reload applies them to new connections/requests.
+    keepalive_timeout_s: PositiveFloat = 75.0  # an idle kept-alive connection is closed after this
+    client_header_timeout_s: PositiveFloat = 10.0  # from connect (or a request's first byte) to full headers
+    client_body_timeout_s: PositiveFloat = 60.0  # from full headers to the full body, else 408
+    client_write_timeout_s: PositiveFloat = 30.0  # a client that reads nothing this long loses its request
+    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # beyond it: 503 + Retry-After
 
 
 class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -214,7 +221,7 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
                 problems.append(f"{where}.urls: a static fleet needs at least one URL")
             for j, u in enumerate(f.urls):
                 if not re.match(r"^https?://[^/\s]+", u):
-                    problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {u!r}")
+                    problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {redact.url(u)!r}")
         elif f.urls:
             problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
@@ -233,7 +240,7 @@ def _semantic_problems(cfg: Config) -> list[str]:
     if cfg.ray.address and not _HOST_PORT_RE.fullmatch(cfg.ray.address):
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
-                        f"got {cfg.ray.address!r}")
+                        f"got {redact.url(cfg.ray.address)!r}")
     return problems
 
 

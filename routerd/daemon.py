@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from . import _aio, log, redact
 from . import config as config_mod
-from . import log
 from .config import Config
+from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
 
@@ -36,18 +39,60 @@ _RESTART_ONLY = (
 )
 
 
+# Stopping: every step after the drain has its own bound; these are the bounds of the whole.
+_STOP_GRACE_S = 30.0  # past drain_timeout_s: closing streams, ending tasks, closing Redis and HTTP
+_ENGINES_STOP_S = 90.0  # more, with daemon.stop_engines_on_exit (each engine gets a graceful stop)
+_FORCED_STOP_S = 3.0  # after a second TERM/INT
+_TASKS_STOP_S = 15.0  # for the long-running tasks to end once cancelled (the queue's take up to 7 s)
+
+
+class StopDeadline:
+    """The hard bound on stopping: once armed, the process exits when it fires, whatever is stuck.
+
+    Every step of the stop is bounded on its own; this is the backstop for what no step can bound
+    from inside the event loop: a task that ignores (or lost) its cancellation keeps the TaskGroup,
+    and then ``asyncio.run``'s own clean-up, waiting forever. It logs every unfinished task and where
+    it waits, then exits 1 — a stop that needed it is a bug to report, not a clean stop.
+    """
+
+    def __init__(self, exit_fn: Callable[[int], object] = os._exit) -> None:
+        self._exit = exit_fn
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, delay_s: float, reason: str) -> None:
+        """Fire ``delay_s`` seconds from now, unless already due sooner."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay_s
+        if self._handle is not None:
+            if self._handle.when() <= when:
+                return
+            self._handle.cancel()
+        self._handle = loop.call_at(when, self.fire, reason)
+
+    def fire(self, reason: str) -> None:
+        tasks = sorted(_aio.where(t) for t in asyncio.all_tasks() if not t.done())
+        _logger.error("stop_forced", reason=reason, unfinished=len(tasks), tasks=tasks[:50])
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
+                stream.flush()
+        self._exit(1)
+
+
 class Daemon:
     """One routerd process: ``await Daemon(path, cfg).run()`` returns the exit code."""
 
-    def __init__(self, config_path: Path, cfg: Config, *, notifier: Notifier | None = None) -> None:
+    def __init__(self, config_path: Path, cfg: Config, *, notifier: Notifier | None = None,
+                 redactor: Redactor | None = None) -> None:
         self.config_path = config_path
         self.cfg = cfg
         self.notifier = notifier or Notifier()
+        self.redactor = redactor  # told the secrets of each config loaded by reload
         self.registry = Registry()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._reload = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+        self.stop_deadline = StopDeadline()
         # components, set in _startup
         self.dataplane: Any = None
         self.fleets: Any = None
@@ -57,11 +102,18 @@ class Daemon:
 
     # signals ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
+        """TERM/INT: drain, bounded as a whole by :class:`StopDeadline`; a second one: exit now (the
+        drain is cut short, and whatever is still stopping after ``_FORCED_STOP_S`` is abandoned)."""
         if self._stop.is_set():
             _logger.warning("second_stop_signal_exiting_now")
             self._force.set()
+            self.stop_deadline.arm(_FORCED_STOP_S, "second stop signal")
         else:
             self._stop.set()
+            d = self.cfg.daemon
+            self.stop_deadline.arm(d.drain_timeout_s + _STOP_GRACE_S
+                                   + (_ENGINES_STOP_S if d.stop_engines_on_exit else 0.0),
+                                   "the stop outlasted its bound")
 
     def request_reload(self) -> None:
         self._reload.set()
@@ -85,11 +137,11 @@ class Daemon:
                 await self._startup(stack, tg)
                 self.notifier.ready(self.status_line())
                 _logger.info("routerd_ready", http=f"{self.cfg.http.host}:{self.cfg.http.port}",
-                             fleets=[f.name for f in self.cfg.fleets], redis=self.redis_url or None)
+                             fleets=[f.name for f in self.cfg.fleets],
+                             redis=redact.url(self.redis_url) if self.redis_url else None)
                 await self._main_loop()
                 await self._shutdown()
-                for task in self._tasks:
-                    task.cancel()
+                await self._end_tasks()
         finally:
             self._remove_signals()
             self.notifier.close()
@@ -204,31 +256,49 @@ class Daemon:
     # drain -----------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
         """Stop intake, let in-flight work finish up to drain_timeout_s, end the rest, then keep the
-        engines running (or stop them with ``daemon.stop_engines_on_exit``)."""
+        engines running (or stop them with ``daemon.stop_engines_on_exit``). Each step is bounded."""
         cfg = self.cfg
         self.notifier.stopping()
         _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
         started = time.monotonic()
         if self.queue is not None:
             self.queue.stop_intake()
-        await self.dataplane.stop_intake()
+        await self._bounded("stop_intake", self.dataplane.stop_intake(), 5.0)
         deadline = started + cfg.daemon.drain_timeout_s
         waits = [self.dataplane.wait_idle(deadline - time.monotonic())]
         if self.queue is not None:
             waits.append(self.queue.wait_idle(deadline - time.monotonic()))
         drained: asyncio.Future[Any] = asyncio.gather(*waits)
         force: asyncio.Future[Any] = asyncio.create_task(self._force.wait())
-        done, _ = await asyncio.wait({drained, force}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({drained, force}, timeout=max(0.0, deadline - time.monotonic()) + 1.0,
+                                     return_when=asyncio.FIRST_COMPLETED)
         force.cancel()
-        if force in done:
+        if drained not in done:
             drained.cancel()
-            _logger.warning("drain_interrupted")
+            if force in done:
+                _logger.warning("drain_interrupted")
         elif drained.exception() is not None:  # retrieved, so it is logged once, here
             _logger.error("drain_wait_failed", exc_info=drained.exception())
-        await self.dataplane.close_streams("routerd is shutting down")
+        await self._bounded("close_streams", self.dataplane.close_streams("routerd is shutting down"), 5.0)
         if self.fleets is not None:
-            await self.fleets.shutdown(stop_engines=cfg.daemon.stop_engines_on_exit)
+            stop_engines = cfg.daemon.stop_engines_on_exit
+            await self._bounded("fleets", self.fleets.shutdown(stop_engines=stop_engines),
+                                _ENGINES_STOP_S if stop_engines else 10.0)
         _logger.info("drain_finished", took_s=round(time.monotonic() - started, 3))
+
+    async def _end_tasks(self) -> None:
+        """Cancel the long-running tasks. One that does not end makes the process exit now: the
+        TaskGroup would wait for it forever."""
+        stuck = await _aio.cancel_and_wait(self._tasks, _TASKS_STOP_S)
+        if stuck:
+            self.stop_deadline.fire(f"{len(stuck)} task(s) did not end when cancelled")
+
+    @staticmethod
+    async def _bounded(step: str, aw: Awaitable[Any], timeout_s: float) -> None:
+        try:
+            await _aio.wait_for(aw, timeout_s)
+        except TimeoutError:
+            _logger.error("stop_step_timed_out", step=step, timeout_s=timeout_s)
 
     # reload ----------------------------------------------------------------------------------
     async def reload(self) -> bool:
@@ -242,11 +312,13 @@ class Daemon:
             _logger.error("reload_rejected", path=str(self.config_path), problems=problems)
             self.notifier.ready(f"reload rejected: {problems[0]}")
             return False
+        if self.redactor is not None:  # before anything logs a value of the new config
+            self.redactor.learn(redact.config_secrets(new))
         for section, key in _RESTART_ONLY:
             old_v, new_v = getattr(getattr(self.cfg, section), key), getattr(getattr(new, section), key)
             if old_v != new_v:
-                _logger.warning("reload_needs_restart", key=f"{section}.{key}", running=old_v,
-                                configured=new_v)
+                _logger.warning("reload_needs_restart", key=f"{section}.{key}",
+                                running=redact.shown(key, old_v), configured=redact.shown(key, new_v))
         new = _keep_restart_only(self.cfg, new)
         old = self.cfg
         self.cfg = new
@@ -306,14 +378,16 @@ def main(argv: list[str]) -> int:
         for p in problems:
             print(p)
         return config_mod.EXIT_CONFIG
-    log.setup(cfg.daemon.log_level, json=None if args.log_format == "auto" else args.log_format == "json")
+    redactor = log.setup(cfg.daemon.log_level,
+                         json=None if args.log_format == "auto" else args.log_format == "json",
+                         secrets=redact.config_secrets(cfg))
     try:
         import uvloop
 
         runner: Any = uvloop.run
     except ImportError:  # uvloop is optional off Linux
         runner = asyncio.run
-    daemon = Daemon(Path(args.config).resolve(), cfg)
+    daemon = Daemon(Path(args.config).resolve(), cfg, redactor=redactor)
     try:
         code: int = runner(daemon.run())
     except Exception:  # the outermost boundary: log it whole, let systemd restart us

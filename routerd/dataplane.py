@@ -2,8 +2,8 @@
 
 ``DataPlane`` owns the pooled client session, scraper, router (with its policy plugin and circuit
 breaker), upstream, admission and the HTTP app. It does not care who put an instance in the registry:
-static fleets are registered here, launched ones by the fleet manager; both are scraped and routed
-the same way. Lifecycle (the daemon's, or a test's)::
+static fleets are registered (and heartbeaten, routerd/static_health.py) here, launched ones by the
+fleet manager; both are scraped and routed the same way. Lifecycle (the daemon's, or a test's)::
 
     async with DataPlane(cfg, registry) as dp:      # session, components, static instances
         url = await dp.start_http(extra_routes=...)  # bind the listener
@@ -28,15 +28,14 @@ from . import log
 from .admission import Admission
 from .config import Config, FleetConfig
 from .ingress.http import ExtraRoutes, HttpIngress
-from .registry import Instance, InstanceState, Registry
+from .registry import Instance, Registry
 from .router import Router
 from .scraper import Scraper
+from .static_health import STATIC, StaticHealth
 from .telemetry import Telemetry
 from .upstream import Upstream, make_session
 
 _log = log.get("routerd.dataplane")
-
-STATIC = "static"
 
 
 def static_instances(fleet: FleetConfig) -> list[Instance]:
@@ -61,6 +60,7 @@ class DataPlane:
         self.session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
         self._scraper: Scraper | None = None
+        self._static_health: StaticHealth | None = None
         self.http: HttpIngress | None = None
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
@@ -81,12 +81,20 @@ class DataPlane:
             raise RuntimeError("DataPlane is not started (use `async with DataPlane(...)`)")
         return self._scraper
 
+    @property
+    def static_health(self) -> StaticHealth:
+        if self._static_health is None:
+            raise RuntimeError("DataPlane is not started (use `async with DataPlane(...)`)")
+        return self._static_health
+
     async def __aenter__(self) -> DataPlane:
         self.session = make_session(self.cfg.routing)
         self._upstream = Upstream(self.session, self.router, self.cfg.routing, self.telemetry,
                                   rng=self.rng, clock=self.clock)
         self._scraper = Scraper(self.registry, self.session, self.cfg.routing, self.telemetry,
                                 clock=self.clock, rng=self.rng)
+        self._static_health = StaticHealth(self.cfg, self.registry, self.session, clock=self.clock,
+                                           rng=self.rng)
         self.http = HttpIngress(self.cfg, self.registry, self.admission, self._upstream, self.telemetry,
                                 self.router.breaker, clock=self.clock)
         self._sync_static(self.cfg)
@@ -110,12 +118,14 @@ class DataPlane:
         assert self.http is not None, "start_http() needs `async with DataPlane(...)` first"
         self.app = self.http.build_app(extra_routes)
         http_cfg = self.cfg.http
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               keepalive_timeout=http_cfg.keepalive_timeout_s, shutdown_timeout=5.0)
+        # Connections are ClientConnection (bounded count, client timeouts): see ingress/_connections.py.
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         self._runner = runner
-        site = web.TCPSite(runner, host or http_cfg.host, http_cfg.port if port is None else port,
-                           backlog=1024)
+        assert runner.server is not None
+        self.http.connections.install(runner.server)
+        site = self.http.connections.site(runner, host or http_cfg.host,
+                                          http_cfg.port if port is None else port, backlog=1024)
         await site.start()
         self._sites.append(site)
         bound = runner.addresses[0]
@@ -124,9 +134,11 @@ class DataPlane:
         return self.url
 
     async def stop_intake(self) -> None:
-        """Stop taking new requests: close the listener; requests on open connections get 503."""
+        """Stop taking new requests: close the listener; requests on open connections get 503, and so
+        do those still receiving their bodies (a slowloris does not hold the drain)."""
         if self.http is not None:
             self.http.draining = True
+            self.http.connections.end_pending_bodies("routerd is shutting down")
         for site in self._sites:
             await site.stop()
         self._sites.clear()
@@ -158,44 +170,7 @@ class DataPlane:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.scraper.run(), name="scraper")
             tg.create_task(self.admission.run(), name="admission")
-            tg.create_task(self._static_health(), name="static_health")
-
-    async def _static_health(self) -> None:
-        """Static instances enter rotation when ``/health`` answers 200 and a scrape succeeded; they
-        leave it when no scrape has succeeded for ``stale_after_s``."""
-        while True:
-            cfg = self.cfg.routing
-            now = self.clock()
-            probes = []
-            for inst in self._static():
-                snap = inst.snapshot
-                last_ok = snap.scraped_at if snap is not None else None
-                if inst.state is InstanceState.READY:
-                    if last_ok is None or now - last_ok > cfg.stale_after_s:
-                        self.registry.set_state(inst, InstanceState.UNHEALTHY,
-                                                f"no successful /metrics scrape for {cfg.stale_after_s}s")
-                        _log.warning("instance_out_of_rotation", instance=inst.id, reason=inst.state_reason)
-                elif last_ok is not None and now - last_ok <= cfg.stale_after_s:
-                    probes.append(self._probe_health(inst))
-            if probes:
-                await asyncio.gather(*probes)
-            await asyncio.sleep(cfg.scrape_interval_s)
-
-    async def _probe_health(self, inst: Instance) -> None:
-        assert self.session is not None
-        try:
-            async with asyncio.timeout(self.cfg.routing.scrape_timeout_s):
-                async with self.session.get(inst.url + "/health") as resp:
-                    healthy = resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            healthy = False
-        if healthy and inst.state is not InstanceState.READY and self.registry.get(inst.id) is inst:
-            self.registry.set_state(inst, InstanceState.READY, "answers /health")
-            _log.info("instance_ready", instance=inst.id, url=inst.url)
-
-    def _static(self) -> list[Instance]:
-        names = {f.name for f in self.cfg.fleets if f.engine == STATIC}
-        return [i for i in self.registry if i.fleet in names and ":static" in i.id]
+            tg.create_task(self.static_health.run(), name="static_health")
 
     def _sync_static(self, cfg: Config) -> None:
         """Make the registry's static instances match ``cfg`` (start-up and reload)."""
@@ -226,6 +201,8 @@ class DataPlane:
             self._upstream.update_config(cfg.routing)
         if self._scraper is not None:
             self._scraper.update_config(cfg.routing)
+        if self._static_health is not None:
+            self._static_health.update_config(cfg)
         if self.http is not None:
             self.http.update_config(cfg)
         self._sync_static(cfg)

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from . import plugins
+from . import plugins, redact
 from .plugins import LaunchPlan, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
@@ -160,7 +160,8 @@ class EngineActor:
         self.log_path = str(workdir / f"g{self.generation}.log")
         parent = os.getpid()
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230  # a local append-open, microseconds
-            log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(plan.argv)}\n".encode())
+            shown = " ".join(redact.argv(plan.argv))  # the engine's own flags may carry its API key
+            log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {shown}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(  # noqa: ASYNC220  # fork+exec returns at once; no wait here
                 plan.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

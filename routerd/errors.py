@@ -90,6 +90,28 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
 
 _enc = msgspec.json.Encoder()
 
+_QUOTE_CHARS = 200
+# OpenAI's error ``type`` for a status routerd did not raise itself (aiohttp's, or an engine's answer
+# that is not in OpenAI's shape).
+_STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+                 413: "RequestTooLargeError", 417: "ExpectationFailedError",
+                 422: "UnprocessableEntityError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+def quote(text: str) -> str:
+    """Client input (or an engine message that may echo it) for an error message or a log line: one
+    line, cut to a bounded length with a marker saying how long it was."""
+    head = " ".join(text[:2 * _QUOTE_CHARS].split())  # never walks a megabyte to log 200 characters
+    if len(head) <= _QUOTE_CHARS and len(text) <= 2 * _QUOTE_CHARS:
+        return head
+    return head[:_QUOTE_CHARS] + f"… ({len(text)} characters)"
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style ``type`` for an HTTP error status."""
+    return _STATUS_TYPES.get(status, "InternalServerError" if status >= 500 else "InvalidRequestError")
+
 
 def error_json(message: str, type_: str, code: int, param: str | None = None) -> bytes:
     return _enc.encode(error_body(message, type_, code, param))

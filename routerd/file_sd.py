@@ -32,10 +32,13 @@ def targets(registry: Registry) -> list[dict[str, Any]]:
         if inst.state not in _LISTED or not inst.url:
             continue
         parts = urlsplit(inst.url)
-        if not parts.netloc:
+        # host:port only: a static URL's user:password must not land in a world-readable file
+        # (Prometheus takes scrape credentials from its job's basic_auth, not from the target).
+        target = parts.netloc.rpartition("@")[2]
+        if not target:
             continue
         groups.append({
-            "targets": [parts.netloc],
+            "targets": [target],
             "labels": {
                 "fleet": inst.fleet,
                 "instance": inst.id,  # overrides Prometheus' host:port default: stable across restarts

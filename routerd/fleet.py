@@ -39,7 +39,7 @@ from . import config as config_mod
 from ._aio import wait_for
 from ._fleet_ops import EngineOps, Placement
 from .config import Config, FleetConfig
-from .health import HealthMonitor, ProbeResult
+from .health import HealthMonitor, ProbeResult, in_rotation
 from .plugins import LaunchSpec
 from .raycluster import RayCluster
 from .registry import Instance, InstanceState, Registry
@@ -118,9 +118,13 @@ class FleetManager:
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self.monitor = HealthMonitor(registry, cfg.health, self.ops.probe_for(self.slots), self._on_failed,
-                                     clock=clock)
+                                     clock=clock, watch=self._watched)
 
     # lifecycle -------------------------------------------------------------------------------
+    def _watched(self, inst: Instance) -> bool:
+        """The heartbeats of this manager's instances only (static ones have their own monitor)."""
+        return inst.id in self.slots and in_rotation(inst)
+
     def _fleets(self) -> list[FleetConfig]:
         return [f for f in self.cfg.fleets if f.engine != "static"]
 
@@ -393,8 +397,12 @@ class FleetManager:
             return  # gone, a past generation, or already failed (the death sentinel was first)
         if result is ProbeResult.ACTOR_DEAD and slot.placement is not None:
             slot.placement.actor_dead = True
-        _logger.warning("instance_failed", instance=inst.id, result=result.value, generation=inst.generation)
         self._fail(slot, f"heartbeat: {result.value}")
+        # A hung engine keeps its sockets open until the restart kills it, after the backoff: end
+        # what runs on it now (streams get the terminal error event, the rest are retried elsewhere).
+        ended = inst.lose(f"instance {inst.id} failed its heartbeats ({result.value})")
+        _logger.warning("instance_failed", instance=inst.id, result=result.value, generation=inst.generation,
+                        requests_ended=ended)
 
     async def _after_failure(self, slot: Slot) -> None:
         # Cleared here, not when watching starts: an admin restart that arrives while the engine is

@@ -5,6 +5,8 @@ SIGSTOP) keeps the port open and may even answer 200. So each instance is checke
 actor — process alive, ``/health`` within a deadline — and (b) through its scraped metrics — whenever
 requests are running, ``generation_tokens`` must advance. A slow ``/health`` while tokens advance is a
 loaded engine (BUSY), never a failure: restarting it under load would only move the load elsewhere.
+Static fleets (routerd/static_health.py) run the same tracker and monitor with a probe that asks
+``/health`` itself, there being no actor.
 
 Timing: each probe has a deadline of ``heartbeat_timeout_s / failure_threshold`` and probes run
 start-to-start on a jittered ``heartbeat_interval_s`` (never overlapping), so ``failure_threshold``
@@ -176,20 +178,29 @@ ProbeFn = Callable[[Instance, float], Awaitable["tuple[ActorProbe | None, bool, 
 FailFn = Callable[[Instance, ProbeResult], Awaitable[None]]
 
 
+def in_rotation(inst: Instance) -> bool:
+    """The default watch set of a monitor: READY and DRAINING instances (requests may run on them)."""
+    return inst.state in (InstanceState.READY, InstanceState.DRAINING)
+
+
 class HealthMonitor:
-    """Probes every READY/DRAINING instance of the registry on its own jittered schedule.
+    """Probes every instance ``watch`` selects (default: READY/DRAINING) on its own jittered schedule.
 
     Writes ``inst.health`` and ``inst.last_heartbeat`` (its fields in the registry) and calls ``on_failed``
-    once per failure; the fleet manager then takes the instance out of rotation and restarts it.
+    once per failure; the owner then takes the instance out of rotation (and restarts it, for a launched
+    one). Each owner's ``watch`` selects only its own instances: the fleet manager's the launched ones,
+    the static fleets' theirs, so every instance has one monitor writing its health.
     """
 
     def __init__(self, registry: Registry, cfg: HealthConfig, probe: ProbeFn, on_failed: FailFn, *,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 watch: Callable[[Instance], bool] = in_rotation) -> None:
         self.registry = registry
         self.cfg = cfg
         self._probe = probe
         self._on_failed = on_failed
+        self._watch = watch
         self._clock = clock
         self._wall = wall
         self._rng = rng or random.Random()
@@ -220,7 +231,7 @@ class HealthMonitor:
 
     def _sync(self) -> None:
         for inst in self.registry:
-            watched = inst.state in (InstanceState.READY, InstanceState.DRAINING)
+            watched = self._watch(inst)
             task = self._tasks.get(inst.id)
             if watched and self._generation.get(inst.id) != inst.generation and task is not None:
                 task.cancel()  # a new engine behind the same id: start from a clean tracker
@@ -241,8 +252,7 @@ class HealthMonitor:
 
     async def _loop(self, inst: Instance, tracker: HealthTracker) -> None:
         generation = inst.generation
-        while (inst.state in (InstanceState.READY, InstanceState.DRAINING)
-               and inst.generation == generation and self.registry.get(inst.id) is inst):
+        while self._watch(inst) and inst.generation == generation and self.registry.get(inst.id) is inst:
             started = self._clock()
             try:
                 verdict = await self.check_once(inst, tracker)

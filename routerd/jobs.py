@@ -10,6 +10,7 @@ never starts with that byte), so producers need no flag.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -125,31 +126,153 @@ def is_json(raw: bytes) -> bool:
 
 
 def decode_job(raw: bytes) -> Job:
-    """Decode and validate one job; raise :class:`InvalidJob` with the reason (and what was readable)."""
+    """Decode and validate one job; raise :class:`InvalidJob` with the reason (and what was readable).
+
+    Whatever the bytes are, the only exception is :class:`InvalidJob`: decoding is deterministic, so a
+    message that fails once fails on every delivery and must be dead-lettered at once, never retried.
+    """
     as_json = is_json(raw)
+    kind = "JSON" if as_json else "msgpack"
     try:
         job = _json_job.decode(raw) if as_json else _msgpack_job.decode(raw)
     except msgspec.ValidationError as e:
-        job_id, reply_to = _salvage(raw, as_json)
-        raise InvalidJob(f"invalid job: {e}", job_id, reply_to) from None
+        job_id, reply_to = salvage(raw)
+        raise InvalidJob(clip(f"invalid job: {e}"), job_id, reply_to) from None
     except msgspec.DecodeError as e:
-        kind = "JSON" if as_json else "msgpack"
-        raise InvalidJob(f"not valid {kind}: {e}") from None
+        raise InvalidJob(clip(f"not valid {kind}: {e}")) from None
+    except UnicodeDecodeError as e:
+        job_id, reply_to = salvage(raw)
+        raise InvalidJob(f"not valid {kind}: a string holds bytes that are not UTF-8 ({e.reason})",
+                         job_id, reply_to) from None
+    except RecursionError:
+        job_id, reply_to = salvage(raw)
+        raise InvalidJob(f"not valid {kind}: nested too deeply", job_id, reply_to) from None
+    except Exception as e:  # noqa: BLE001 — producer input: any decoder failure makes the job invalid
+        job_id, reply_to = salvage(raw)
+        raise InvalidJob(clip(f"not valid {kind}: {type(e).__name__}: {e}"), job_id, reply_to) from None
     return job
 
 
-def _salvage(raw: bytes, as_json: bool) -> tuple[str | None, str | None]:
-    """The id and reply_to of a message that decodes but does not validate, so it can get a result."""
+class _Ids(msgspec.Struct):
+    id: Any = None
+    reply_to: Any = None
+
+
+_json_ids = msgspec.json.Decoder(_Ids)
+_msgpack_ids = msgspec.msgpack.Decoder(_Ids)
+
+
+def salvage(raw: bytes) -> tuple[str | None, str | None]:
+    """The ``id`` and ``reply_to`` of a message that is not a valid job, so that it can still get an
+    error result: read by a decoder that skips every other field, or — when that fails too (a body
+    nested too deeply for any decoder) — by a flat scan of the top-level object. Never raises."""
+    as_json = is_json(raw)
     try:
-        obj = _json_any.decode(raw) if as_json else _msgpack_any.decode(raw)
-    except msgspec.DecodeError:
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    job_id, reply_to = obj.get("id"), obj.get("reply_to")
+        ids = _json_ids.decode(raw) if as_json else _msgpack_ids.decode(raw)
+        found: tuple[Any, Any] = (ids.id, ids.reply_to)
+    except Exception:  # noqa: BLE001 — producer input: fall back to the scan
+        try:
+            found = _scan_json(raw) if as_json else _scan_msgpack(raw)
+        except Exception:  # noqa: BLE001 — producer input: nothing could be read
+            return None, None
+    job_id, reply_to = found
     ok_id = job_id if isinstance(job_id, str) and 0 < len(job_id) <= 256 else None
     ok_reply = reply_to if isinstance(reply_to, str) and 0 < len(reply_to) <= 512 else None
     return ok_id, ok_reply
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\],:]')
+
+
+def _scan_json(raw: bytes) -> tuple[Any, Any]:
+    """Top-level ``"id"`` and ``"reply_to"`` string values, found without recursion."""
+    found: dict[bytes, Any] = {}
+    depth, key, expect_key = 0, b"", False
+    for m in _JSON_TOKEN.finditer(raw):
+        tok = m.group()
+        if tok in (b"{", b"["):
+            depth += 1
+            expect_key = depth == 1 and tok == b"{"
+        elif tok in (b"}", b"]"):
+            depth -= 1
+        elif depth != 1:
+            continue
+        elif tok in (b",", b":"):
+            expect_key = tok == b","
+        elif expect_key:
+            key = tok
+        else:
+            if key in (b'"id"', b'"reply_to"'):
+                found.setdefault(key, _json_any.decode(tok))
+            key = b""
+    return found.get(b'"id"'), found.get(b'"reply_to"')
+
+
+def _scan_msgpack(raw: bytes) -> tuple[Any, Any]:
+    """Top-level ``id`` and ``reply_to`` string values of a msgpack map, found without recursion."""
+    pos, n = _mp_container(raw, 0, map_=True)
+    found: dict[Any, Any] = {}
+    for _ in range(n):
+        key_end = _mp_skip(raw, pos)
+        value_end = _mp_skip(raw, key_end)
+        if key_end - pos <= 9:  # "reply_to" is 9 bytes as msgpack; only short keys are decoded
+            key = _msgpack_any.decode(raw[pos:key_end])
+            if key in ("id", "reply_to"):
+                found.setdefault(key, _msgpack_any.decode(raw[key_end:value_end]))
+        pos = value_end
+    return found.get("id"), found.get("reply_to")
+
+
+def _mp_container(raw: bytes, pos: int, *, map_: bool) -> tuple[int, int]:
+    """(position after the header, number of entries) of the map (or array) at ``pos``."""
+    b = raw[pos]
+    fix, size16, size32 = (0x80, 0xDE, 0xDF) if map_ else (0x90, 0xDC, 0xDD)
+    if fix <= b <= fix + 0x0F:
+        return pos + 1, b & 0x0F
+    if b == size16:
+        return pos + 3, int.from_bytes(raw[pos + 1:pos + 3], "big")
+    if b == size32:
+        return pos + 5, int.from_bytes(raw[pos + 1:pos + 5], "big")
+    raise ValueError("not a msgpack map")
+
+
+# msgpack type byte → (bytes of length field, fixed payload bytes) for the non-container types
+_MP_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1),
+             0xCA: (0, 4), 0xCB: (0, 8), 0xCC: (0, 1), 0xCD: (0, 2), 0xCE: (0, 4), 0xCF: (0, 8),
+             0xD0: (0, 1), 0xD1: (0, 2), 0xD2: (0, 4), 0xD3: (0, 8), 0xD4: (0, 2), 0xD5: (0, 3),
+             0xD6: (0, 5), 0xD7: (0, 9), 0xD8: (0, 17), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0)}
+
+
+def _mp_skip(raw: bytes, pos: int) -> int:
+    """The position after the msgpack value at ``pos``; iterative, so any nesting depth is fine."""
+    todo = 1
+    while todo:
+        todo -= 1
+        b = raw[pos]
+        if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+            pos += 1
+        elif 0xA0 <= b <= 0xBF:
+            pos += 1 + (b & 0x1F)
+        elif 0x80 <= b <= 0x8F or b in (0xDE, 0xDF):
+            pos, n = _mp_container(raw, pos, map_=True)
+            todo += 2 * n
+        elif 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+            pos, n = _mp_container(raw, pos, map_=False)
+            todo += n
+        elif b in _MP_SIZED:
+            len_bytes, fixed = _MP_SIZED[b]
+            size = int.from_bytes(raw[pos + 1:pos + 1 + len_bytes], "big")
+            pos += 1 + len_bytes + fixed + size
+        else:
+            raise ValueError(f"msgpack byte 0x{b:02x} is never used")
+        if pos > len(raw):
+            raise ValueError("truncated msgpack")
+    return pos
+
+
+def clip(text: str, limit: int = 500) -> str:
+    """Producer input quoted in a reason or log line, cut to ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def body_problem(job: Job) -> str | None:

@@ -2,17 +2,21 @@
 
 aiohttp, redis and ray log through the stdlib; a ``ProcessorFormatter`` sends their records through the
 same processors so journald sees one format. The request id rides in a contextvar
-(``structlog.contextvars``) so every line logged while serving a request carries it.
+(``structlog.contextvars``) so every line logged while serving a request carries it. Every line, ours
+and the stdlib's, passes a :class:`~routerd.redact.Redactor` last, so no secret reaches the log.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 import structlog
+
+from .redact import Redactor
 
 _json = msgspec.json.Encoder()
 
@@ -26,8 +30,13 @@ def _dumps(obj: Any, **_: Any) -> str:
                              for k, v in obj.items()}).decode()
 
 
-def setup(level: str = "info", *, json: bool | None = None) -> None:
-    """Configure structlog and the stdlib root logger. ``json=None`` picks JSON unless stdout is a TTY."""
+def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[str] = ()) -> Redactor:
+    """Configure structlog and the stdlib root logger. ``json=None`` picks JSON unless stdout is a TTY.
+
+    Returns the redactor every line passes, knowing ``secrets``; ``learn`` tells it new ones (reload).
+    """
+    redactor = Redactor()
+    redactor.learn(secrets)
     if json is None:
         json = not sys.stdout.isatty()
     shared: list[Any] = [
@@ -35,14 +44,14 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: Any = (
+    renderer: Any = redactor.render(
         structlog.processors.JSONRenderer(serializer=_dumps)
         if json
         else structlog.dev.ConsoleRenderer(colors=sys.stdout.isatty())
     )
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer] if json
-        else [*shared, renderer],
+        processors=[*shared, structlog.processors.format_exc_info, redactor, renderer] if json
+        else [*shared, redactor, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stdout),
         cache_logger_on_first_use=False,
@@ -54,6 +63,7 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 *([structlog.processors.format_exc_info] if json else []),
+                redactor,
                 renderer,
             ],
         )
@@ -63,6 +73,7 @@ def setup(level: str = "info", *, json: bool | None = None) -> None:
     root.setLevel(level.upper())
     # aiohttp.access would log every request twice (we write one canonical line per request).
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    return redactor
 
 
 def get(name: str | None = None) -> Any:

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from . import redact
+
 
 class InstanceState(enum.StrEnum):
     """Lifecycle of one engine instance, as routing sees it."""
@@ -80,6 +82,26 @@ class Instance:
     inflight: int = 0
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0  # monotonic; 0 = closed
+    # what ends the engine calls in flight on this instance when its heartbeats declare it failed
+    _on_lost: set[Callable[[str], None]] = field(default_factory=set, init=False, repr=False,
+                                                 compare=False)
+
+    def watch_lost(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(reason)`` if this instance is declared lost; returns the un-watch function.
+
+        Upstream registers each engine call here: a hung engine never closes its sockets, so without
+        this a stream on it would wait for ``read_timeout_s`` after the instance left rotation.
+        """
+        self._on_lost.add(callback)
+        return lambda: self._on_lost.discard(callback)
+
+    def lose(self, reason: str) -> int:
+        """End every engine call in flight on this instance with ``reason``; returns how many."""
+        callbacks = list(self._on_lost)
+        self._on_lost.clear()
+        for callback in callbacks:
+            callback(reason)
+        return len(callbacks)
 
     @property
     def capacity(self) -> int:
@@ -118,7 +140,7 @@ class Instance:
         return {
             "id": self.id,
             "fleet": self.fleet,
-            "url": self.url,
+            "url": redact.url(self.url),
             "state": self.state.value,
             "state_reason": self.state_reason,
             "health": self.health,
@@ -134,7 +156,7 @@ class Instance:
             "kv_usage": snap.kv_usage if snap else None,
             "capacity": self.capacity,
             "scrape_age_s": round(now_mono - snap.scraped_at, 3) if snap else None,
-            "scrape_error": self.scrape_error or None,
+            "scrape_error": redact.text(self.scrape_error) or None,
             "circuit": "open" if self.circuit_open(now_mono) else "closed",
             "resources": self.resources,
         }

@@ -69,12 +69,22 @@ class CircuitBreaker:
         inst.circuit_open_until = 0.0
 
     def failure(self, inst: Instance) -> bool:
-        """Count one failure; returns True when this failure opened (or re-opened) the circuit."""
+        """Count one failure; returns True only when it moves the circuit from closed to open.
+
+        One opening per transition: the failures of requests that were already in flight when the
+        circuit opened change nothing (the cool-down is not stretched by them), and a failure once the
+        cool-down is over (the half-open trial) re-opens it for another cool-down without counting as a
+        new opening — so one dead engine shows as one opening, however many requests it dropped and
+        however many cool-downs it stays down."""
         inst.consecutive_failures += 1
-        half_open = inst.circuit_open_until != 0.0
-        if half_open or inst.consecutive_failures >= self.cfg.circuit_failure_threshold:
-            inst.circuit_open_until = self.clock() + self.cfg.circuit_cooldown_s
-            return True
+        now = self.clock()
+        if inst.circuit_open_until == 0.0:
+            if inst.consecutive_failures >= self.cfg.circuit_failure_threshold:
+                inst.circuit_open_until = now + self.cfg.circuit_cooldown_s
+                return True
+            return False
+        if now >= inst.circuit_open_until:
+            inst.circuit_open_until = now + self.cfg.circuit_cooldown_s
         return False
 
 

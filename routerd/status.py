@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from . import redact
+
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon did not answer
 
 
@@ -81,9 +83,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args(argv)
     try:
-        status = asyncio.run(fetch(args.url, args.admin_key, args.timeout))
+        status = _redacted(asyncio.run(fetch(args.url, args.admin_key, args.timeout)))
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
-        print(f"routerd status: {args.url}: {e or type(e).__name__}", file=sys.stderr)
+        print(redact.text(f"routerd status: {args.url}: {e or type(e).__name__}"), file=sys.stderr)
         return EXIT_UNAVAILABLE
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else render(status))
+    return 0
+
+
+def _redacted(status: dict[str, Any]) -> dict[str, Any]:
+    """Engine URLs without their passwords, whatever the daemon's version sent (older ones did not
+    redact them)."""
+    for fleet in status.get("fleets", {}).values():
+        for inst in fleet.get("instances", []) if isinstance(fleet, dict) else []:
+            if isinstance(inst, dict) and isinstance(inst.get("url"), str):
+                inst["url"] = redact.url(inst["url"])
+    return status
     return 0

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .registry import Instance, Registry
@@ -135,11 +135,18 @@ class Telemetry:
                                "first byte", ["fleet"], registry=r)
         self.upstream_failures = Counter("routerd_upstream_failures", "Failed engine calls by reason",
                                          ["fleet", "instance", "reason"], registry=r)
-        self.circuit_opened = Counter("routerd_circuit_opened", "Times an instance's circuit opened",
-                                      ["fleet", "instance"], registry=r)
+        self.circuit_opened = Counter("routerd_circuit_opened", "Times an instance's circuit went from "
+                                      "closed to open (a failed half-open trial re-opening it is not a "
+                                      "new opening)", ["fleet", "instance"], registry=r)
         self.scrape_seconds = Histogram("routerd_scrape_duration_seconds", "One /metrics scrape",
                                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                  1.0, 2.5), registry=r)
+        self.http_connections = Gauge("routerd_http_connections", "Open client connections on the HTTP "
+                                      "listener (at most http.max_connections)", registry=r)
+        self.http_connections_shed = Counter("routerd_http_connections_shed", "Client connections routerd "
+                                             "refused or closed itself: refused (over max_connections), "
+                                             "header_timeout, body_timeout, write_timeout", ["reason"],
+                                             registry=r)
         self._children: dict[tuple[str, str, str], Any] = {}
 
     def attach(self, registry: Registry, circuit_state: Callable[[Instance, float], str],

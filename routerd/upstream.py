@@ -10,11 +10,26 @@ One request's life here:
 3. until the first byte goes to the :class:`ResponseSink` every failure — connect error, timeout,
    5xx/503, an empty body, a leading ``data: {"error"`` event — is retried on another instance
    (at most ``max_attempts``, jittered exponential backoff); 4xx answers are the client's problem and
-   are passed through as they are;
+   are passed through (in OpenAI's error shape: an engine answer in another shape, such as FastAPI's
+   ``{"detail": …}``, is rewrapped);
 4. after the first byte nothing is retried: the chunks go to the sink as raw bytes, and if the engine
    fails (connection dropped, read timeout, closed without ``[DONE]``) the sink gets routerd's terminal
    ``data: {"error": …}`` + ``data: [DONE]``. An error event the engine sent itself passes through as
    is (it already ends with ``[DONE]``); either way the result says ``ok=False``.
+
+What the circuit breaker is charged with: a failure only the instance can be blamed for — no
+connection, a timeout, a stream that broke or came back empty — counts at once. An *answer* that says
+the request failed (a 5xx, an error event before any token) may be the request's own doing: a body
+that crashes every engine the same way would otherwise be retried on each instance and open every
+circuit after ``circuit_failure_threshold`` such requests, and one client would take the fleet out.
+So an answered failure counts against its instance only once another instance has served the very
+same request (2xx): then the instance, not the request, was at fault. A request that no instance
+served charges nobody, nor does an error event the engine sends after the first byte (nothing can be
+retried then to tell); an engine that is down in earnest is still caught by the failures above and
+by the health monitor.
+
+An instance whose heartbeats fail (``Instance.lose``) ends what runs on it at once: a hung engine never
+closes its sockets, so nothing else would before ``read_timeout_s`` (see :class:`_LostWatch`).
 
 Cancelling ``forward`` (the client went away) closes the upstream connection, which is what makes
 vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
@@ -25,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +52,7 @@ import msgspec
 
 from . import log
 from .config import RoutingConfig
-from .errors import NoReadyInstance, UpstreamError, sse_error_event
+from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
 from .registry import Instance
 from .router import Router
 from .telemetry import Telemetry
@@ -44,6 +61,8 @@ _log = log.get("routerd.upstream")
 
 _ERROR_MARK = b'data: {"error"'
 _DONE = b"data: [DONE]"
+_MAX_ID_CHARS = 256
+_SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
 _TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
 # What the engine may fail with before or during a response (aiohttp wraps most socket errors).
 _NET_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -70,28 +89,95 @@ class ForwardResult:
 
 
 class _Retry(Exception):
-    """An attempt failed before any byte reached the sink: try another instance."""
+    """An attempt failed before any byte reached the sink: try another instance.
 
-    def __init__(self, reason: str, message: str, status: int | None = None) -> None:
+    ``answered``: the engine answered that the request failed (a 5xx, an error event) — possibly the
+    request's fault, so the breaker is charged only if another instance then serves it."""
+
+    def __init__(self, reason: str, message: str, status: int | None = None, *,
+                 answered: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.status = status
+        self.answered = answered
+
+
+class InstanceLost(aiohttp.ClientError):
+    """The instance was declared failed (``Instance.lose``) while a response from it was being read."""
+
+
+class _LostWatch:
+    """Ends one engine call when its instance is declared lost: a hung engine never closes its socket.
+
+    Before the response came back (nothing sent to the sink) the call is cancelled and retried
+    elsewhere — cancelled the way ``asyncio.timeout`` does it, so a cancellation from outside (the
+    client went away) arriving as well is not swallowed. Once a response is being read, its body
+    stream fails with :class:`InstanceLost`, which ends a stream with the terminal error event.
+    """
+
+    def __init__(self, inst: Instance) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        self.reason = ""
+        self.resp: aiohttp.ClientResponse | None = None
+        self._cancelled = False  # our cancel() is not undone yet
+        self._unwatch = inst.watch_lost(self._fire)
+
+    def _fire(self, reason: str) -> None:
+        self.reason = reason
+        if self.resp is None:
+            self._cancelled = True
+            self._task.cancel()
+        else:
+            self.resp.content.set_exception(InstanceLost(reason))
+
+    def absorbed(self) -> bool:
+        """After a CancelledError: True if the cancellation was this watch's alone (it is undone)."""
+        if not self._cancelled:
+            return False
+        self._cancelled = False
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._unwatch()
+        if self._cancelled:  # delivered, but turned into another error on the way: undo it anyway
+            self._cancelled = False
+            self._task.uncancel()
+
+
+def _error_doc(body: bytes) -> object:
+    try:
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 def _error_message(body: bytes, status: int) -> str:
-    """The engine's error message from either vLLM error shape (nested ≥0.10.1, flat before)."""
-    try:
-        doc = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return body[:200].decode(errors="replace") or f"HTTP {status}"
+    """The engine's error message — vLLM's nested shape (≥0.10.1), its flat one (before), FastAPI's
+    ``{"detail": …}`` — quoted: engines echo client input in their messages (a model name, a value)."""
+    doc = _error_doc(body)
+    if doc is None:
+        return quote(body[:1000].decode(errors="replace")) or f"HTTP {status}"
     if isinstance(doc, dict):
         err = doc.get("error", doc)
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])
+            return quote(err["message"])
         if isinstance(err, str):
-            return err
+            return quote(err)
+        if isinstance(doc.get("detail"), str):
+            return quote(doc["detail"])
     return f"HTTP {status}"
+
+
+def _openai_error_body(body: bytes, status: int) -> bytes:
+    """``body`` when it is already OpenAI's ``{"error": {…}}``, else that shape with its message."""
+    doc = _error_doc(body)
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        return body
+    return error_json(_error_message(body, status), error_type(status), status)
 
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
@@ -148,6 +234,7 @@ class Upstream:
         started = self.clock()
         tried: list[str] = []
         last: _Retry | None = None
+        unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
         tel = self.telemetry
         self.active += 1
         try:
@@ -164,9 +251,12 @@ class Upstream:
                     break
                 tried.append(inst.id)
                 try:
-                    result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started)
+                    result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
+                                                 unexplained)
                 except _Retry as e:
                     last = e
+                    if e.answered:
+                        unexplained.append(inst)
                     tel.upstream_failures.labels(fleet, inst.id, e.reason).inc()
                     _log.debug("upstream_attempt_failed", request_id=request_id, instance=inst.id,
                                attempt=attempt, reason=e.reason, error=e.message)
@@ -189,16 +279,31 @@ class Upstream:
             self.active -= 1
 
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
-                       stream: bool, request_id: str, started: float) -> ForwardResult:
+                       stream: bool, request_id: str, started: float,
+                       unexplained: list[Instance]) -> ForwardResult:
         breaker = self.router.breaker
         inst.inflight += 1
         breaker.begin(inst)
         resp: aiohttp.ClientResponse | None = None
         clean = False
+        lost = _LostWatch(inst)
         try:
-            resp, first = await self._first_byte(inst, endpoint, body, stream, request_id)
+            try:
+                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id)
+            except asyncio.CancelledError:
+                if not lost.absorbed():
+                    raise
+                raise _Retry("instance_lost", lost.reason) from None
+            lost.resp = resp
             headers = {"Content-Type": resp.headers.get("Content-Type", "application/json"),
                        "X-Routerd-Instance": inst.id}
+            if 200 <= resp.status < 300:
+                for failed in unexplained:  # this request can be served: their failures were theirs
+                    self._failed(failed)
+                unexplained.clear()
+            elif resp.status >= 400:
+                first = _openai_error_body(first, resp.status)
+                headers["Content-Type"] = "application/json"
             if not stream or not 200 <= resp.status < 300:
                 headers["Content-Length"] = str(len(first))
             await sink.start(resp.status, headers)
@@ -214,6 +319,7 @@ class Upstream:
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
                                  ttfb_s=ttfb)
         finally:
+            lost.close()
             inst.inflight -= 1
             breaker.end(inst)
             if resp is not None:
@@ -231,45 +337,33 @@ class Upstream:
             async with asyncio.timeout(self.cfg.first_byte_timeout_s):
                 resp = await self.session.post(
                     inst.url + endpoint, data=body, timeout=self._timeout,
-                    headers={"Content-Type": "application/json", "X-Request-Id": request_id,
+                    headers={"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
                              "Accept-Encoding": "identity"})
-                if resp.status >= 500:
-                    msg = _error_message(await resp.read(), resp.status)
-                    raise _Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status)
-                if stream and 200 <= resp.status < 300:
-                    first = await resp.content.readany()
-                    if not first:
-                        raise _Retry("empty", "the engine closed the stream before sending anything")
-                    if first.startswith(_ERROR_MARK):
-                        raise _Retry("error_event", "error event before any token: "
-                                     + _event_message(first))
-                    breaker.success(inst)
-                    return resp, first
-            # Non-streaming (or an error answer): the whole body is the first byte. Its read is bounded
-            # by the socket read timeout, not the first-byte one (headers came; the body is flowing).
-            first = await resp.read()
+                first = await _first_chunk(resp, stream)
+            if first is None:
+                # Non-streaming (or an error answer): the whole body is the first byte. Its read is
+                # bounded by the socket read timeout, not the first-byte one (headers came; the body
+                # is flowing).
+                first = await resp.read()
             breaker.success(inst)
             return resp, first
-        except _Retry:
-            self._failed(inst)
+        except BaseException as e:
             if resp is not None:
                 resp.close()
-            raise
-        except TimeoutError as e:
-            self._failed(inst)
-            if resp is not None:
-                resp.close()
-            raise _Retry("timeout", f"no first byte from {inst.id} in time") from e
-        except _NET_ERRORS as e:
-            self._failed(inst)
-            if resp is not None:
-                resp.close()
-            reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else "disconnect"
-            raise _Retry(reason, f"{type(e).__name__}: {e}") from e
-        except BaseException:
-            if resp is not None:
-                resp.close()
-            raise
+            if isinstance(e, _Retry):
+                retry = e
+            elif isinstance(e, TimeoutError):
+                retry = _Retry("timeout", f"no first byte from {inst.id} in time")
+            elif isinstance(e, _NET_ERRORS):
+                reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else "disconnect"
+                retry = _Retry(reason, f"{type(e).__name__}: {e}")
+            else:
+                raise
+            if not retry.answered:
+                self._failed(inst)
+            if retry is e:
+                raise
+            raise retry from e
 
     async def _pump(self, inst: Instance, resp: aiohttp.ClientResponse, sink: ResponseSink,
                     first: bytes, sse: bool) -> tuple[bool, str | None]:
@@ -292,7 +386,10 @@ class Upstream:
                 saw_error = True
             tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
         if failure is None and saw_error:
-            self._failed(inst, "error_event")
+            # Counted, not charged to the breaker: an engine that says a stream failed is alive, and
+            # the failure may be the request's (nothing can be retried after the first byte to tell).
+            # An engine that died sends this too, but then /health fails and the health monitor acts.
+            self.telemetry.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()
             if _DONE not in tail:
                 await sink.write(b"data: [DONE]\n\n")
             return False, "the engine sent an error event mid-stream"
@@ -312,6 +409,31 @@ class Upstream:
             self.telemetry.circuit_opened.labels(inst.fleet, inst.id).inc()
             _log.warning("circuit_opened", instance=inst.id, failures=inst.consecutive_failures,
                          cooldown_s=self.cfg.circuit_cooldown_s)
+
+
+async def _first_chunk(resp: aiohttp.ClientResponse, stream: bool) -> bytes | None:
+    """A stream's first chunk (``None`` for a non-stream or a 4xx: the caller reads the whole body);
+    raises :class:`_Retry` for a 5xx answer, an empty stream or an error event before any token."""
+    if resp.status >= 500:
+        msg = _error_message(await resp.read(), resp.status)
+        raise _Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status, answered=True)
+    if not stream or not 200 <= resp.status < 300:
+        return None
+    first = await resp.content.readany()
+    if not first:
+        raise _Retry("empty", "the engine closed the stream before sending anything")
+    if first.startswith(_ERROR_MARK):
+        raise _Retry("error_event", "error event before any token: " + _event_message(first),
+                     answered=True)
+    return first
+
+
+def _header_safe(request_id: str) -> str:
+    """The request id as an ``X-Request-Id`` value: a queue job's id may hold characters no header may
+    (a newline makes aiohttp refuse to send the request at all), so those are percent-encoded."""
+    if _SAFE_ID.fullmatch(request_id):
+        return request_id
+    return urllib.parse.quote(request_id, safe="")[:_MAX_ID_CHARS] or "-"
 
 
 def _event_message(chunk: bytes) -> str:

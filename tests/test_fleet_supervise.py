@@ -13,15 +13,18 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from routerd import config
 from routerd._fleet_ops import EngineOps, Placement
 from routerd.config import Config, HealthConfig
+from routerd.dataplane import DataPlane
 from routerd.fleet import FleetManager, Slot
 from routerd.health import ProbeResult
 from routerd.raycluster import RayCluster
-from routerd.registry import InstanceState, Registry
+from routerd.registry import Instance, InstanceState, Registry
+from tests.fixtures.sim import SimEngineFactory
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,6 +40,7 @@ class FakeOps:
         self.restarts: list[float] = []
         self.ready_calls = 0
         self.disposed: list[tuple[Any, str]] = []
+        self.url = "http://127.0.0.1:9"  # where the "engine" answers (a test may put a real one there)
 
     def pg_name(self, fleet: str, index: int) -> str:
         return f"pg:{fleet}:{index}"
@@ -45,7 +49,7 @@ class FakeOps:
         if slot.placement is None:
             await self.placed.wait()
             slot.placement = Placement(actor=f"actor:{slot.inst.id}", pg=None, bundle={"CPU": 1.0})
-            slot.inst.url = "http://127.0.0.1:9"
+            slot.inst.url = self.url
 
     async def wait_ready(self, slot: Slot, registry: Registry, health: HealthConfig) -> bool:
         self.ready_calls += 1
@@ -170,6 +174,62 @@ async def test_reload_applies_max_num_seqs_to_running_instances(tmp_path: Path) 
         assert registry.instances("f")[0].capacity == 32  # as for static fleets; no relaunch needed
         assert not fm.slots["f:0"].stale
     finally:
+        await fm.shutdown(stop_engines=False)
+
+
+async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
+        tmp_path: Path, sim_engine: SimEngineFactory) -> None:
+    """The restart comes only after the backoff; a stream on the hung engine must not wait for it
+    (or for read_timeout_s): it ends at once with the terminal error event."""
+    eng = await sim_engine(model="m", itl_ms=20)
+    cfg = make_cfg(tmp_path, backoff_s=1.0)  # the fake restart never touches the engine anyway
+    fm, ops, registry = manager(cfg)
+    ops.url = eng.url
+    try:
+        ops.ready.set()
+        await fm.set_replicas("f", 1)
+        await until(lambda: registry.ready_count("f") == 1, "ready")
+        inst = fm.slots["f:0"].inst
+        async with DataPlane(cfg, registry) as dp, aiohttp.ClientSession() as session:
+            url = await dp.start_http(port=0)
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2000, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.content.readline()  # the first event: streaming
+                eng.faults.set(hang=True)  # the engine hangs with its socket open
+                await fm._on_failed(inst, ProbeResult.TIMEOUT)  # what the heartbeats conclude
+                rest = await asyncio.wait_for(r.content.read(), 5.0)
+            events = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"data: [DONE]"
+            assert events[-2].startswith(b'data: {"error"')
+            assert b"failed its heartbeats (timeout)" in events[-2]
+            assert inst.inflight == 0
+            assert inst.state is InstanceState.UNHEALTHY
+    finally:
+        eng.faults.set(hang=False)
+        await fm.shutdown(stop_engines=False)
+
+
+async def test_the_launched_fleets_heartbeats_leave_static_instances_alone(tmp_path: Path) -> None:
+    """With launched and static fleets side by side, the fleet manager's monitor (actor probes) must not
+    probe a static instance: it has no actor, and would be reported ``actor_dead`` in status."""
+    cfg = config.parse({
+        "daemon": {"state_dir": str(tmp_path)}, "redis": {"enabled": False},
+        "health": {"heartbeat_interval_s": 0.05},
+        "fleets": [{"name": "f", "model": "m", "engine": "sim", "replicas": 0},
+                   {"name": "s", "model": "m2", "engine": "static", "urls": ["http://127.0.0.1:9"]}],
+    }, environ={})
+    fm, _, registry = manager(cfg)
+    static = registry.add(Instance(id="s:static0", fleet="s", url="http://127.0.0.1:9",
+                                   state=InstanceState.READY))
+    task = asyncio.create_task(fm.run())
+    try:
+        await asyncio.sleep(0.5)
+        assert static.health == "unknown"
+        assert fm.monitor.tracker("s:static0") is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await fm.shutdown(stop_engines=False)
 
 

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
+import re
+import socket
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
 import pytest
 
+from routerd.dataplane import DataPlane
 from routerd.errors import BadRequest
+from routerd.ingress.admin import add_admin_routes
 from routerd.ingress.http import parse_request
+from routerd.registry import Registry
 from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane, plane_config
+
+if TYPE_CHECKING:
+    from routerd.fleet import FleetManager
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -263,3 +273,124 @@ async def test_unknown_routes_and_unexpected_failures_answer_in_openai_json(
     async with client.post(plane.url + CHAT, json=body) as r:  # the server goes on
         assert r.status == 200
     assert all(i.inflight == 0 for i in plane.dp.registry.instances("f"))
+
+
+async def test_every_response_carries_x_request_id(scripted_engine: EngineFactory, dataplane: PlaneFactory,
+                                                   client: aiohttp.ClientSession) -> None:
+    p = await dataplane([(await scripted_engine()).url], http={"api_keys": ["k"]})
+    key = {"Authorization": "Bearer k"}
+    cases: list[tuple[str, str, Any, dict[str, str], int]] = [
+        ("POST", COMP, {"model": "m", "prompt": "x"}, key, 200),
+        ("POST", COMP, {"model": "m", "prompt": "x", "stream": True}, key, 200),
+        ("POST", COMP, {"model": "nope", "prompt": "x"}, key, 404),
+        ("POST", COMP, {"model": "m"}, key, 400),
+        ("POST", COMP, {"model": "m", "prompt": "x"}, {}, 401),
+        ("GET", "/v1/nope", None, {}, 404),
+        ("GET", CHAT, None, {}, 405),
+        ("GET", "/v1/models", None, key, 200),
+        ("GET", "/healthz", None, {}, 200),
+        ("GET", "/metrics", None, {}, 200),
+        ("GET", "/admin/fleets", None, {}, 200),
+    ]
+    for i, (method, path, body, headers, status) in enumerate(cases):
+        sent = f"client-id.{i}"
+        async with client.request(method, p.url + path, json=body,
+                                  headers={**headers, "X-Request-Id": sent}) as r:
+            await r.read()
+            assert r.status == status, (path, r.status)
+            assert r.headers.get("X-Request-Id") == sent, (path, r.headers)
+    seen = set()
+    for sent in (None, "x" * 129, "has space", "tab\tinside"):  # absent or not sane: routerd's own
+        async with client.get(p.url + "/healthz", headers={"X-Request-Id": sent} if sent else {}) as r:
+            rid = r.headers["X-Request-Id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", rid), rid
+        seen.add(rid)
+    assert len(seen) == 4
+
+
+async def test_admin_fleets_reports_one_replica_per_static_url(
+        scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
+    p = await dataplane([(await scripted_engine()).url for _ in range(3)])
+    async with client.get(p.url + "/admin/fleets") as r:
+        fleet = (await r.json())["fleets"]["f"]
+    assert (fleet["replicas"], fleet["ready"], len(fleet["instances"])) == (3, 3, 3)
+
+
+class _Fleets:
+    """What the admin routes call on the fleet manager, recorded (the real one needs Ray)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def restart_instance(self, instance_id: str) -> dict[str, Any]:
+        self.calls.append(("restart", instance_id))
+        return {"id": instance_id}
+
+    async def drain_instance(self, instance_id: str, timeout_s: float) -> dict[str, Any]:
+        self.calls.append(("drain", instance_id, timeout_s))
+        return {"id": instance_id}
+
+    async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
+        self.calls.append(("replicas", fleet, replicas))
+        return {"fleet": fleet, "replicas": replicas}
+
+
+@contextlib.asynccontextmanager
+async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, DataPlane, _Fleets]]:
+    """A data plane with the admin write routes, listening on ``host``."""
+    fleets = _Fleets()
+    async with DataPlane(plane_config(urls, http={"host": host}), Registry()) as dp:
+        url = await dp.start_http(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
+                                                               lambda: dp.cfg.http.admin_api_key), port=0)
+        yield url, dp, fleets
+
+
+ADMIN_ROUTES = [("GET", "/admin/fleets", None), ("POST", "/admin/instances/f:static0/restart", {}),
+                ("POST", "/admin/instances/f:static0/drain", {"timeout_s": 1}),
+                ("POST", "/admin/fleets/f/replicas", {"replicas": 2})]
+
+
+def non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # UDP: nothing is sent; the kernel picks the outgoing address
+        except OSError:
+            return None
+        addr: str = s.getsockname()[0]
+    return None if ipaddress.ip_address(addr).is_loopback else addr
+
+
+async def test_admin_routes_without_a_key_answer_loopback_only(scripted_engine: EngineFactory,
+                                                               client: aiohttp.ClientSession) -> None:
+    addr = non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    eng = await scripted_engine()
+    async with admin_plane([eng.url], addr) as (url, dp, fleets):
+        for method, path, body in ADMIN_ROUTES:
+            async with client.request(method, url + path, json=body) as r:
+                err = await error_of(r, 401)
+                assert "loopback" in err["message"], path
+        assert fleets.calls == []
+        await dp.apply(plane_config([eng.url], http={"host": addr, "admin_api_key": "adm"}))
+        for method, path, body in ADMIN_ROUTES:  # with a key, any address that has it
+            async with client.request(method, url + path, json=body,
+                                      headers={"Authorization": "Bearer adm"}) as r:
+                assert r.status == 200, (path, await r.text())
+        assert len(fleets.calls) == 3
+    async with admin_plane([eng.url], "127.0.0.1") as (url, dp, fleets):
+        for method, path, body in ADMIN_ROUTES:  # no key: loopback is served
+            async with client.request(method, url + path, json=body) as r:
+                assert r.status == 200, (path, await r.text())
+        assert len(fleets.calls) == 3
+
+
+async def test_admin_drain_wait_is_bounded(scripted_engine: EngineFactory,
+                                           client: aiohttp.ClientSession) -> None:
+    async with admin_plane([(await scripted_engine()).url], "127.0.0.1") as (url, _, fleets):
+        for timeout_s in (1e9, -1):
+            drain = url + "/admin/instances/f:static0/drain"
+            async with client.post(drain, json={"timeout_s": timeout_s}) as r:
+                err = await error_of(r, 400)
+            assert "timeout_s" in err["message"]
+        assert fleets.calls == []

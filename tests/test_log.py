@@ -59,3 +59,42 @@ def test_console_renderer_when_asked() -> None:
     out = _run(False)
     assert "request_done" in out
     assert not out.lstrip().startswith("{")
+
+
+REDACT_SCRIPT = textwrap.dedent("""
+    import logging
+    from routerd import log
+    redactor = log.setup("info", json={json}, secrets=["admin-key-123", "client-key-456"])
+    logger = log.get("routerd.test")
+    logger.info("routerd_ready", redis="redis://:redis-pw-789@127.0.0.1:6379/0")
+    logger.info("checked", header="Bearer client-key-456", api_keys=["client-key-456"])
+    logging.getLogger("redis").warning("cannot reach %s", "http://user:engine-pw-000@10.0.0.1:8001")
+    redactor.learn(["reloaded-key-999"])
+    logger.warning("reload_rejected", problems=["$.http.api_keys: reloaded-key-999"])
+    try:
+        raise ValueError("bad key admin-key-123 for http://u:engine-pw-000@h:1")
+    except ValueError:
+        logger.exception("boom")
+        logging.getLogger("aiohttp.server").exception("stdlib boom")
+""")
+SECRETS = ["admin-key-123", "client-key-456", "redis-pw-789", "engine-pw-000", "reloaded-key-999"]
+
+
+def test_no_secret_reaches_a_log_line_json_or_console() -> None:
+    for json_mode in (True, False):
+        out = subprocess.run([sys.executable, "-c", REDACT_SCRIPT.replace("{json}", str(json_mode))],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        # every line was written (and the tracebacks with them) ...
+        for event in ("routerd_ready", "checked", "cannot reach", "reload_rejected", "boom", "stdlib boom"):
+            assert event in out
+        assert out.count("ValueError") >= 2
+        # ... with no secret in any of them; URLs keep their user and host
+        for secret in SECRETS:
+            assert secret not in out, (json_mode, secret, out)
+        assert "redis://:***@127.0.0.1:6379/0" in out
+        assert "http://user:***@10.0.0.1:8001" in out
+        if json_mode:
+            lines = [json.loads(line) for line in out.splitlines()]
+            checked = next(d for d in lines if d["event"] == "checked")
+            assert checked["header"] == "Bearer ***"
+            assert checked["api_keys"] == "***"

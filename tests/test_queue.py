@@ -374,22 +374,23 @@ async def test_stop_intake_finishes_in_flight_and_reads_no_more(
 
 async def test_unusable_reply_to_fails_only_its_own_job(redis_server: RedisServer,
                                                        redis_async: aioredis.Redis) -> None:
-    """A producer's reply_to that refuses XADD (WRONGTYPE) must not fail the other jobs whose
-    results or chunks go to Redis in the same batch (they would be run by the engine again)."""
-    await redis_async.set("not-a-stream", "x")
+    """A reply_to that stops taking XADD mid-run (its key became a string) must not fail the other
+    jobs whose results or chunks go to Redis in the same batch (they would be run by the engine
+    again), and its own job is dead-lettered at once with the real reason, streamed or not."""
     hold = asyncio.Event()
     up = FakeUpstream(hold=hold)
     bench = QueueBench(queue_config(redis_server.url), up)
     q = QueueClient(redis_async)
     streamed = {**BODY, "stream": True, "max_tokens": 4}
-    bad = await q.submit(BODY, reply_to="not-a-stream")
-    bad_stream = await q.submit(streamed, reply_to="not-a-stream")
+    bad = await q.submit(BODY, reply_to="becomes-a-string")
+    bad_stream = await q.submit(streamed, reply_to="becomes-a-string")
     good = await q.submit_many([BODY] * 5, reply_to="replies")
     good_stream = await q.submit_many([streamed] * 3)
     await bench.start()
     try:
         await until(_calls_at_least(up, 10))
         await asyncio.sleep(0.2)  # the streams wrote their first chunk and hold after it
+        await redis_async.set("becomes-a-string", "x")  # SET replaces the reply stream
         hold.set()
         results = await q.wait_many(good + good_stream, timeout=10)
         await until(lambda: _xlen(redis_async, "routerd:dead", 2))
@@ -397,15 +398,21 @@ async def test_unusable_reply_to_fails_only_its_own_job(redis_server: RedisServe
         await bench.stop()
     assert all(r.status == "ok" for r in results.values())
     assert all(up.calls[j.id] == 1 for j in good + good_stream)  # none run twice
+    assert up.calls[bad.id] == up.calls[bad_stream.id] == 1  # no redelivery for what cannot succeed
     for job in good_stream:
         chunks = [i async for i in q.chunks(job, timeout=5)]
         assert len(chunks) == 5  # 4 chunks and the result
     dead = {d["entry"]: d for d in (fields(f) for _, f in await redis_async.xrange("routerd:dead"))}
     assert "WRONGTYPE" in dead[bad.entry]["reason"]
-    assert bad_stream.entry in dead
+    assert "refused a chunk: WRONGTYPE" in dead[bad_stream.entry]["reason"]
+    assert dead[bad_stream.entry]["deliveries"] == "1"
     stored = await q.result(bad.id)  # the result itself is kept in the job's done record
     assert stored is not None
     assert stored.status == "ok"
+    stored = await q.result(bad_stream.id)
+    assert stored is not None
+    assert stored.status == "error"
+    assert "refused a chunk" in stored.error["message"]
     assert await redis_async.xlen("routerd:requests") == 0
 
 

@@ -12,6 +12,7 @@ import json
 import aiohttp
 import pytest
 
+from routerd.sim.protocol import UNPARSABLE_BODY
 from tests.fixtures.vllm import (
     VLLM_ROUTER_FAMILIES,
     VllmServer,
@@ -98,3 +99,17 @@ async def test_captures_still_match_the_installed_vllm(vllm_server: VllmServer) 
     assert not problems, "the installed vLLM answers differently from tests/data/vllm; re-run " + (
         "scripts/capture_vllm.py and check the sim:\n  " + "\n  ".join(problems)
     )
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "tiny", "prompt": "hi \xff"}',
+    b'{"model": "tiny", "prompt": "hi", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+], ids=["not_utf8", "nested_100000"])
+async def test_unparsable_bodies_get_fastapis_400(vllm_server: VllmServer, raw: bytes) -> None:
+    """What the sim answers to such bodies (``routerd.sim.protocol.UNPARSABLE_BODY``) — and routerd,
+    which used to take the sim's 500 for an engine failure — asked of the real engine."""
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http, http.post(
+            vllm_server.url + "/v1/completions", data=raw, headers=headers) as resp:
+        assert resp.status == 400
+        assert await resp.json() == UNPARSABLE_BODY

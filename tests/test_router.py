@@ -122,6 +122,25 @@ def test_circuit_opens_after_threshold_and_half_opens_after_cooldown(clock: Cloc
     assert bad.consecutive_failures == 0
 
 
+def test_one_opening_per_transition_from_closed(clock: Clock) -> None:
+    """``failure()`` says True (and routerd_circuit_opened_total rises) once per closed → open: not for
+    the failures of requests that were in flight when it opened, nor for a failed half-open trial."""
+    reg, router = make(clock, 1, circuit_failure_threshold=2, circuit_cooldown_s=5.0)
+    br: CircuitBreaker = router.breaker
+    inst = reg.instances("f")[0]
+    assert [br.failure(inst) for _ in range(6)] == [False, True, False, False, False, False]
+    assert inst.circuit_open_until == clock.t + 5.0  # stragglers do not stretch the cool-down
+    for _ in range(3):  # the engine stays down: each trial fails and re-opens it, quietly
+        clock.t += 5.1
+        assert br.begin(inst)
+        assert not br.failure(inst)
+        br.end(inst)
+        assert br.state(inst, clock.t) == "open"
+    clock.t += 5.1
+    br.success(inst)
+    assert [br.failure(inst) for _ in range(2)] == [False, True]  # closed again: a new opening counts
+
+
 def test_success_resets_the_failure_run(clock: Clock) -> None:
     reg, router = make(clock, 1, circuit_failure_threshold=3)
     inst = reg.instances("f")[0]

@@ -71,6 +71,16 @@ async def test_file_sd_follows_instances(tmp_path: Path) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+def test_targets_carry_no_credentials() -> None:
+    """A static engine URL with user:password is scraped with them, but the world-readable file gets
+    host:port only."""
+    reg = Registry()
+    reg.add(Instance(id="s:static0", fleet="s", url="https://scraper:engine-pw@10.0.0.7:8443"))
+    assert targets(reg) == [{"targets": ["10.0.0.7:8443"],
+                             "labels": {"fleet": "s", "instance": "s:static0", "generation": "0",
+                                        "__scheme__": "https"}}]
+
+
 def test_targets_skip_instances_without_url() -> None:
     reg = Registry()
     reg.add(Instance(id="x:0", fleet="x", url=""))

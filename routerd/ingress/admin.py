@@ -1,9 +1,10 @@
 """Admin routes that act on engines: restart or drain one instance, change a fleet's replica count.
 
 ``GET /admin/fleets`` (the read side) belongs to the HTTP ingress; these are the write side, added to
-the same application by the daemon with ``add_admin_routes(app, fleet_manager, admin_key)``. With an
-admin key set, each call needs ``Authorization: Bearer <key>``; without one they answer only on loopback
-(the default config binds 127.0.0.1), so a misconfigured public listener cannot restart engines.
+the same application by the daemon with ``add_admin_routes(app, fleet_manager, admin_key)``. Every admin
+route, read or write, goes through :func:`authorize_admin`: with an admin key set, a call needs
+``Authorization: Bearer <key>``; without one it answers only a loopback peer (the default config binds
+127.0.0.1), so a misconfigured public listener neither shows nor restarts engines.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..fleet import FleetManager
 
 _MAX_REPLICAS = 1024
+_MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
 
 
 class _Replicas(msgspec.Struct, forbid_unknown_fields=True):
@@ -29,24 +31,32 @@ class _Replicas(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Drain(msgspec.Struct, forbid_unknown_fields=True):
-    timeout_s: float = 30.0
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=_MAX_DRAIN_WAIT_S)] = 30.0
 
 
 def _error(err: RouterdError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
 
-def _authorize(request: web.Request, admin_key: str) -> None:
+def authorize_admin(request: web.Request, admin_key: str) -> None:
+    """The one rule for every admin route: the admin key when one is set, else a loopback peer.
+
+    "Loopback" is the TCP peer: behind a reverse proxy on the same host every client looks local, so
+    such a deployment sets ``http.admin_api_key``."""
     if admin_key:
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), admin_key.encode()):
+        # surrogateescape: aiohttp keeps undecodable header bytes that way; they are a wrong key, not a 500.
+        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), admin_key.encode()):
             raise Unauthorized("missing or invalid admin API key")
         return
     try:
-        loopback = request.remote is not None and ipaddress.ip_address(request.remote).is_loopback
+        peer = ipaddress.ip_address(request.remote or "")
     except ValueError:
-        loopback = False
+        peer = None
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped  # a dual-stack listener sees 127.0.0.1 as ::ffff:127.0.0.1
+    loopback = peer is not None and peer.is_loopback
     if not loopback:
         raise Unauthorized("admin routes without http.admin_api_key answer on loopback only")
 
@@ -57,6 +67,8 @@ async def _body(request: web.Request, typ: type[Any]) -> Any:
         return msgspec.json.decode(raw or b"{}", type=typ)
     except msgspec.DecodeError as e:
         raise BadRequest(f"invalid body: {e}") from e
+    except (UnicodeDecodeError, RecursionError):  # bytes that are not UTF-8, JSON nested too deep
+        raise BadRequest("invalid body: not UTF-8 JSON of a sane depth") from None
 
 
 Handler = Callable[[web.Request], Awaitable[Any]]
@@ -74,7 +86,7 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
         """Authorize, run, and map routerd's errors (and a missing instance or fleet) to JSON."""
         async def wrapped(request: web.Request) -> web.Response:
             try:
-                _authorize(request, key())
+                authorize_admin(request, key())
                 return web.json_response(await handler(request))
             except KeyError as e:
                 return _error(NotFound(f"no launched instance or fleet {e.args[0]!r}"))
@@ -87,7 +99,7 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
 
     async def drain(request: web.Request) -> Any:
         body: _Drain = await _body(request, _Drain)
-        result = await fleet_manager.drain_instance(request.match_info["instance"], max(0.0, body.timeout_s))
+        result = await fleet_manager.drain_instance(request.match_info["instance"], body.timeout_s)
         return {"draining": result}
 
     async def replicas(request: web.Request) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,12 +34,16 @@ from ..errors import (
     ShuttingDown,
     Unauthorized,
     error_json,
+    quote,
     sse_error_event,
 )
 from ..registry import InstanceState, Registry
 from ..router import CircuitBreaker
 from ..telemetry import CONTENT_TYPE, Telemetry
 from ..upstream import Upstream
+from ._connections import ClientConnection, ClientConnections, http_error
+from ._connections import request_id as client_request_id
+from .admin import authorize_admin
 
 _log = log.get("routerd.http")
 
@@ -66,9 +69,18 @@ _DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
 
 
 def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
-    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field."""
+    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field.
+
+    The whole body must be UTF-8 (JSON is; vLLM answers 400 to anything else), including the parts
+    msgspec only skips (``Raw``), so no engine is ever sent bytes it cannot parse."""
     try:
+        if not body.isascii():
+            body.decode()
         head = _DECODERS[endpoint].decode(body)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deeply") from None
     except msgspec.ValidationError as e:
         msg = str(e)
         param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0] if "`$." in msg else None
@@ -105,10 +117,11 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return web.Response(status=e.status, body=error_json(e.reason, "InvalidRequestError", e.status),
-                            content_type="application/json")
+        return http_error(e.status, e.reason)
     except RouterdError as e:
         return error_response(e)
+    except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad chunking, compression)
+        return error_response(BadRequest(f"the request body could not be read: {quote(str(e))}"))
     except Exception:  # noqa: BLE001  # the request boundary: logged whole, answered, server goes on
         _log.exception("request_failed", path=request.path)
         return web.Response(status=500, body=error_json("internal error in routerd", "InternalServerError",
@@ -155,13 +168,14 @@ class HttpIngress:
         self.close_reason = ""
         self.idle = asyncio.Event()
         self.idle.set()
+        self.connections = ClientConnections(cfg.http, telemetry)
         self.update_config(cfg)
 
     def update_config(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.connections.update_config(cfg.http)
         self._models = {f.model: f.name for f in cfg.fleets}
         self._keys = [k.encode() for k in cfg.http.api_keys]
-        self._admin_key = cfg.http.admin_api_key.encode()
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
@@ -173,6 +187,7 @@ class HttpIngress:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/admin/fleets", self.admin_fleets)
+        app.on_response_prepare.append(_stamp_request_id)
         if extra_routes is not None:
             extra_routes(app)
         return app
@@ -181,7 +196,8 @@ class HttpIngress:
     @staticmethod
     def _bearer(request: web.Request) -> bytes:
         auth = request.headers.get("Authorization", "")
-        return auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        # surrogateescape: aiohttp keeps undecodable header bytes that way; they are a wrong key, not a 500.
+        return auth[7:].strip().encode("utf-8", "surrogateescape") if auth[:7].lower() == "bearer " else b""
 
     def _check_key(self, request: web.Request) -> None:
         if not self._keys:
@@ -191,9 +207,8 @@ class HttpIngress:
             raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
 
     def check_admin(self, request: web.Request) -> None:
-        """Admin routes need ``http.admin_api_key`` when one is set (public so added routes share it)."""
-        if self._admin_key and not hmac.compare_digest(self._bearer(request), self._admin_key):
-            raise Unauthorized("missing or invalid admin API key")
+        """Admin routes need ``http.admin_api_key`` when one is set, else a loopback client."""
+        authorize_admin(request, self.cfg.http.admin_api_key)
 
     # OpenAI routes ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -204,7 +219,7 @@ class HttpIngress:
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = self.clock()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = client_request_id(request)
         log.bind_request_id(request_id=request_id)  # every line logged while serving it carries it
         task = asyncio.current_task()
         assert task is not None
@@ -216,7 +231,7 @@ class HttpIngress:
             return await self._dispatch(request, endpoint, request_id, sink, fields)
         except asyncio.CancelledError:
             fields["status"] = 499
-            fields["error"] = self.close_reason or "client disconnected"
+            fields["error"] = self.close_reason or _shed_reason(request) or "client disconnected"
             if self.close_reason and sink.response is not None \
                     and sink.response.content_type == "text/event-stream":
                 await self._close_stream(sink)
@@ -228,7 +243,7 @@ class HttpIngress:
             if not isinstance(e, ConnectionResetError) and transport is not None \
                     and not transport.is_closing():
                 raise
-            fields["status"], fields["error"] = 499, f"client gone: {e}"
+            fields["status"], fields["error"] = 499, _shed_reason(request) or f"client gone: {e}"
             return sink.response or web.Response(status=499)
         finally:
             self.handlers.discard(task)
@@ -251,10 +266,10 @@ class HttpIngress:
                 raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
             body = await self._read_body(request)
             model, stream = parse_request(endpoint, body)
-            fields["model"], fields["stream"] = model, stream
+            fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
             if fleet is None:
-                raise NotFound(f"The model `{model}` does not exist. Valid models: "
+                raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
                                f"{', '.join(sorted(self._models)) or 'none'}", param="model")
             fields["fleet"] = fleet
             async with self.admission.ticket(fleet, priority=0, deadline=None, source="http"):
@@ -349,13 +364,33 @@ class HttpIngress:
             out[name] = {
                 "model": f.model if f else None,
                 "engine": f.engine if f else None,
-                "replicas": (self.desired_replicas(f) if self.desired_replicas and f else
-                             f.replicas if f else None),
+                "replicas": _replicas(f, self.desired_replicas),
                 "ready": sum(1 for i in self.registry.instances(name) if i.state is InstanceState.READY),
                 "instances": instances,
                 "admission": self.admission.stats(name),
             }
         return {"fleets": out, "policy": self.upstream.router.policy.name}
+
+
+def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] | None) -> int | None:
+    """What ``/admin/fleets`` reports: a static fleet has one instance per URL (``replicas`` is not
+    read for it); a launched one has the run-time count, else the configured one."""
+    if fleet is None:
+        return None
+    if fleet.engine == "static":
+        return len(fleet.urls)
+    return desired(fleet) if desired is not None else fleet.replicas
+
+
+def _shed_reason(request: web.Request) -> str:
+    """Why routerd itself cut this request's connection (a client timeout), or ``""``."""
+    conn = request.protocol
+    return conn.close_reason if isinstance(conn, ClientConnection) else ""
+
+
+async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries the request's id (the client's when sane, else routerd's)."""
+    response.headers["X-Request-Id"] = client_request_id(request)
 
 
 def _dumps(obj: Any) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .. import log
+from .. import _aio, log
 from .._aio import wait_for
 from ..admission import Admission
 from ..config import Config
@@ -39,15 +39,17 @@ from ..jobs import (
     Job,
     Result,
     body_problem,
+    clip,
     decode_job,
     error_result,
     json_encode,
     now_ms,
+    salvage,
 )
 from ..keys import Keys
 from ..redis_server import redis_client
 from ..registry import Registry
-from ._queue_sink import BufferSink, Forwarder, ForwardOutcome, ResponseSink, StreamSink
+from ._queue_sink import BufferSink, Forwarder, ForwardOutcome, ReplyRefused, ResponseSink, StreamSink
 from ._queue_store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
@@ -63,6 +65,14 @@ class _Retry(Exception):
         self.error, self.instance, self.attempts = error, instance, attempts
 
 
+class _Dead(Exception):
+    """This job cannot succeed on any delivery (say its ``reply_to`` is not a stream): dead-letter it."""
+
+    def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.reply_usable = reason, reply_usable
+
+
 @dataclass
 class _Running:
     entry_id: str
@@ -73,6 +83,7 @@ class _Running:
     cancel_requested: bool = False
     finishing: bool = False
     unadmitted: bool = True  # read, but not yet counted by admission (see QueueIngress._want)
+    body: bytes = b""  # the job's body as sent to the engine, encoded once
 
 
 class QueueIngress:
@@ -126,8 +137,9 @@ class QueueIngress:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            client, self._client = self._client, None
+            with contextlib.suppress(*REDIS_DOWN):
+                await wait_for(client.aclose(), self._cfg.redis.op_timeout_s)
 
     @property
     def _upstream(self) -> Forwarder:
@@ -186,8 +198,9 @@ class QueueIngress:
                     await asyncio.wait(jobs, timeout=5.0)
             finally:
                 if self._client is not None:
-                    await self._client.aclose()
-                    self._client = None
+                    client, self._client = self._client, None
+                    with contextlib.suppress(*REDIS_DOWN):
+                        await wait_for(client.aclose(), 2.0)  # closing sockets; the stop is bounded
 
     async def _drain_held(self) -> None:
         """Wait for the jobs still held, keeping them fresh meanwhile: a drain can outlast
@@ -205,7 +218,7 @@ class QueueIngress:
         """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
         while True:
             try:
-                async with asyncio.timeout(self._cfg.redis.op_timeout_s):
+                async with _aio.timeout(self._cfg.redis.op_timeout_s):
                     pipe = self.client().pipeline(transaction=False)
                     pipe.xlen(self.keys.stream)
                     pipe.xpending(self.keys.stream, self.keys.group)
@@ -216,6 +229,8 @@ class QueueIngress:
                               "backlog": max(0, int(length) - npending), "dead": int(dead)}
             except (*REDIS_DOWN, redis.exceptions.ResponseError):
                 pass  # no group yet, or Redis away: the read loop reports that; keep the last sample
+            except Exception:  # noqa: BLE001 — loop boundary: a metrics sample must not end the consumer
+                _log.exception("queue_depth_failed")
             await asyncio.sleep(interval_s)
 
     # reading -------------------------------------------------------------------------------------
@@ -274,7 +289,7 @@ class QueueIngress:
         if want <= 0:
             await self._admission.wait_freed(min(1.0, r.reclaim_interval_s))
             return
-        async with asyncio.timeout(r.op_timeout_s + r.block_ms / 1000):
+        async with _aio.timeout(r.op_timeout_s + r.block_ms / 1000):
             reply = await client.xreadgroup(r.group, self.consumer, {r.stream: ">"}, count=want,
                                             block=r.block_ms)
         if not self._intake:
@@ -287,7 +302,7 @@ class QueueIngress:
     async def _ensure_group(self, client: Any) -> None:
         r = self._cfg.redis
         try:
-            async with asyncio.timeout(r.op_timeout_s):
+            async with _aio.timeout(r.op_timeout_s):
                 await client.xgroup_create(r.stream, r.group, id="0", mkstream=True)
         except redis.exceptions.ResponseError as e:
             if "BUSYGROUP" not in str(e):
@@ -302,7 +317,7 @@ class QueueIngress:
             want = self._want()
             if want <= 0:
                 return  # continue on a later pass, when capacity frees
-            async with asyncio.timeout(r.op_timeout_s):
+            async with _aio.timeout(r.op_timeout_s):
                 pending = await client.xpending_range(r.stream, r.group, min=start, max="+",
                                                       count=want, consumername=self.consumer)
             if not pending:
@@ -311,7 +326,7 @@ class QueueIngress:
             start = "(" + _s(pending[-1]["message_id"])
             ids = [_s(p["message_id"]) for p in pending if _s(p["message_id"]) not in self._running]
             if ids:
-                async with asyncio.timeout(r.op_timeout_s):
+                async with _aio.timeout(r.op_timeout_s):
                     entries = await client.xclaim(r.stream, r.group, self.consumer, 0, ids)
                 await self._run_claimed(client, entries, reason="recovered")
 
@@ -321,7 +336,7 @@ class QueueIngress:
         want = self._want()
         if want <= 0:
             return
-        async with asyncio.timeout(r.op_timeout_s):
+        async with _aio.timeout(r.op_timeout_s):
             reply = await client.xautoclaim(r.stream, r.group, self.consumer, r.reclaim_idle_ms,
                                             start_id=self._reclaim_cursor, count=want)
         self._reclaim_cursor = _s(reply[0])
@@ -332,7 +347,7 @@ class QueueIngress:
         entries = [(_s(e), f) for e, f in entries if f is not None and _s(e) not in self._running]
         if not entries:
             return
-        async with asyncio.timeout(self._cfg.redis.op_timeout_s):
+        async with _aio.timeout(self._cfg.redis.op_timeout_s):
             counts = await self._delivery_counts(client, [e for e, _ in entries])
         for eid, fields in entries:
             self.stats["reclaimed"] += 1
@@ -352,7 +367,7 @@ class QueueIngress:
         cutoff = time.monotonic() - r.reclaim_idle_ms / 3000
         stale = [e for e, j in self._running.items() if j.touched < cutoff]
         if stale:
-            async with asyncio.timeout(r.op_timeout_s):
+            async with _aio.timeout(r.op_timeout_s):
                 await client.xclaim(r.stream, r.group, self.consumer, 0, stale, justid=True)
             now = time.monotonic()
             for e in stale:
@@ -366,19 +381,25 @@ class QueueIngress:
         while True:
             pubsub: Any = self.client().pubsub()
             try:
-                async with asyncio.timeout(self._cfg.redis.op_timeout_s):
+                async with _aio.timeout(self._cfg.redis.op_timeout_s):
                     await pubsub.subscribe(self.keys.cancel_channel)
                 backoff = 0.1
                 while True:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    async with _aio.timeout(self._cfg.redis.op_timeout_s + 1.0):
+                        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if msg is not None and msg.get("type") == "message":
-                        self.cancel_local(_s(msg["data"]))
+                        job_id = _text(msg["data"])
+                        if job_id is not None:  # anyone can PUBLISH here: no job id is not UTF-8
+                            self.cancel_local(job_id)
             except REDIS_DOWN:
-                await asyncio.sleep(backoff * (0.5 + self._rng.random()))
-                backoff = min(backoff * 2, 2.0)
+                pass
+            except Exception:  # noqa: BLE001 — loop boundary: a bad message must not end the consumer
+                _log.exception("queue_cancel_listener_failed")
             finally:
                 with contextlib.suppress(*REDIS_DOWN):
                     await wait_for(pubsub.aclose(), 1.0)
+            await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+            backoff = min(backoff * 2, 2.0)
 
     def cancel_local(self, job_id: str) -> bool:
         """Cancel job ``job_id`` if it is held here (waiting for admission or running)."""
@@ -391,7 +412,7 @@ class QueueIngress:
 
     # one job -------------------------------------------------------------------------------------
     def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int) -> None:
-        raw = fields.get(b"job", fields.get("job", b""))
+        raw = fields.get(b"job", fields.get("job"))
         raw = raw.encode() if isinstance(raw, str) else raw
         running = _Running(entry_id, delivery=delivery, touched=time.monotonic())
         self._running[entry_id] = running
@@ -402,24 +423,14 @@ class QueueIngress:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _job(self, running: _Running, raw: bytes) -> None:
+    async def _job(self, running: _Running, raw: bytes | None) -> None:
         try:
-            try:
-                job = decode_job(raw)
-            except InvalidJob as e:
-                await self._dead(running, raw, e.reason, e.job_id, e.reply_to, code=400)
+            valid = await self._validated(running, raw)
+            if valid is None:
                 return
-            running.job_id = job.id
-            self._by_job[job.id] = running
-            fleet = self._cfg.fleet_for_model(str(job.body.get("model", "")))
-            problem = body_problem(job) or (None if fleet else
-                                            f"body.model: no fleet serves model {job.body.get('model')!r}")
-            if problem or fleet is None:
-                await self._dead(running, raw, problem or "", job.id, job.reply_to,
-                                 code=404 if fleet is None and not body_problem(job) else 400)
-                return
+            job, fleet = valid
             try:
-                await self._deliveries(running, job, raw, fleet.name)
+                await self._deliveries(running, job, raw or b"", fleet)
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -432,7 +443,8 @@ class QueueIngress:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 — one job's bug must not end the consumer
-            # It stays pending: reclaimed after reclaim_idle_ms, counted, dead-lettered at the limit.
+            # It stays pending: reclaimed after reclaim_idle_ms, counted, dead-lettered at the limit
+            # (checked before decoding, in _validated, so a crash anywhere cannot loop forever).
             _log.exception("queue_job_crashed", entry=running.entry_id, job_id=running.job_id)
             if running.job_id and not running.finishing:
                 with contextlib.suppress(*REDIS_DOWN):
@@ -447,6 +459,44 @@ class QueueIngress:
             if not self._running:
                 self._idle.set()
 
+    async def _validated(self, running: _Running, raw: bytes | None) -> tuple[Job, str] | None:
+        """The job and its fleet, or None once a message that can never run was dead-lettered.
+
+        Everything here is deterministic (the same bytes fail the same way on every delivery), so a
+        failure dead-letters at once, with an error result when an id could be read — never a retry.
+        """
+        r = self._cfg.redis
+        if running.delivery > r.max_deliveries:  # it crashed routerd on every delivery so far
+            job_id, reply_to = salvage(raw or b"")
+            await self._dead(running, raw or b"", f"delivered {running.delivery - 1} times without a "
+                             f"result (max_deliveries = {r.max_deliveries})", job_id, reply_to, code=502)
+            return None
+        try:
+            if raw is None:
+                raise InvalidJob("the stream entry has no `job` field")
+            job = decode_job(raw)
+        except InvalidJob as e:
+            await self._dead(running, raw or b"", e.reason, e.job_id, e.reply_to, code=400)
+            return None
+        running.job_id = job.id
+        self._by_job[job.id] = running
+        fleet = self._cfg.fleet_for_model(str(job.body.get("model", "")))
+        problem, code, reply_to = body_problem(job), 400, job.reply_to
+        if problem is None and job.reply_to in (r.stream, r.dead_stream):
+            problem, reply_to = f"reply_to {job.reply_to!r} is one of routerd's own streams", ""
+        if problem is None and fleet is None:
+            model = clip(repr(job.body.get("model")), 200)
+            problem, code = f"body.model: no fleet serves model {model}", 404
+        if problem is None:
+            try:
+                running.body = json_encode(job.body)
+            except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
+                problem = clip(f"body: cannot be sent as JSON: {e}")
+        if problem is not None or fleet is None:
+            await self._dead(running, raw, problem or "", job.id, reply_to, code=code)
+            return None
+        return job, fleet.name
+
     async def _deliveries(self, running: _Running, job: Job, raw: bytes, fleet: str) -> None:
         """Run the job, redelivering after retryable failures until it has a result or is dead."""
         r = self._cfg.redis
@@ -460,6 +510,10 @@ class QueueIngress:
                 result = await self._attempt(running, job, fleet)
             except _Retry as e:
                 await self._record_failure(running, job.id, e.error, e.instance)
+            except _Dead as e:
+                await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
+                                 code=400)
+                return
             else:
                 await self._finish(running, job, result)
                 return
@@ -478,7 +532,10 @@ class QueueIngress:
         """
         deadline = job.deadline_epoch_s(running.entry_id)
         mono_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
-        state = await self._store.begin(job.id, running.entry_id)
+        state = await self._store.begin(job.id, running.entry_id, job.reply_to)
+        if isinstance(state, str):
+            raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
+                        "take the result", reply_usable=False)
         if state == 1:
             self.stats["duplicates"] += 1
             return None
@@ -511,8 +568,13 @@ class QueueIngress:
         else:
             sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
         try:
-            out = await self._upstream.forward(fleet, job.endpoint, json_encode(job.body), sink,
+            out = await self._upstream.forward(fleet, job.endpoint, running.body, sink,
                                                stream=job.stream, request_id=job.id)
+        except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
+            reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
+            if e.permanent:
+                raise _Dead(reason, reply_usable=False) from None
+            raise _Retry(reason) from None
         except RouterdError as e:
             if e.retryable or e.status >= 500:
                 raise _Retry(f"{e.type}: {e.message}", getattr(e, "instance", "")) from None
@@ -541,7 +603,7 @@ class QueueIngress:
         r = self._cfg.redis
         client: Any = self.client()
         try:
-            async with asyncio.timeout(r.op_timeout_s):
+            async with _aio.timeout(r.op_timeout_s):
                 # Without JUSTID, XCLAIM counts a delivery: the count survives if routerd dies now.
                 got = await client.xclaim(r.stream, r.group, self.consumer, 0, [running.entry_id])
                 if not got:
@@ -560,11 +622,12 @@ class QueueIngress:
 
     async def _dead(self, running: _Running, raw: bytes, reason: str, job_id: str | None,
                     reply_to: str | None, *, code: int) -> None:
-        """Dead-letter the message with its reason and history; an error result if it has a reply_to."""
+        """Dead-letter the message with its reason and history, and store an error result when its id
+        is known (sent to ``reply_to`` too unless that is empty)."""
         running.finishing = True
         _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
         result = None
-        if job_id and reply_to:
+        if job_id:
             result = error_result(job_id, reason, "BadRequestError" if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
         await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
@@ -578,6 +641,14 @@ def _ignore(_: str) -> None:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _text(value: Any) -> str | None:
+    """A producer's string; None when it is bytes that are not UTF-8."""
+    try:
+        return _s(value)
+    except UnicodeDecodeError:
+        return None
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

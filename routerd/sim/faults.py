@@ -2,7 +2,8 @@
 
 Failover, health checking and retry logic in routerd can only be tested against an engine that fails
 the ways vLLM fails: the process dies (crash), it stops answering while its port stays open (hang),
-it slows down, it answers some requests 500, a stream breaks after it started (vLLM sends
+it slows down, it answers some requests 500, it answers 500 to one kind of request on every replica
+(an engine bug some input triggers: ``poison``), a stream breaks after it started (vLLM sends
 ``data: {"error": ...}`` then ``[DONE]``), or ``/health`` says 503. One :class:`Faults` object per engine
 holds the current set; tests change it in Python, operators through ``POST /sim/faults`` or signals.
 """
@@ -22,7 +23,8 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /sim/faults``: only the fields present change.
 
-    ``fail_after_chunks`` < 0 clears that fault; ``crash: true`` ends the process at once.
+    ``fail_after_chunks`` < 0 clears that fault; ``poison: ""`` clears that one; ``crash: true`` ends
+    the process at once.
     """
 
     crash: bool = False
@@ -31,6 +33,7 @@ class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     error_rate: Fraction | msgspec.UnsetType = msgspec.UNSET
     fail_after_chunks: int | msgspec.UnsetType | None = msgspec.UNSET
     unhealthy: bool | msgspec.UnsetType = msgspec.UNSET
+    poison: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class Faults:
@@ -46,6 +49,7 @@ class Faults:
         self.error_rate = 0.0
         self.fail_after_chunks: int | None = None
         self.unhealthy = False
+        self.poison = ""  # a request whose prompt (or rendered chat) contains it is answered 500
         self._running = asyncio.Event()
         self._running.set()
         self._rng = random.Random(seed)
@@ -57,9 +61,9 @@ class Faults:
 
     def set(self, *, hang: bool | None = None, slow_factor: float | None = None,
             error_rate: float | None = None, fail_after_chunks: int | None = -1,
-            unhealthy: bool | None = None, crash: bool = False) -> None:
+            unhealthy: bool | None = None, poison: str | None = None, crash: bool = False) -> None:
         """Change the given faults (``None`` = leave as is; ``fail_after_chunks=None`` clears it,
-        the default -1 leaves it)."""
+        the default -1 leaves it; ``poison=""`` clears that one)."""
         if crash:
             self.crash()
         if hang is not None:
@@ -76,6 +80,8 @@ class Faults:
             self.fail_after_chunks = fail_after_chunks
         if unhealthy is not None:
             self.unhealthy = unhealthy
+        if poison is not None:
+            self.poison = poison
 
     def apply(self, update: FaultUpdate) -> None:
         """Apply a ``POST /sim/faults`` body."""
@@ -86,6 +92,7 @@ class Faults:
             error_rate=None if update.error_rate is msgspec.UNSET else update.error_rate,
             fail_after_chunks=-1 if fac is msgspec.UNSET else (None if fac is None or fac < 0 else fac),
             unhealthy=None if update.unhealthy is msgspec.UNSET else update.unhealthy,
+            poison=None if update.poison is msgspec.UNSET else update.poison,
             crash=update.crash,
         )
 
@@ -96,6 +103,7 @@ class Faults:
         self.error_rate = 0.0
         self.fail_after_chunks = None
         self.unhealthy = False
+        self.poison = ""
 
     def crash(self) -> None:
         if self.on_crash is None:
@@ -111,6 +119,11 @@ class Faults:
         """Whether this request should fail with a 500 (seeded, so a test run is repeatable)."""
         return self.error_rate > 0.0 and self._rng.random() < self.error_rate
 
+    def poisoned(self, prompt_text: str) -> bool:
+        """Whether this request trips the ``poison`` fault (on every engine that has it set)."""
+        return bool(self.poison) and self.poison in prompt_text
+
     def snapshot(self) -> dict[str, Any]:
         return {"hang": self.hang, "slow_factor": self.slow_factor, "error_rate": self.error_rate,
-                "fail_after_chunks": self.fail_after_chunks, "unhealthy": self.unhealthy}
+                "fail_after_chunks": self.fail_after_chunks, "unhealthy": self.unhealthy,
+                "poison": self.poison}

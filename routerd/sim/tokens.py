@@ -41,7 +41,7 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
     return str(content)
 
 

@@ -1,0 +1,340 @@
+"""Client connections of the HTTP listener: how many may be open, and how long each phase may take.
+
+aiohttp bounds only the idle keep-alive time. Everything else a client controls was unbounded: a
+slowloris that trickles its headers or its body, or a streaming client that stops reading, held its
+connection (and, once admitted, its fleet's admission slot and an engine sequence) for as long as it
+liked. :class:`ClientConnection` — aiohttp's own protocol class with four additions — closes:
+
+- a connection whose request headers are not complete ``client_header_timeout_s`` after it opened (or,
+  on a kept-alive connection, after the next request's first byte): a ``408`` in OpenAI's JSON, then close;
+- a request whose body has not fully arrived ``client_body_timeout_s`` after its headers: the body
+  read raises :class:`BodyTimeout` (a ``408`` from the handler), and the connection is closed after it
+  (as after any body aiohttp cannot read: bad chunking, bad ``Content-Encoding``);
+- a connection whose writes have not moved for ``client_write_timeout_s`` (the transport stayed paused
+  above its high-water mark): aborted, which cancels the handler (``handler_cancellation``), releases
+  the admission slot and closes the engine connection, so the engine aborts the generation;
+- a connection beyond ``max_connections``: answered at once with ``503`` + ``Retry-After`` in OpenAI's
+  JSON, without reading a request, and closed (the listener keeps accepting, so clients get an answer
+  they can act on instead of a connect timeout).
+
+It also answers aiohttp's own errors (a malformed request line, bad header bytes, headers too long) in
+OpenAI's JSON rather than plain text, and gives every request an ``X-Request-Id``: the client's when it
+is sane (1–128 printable ASCII characters), a new one otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import resource
+import uuid
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any, cast
+
+from aiohttp import StreamReader, web
+from multidict import CIMultiDictProxy
+
+from .. import log
+from ..config import HttpConfig
+from ..errors import RouterdError, ShuttingDown, error_json, error_type, quote
+from ..telemetry import Telemetry
+
+_log = log.get("routerd.http")
+
+REQUEST_ID = web.RequestKey("request_id", str)
+_SANE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_REFUSED_LINGER_S = 2.0  # a refused client gets this long to read its 503 before the socket closes
+
+RequestHandlerFn = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+class BodyTimeout(RouterdError):
+    """The request body did not arrive within ``client_body_timeout_s`` (raised by the body's reader)."""
+
+    status, type = 408, "RequestTimeoutError"
+
+
+def client_request_id(headers: CIMultiDictProxy[str]) -> str:
+    """The client's ``X-Request-Id`` when it is 1–128 printable ASCII characters, else a new one."""
+    sent = headers.get("X-Request-Id", "")
+    return sent if _SANE_REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
+
+
+def request_id(request: web.BaseRequest) -> str:
+    """This request's id (assigned once, on first use)."""
+    rid = request.get(REQUEST_ID)
+    if rid is None:
+        rid = request[REQUEST_ID] = client_request_id(request.headers)
+    return rid
+
+
+def http_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """An error answer in OpenAI's shape for a status routerd did not raise itself (aiohttp's)."""
+    return web.Response(status=status, body=error_json(message, error_type(status), status),
+                        content_type="application/json", headers=headers)
+
+
+def _raw_answer(status: int, message: str, extra_headers: str = "") -> bytes:
+    """A whole HTTP/1.1 error response as bytes, for a connection no request handler serves."""
+    body = error_json(message, error_type(status), status)
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nX-Request-Id: {uuid.uuid4().hex}\r\n{extra_headers}"
+            "Connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class ClientConnections:
+    """The listener's connection bounds (``[http]`` timeouts and ``max_connections``); one per ingress.
+
+    :meth:`install` hooks the per-request entry of an aiohttp server, :meth:`site` makes the listener
+    whose connections are :class:`ClientConnection`. Settings are read when used, so a reload applies
+    to the next connection or request."""
+
+    def __init__(self, cfg: HttpConfig, telemetry: Telemetry) -> None:
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.open = 0  # counted connections (refused ones are not)
+        # The bodies still arriving, with their connections (a request itself is not hashable).
+        self._receiving: dict[StreamReader, web.RequestHandler] = {}
+        telemetry.http_connections.set_function(lambda: self.open)
+
+    def update_config(self, cfg: HttpConfig) -> None:
+        self.cfg = cfg
+
+    def shed(self, reason: str, conn: ClientConnection, *, quiet: bool = False, **fields: Any) -> None:
+        """Count (and log, unless ``quiet``) a connection routerd closes or refuses itself."""
+        self.telemetry.http_connections_shed.labels(reason).inc()
+        if not quiet:
+            _log.info("client_connection_shed", reason=reason, remote=conn.remote(), **fields)
+
+    # wiring ------------------------------------------------------------------------------------
+    def install(self, server: web.Server) -> None:
+        """Wrap ``server``'s request entry point (before routing and middlewares) with :meth:`_serve`."""
+        server.request_handler = self._wrap(server.request_handler)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = self.cfg.max_connections + 256  # client sockets, plus engines, Redis, Ray and slack
+        if soft != resource.RLIM_INFINITY and soft < need:
+            _log.warning("http_max_connections_above_fd_limit", max_connections=self.cfg.max_connections,
+                         fd_limit=soft, hint=f"raise the open-files limit to {need} (LimitNOFILE=) "
+                         "or lower http.max_connections")
+
+    def site(self, runner: web.BaseRunner, host: str, port: int, *, backlog: int = 1024) -> web.BaseSite:
+        return _Site(runner, self, host, port, backlog=backlog)
+
+    def connection(self, server: web.Server) -> ClientConnection:
+        """The protocol factory of the listener (aiohttp's ``Server()`` with our class)."""
+        kwargs: dict[str, Any] = {"keepalive_timeout": self.cfg.keepalive_timeout_s, "access_log": None}
+        return ClientConnection(server, self, loop=asyncio.get_running_loop(), **kwargs)
+
+    def _wrap(self, handler: RequestHandlerFn) -> RequestHandlerFn:
+        async def serve(request: web.BaseRequest) -> web.StreamResponse:
+            return await self._serve(request, handler)
+        return serve
+
+    # one request -------------------------------------------------------------------------------
+    async def _serve(self, request: web.BaseRequest, handler: RequestHandlerFn) -> web.StreamResponse:
+        """Every request: its id, the end of the header phase, the body deadline, and JSON for what
+        aiohttp raises before the middlewares run (its ``Expect:`` handling)."""
+        log.bind_request_id(request_id=request_id(request))
+        conn = request.protocol if isinstance(request.protocol, ClientConnection) else None
+        if conn is not None:
+            conn.request_started(request)
+        timer: asyncio.TimerHandle | None = None
+        if request.body_exists and not request.content.is_eof():
+            self._receiving[request.content] = request.protocol
+            timer = asyncio.get_running_loop().call_later(
+                self.cfg.client_body_timeout_s, self._body_expired, request, conn)
+        try:
+            try:
+                response = await handler(request)
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                response = http_error(e.status, quote(e.text or e.reason))
+            if request.content.exception() is not None:
+                # The body failed (timed out, bad chunking or encoding): nothing more is read from this
+                # connection. Ending the body here also keeps aiohttp's lingering read of the rest from
+                # raising the same error again as an unhandled one.
+                if not response.prepared:
+                    response.force_close()
+                request.content.feed_eof()
+                request.protocol.close()
+            return response
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._receiving.pop(request.content, None)
+            if conn is not None:
+                conn.request_finished()
+
+    def end_pending_bodies(self, reason: str) -> None:
+        """On drain: a request still receiving its body is answered 503 now rather than holding the
+        drain for up to ``client_body_timeout_s`` (it was never going to be forwarded before the end)."""
+        for body, protocol in list(self._receiving.items()):
+            if not body.is_eof():
+                body.set_exception(ShuttingDown(reason))
+                protocol.close()
+
+    def _body_expired(self, request: web.BaseRequest, conn: ClientConnection | None) -> None:
+        if request.content.is_eof():
+            return  # all of it arrived; the handler just has not read it yet
+        timeout = self.cfg.client_body_timeout_s
+        request.content.set_exception(BodyTimeout(f"the request body did not arrive within {timeout:g} s"))
+        if conn is not None:
+            self.shed("body_timeout", conn, path=quote(request.path))
+            conn.close()  # stop reading it; close once the handler has answered
+
+
+class ClientConnection(web.RequestHandler):
+    """aiohttp's HTTP protocol with the header and write timeouts and the connection bound."""
+
+    __slots__ = ("_busy", "_header_timer", "_last_body", "_limits", "_partial", "_refused", "_write_timer",
+                 "close_reason")
+
+    def __init__(self, manager: web.Server, limits: ClientConnections, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limits = limits
+        self._refused = False
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._busy = False  # a request is being handled
+        self._partial = False  # bytes of a request whose headers are not complete yet
+        self._last_body: Any = None  # the previous request's body stream (its tail is not a new request)
+        self.close_reason = ""  # why routerd closed this connection, for the request's log line
+
+    def remote(self) -> str:
+        peer = self.peername
+        return str(peer[0]) if isinstance(peer, tuple) else str(peer or "")
+
+    # asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        limits = self._limits
+        if limits.open >= limits.cfg.max_connections:
+            self._refuse(transport)
+            return
+        limits.open += 1
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped, so closing later sends FIN rather than a reset
+        if not self._busy and (self._last_body is None or self._last_body.is_eof()):
+            self._partial = True
+            if self._header_timer is None:
+                self._arm_header_timer()
+        super().data_received(data)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None and not self._refused:
+            self._write_timer = asyncio.get_running_loop().call_later(
+                self._limits.cfg.client_write_timeout_s, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        for timer in (self._header_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._write_timer = None
+        if self._refused:
+            return  # aiohttp never saw this connection
+        self._limits.open -= 1
+        super().connection_lost(exc)
+
+    # aiohttp's own error answers (malformed request line, bad header bytes, headers too long) -------
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response "
+                                  "with the error message")
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            text = "internal error in routerd"
+        else:
+            text = f"malformed HTTP request: {quote(message or str(exc or HTTPStatus(status).phrase))}"
+            _log.info("bad_http_request", status=status, error=text, remote=self.remote())
+        response = http_error(status, text, headers={"X-Request-Id": uuid.uuid4().hex})
+        response.force_close()
+        return response
+
+    # the request's phases (called by ClientConnections._serve) -------------------------------------
+    def request_started(self, request: web.BaseRequest) -> None:
+        self._busy = True
+        self._partial = False
+        self._last_body = request.content
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def request_finished(self) -> None:
+        self._busy = False
+
+    # expiry -------------------------------------------------------------------------------------
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        self._refused = True
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        # A flood of refusals shows in the counter, not as a flood of log lines.
+        self._limits.shed("refused", self, quiet=True)
+        transport.write(_raw_answer(503, f"routerd is at its connection limit "
+                                    f"(http.max_connections = {self._limits.cfg.max_connections}); "
+                                    "retry shortly", "Retry-After: 1\r\n"))
+        if transport.can_write_eof():
+            transport.write_eof()
+        # The client normally reads the answer and closes; this bounds one that does not (the header
+        # timer's slot is free: a refused connection has no header phase).
+        self._header_timer = asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, transport.close)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = asyncio.get_running_loop().call_later(
+            self._limits.cfg.client_header_timeout_s, self._header_expired)
+
+    def _header_expired(self) -> None:
+        self._header_timer = None
+        transport = self.transport
+        if self._busy or transport is None or transport.is_closing():
+            return
+        timeout = self._limits.cfg.client_header_timeout_s
+        # Mid-request: say why. A new connection that sent nothing is closed quietly (a preconnect).
+        self._limits.shed("header_timeout", self, quiet=not self._partial)
+        if self._partial:
+            transport.write(_raw_answer(408, f"the request headers did not arrive within {timeout:g} s"))
+        self.force_close()
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        transport = self.transport
+        if transport is None:
+            return
+        timeout = self._limits.cfg.client_write_timeout_s
+        self.close_reason = f"the client read nothing for {timeout:g} s"
+        self._limits.shed("write_timeout", self)
+        transport.abort()  # close() would wait for the unread buffer to drain, which never happens
+
+
+class _Site(web.BaseSite):
+    """A TCP listener like ``web.TCPSite`` whose connections are :class:`ClientConnection`."""
+
+    __slots__ = ("_connections", "_host", "_port")
+
+    def __init__(self, runner: web.BaseRunner, connections: ClientConnections, host: str, port: int, *,
+                 backlog: int) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host, self._port, self._connections = host, port, connections
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None, "runner.setup() first"
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: self._connections.connection(server), self._host, self._port, backlog=self._backlog)

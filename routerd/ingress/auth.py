@@ -1,0 +1,58 @@
+"""Who may call what: the API keys for the OpenAI routes, the admin key (or a loopback peer) for every
+admin route, read or write.
+
+Both checks read ``Authorization: Bearer <key>`` the same way and compare with
+:func:`hmac.compare_digest`, so a wrong key takes as long to refuse as a nearly right one. Header
+bytes that are not UTF-8 (aiohttp keeps them as surrogate escapes) are a wrong key, never a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from ..errors import Unauthorized
+
+
+def bearer(request: web.Request) -> bytes:
+    """The token of ``Authorization: Bearer <token>`` (scheme case-insensitive), or ``b""``."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() != "bearer ":
+        return b""
+    return auth[7:].strip().encode("utf-8", "surrogateescape")
+
+
+def check_api_key(request: web.Request, keys: Sequence[bytes]) -> None:
+    """The OpenAI routes: one of ``keys`` when any is configured (``http.api_keys``), else open."""
+    if not keys:
+        return
+    token = bearer(request)
+    # Every key is compared, matched or not: which key matched does not show in the time taken.
+    if not sum(hmac.compare_digest(token, k) for k in keys):
+        raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
+
+
+def check_admin(request: web.Request, admin_key: str) -> None:
+    """The one rule for every admin route: the admin key when one is set, else a loopback peer.
+
+    "Loopback" is the TCP peer: behind a reverse proxy on the same host every client looks local, so
+    such a deployment sets ``http.admin_api_key``."""
+    if admin_key:
+        if not hmac.compare_digest(bearer(request), admin_key.encode()):
+            raise Unauthorized("missing or invalid admin API key")
+        return
+    if not _loopback(request.remote):
+        raise Unauthorized("admin routes without http.admin_api_key answer on loopback only")
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        peer = ipaddress.ip_address(remote or "")
+    except ValueError:  # a Unix socket peer, or none
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        peer = peer.ipv4_mapped  # a dual-stack listener sees 127.0.0.1 as ::ffff:127.0.0.1
+    return peer.is_loopback

@@ -1,0 +1,171 @@
+"""Keeping secrets out of what routerd shows: logs, status, admin replies and the files it writes.
+
+Two layers. Where routerd itself shows a URL it passes it through :func:`url` first (a password in the
+userinfo or a secret-looking query parameter becomes ``***``; the user name stays, so an operator can
+still tell which credentials are in use). Under that, :class:`Redactor` is a structlog processor that
+every log event goes through: it redacts URL credentials found in any string, replaces the values of
+the secrets the config holds (API keys, the admin key, Redis and engine passwords, secret-looking
+engine environment) wherever they appear, and masks fields whose *name* says they hold a secret.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+if TYPE_CHECKING:  # config imports this module: its error messages quote URLs redacted
+    from .config import Config
+
+MASK = "***"
+MIN_SECRET_CHARS = 4  # shorter values would mask unrelated text everywhere; no real key is this short
+
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/@:\"'<>]*):[^\s/\"'<>]*@")
+_QUERY = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pass|pwd|secret|token|access_token|api[_-]?key"
+                    r"|auth)=)[^&;#\s\"'<>]*")
+# an Authorization value: "Bearer <token>" anywhere, "Basic <credentials>" after the header's name
+_CREDENTIAL = re.compile(r"(?P<head>\bBearer\s+|(?i:authorization)\W{0,4}Basic\s+)[A-Za-z0-9._~+/=-]{4,}")
+_SECRET_WORDS = frozenset({"password", "passwd", "pwd", "pass", "secret", "token", "credential",
+                           "credentials", "authorization", "auth", "apikey", "bearer"})
+_KEY_OWNERS = frozenset({"api", "admin", "private", "access", "secret"})  # api_key, admin_key, …
+
+
+def url(value: str) -> str:
+    """``value`` with the password of its userinfo and secret query parameters replaced by ``***``."""
+    try:
+        parts = urlsplit(value)
+        password = parts.password
+    except ValueError:  # not parseable as a URL (a bad port, a broken IPv6 literal): redact as text
+        return text(value)
+    if password is not None:
+        user, _, hostport = parts.netloc.rpartition("@")
+        name = user.split(":", 1)[0]
+        parts = parts._replace(netloc=f"{name}:{MASK}@{hostport}")
+        value = urlunsplit(parts)
+    return _QUERY.sub(rf"\g<head>{MASK}", value)
+
+
+def text(value: str) -> str:
+    """Free text with the credentials of every URL in it redacted (see :func:`url`), and the value
+    of an ``Authorization`` header quoted in it (``Bearer …``, ``Basic …``)."""
+    if "@" in value:
+        value = _USERINFO.sub(rf"\g<head>:{MASK}@", value)
+    if "=" in value:
+        value = _QUERY.sub(rf"\g<head>{MASK}", value)
+    if "Bearer" in value or "Basic" in value:
+        value = _CREDENTIAL.sub(rf"\g<head>{MASK}", value)
+    return value
+
+
+def secret_name(name: str) -> bool:
+    """Whether a field or variable called ``name`` holds a secret (``HF_TOKEN``, ``api_keys``, …).
+
+    Matched on whole words so that ``max_tokens`` or a Redis ``key`` are not taken for one.
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    for i, w in enumerate(words):
+        if w in _SECRET_WORDS:
+            return True
+        if w in {"key", "keys"} and i > 0 and words[i - 1] in _KEY_OWNERS:
+            return True
+    return False
+
+
+def shown(name: str, value: Any) -> Any:
+    """A config value as it may be shown under the key ``name`` (a log line, a reload diff)."""
+    if secret_name(name):
+        return MASK if value else value
+    if isinstance(value, str):
+        return url(value) if "://" in value else value
+    if isinstance(value, list):
+        return [shown(name, v) for v in value]
+    return value
+
+
+def argv(args: list[str]) -> list[str]:
+    """A command line as it may be written down: the value of a secret flag (``--api-key K``,
+    ``--hf-token=T``) masked, URLs without their passwords."""
+    out: list[str] = []
+    mask_next = False
+    for arg in args:
+        flag, eq, _ = arg.partition("=")
+        if mask_next:
+            out.append(MASK)
+        elif arg.startswith("-") and eq and secret_name(flag.lstrip("-")):
+            out.append(f"{flag}={MASK}")
+        else:
+            out.append(text(arg))
+        mask_next = arg.startswith("-") and not eq and secret_name(arg.lstrip("-"))
+    return out
+
+
+def _userinfo_password(value: str) -> str | None:
+    try:
+        return urlsplit(value).password
+    except ValueError:
+        return None
+
+
+def config_secrets(cfg: Config) -> list[str]:
+    """Every secret value ``cfg`` holds, for :meth:`Redactor.learn`."""
+    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
+             _userinfo_password(cfg.redis.url) or ""]
+    for fleet in cfg.fleets:
+        found += [_userinfo_password(u) or "" for u in fleet.urls]
+        found += [v for k, v in fleet.env.items() if secret_name(k)]
+        found += [str(v) for k, v in fleet.engine_args.items() if secret_name(k)]
+    return [s for s in found if s]
+
+
+class Redactor:
+    """The structlog processor: no secret leaves in a log event, whatever field or text carries it.
+
+    ``learn`` adds the config's secret values (at start-up and on every reload; values are never
+    forgotten, so a line about the previous config is masked too).
+    """
+
+    def __init__(self) -> None:
+        self._secrets: list[str] = []
+
+    def learn(self, secrets: Iterable[str]) -> None:
+        new = {s for s in secrets if len(s) >= MIN_SECRET_CHARS} - set(self._secrets)
+        if new:
+            # Longest first, so a secret that contains another is masked whole.
+            self._secrets = sorted([*self._secrets, *new], key=len, reverse=True)
+
+    def text(self, value: str) -> str:
+        value = text(value)
+        for secret in self._secrets:
+            if secret in value:
+                value = value.replace(secret, MASK)
+        return value
+
+    def value(self, name: str, value: Any) -> Any:
+        """``value`` (a field called ``name``) with every secret in it masked, walking containers."""
+        if value is None or isinstance(value, bool | int | float | enum.Enum):
+            return value
+        if secret_name(name):
+            return MASK
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            return {k: self.value(str(k), v) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self.value(name, v) for v in value]
+        return self.text(repr(value))  # what the JSON renderer would fall back to, masked
+
+    def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
+        # exc_info stays an exception object for the console renderer (whose output is redacted
+        # whole by render()); the JSON chain formats it into the "exception" text before this runs.
+        return {k: v if k == "exc_info" else self.value(k, v) for k, v in event.items()}
+
+    def render(self, renderer: Any) -> Any:
+        """Wrap a renderer so its finished text is redacted too (tracebacks a renderer formats itself)."""
+
+        def rendered(logger: Any, method: str, event: dict[str, Any]) -> Any:
+            out = renderer(logger, method, event)
+            return self.text(out) if isinstance(out, str) else out
+
+        return rendered

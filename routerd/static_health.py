@@ -1,0 +1,122 @@
+"""Heartbeats and rotation for static fleets: engines at configured URLs that routerd did not launch.
+
+They get the heartbeat of a launched instance (routerd/health.py) minus the Ray actor: ``/health``
+within the probe deadline, asked by routerd itself, plus token progress from the scraped metrics, so a
+hung engine (SIGSTOP, a wedged GPU whose HTTP server still answers) is caught, not only a dead one.
+There is nothing to restart, so the rules are:
+
+* into rotation when ``/health`` answers 200 and a scrape succeeded within ``stale_after_s``;
+* out of rotation when no scrape succeeded for ``stale_after_s`` (its load figure is a guess); it is
+  still heartbeaten, and what runs on it goes on;
+* failed after ``failure_threshold`` missed heartbeats or a stall (requests running, no new token for
+  ``progress_timeout_s``): out of rotation, and every engine call still on it is ended
+  (``Instance.lose``): a stream gets the terminal error event at once, instead of waiting
+  ``read_timeout_s`` on a socket that a hung engine never closes; a request with no byte sent yet is
+  retried elsewhere;
+* back into rotation by the first rule once it answers again, with a fresh heartbeat tracker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from . import log, redact
+from .config import Config
+from .health import ActorProbe, HealthMonitor, ProbeResult
+from .registry import Instance, InstanceState, Registry
+
+_log = log.get("routerd.static_health")
+
+STATIC = "static"
+_WATCHED = (InstanceState.READY, InstanceState.DRAINING, InstanceState.UNHEALTHY)
+
+
+class StaticHealth:
+    """Rotation and heartbeats of every static instance in the registry; the data plane owns ``run()``."""
+
+    def __init__(self, cfg: Config, registry: Registry, session: aiohttp.ClientSession, *,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.session = session
+        self.clock = clock
+        self._failed: set[str] = set()  # failed their heartbeats: watched again once back in rotation
+        self.monitor = HealthMonitor(registry, cfg.health, self._probe, self._on_failed, clock=clock,
+                                     rng=rng, watch=self._watched)
+
+    def update_config(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.monitor.update_config(cfg.health)
+
+    def is_static(self, inst: Instance) -> bool:
+        fleet = self.cfg.fleet(inst.fleet)
+        return fleet is not None and fleet.engine == STATIC and ":static" in inst.id
+
+    def instances(self) -> list[Instance]:
+        return [i for i in self.registry if self.is_static(i)]
+
+    def _watched(self, inst: Instance) -> bool:
+        return inst.state in _WATCHED and inst.id not in self._failed and self.is_static(inst)
+
+    async def run(self) -> None:
+        """Heartbeats and the rotation rules, until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.monitor.run(), name="static_heartbeats")
+            tg.create_task(self._rotation(), name="static_rotation")
+
+    async def _rotation(self) -> None:
+        while True:
+            cfg = self.cfg.routing
+            now = self.clock()
+            probes = []
+            for inst in self.instances():
+                snap = inst.snapshot
+                last_ok = snap.scraped_at if snap is not None else None
+                if inst.state is InstanceState.READY:
+                    if last_ok is None or now - last_ok > cfg.stale_after_s:
+                        self.registry.set_state(inst, InstanceState.UNHEALTHY,
+                                                f"no successful /metrics scrape for {cfg.stale_after_s}s")
+                        _log.warning("instance_out_of_rotation", instance=inst.id, reason=inst.state_reason)
+                elif last_ok is not None and now - last_ok <= cfg.stale_after_s:
+                    probes.append(self._admit(inst))
+            if probes:
+                await asyncio.gather(*probes)
+            await asyncio.sleep(cfg.scrape_interval_s)
+
+    async def _admit(self, inst: Instance) -> None:
+        """Back into rotation if ``/health`` answers 200 now."""
+        try:
+            async with asyncio.timeout(self.cfg.routing.scrape_timeout_s):
+                async with self.session.get(inst.url + "/health") as resp:
+                    healthy = resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            healthy = False
+        if healthy and inst.state is not InstanceState.READY and self.registry.get(inst.id) is inst:
+            self._failed.discard(inst.id)
+            self.registry.set_state(inst, InstanceState.READY, "answers /health")
+            _log.info("instance_ready", instance=inst.id, url=redact.url(inst.url))
+
+    async def _probe(self, inst: Instance, deadline_s: float) -> tuple[ActorProbe | None, bool, bool]:
+        """One heartbeat: ``GET /health`` within ``deadline_s``. No actor: the process is not ours to
+        see, so it counts as alive and only the HTTP answer (and token progress) decide."""
+        try:
+            async with asyncio.timeout(deadline_s):
+                async with self.session.get(inst.url + "/health") as resp:
+                    return ActorProbe(process_alive=True, http_status=resp.status), False, False
+        except TimeoutError:
+            return ActorProbe(process_alive=True, http_status=None, error="timeout"), False, False
+        except (aiohttp.ClientError, OSError):
+            return ActorProbe(process_alive=True, http_status=None, error="connect"), False, False
+
+    async def _on_failed(self, inst: Instance, result: ProbeResult) -> None:
+        if self.registry.get(inst.id) is not inst or not self._watched(inst):
+            return  # removed or replaced by a reload meanwhile
+        self._failed.add(inst.id)
+        self.registry.set_state(inst, InstanceState.UNHEALTHY, f"heartbeat: {result.value}")
+        ended = inst.lose(f"instance {inst.id} failed its heartbeats ({result.value})")
+        _log.warning("instance_failed", instance=inst.id, result=result.value, requests_ended=ended)

@@ -1,0 +1,145 @@
+"""Static fleets get hang detection too: a SIGSTOPped engine process at a configured URL leaves rotation
+within the heartbeat bounds, what runs on it ends (a stream with the terminal error event, a request
+with no byte sent yet on another instance), and it comes back when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from routerd.config import HealthConfig
+from routerd.dataplane import DataPlane
+from routerd.registry import InstanceState, Registry
+from tests.fixtures.dataplane import RunningPlane, plane_config
+from tests.fixtures.sim import SimProcess, SimProcessFactory
+
+HEALTH = HealthConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, failure_threshold=3,
+                      progress_timeout_s=2.0)
+# heartbeat_timeout_s plus one jittered interval (the detection bound, routerd/health.py), plus slack
+# for a loaded test machine
+BOUND_S = HEALTH.heartbeat_timeout_s + 1.2 * HEALTH.heartbeat_interval_s + 1.5
+
+
+@contextlib.asynccontextmanager
+async def static_plane(urls: list[str], **routing: Any) -> AsyncIterator[RunningPlane]:
+    cfg = msgspec.structs.replace(plane_config(urls, routing=routing), health=HEALTH)
+    registry = Registry()
+    async with DataPlane(cfg, registry) as dp:
+        url = await dp.start_http(port=0)
+        task = asyncio.create_task(dp.run())
+        try:
+            plane = RunningPlane(url=url, dp=dp, registry=registry)
+            await plane.wait_ready(len(urls))
+            yield plane
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, events: list[bytes], first: asyncio.Event,
+                  ended: list[float]) -> str:
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2000, "stream": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        instance = r.headers["X-Routerd-Instance"]
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                events.append(line.strip())
+                first.set()
+        ended.append(time.monotonic())
+        return instance
+
+
+@pytest.fixture
+async def two_sims(sim_process: SimProcessFactory) -> list[SimProcess]:
+    return [await sim_process(model="m", itl_ms=20, max_num_seqs=8) for _ in range(2)]
+
+
+async def test_sigstopped_static_engine_ends_its_stream_and_leaves_rotation(
+        two_sims: list[SimProcess]) -> None:
+    async with static_plane([s.url for s in two_sims]) as plane, aiohttp.ClientSession() as session:
+        events: list[bytes] = []
+        first = asyncio.Event()
+        ended: list[float] = []
+        reader = asyncio.create_task(_stream(session, plane.url, events, first, ended))
+        await asyncio.wait_for(first.wait(), 10)
+        victim_id = next(i.id for i in plane.registry if i.inflight > 0)
+        victim = two_sims[int(victim_id[-1])]
+        victim_inst = plane.registry.get(victim_id)
+        assert victim_inst is not None
+
+        victim.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            # A non-streamed request sent to it now, before anything tells routerd, is not lost either:
+            # it is ended with the instance and retried on the other one.
+            plain = asyncio.create_task(session.post(plane.url + "/v1/completions",
+                                                     json={"model": "m", "prompt": "x", "max_tokens": 3}))
+            instance = await asyncio.wait_for(reader, BOUND_S)
+            assert instance == victim_id
+            # the stream ended within the bound, with vLLM's terminal error event then [DONE]
+            assert ended[0] - stopped <= BOUND_S
+            assert events[-1] == b"data: [DONE]"
+            assert events[-2].startswith(b'data: {"error"')
+            assert b"failed its heartbeats" in events[-2]
+            assert victim_inst.state is InstanceState.UNHEALTHY
+            assert victim_inst.state_reason.startswith("heartbeat: ")
+            assert victim_inst.inflight == 0
+            failed_tracker = plane.dp.static_health.monitor.tracker(victim_id)
+            assert failed_tracker is not None
+            resp = await asyncio.wait_for(plain, BOUND_S)
+            assert resp.status == 200
+            other = resp.headers["X-Routerd-Instance"]
+            resp.release()
+            assert other != victim_id
+            # meanwhile every new request goes to the other instance
+            for _ in range(3):
+                async with session.post(plane.url + "/v1/completions",
+                                        json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:
+                    assert r.status == 200
+                    assert r.headers["X-Routerd-Instance"] == other
+        finally:
+            victim.signal(signal.SIGCONT)
+        # it answers again: back into rotation, and heartbeaten again
+        await plane.wait_for(lambda: victim_inst.state is InstanceState.READY, timeout=10, what="back")
+        await plane.wait_for(lambda: failed_tracker is not plane.dp.static_health.monitor.tracker(victim_id)
+                             and victim_inst.health == "ok", timeout=5, what="heartbeats again")
+        seen = set()
+        for _ in range(12):
+            async with session.post(plane.url + "/v1/completions",
+                                    json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:
+                assert r.status == 200
+                seen.add(r.headers["X-Routerd-Instance"])
+        assert victim_id in seen
+
+
+async def test_static_engine_that_answers_but_makes_no_progress_is_failed(
+        sim_process: SimProcessFactory) -> None:
+    """/health answers 200 and /metrics stays fresh, but a running request's tokens stop: a stall."""
+    sims = [await sim_process(model="m", itl_ms=20, max_num_seqs=8) for _ in range(2)]
+    async with static_plane([s.url for s in sims]) as plane, aiohttp.ClientSession() as session:
+        events: list[bytes] = []
+        first = asyncio.Event()
+        ended: list[float] = []
+        reader = asyncio.create_task(_stream(session, plane.url, events, first, ended))
+        await asyncio.wait_for(first.wait(), 10)
+        victim_id = next(i.id for i in plane.registry if i.inflight > 0)
+        victim = sims[int(victim_id[-1])]
+        # generation all but stops (a token per ~30 min); /health and /metrics still answer at once
+        await victim.set_faults(slow_factor=100_000.0)
+        stalled = time.monotonic()
+        await asyncio.wait_for(reader, HEALTH.progress_timeout_s + BOUND_S)
+        assert events[-2].startswith(b'data: {"error"')
+        assert events[-1] == b"data: [DONE]"
+        assert ended[0] - stalled <= HEALTH.progress_timeout_s + BOUND_S
+        inst = plane.registry.get(victim_id)
+        assert inst is not None
+        assert inst.state_reason == "heartbeat: stalled"
