@@ -22,7 +22,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _check_config(argv: list[str]) -> int:
-    from . import config
+    from . import config, plugins
 
     parser = argparse.ArgumentParser(prog="routerd check-config",
                                      description="Validate a config file; exit 0 valid, 78 invalid.")
@@ -30,27 +30,16 @@ def _check_config(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config.load(args.file)
+        problems = plugins.check(cfg)
     except config.ConfigError as e:
-        for problem in e.problems:
+        problems = e.problems
+    if problems:
+        for problem in problems:
             print(problem, file=sys.stderr)
-        print(f"{args.file}: {len(e.problems)} problem(s)", file=sys.stderr)
-        return config.EXIT_CONFIG
-    try:
-        _check_plugins(cfg)
-    except LookupError as e:
-        print(f"$.routing.policy: {e}", file=sys.stderr)
+        print(f"{args.file}: {len(problems)} problem(s)", file=sys.stderr)
         return config.EXIT_CONFIG
     print(f"{args.file}: ok ({len(cfg.fleets)} fleet(s))")
     return 0
-
-
-def _check_plugins(cfg: object) -> None:
-    from . import plugins
-    from .config import Config
-
-    assert isinstance(cfg, Config)
-    if cfg.routing.policy not in plugins.available(plugins.POLICY_GROUP):
-        plugins.load(plugins.POLICY_GROUP, cfg.routing.policy)
 
 
 def _sim_engine(argv: list[str]) -> int:

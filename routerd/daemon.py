@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _aio, log, redact
 from . import config as config_mod
@@ -27,6 +27,15 @@ from .config import Config
 from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
+
+if TYPE_CHECKING:  # imported where built: the data plane pulls in aiohttp, the queue redis, fleets Ray
+    import aiohttp
+    from aiohttp import web
+
+    from .dataplane import DataPlane
+    from .fleet import FleetManager, RayCluster
+    from .ingress.listener import HttpListener
+    from .ingress.queue import QueueIngress
 
 _logger = log.get("routerd.daemon")
 
@@ -93,12 +102,15 @@ class Daemon:
         self._reload = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.stop_deadline = StopDeadline()
-        # components, set in _startup
-        self.dataplane: Any = None
-        self.fleets: Any = None
-        self.queue: Any = None
-        self.cluster: Any = None
+        # components, built by _startup in dependency order; fleets and cluster only when routerd
+        # launches fleets, the queue only with [redis] enabled
         self.redis_url: str = ""
+        self.session: aiohttp.ClientSession | None = None
+        self.cluster: RayCluster | None = None
+        self.fleets: FleetManager | None = None
+        self.dataplane: DataPlane | None = None
+        self.queue: QueueIngress | None = None
+        self.listener: HttpListener | None = None
 
     # signals ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -152,8 +164,11 @@ class Daemon:
         self._tasks.append(tg.create_task(coro, name=name))
 
     async def _startup(self, stack: contextlib.AsyncExitStack, tg: asyncio.TaskGroup) -> None:
-        from .dataplane import DataPlane
+        """Build and start every component in dependency order; each one's stop goes on ``stack``."""
+        from .dataplane import build_dataplane
         from .file_sd import FileSdWriter
+        from .ingress.listener import HttpListener
+        from .upstream import make_session
 
         cfg = self.cfg
         state = config_mod.state_dir(cfg)
@@ -161,63 +176,69 @@ class Daemon:
         self.notifier.status("starting: redis")
         await self._start_redis(stack, state)
 
-        self.dataplane = DataPlane(cfg, self.registry)
-        await stack.enter_async_context(self.dataplane)
-
+        self.session = session = make_session(cfg.routing)  # the one client session of the process
+        stack.push_async_callback(session.close)
         if _launches(cfg):
             self.notifier.status("starting: ray")
-            await self._start_fleets(stack, state)
+            self.fleets = await self._connect_fleets(stack, state, session)
+        fleets = self.fleets
+        self.dataplane = plane = build_dataplane(
+            cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None)
+        if self.redis_url:
+            from .ingress.queue import QueueIngress
+
+            self.queue = await stack.enter_async_context(QueueIngress.from_config(
+                cfg, url=self.redis_url, registry=self.registry, upstream=plane.upstream,
+                admission=plane.admission))
+        if fleets is not None:
+            # If a later start-up step fails (say the HTTP port is taken), stop supervising; after a
+            # normal drain this second shutdown finds nothing left to do.
+            stack.push_async_callback(fleets.shutdown, False)
+            await fleets.start()
 
         self.notifier.status("starting: http")
-        await self.dataplane.start_http(extra_routes=self._admin_routes)
+        self.listener = listener = await stack.enter_async_context(HttpListener(plane.http))
+        await listener.start(extra_routes=self._admin_routes)
 
         if self.queue is not None:
             q = self.queue
-            self.dataplane.telemetry.attach_queue(lambda: q.stats, lambda: q.depth, lambda: q.paused,
-                                                  lambda: q.held)
+            plane.telemetry.attach_queue(lambda: q.stats, lambda: q.depth, lambda: q.paused,
+                                         lambda: q.held)
             self._spawn(tg, q.run(), "queue")
-        self._spawn(tg, self.dataplane.run(), "dataplane")
-        if self.fleets is not None:
-            self._spawn(tg, self.fleets.run(), "fleets")
+        for name, loop in plane.loops().items():
+            self._spawn(tg, loop, name)
+        if fleets is not None:
+            self._spawn(tg, fleets.run(), "fleets")
         sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                    else state / "file_sd" / "engines.json")
         self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
         self._spawn(tg, self._watchdog(), "watchdog")
 
     async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
+        """Redis reachable, or embedded and started: sets ``redis_url`` (empty with [redis] disabled)."""
         cfg = self.cfg
         if not cfg.redis.enabled:
             return
-        from .ingress.queue import QueueIngress
-
         url = cfg.redis.url
         if url == "embedded":
             from .redis_server import EmbeddedRedis
 
             url = await stack.enter_async_context(EmbeddedRedis(state / "redis"))
         self.redis_url = url
-        self.queue = QueueIngress.from_config(cfg, url=url, registry=self.registry,
-                                              upstream_factory=lambda: self.dataplane.upstream,
-                                              admission_factory=lambda: self.dataplane.admission)
-        await stack.enter_async_context(self.queue)
 
-    async def _start_fleets(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
-        from .fleet import FleetManager
-        from .raycluster import RayCluster
+    async def _connect_fleets(self, stack: contextlib.AsyncExitStack, state: Path,
+                              session: aiohttp.ClientSession) -> FleetManager:
+        """Ray connected (closed by ``stack``) and the fleet manager over it, not started yet."""
+        from .fleet import FleetManager, RayCluster
 
-        self.cluster = await RayCluster.connect(self.cfg.ray, state)
-        stack.push_async_callback(self.cluster.close)
+        self.cluster = cluster = await RayCluster.connect(self.cfg.ray, state)
+        stack.push_async_callback(cluster.close)
         # ray.init installs its own (abseil) SIGTERM handler, which logs and re-raises; ours must win so
         # that SIGTERM drains instead of killing the process.
         self._install_signals()
-        self.fleets = FleetManager(self.cfg, self.registry, self.cluster)
-        # If a later start-up step fails (say the HTTP port is taken), stop supervising and close the
-        # fleet's HTTP session; after a normal drain this second shutdown finds nothing left to do.
-        stack.push_async_callback(self.fleets.shutdown, False)
-        await self.fleets.start()
-        self.dataplane.http.desired_replicas = self.fleets.desired
+        return FleetManager(self.cfg, self.registry, cluster, session)
 
-    def _admin_routes(self, app: Any) -> None:
+    def _admin_routes(self, app: web.Application) -> None:
         if self.fleets is None:
             return
         from .ingress.admin import add_admin_routes
@@ -261,11 +282,13 @@ class Daemon:
         self.notifier.stopping()
         _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
         started = time.monotonic()
+        listener = self.listener
+        assert listener is not None, "_shutdown() runs after _startup()"
         if self.queue is not None:
             self.queue.stop_intake()
-        await self._bounded("stop_intake", self.dataplane.stop_intake(), 5.0)
+        await self._bounded("stop_intake", listener.stop_intake(), 5.0)
         deadline = started + cfg.daemon.drain_timeout_s
-        waits = [self.dataplane.wait_idle(deadline - time.monotonic())]
+        waits = [listener.wait_idle(deadline - time.monotonic())]
         if self.queue is not None:
             waits.append(self.queue.wait_idle(deadline - time.monotonic()))
         drained: asyncio.Future[Any] = asyncio.gather(*waits)
@@ -279,7 +302,7 @@ class Daemon:
                 _logger.warning("drain_interrupted")
         elif drained.exception() is not None:  # retrieved, so it is logged once, here
             _logger.error("drain_wait_failed", exc_info=drained.exception())
-        await self._bounded("close_streams", self.dataplane.close_streams("routerd is shutting down"), 5.0)
+        await self._bounded("close_streams", listener.close_streams("routerd is shutting down"), 5.0)
         if self.fleets is not None:
             stop_engines = cfg.daemon.stop_engines_on_exit
             await self._bounded("fleets", self.fleets.shutdown(stop_engines=stop_engines),
@@ -305,10 +328,9 @@ class Daemon:
         """Re-read the config file and apply what changed; an invalid file keeps the old config."""
         self.notifier.reloading()
         try:
-            new = await asyncio.to_thread(config_mod.load, self.config_path)  # file I/O: off the loop
-            _check_policy(new)
-        except (config_mod.ConfigError, LookupError) as e:
-            problems = e.problems if isinstance(e, config_mod.ConfigError) else [str(e)]
+            new = await asyncio.to_thread(_load, self.config_path)  # file I/O: off the loop
+        except config_mod.ConfigError as e:
+            problems = e.problems
             _logger.error("reload_rejected", path=str(self.config_path), problems=problems)
             self.notifier.ready(f"reload rejected: {problems[0]}")
             return False
@@ -322,7 +344,8 @@ class Daemon:
         new = _keep_restart_only(self.cfg, new)
         old = self.cfg
         self.cfg = new
-        await self.dataplane.apply(new)
+        if self.dataplane is not None:
+            self.dataplane.apply(new)
         if self.fleets is not None:
             await self.fleets.apply(new)
         elif _launches(new) and not _launches(old):
@@ -347,11 +370,15 @@ def _launches(cfg: Config) -> bool:
     return any(f.engine != "static" for f in cfg.fleets)
 
 
-def _check_policy(cfg: Config) -> None:
+def _load(path: str | Path) -> Config:
+    """The config file, valid and naming only installed plugins, else :class:`ConfigError` (exit 78)."""
     from . import plugins
 
-    if cfg.routing.policy not in plugins.available(plugins.POLICY_GROUP):
-        plugins.load(plugins.POLICY_GROUP, cfg.routing.policy)
+    cfg = config_mod.load(path)
+    problems = plugins.check(cfg)
+    if problems:
+        raise config_mod.ConfigError(problems)
+    return cfg
 
 
 def _keep_restart_only(old: Config, new: Config) -> Config:
@@ -371,11 +398,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
     args = parser.parse_args(argv)
     try:
-        cfg = config_mod.load(args.config)
-        _check_policy(cfg)
-    except (config_mod.ConfigError, LookupError) as e:
-        problems = e.problems if isinstance(e, config_mod.ConfigError) else [f"$.routing.policy: {e}"]
-        for p in problems:
+        cfg = _load(args.config)
+    except config_mod.ConfigError as e:
+        for p in e.problems:
             print(p)
         return config_mod.EXIT_CONFIG
     redactor = log.setup(cfg.daemon.log_level,

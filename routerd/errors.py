@@ -62,10 +62,6 @@ class DeadlineExceeded(RouterdError):
     status, type = 504, "DeadlineExceededError"
 
 
-class Cancelled(RouterdError):
-    status, type = 499, "CancelledError"
-
-
 class UpstreamError(RouterdError):
     """The engine failed (connect error, timeout, 5xx). ``retryable`` when no byte reached the client."""
 

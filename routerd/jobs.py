@@ -275,22 +275,6 @@ def clip(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
-def body_problem(job: Job) -> str | None:
-    """What is wrong with an OpenAI body routerd would otherwise send to an engine (None if fine)."""
-    body = job.body
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        return "body.model: a non-empty string is required"
-    if job.endpoint == "/v1/chat/completions":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            return "body.messages: a non-empty list of message objects is required"
-    elif not isinstance(body.get("prompt"), str | list) or not body["prompt"]:
-        return "body.prompt: a non-empty string or list is required"
-    if "stream" in body and not isinstance(body["stream"], bool):
-        return "body.stream: must be a boolean"
-    return None
-
-
 def entry_time_ms(entry_id: str) -> int:
     """The ms timestamp part of a stream entry id (``1700000000000-0``)."""
     return int(entry_id.split("-", 1)[0])

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable
-from typing import Any
+import threading
+from collections.abc import Iterable, MutableMapping
+from typing import Any, TextIO
 
 import msgspec
 import structlog
@@ -28,6 +29,33 @@ def _dumps(obj: Any, **_: Any) -> str:
     except TypeError:
         return _json.encode({k: repr(v) if not isinstance(v, str | int | float | bool | None) else v
                              for k, v in obj.items()}).decode()
+
+
+class LineWriter:
+    """structlog's output: each line and its newline in one ``write``.
+
+    structlog's ``PrintLogger`` prints them as two, and stdout is unbuffered under systemd
+    (``PYTHONUNBUFFERED=1`` in the unit), so that was two syscalls for every line — one more per
+    request. One writer (and one lock) per stream serves every logger: threads (``to_thread``) log too.
+    """
+
+    __slots__ = ("_file", "_lock")
+
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+        self._lock = threading.Lock()
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            self._file.write(message + "\n")
+            self._file.flush()
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+    def __call__(self, *_: Any) -> LineWriter:
+        """As structlog's logger factory: every logger writes through this one."""
+        return self
 
 
 def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[str] = ()) -> Redactor:
@@ -53,13 +81,13 @@ def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[st
         processors=[*shared, structlog.processors.format_exc_info, redactor, renderer] if json
         else [*shared, redactor, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=LineWriter(sys.stdout),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            foreign_pre_chain=[*shared, _stdlib_component],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 *([structlog.processors.format_exc_info] if json else []),
@@ -76,11 +104,20 @@ def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[st
     return redactor
 
 
-def get(name: str | None = None) -> Any:
-    """A bound structlog logger; ``name`` becomes the ``component`` field."""
+def get(name: str) -> Any:
+    """The one way to make a logger: module level, ``_log = log.get("routerd.<component>")``; ``name``
+    is the ``component`` field of every line it writes."""
     # get_logger(**initial_values) stays lazy: a module-level logger made before setup() still
     # renders with the processors setup() installs.
-    return structlog.get_logger() if name is None else structlog.get_logger(component=name)
+    return structlog.get_logger(component=name)
+
+
+def _stdlib_component(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A stdlib record (aiohttp, redis, ray) carries its logger's name as ``component``, as ours do."""
+    record = event_dict.get("_record")
+    if record is not None:
+        event_dict.setdefault("component", record.name)
+    return event_dict
 
 
 bind_request_id = structlog.contextvars.bind_contextvars

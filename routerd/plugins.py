@@ -10,9 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
+
+if TYPE_CHECKING:
+    from .config import Config
 
 POLICY_GROUP = "routerd.policies"
 LAUNCHER_GROUP = "routerd.launchers"
@@ -79,12 +82,32 @@ def available(group: str) -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=group)}
 
 
+def check(cfg: Config) -> list[str]:
+    """Every plugin name ``cfg`` uses that is not installed, each with its key path: the routing policy
+    and each launched fleet's launcher (``engine``; ``static`` needs none). ``routerd check-config``,
+    ``routerd run`` (exit 78) and a reload (rejected) all ask this, so an unknown name fails before
+    anything starts — not later inside an engine's Ray actor."""
+    problems = []
+    policies = available(POLICY_GROUP)
+    if cfg.routing.policy not in policies:
+        problems.append(f"$.routing.policy: unknown policy {cfg.routing.policy!r} "
+                        f"(installed: {_names(policies)})")
+    launchers = available(LAUNCHER_GROUP)
+    for i, fleet in enumerate(cfg.fleets):
+        if fleet.engine != "static" and fleet.engine not in launchers:
+            problems.append(f"$.fleets[{i}].engine: unknown launcher {fleet.engine!r} "
+                            f"(installed: {_names(launchers)})")
+    return problems
+
+
+def _names(eps: dict[str, Any]) -> str:
+    return ", ".join(sorted(eps)) or "none"
+
+
 def load(group: str, name: str, **kwargs: Any) -> Any:
     """Instantiate plugin ``name`` of ``group``; the error lists the installed names."""
     eps = available(group)
     if name not in eps:
-        raise PluginNotFound(
-            f"no {group} plugin named {name!r}; installed: {', '.join(sorted(eps)) or 'none'}"
-        )
+        raise PluginNotFound(f"no {group} plugin named {name!r}; installed: {_names(eps)}")
     factory = eps[name].load()
     return factory(**kwargs)

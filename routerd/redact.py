@@ -11,6 +11,7 @@ engine environment) wherever they appear, and masks fields whose *name* says the
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ def text(value: str) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=4096)  # every log line asks it of each of its field names, the same few
 def secret_name(name: str) -> bool:
     """Whether a field or variable called ``name`` holds a secret (``HF_TOKEN``, ``api_keys``, …).
 
@@ -144,7 +146,10 @@ class Redactor:
 
     def value(self, name: str, value: Any) -> Any:
         """``value`` (a field called ``name``) with every secret in it masked, walking containers."""
-        if value is None or isinstance(value, bool | int | float | enum.Enum):
+        kind = type(value)
+        if kind is str:  # most fields of most lines: the checks below in their order, for a str
+            return MASK if secret_name(name) else self.text(value)
+        if kind is int or kind is float or value is None or isinstance(value, bool | int | float | enum.Enum):
             return value
         if secret_name(name):
             return MASK

@@ -15,7 +15,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +25,7 @@ import redis.exceptions
 
 from . import log
 from ._aio import wait_for
+from ._net import free_port
 from .config import RedisConfig
 
 _log = log.get("routerd.redis")
@@ -60,13 +60,6 @@ def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> 
     return client
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _die_with_parent() -> None:  # runs in the forked child before exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -92,7 +85,7 @@ class EmbeddedRedis:
         self.restarts = 0
         sock = self.dir / "redis.sock"
         self._socket = sock if len(str(sock)) <= _MAX_UNIX_PATH else None
-        self._port = 0 if self._socket else _free_port()
+        self._port = 0 if self._socket else free_port()
         self.url = f"unix://{sock}" if self._socket else f"redis://127.0.0.1:{self._port}/0"
 
     @property

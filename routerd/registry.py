@@ -31,6 +31,15 @@ class InstanceState(enum.StrEnum):
     STOPPED = "stopped"  # gone (kept briefly so status can show why)
 
 
+class CircuitState(enum.StrEnum):
+    """The circuit breaker's verdict on one instance, read by routing, status, ``/metrics`` and
+    ``routerd status`` alike (:class:`routerd.router.CircuitBreaker` alone moves it)."""
+
+    CLOSED = "closed"  # in rotation
+    OPEN = "open"  # failed ``circuit_failure_threshold`` times in a row: out until the cool-down ends
+    HALF_OPEN = "half_open"  # cool-down over: one trial request at a time decides
+
+
 class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """What one ``/metrics`` scrape said, reduced to what routing and health need.
 
@@ -61,6 +70,7 @@ class Instance:
     url: str  # base URL, no trailing slash: "http://127.0.0.1:8001"
     state: InstanceState = InstanceState.STARTING
     capacity_hint: int = 256  # from the fleet config; the scrape's capacity wins when present
+    static: bool = False  # at a configured URL (static fleet); else launched by the fleet manager
     # fleet manager
     generation: int = 0
     restarts: int = 0
@@ -81,7 +91,7 @@ class Instance:
     # upstream
     inflight: int = 0
     consecutive_failures: int = 0
-    circuit_open_until: float = 0.0  # monotonic; 0 = closed
+    circuit_open_until: float = 0.0  # monotonic; 0 = closed (read it through circuit())
     # what ends the engine calls in flight on this instance when its heartbeats declare it failed
     _on_lost: set[Callable[[str], None]] = field(default_factory=set, init=False, repr=False,
                                                  compare=False)
@@ -128,11 +138,14 @@ class Instance:
         kv = snap.kv_usage if snap is not None else 0.0
         return self.estimated_queue() / max(self.capacity, 1) + kv
 
-    def circuit_open(self, now: float) -> bool:
-        return self.circuit_open_until > now
+    def circuit(self, now: float) -> CircuitState:
+        """The circuit's state at monotonic ``now``: the one reading of the breaker's fields."""
+        if self.circuit_open_until == 0.0:
+            return CircuitState.CLOSED
+        return CircuitState.OPEN if now < self.circuit_open_until else CircuitState.HALF_OPEN
 
     def routable(self, now: float) -> bool:
-        return self.state is InstanceState.READY and not self.circuit_open(now)
+        return self.state is InstanceState.READY and self.circuit(now) is not CircuitState.OPEN
 
     def status(self, now_mono: float) -> dict[str, Any]:
         """The JSON shape of ``GET /admin/fleets`` for one instance."""
@@ -157,7 +170,8 @@ class Instance:
             "capacity": self.capacity,
             "scrape_age_s": round(now_mono - snap.scraped_at, 3) if snap else None,
             "scrape_error": redact.text(self.scrape_error) or None,
-            "circuit": "open" if self.circuit_open(now_mono) else "closed",
+            "circuit": self.circuit(now_mono).value,
+            "consecutive_failures": self.consecutive_failures,
             "resources": self.resources,
         }
 

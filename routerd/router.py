@@ -25,7 +25,7 @@ from . import plugins
 from .config import RoutingConfig
 from .errors import NoReadyInstance
 from .plugins import Candidate, RoutingPolicy
-from .registry import Instance, InstanceState, Registry
+from .registry import CircuitState, Instance, InstanceState, Registry
 
 
 class CircuitBreaker:
@@ -33,7 +33,8 @@ class CircuitBreaker:
 
     After the cool-down the circuit is half-open: exactly one request may try the instance; success
     closes the circuit, failure opens it for another cool-down. State lives on the Instance
-    (``consecutive_failures``, ``circuit_open_until``) so status and metrics show it; the set of
+    (``consecutive_failures``, ``circuit_open_until``, read as a :class:`CircuitState` through
+    :meth:`Instance.circuit`) so routing, status and metrics all see the same three states; the set of
     instances with a half-open trial in flight lives here.
     """
 
@@ -43,20 +44,14 @@ class CircuitBreaker:
         self._trials: set[str] = set()
 
     def allows(self, inst: Instance, now: float) -> bool:
-        if inst.circuit_open_until == 0.0:
-            return True
-        if now < inst.circuit_open_until:
-            return False
-        return inst.id not in self._trials  # half-open: one trial at a time
-
-    def state(self, inst: Instance, now: float) -> str:
-        if inst.circuit_open_until == 0.0:
-            return "closed"
-        return "open" if now < inst.circuit_open_until else "half_open"
+        state = inst.circuit(now)
+        if state is CircuitState.HALF_OPEN:
+            return inst.id not in self._trials  # one trial at a time
+        return state is CircuitState.CLOSED
 
     def begin(self, inst: Instance) -> bool:
         """Called when a request is sent; returns True when it is the half-open trial."""
-        if inst.circuit_open_until != 0.0 and self.clock() >= inst.circuit_open_until:
+        if inst.circuit(self.clock()) is CircuitState.HALF_OPEN:
             self._trials.add(inst.id)
             return True
         return False

@@ -119,14 +119,3 @@ class Scraper:
         inst.inflight_at_scrape = inst.inflight
         inst.scrape_error = ""
         return True
-
-    def scraping(self) -> list[str]:
-        """Ids with a live scrape loop (status and tests)."""
-        return [iid for iid, (_, task) in self._loops.items() if not task.done()]
-
-
-def fresh(inst: Instance, now: float, stale_after_s: float) -> bool:
-    """True when the instance's last successful scrape is recent and the latest one did not fail."""
-    snap = inst.snapshot
-    return snap is not None and not inst.scrape_error and now - snap.scraped_at <= stale_after_s
-

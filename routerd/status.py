@@ -1,8 +1,9 @@
 """``routerd status [--url URL] [--json] [--admin-key KEY]``: fleets and instances of a running daemon.
 
-Reads ``GET /admin/fleets`` and prints one line per instance — state, URL, PID, node, generation, last
-heartbeat, load, restarts and the engine's resource use — so an operator sees a crash loop (restarts
-climbing, the reason column) or an unplaceable instance without reading logs.
+Reads ``GET /admin/fleets`` and prints one line per instance — state, circuit (closed, open, half_open),
+URL, PID, node, generation, last heartbeat, load, restarts and the engine's resource use — so an operator
+sees a crash loop (restarts climbing, the reason column), an instance the breaker keeps out, or an
+unplaceable instance without reading logs.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def _age(ts: float | None, now: float) -> str:
 def render(status: dict[str, Any], now: float | None = None) -> str:
     """The table: one block per fleet, one row per instance."""
     now = time.time() if now is None else now
-    cols = ["INSTANCE", "STATE", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "LOAD", "RUN/WAIT", "RESTARTS",
-            "CPU%", "RSS", "GPU MEM", "REASON"]
+    cols = ["INSTANCE", "STATE", "CIRCUIT", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "LOAD", "RUN/WAIT",
+            "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
     rows: list[list[str]] = []
     for name, fleet in status.get("fleets", {}).items():
         rows.append([f"[{name}] model={fleet.get('model')} engine={fleet.get('engine')} "
@@ -60,9 +61,10 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
             res = i.get("resources") or {}
             run_wait = "-" if i.get("running") is None else f"{i['running']:.0f}/{i.get('waiting') or 0:.0f}"
             rows.append([
-                i.get("id", ""), i.get("state", ""), i.get("url") or "-", str(i.get("pid") or "-"),
-                i.get("node") or "-", str(i.get("generation", "")), _age(i.get("last_heartbeat"), now),
-                f"{i.get('load', 0):.2f}", run_wait, str(i.get("restarts", 0)),
+                i.get("id", ""), i.get("state", ""), i.get("circuit") or "-", i.get("url") or "-",
+                str(i.get("pid") or "-"), i.get("node") or "-", str(i.get("generation", "")),
+                _age(i.get("last_heartbeat"), now), f"{i.get('load', 0):.2f}", run_wait,
+                str(i.get("restarts", 0)),
                 "-" if res.get("cpu_percent") is None else f"{res['cpu_percent']:.0f}",
                 _bytes(res.get("rss_bytes")), _bytes(res.get("gpu_memory_bytes")),
                 i.get("state_reason") or "",
@@ -99,4 +101,3 @@ def _redacted(status: dict[str, Any]) -> dict[str, Any]:
             if isinstance(inst, dict) and isinstance(inst.get("url"), str):
                 inst["url"] = redact.url(inst["url"])
     return status
-    return 0

@@ -16,23 +16,21 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .registry import Instance, Registry
+from .registry import CircuitState, Registry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 120.0, 300.0, 600.0)
-_CIRCUIT = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+_CIRCUIT = {CircuitState.CLOSED: 0.0, CircuitState.HALF_OPEN: 1.0, CircuitState.OPEN: 2.0}
 
 
 class _RegistryCollector:
     """Per-instance state read from the registry at collection time."""
 
-    def __init__(self, registry: Registry, circuit_state: Callable[[Instance, float], str],
-                 admission_stats: Callable[[str], dict[str, int]] | None,
+    def __init__(self, registry: Registry, admission_stats: Callable[[str], dict[str, int]] | None,
                  clock: Callable[[], float]) -> None:
         self._registry = registry
-        self._circuit_state = circuit_state
         self._admission_stats = admission_stats
         self._clock = clock
 
@@ -69,7 +67,7 @@ class _RegistryCollector:
             if inst.snapshot is not None:
                 age.add_metric(lv, now - inst.snapshot.scraped_at)
             errors.add_metric(lv, inst.scrape_errors_total)
-            circuit.add_metric(lv, _CIRCUIT[self._circuit_state(inst, now)])
+            circuit.add_metric(lv, _CIRCUIT[inst.circuit(now)])
         yield from (inflight, load, ready, age, errors, circuit, restarts, generation, state)
         if self._admission_stats is not None:
             active = GaugeMetricFamily("routerd_admission_active", "Admitted requests per fleet",
@@ -147,13 +145,16 @@ class Telemetry:
                                              "refused or closed itself: refused (over max_connections), "
                                              "header_timeout, body_timeout, write_timeout", ["reason"],
                                              registry=r)
+        # Label children of the per-request series, cached: ``labels()`` takes a lock and validates
+        # its arguments on every call.
         self._children: dict[tuple[str, str, str], Any] = {}
+        self._request_seconds: dict[str, Any] = {}
+        self._ttfb_seconds: dict[str, Any] = {}
 
-    def attach(self, registry: Registry, circuit_state: Callable[[Instance, float], str],
-               admission_stats: Callable[[str], dict[str, int]] | None = None,
+    def attach(self, registry: Registry, admission_stats: Callable[[str], dict[str, int]] | None = None,
                clock: Callable[[], float] = time.monotonic) -> None:
         """Expose per-instance state from ``registry`` (called once by the data plane)."""
-        self.prom.register(_RegistryCollector(registry, circuit_state, admission_stats, clock))
+        self.prom.register(_RegistryCollector(registry, admission_stats, clock))
 
     def attach_queue(self, stats: Callable[[], dict[str, int]], depth: Callable[[], dict[str, int]],
                      paused: Callable[[], bool], held: Callable[[], int]) -> None:
@@ -166,6 +167,18 @@ class Telemetry:
         if child is None:
             child = self._children[key] = self.requests.labels(*key)
         child.inc()
+
+    def observe_request(self, fleet: str, seconds: float) -> None:
+        child = self._request_seconds.get(fleet)
+        if child is None:
+            child = self._request_seconds[fleet] = self.request_seconds.labels(fleet)
+        child.observe(seconds)
+
+    def observe_ttfb(self, fleet: str, seconds: float) -> None:
+        child = self._ttfb_seconds.get(fleet)
+        if child is None:
+            child = self._ttfb_seconds[fleet] = self.ttfb_seconds.labels(fleet)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         data: bytes = generate_latest(self.prom)

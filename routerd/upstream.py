@@ -31,8 +31,9 @@ by the health monitor.
 An instance whose heartbeats fail (``Instance.lose``) ends what runs on it at once: a hung engine never
 closes its sockets, so nothing else would before ``read_timeout_s`` (see :class:`_LostWatch`).
 
-Cancelling ``forward`` (the client went away) closes the upstream connection, which is what makes
-vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
+The HTTP itself is :mod:`routerd._engine_http`: keep-alive connections per engine, one write per
+request. Cancelling ``forward`` (the client went away) closes the upstream connection, which is what
+makes vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
 way and do not count against the engine.
 """
 
@@ -51,6 +52,7 @@ import aiohttp
 import msgspec
 
 from . import log
+from ._engine_http import ConnectError, EnginePool, Response
 from .config import RoutingConfig
 from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
 from .registry import Instance
@@ -64,8 +66,8 @@ _DONE = b"data: [DONE]"
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
 _TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
-# What the engine may fail with before or during a response (aiohttp wraps most socket errors).
-_NET_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+# What the engine may fail with before or during a response (routerd._engine_http raises only these).
+_NET_ERRORS = (TimeoutError, OSError)
 
 
 class ResponseSink(Protocol):
@@ -103,8 +105,36 @@ class _Retry(Exception):
         self.answered = answered
 
 
-class InstanceLost(aiohttp.ClientError):
+class InstanceLost(ConnectionError):
     """The instance was declared failed (``Instance.lose``) while a response from it was being read."""
+
+
+class _Deadline:
+    """``asyncio.timeout(delay)`` for a task and loop already known: the same cancel-then-uncancel
+    semantics (a cancellation from outside arriving as well is not swallowed), without the two
+    ``get_running_loop()`` lookups per use — each a ``getpid()`` syscall on Python 3.11."""
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task")
+
+    def __init__(self, task: asyncio.Task[object], loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self._handle = loop.call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._task.cancel()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        self._handle.cancel()
+        if self._expired and self._task.uncancel() <= self._cancelling \
+                and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
 
 
 class _LostWatch:
@@ -116,13 +146,11 @@ class _LostWatch:
     stream fails with :class:`InstanceLost`, which ends a stream with the terminal error event.
     """
 
-    def __init__(self, inst: Instance) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def __init__(self, inst: Instance, task: asyncio.Task[object]) -> None:
         self._task = task
         self._cancelling = task.cancelling()
         self.reason = ""
-        self.resp: aiohttp.ClientResponse | None = None
+        self.resp: Response | None = None
         self._cancelled = False  # our cancel() is not undone yet
         self._unwatch = inst.watch_lost(self._fire)
 
@@ -132,7 +160,7 @@ class _LostWatch:
             self._cancelled = True
             self._task.cancel()
         else:
-            self.resp.content.set_exception(InstanceLost(reason))
+            self.resp.set_exception(InstanceLost(reason))
 
     def absorbed(self) -> bool:
         """After a CancelledError: True if the cancellation was this watch's alone (it is undone)."""
@@ -181,7 +209,8 @@ def _openai_error_body(body: bytes, status: int) -> bytes:
 
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
-    """The one pooled client session of a process.
+    """The pooled client session of a process: scrapes and health checks (the engine call itself has
+    the leaner connections of :class:`~routerd._engine_http.EnginePool`).
 
     Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive, so routerd never
     writes a request onto a connection the engine is closing. No pool limit: admission bounds
@@ -198,26 +227,27 @@ def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
 class Upstream:
     """Forwards requests to a fleet's instances; shared by the HTTP ingress and the queue consumer."""
 
-    def __init__(self, session: aiohttp.ClientSession, router: Router, cfg: RoutingConfig,
+    def __init__(self, router: Router, cfg: RoutingConfig,
                  telemetry: Telemetry | None = None, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.session = session
+        # Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive.
+        self.pool = EnginePool(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
+                               keepalive_s=4.0)
         self.router = router
         self.cfg = cfg
         self.telemetry = telemetry or Telemetry()
         self.rng = rng or random.Random()
         self.clock = clock
         self.active = 0  # forward() calls in progress (drain waits on this)
-        self._timeout = self._make_timeout(cfg)
-
-    @staticmethod
-    def _make_timeout(cfg: RoutingConfig) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
-                                     sock_read=cfg.read_timeout_s)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
-        self._timeout = self._make_timeout(cfg)
+        self.pool.configure(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s)
+
+    async def run(self) -> None:
+        """Keep the engine connections tidy until cancelled (after the last request), then close them."""
+        await self.pool.run()
 
     def backoff_s(self, attempt: int) -> float:
         """Pause before attempt ``attempt`` (2, 3, …): exponential from ``retry_backoff_ms``, ±50% jitter."""
@@ -232,6 +262,10 @@ class Upstream:
         :class:`NoReadyInstance` or :class:`UpstreamError` when no byte could be sent.
         """
         started = self.clock()
+        task = asyncio.current_task()
+        assert task is not None
+        if self._loop is None:
+            self._loop = task.get_loop()
         tried: list[str] = []
         last: _Retry | None = None
         unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
@@ -252,7 +286,7 @@ class Upstream:
                 tried.append(inst.id)
                 try:
                     result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
-                                                 unexplained)
+                                                 unexplained, task)
                 except _Retry as e:
                     last = e
                     if e.answered:
@@ -263,7 +297,7 @@ class Upstream:
                     continue
                 result.attempts = attempt
                 tel.count_request(fleet, inst.id, result.status)
-                tel.ttfb_seconds.labels(fleet).observe(result.ttfb_s)
+                tel.observe_ttfb(fleet, result.ttfb_s)
                 return result
             assert last is not None
             err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",
@@ -280,22 +314,22 @@ class Upstream:
 
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
-                       unexplained: list[Instance]) -> ForwardResult:
+                       unexplained: list[Instance], task: asyncio.Task[object]) -> ForwardResult:
         breaker = self.router.breaker
         inst.inflight += 1
         breaker.begin(inst)
-        resp: aiohttp.ClientResponse | None = None
+        resp: Response | None = None
         clean = False
-        lost = _LostWatch(inst)
+        lost = _LostWatch(inst, task)
         try:
             try:
-                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id)
+                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id, task)
             except asyncio.CancelledError:
                 if not lost.absorbed():
                     raise
                 raise _Retry("instance_lost", lost.reason) from None
             lost.resp = resp
-            headers = {"Content-Type": resp.headers.get("Content-Type", "application/json"),
+            headers = {"Content-Type": resp.headers.get("content-type", "application/json"),
                        "X-Routerd-Instance": inst.id}
             if 200 <= resp.status < 300:
                 for failed in unexplained:  # this request can be served: their failures were theirs
@@ -329,16 +363,17 @@ class Upstream:
                     resp.close()  # drop the connection: the engine sees the disconnect and aborts
 
     async def _first_byte(self, inst: Instance, endpoint: str, body: bytes, stream: bool,
-                          request_id: str) -> tuple[aiohttp.ClientResponse, bytes]:
+                          request_id: str, task: asyncio.Task[object]) -> tuple[Response, bytes]:
         """Send the request and read up to the first byte the client may see; raise _Retry on failure."""
         breaker = self.router.breaker
-        resp: aiohttp.ClientResponse | None = None
+        resp: Response | None = None
+        assert self._loop is not None
         try:
-            async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                resp = await self.session.post(
-                    inst.url + endpoint, data=body, timeout=self._timeout,
-                    headers={"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
-                             "Accept-Encoding": "identity"})
+            with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
+                resp = await self.pool.post(
+                    inst.url + endpoint, body,
+                    {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
+                     "Accept": "*/*", "Accept-Encoding": "identity"})
                 first = await _first_chunk(resp, stream)
             if first is None:
                 # Non-streaming (or an error answer): the whole body is the first byte. Its read is
@@ -355,7 +390,7 @@ class Upstream:
             elif isinstance(e, TimeoutError):
                 retry = _Retry("timeout", f"no first byte from {inst.id} in time")
             elif isinstance(e, _NET_ERRORS):
-                reason = "connect" if isinstance(e, aiohttp.ClientConnectorError) else "disconnect"
+                reason = "connect" if isinstance(e, ConnectError) else "disconnect"
                 retry = _Retry(reason, f"{type(e).__name__}: {e}")
             else:
                 raise
@@ -365,13 +400,13 @@ class Upstream:
                 raise
             raise retry from e
 
-    async def _pump(self, inst: Instance, resp: aiohttp.ClientResponse, sink: ResponseSink,
+    async def _pump(self, inst: Instance, resp: Response, sink: ResponseSink,
                     first: bytes, sse: bool) -> tuple[bool, str | None]:
         """Copy the rest of a stream to the sink as raw bytes; make sure an SSE stream ends in a
         terminal event (``[DONE]``, or an error event and ``[DONE]``)."""
         tail = first[-_TAIL:]
         saw_error = _ERROR_MARK in first
-        read = resp.content.readany
+        read = resp.readany
         failure: str | None = None
         while True:
             try:
@@ -411,7 +446,7 @@ class Upstream:
                          cooldown_s=self.cfg.circuit_cooldown_s)
 
 
-async def _first_chunk(resp: aiohttp.ClientResponse, stream: bool) -> bytes | None:
+async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     """A stream's first chunk (``None`` for a non-stream or a 4xx: the caller reads the whole body);
     raises :class:`_Retry` for a 5xx answer, an empty stream or an error event before any token."""
     if resp.status >= 500:
@@ -419,7 +454,7 @@ async def _first_chunk(resp: aiohttp.ClientResponse, stream: bool) -> bytes | No
         raise _Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status, answered=True)
     if not stream or not 200 <= resp.status < 300:
         return None
-    first = await resp.content.readany()
+    first = await resp.readany()
     if not first:
         raise _Retry("empty", "the engine closed the stream before sending anything")
     if first.startswith(_ERROR_MARK):
@@ -430,7 +465,7 @@ async def _first_chunk(resp: aiohttp.ClientResponse, stream: bool) -> bytes | No
 
 def _header_safe(request_id: str) -> str:
     """The request id as an ``X-Request-Id`` value: a queue job's id may hold characters no header may
-    (a newline makes aiohttp refuse to send the request at all), so those are percent-encoded."""
+    (a newline would end the header: the client refuses to send it), so those are percent-encoded."""
     if _SAFE_ID.fullmatch(request_id):
         return request_id
     return urllib.parse.quote(request_id, safe="")[:_MAX_ID_CHARS] or "-"

@@ -7,9 +7,9 @@ a `manifest.json` with status codes and content types). Re-run it when the vLLM 
 
     python scripts/capture_vllm.py [--vllm-bin .venv-vllm/bin/vllm] [--model DIR] [--out tests/data/vllm]
 
-Only the standard library is used (blocking urllib with a timeout on every call) so it runs with
-either venv. It starts the engine in its own session, stops it with SIGTERM and fails if any process
-of that session is left.
+Only the standard library (and routerd's stdlib-only ``routerd._net``) is used, with blocking urllib
+and a timeout on every call, so it runs with either venv. It starts the engine in its own session,
+stops it with SIGTERM and fails if any process of that session is left.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,15 +31,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # routerd's own port helper (stdlib only) from this checkout, in either venv
+from routerd._net import free_port  # noqa: E402  # importable only once ROOT is on the path
+
 SERVED_NAME = "tiny"
 MODEL_PLACEHOLDER = "/models/tiny"  # the temp model dir is replaced by this so captures are stable
 HTTP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_command(vllm_bin: Path, model_dir: Path, port: int) -> list[str]:

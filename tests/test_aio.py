@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from routerd import _aio
 from routerd.daemon import StopDeadline
-from routerd.ingress._queue_store import BatchWriter
+from routerd.ingress.queue.store import BatchWriter
 from tests.fixtures.redis_server import RedisServer
 
 

@@ -69,6 +69,51 @@ engine = "static"
     assert any(line.startswith("$.fleets[2].urls:") for line in lines)
 
 
+UNKNOWN_PLUGINS = """
+[routing]
+policy = "fastest"
+
+[[fleets]]
+name = "a"
+model = "m"
+engine = "sim"
+
+[[fleets]]
+name = "b"
+model = "m2"
+engine = "foo"
+
+[[fleets]]
+name = "c"
+model = "m3"
+engine = "static"
+urls = ["http://127.0.0.1:9"]
+"""
+UNKNOWN_PLUGIN_LINES = [
+    "$.routing.policy: unknown policy 'fastest' (installed: least_load, power_of_two, round_robin)",
+    "$.fleets[1].engine: unknown launcher 'foo' (installed: sim, vllm)",
+]
+
+
+def test_check_config_names_an_unknown_policy_and_launcher(tmp_path: Path) -> None:
+    """Both plugin names are checked against the installed entry points before anything starts (an
+    unknown engine used to pass check-config and fail later inside its Ray actor); static needs none."""
+    path = tmp_path / "plugins.toml"
+    path.write_text(UNKNOWN_PLUGINS)
+    result = _check(path)
+    assert result.returncode == 78
+    assert [line for line in result.stderr.splitlines() if line.startswith("$.")] == UNKNOWN_PLUGIN_LINES
+
+
+def test_run_refuses_an_unknown_policy_and_launcher_with_78(tmp_path: Path) -> None:
+    path = tmp_path / "plugins.toml"
+    path.write_text(UNKNOWN_PLUGINS)
+    result = subprocess.run([sys.executable, "-m", "routerd", "run", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 78
+    assert result.stdout.splitlines() == UNKNOWN_PLUGIN_LINES
+
+
 def test_not_toml_and_missing_file_exit_78(tmp_path: Path) -> None:
     bad = tmp_path / "x.toml"
     bad.write_text("[http\nport=1")

@@ -124,6 +124,15 @@ async def test_sighup_applies_keys_and_policy_and_rejects_a_bad_file(
         assert "UTF-8" in line
         async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
             assert r.status == 200
+        # So is a launcher that is not installed (it used to fail later, inside its engine's Ray actor).
+        unknown = json.loads(json.dumps(new))
+        unknown["fleets"].append({"name": "g", "model": "g", "engine": "nope"})
+        rp.rewrite_config(unknown)
+        rp.signal(signal.SIGHUP)
+        line = await asyncio.to_thread(rp.wait_notify, "STATUS=reload rejected", 10)
+        assert "$.fleets[1].engine: unknown launcher 'nope' (installed: sim, vllm)" in line
+        async with s.post(f"{rp.url}/v1/completions", json=body, headers=auth) as r:
+            assert r.status == 200
     assert rp.proc.poll() is None
     assert "reload_rejected" in rp.log()
 

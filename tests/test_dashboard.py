@@ -26,7 +26,7 @@ def _routerd_families() -> set[str]:
     reg = Registry()
     reg.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
     t = Telemetry()
-    t.attach(reg, lambda inst, now: "closed", lambda fleet: {
+    t.attach(reg, lambda fleet: {
         "active": 0, "queued_http": 0, "queued_queue": 0, "limit": 1, "admitted_total": 0,
         "rejected_total": 0, "expired_total": 0})
     t.attach_queue(lambda: {"done": 1}, lambda: {"backlog": 0}, lambda: False, lambda: 0)

@@ -19,7 +19,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from routerd.engine_actor import EngineActor, group_members
+from routerd.fleet.actor import EngineActor, group_members
 from routerd.plugins import LaunchSpec
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 
@@ -108,7 +108,7 @@ async def test_killed_supervisor_takes_its_engine_along(tmp_path: Path) -> None:
     """A parent that dies by SIGKILL (no clean-up runs): PDEATHSIG takes the engine down."""
     script = (
         "import asyncio, sys, msgspec\n"
-        "from routerd.engine_actor import EngineActor\n"
+        "from routerd.fleet.actor import EngineActor\n"
         "from routerd.plugins import LaunchSpec\n"
         "async def main():\n"
         "    spec = LaunchSpec(fleet='t', index=1, model='m', engine='sim')\n"
@@ -143,7 +143,7 @@ async def test_sigkill_of_the_ray_actor_leaves_no_engine(ray_cluster: RayTestClu
     import ray
 
     from routerd.config import RayConfig
-    from routerd.raycluster import RayCluster
+    from routerd.fleet.ray_cluster import RayCluster
 
     cluster = await RayCluster.connect(RayConfig(address=ray_cluster.address,
                                                  namespace=ray_cluster.namespace), tmp_path)

@@ -19,14 +19,15 @@ import pytest
 
 from routerd import config
 from routerd.config import Config
-from routerd.dataplane import DataPlane
-from routerd.engine_actor import group_members
-from routerd.fleet import FleetManager
+from routerd.dataplane import build_dataplane
+from routerd.fleet import FleetManager, RayCluster
+from routerd.fleet.actor import group_members
 from routerd.ingress.admin import add_admin_routes
-from routerd.raycluster import RayCluster
+from routerd.ingress.listener import HttpListener
 from routerd.registry import InstanceState, Registry
 from routerd.status import fetch, render
 from routerd.status import main as status_main
+from routerd.upstream import make_session
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -69,27 +70,29 @@ async def running(cfg: Config, *, http: bool = False, stop_engines: bool = True)
     """A FleetManager (and, with ``http``, the data plane with the admin routes) like the daemon wires it."""
     cluster = await RayCluster.connect(cfg.ray, config.state_dir(cfg))
     registry = Registry()
-    fm = FleetManager(cfg, registry, cluster)
     tasks: list[asyncio.Task[None]] = []
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            await fm.start()
-            tasks.append(asyncio.create_task(fm.run()))
-            r = Running(fm, registry, cluster)
-            if http:
-                dp = await stack.enter_async_context(DataPlane(cfg, registry))
-                r.url = await dp.start_http(lambda app: add_admin_routes(app, fm, ""), port=0)
-                assert dp.http is not None
-                dp.http.desired_replicas = fm.desired  # as the daemon wires it
-                tasks.append(asyncio.create_task(dp.run()))
+        async with make_session(cfg.routing) as session:  # one per process, as the daemon's
+            fm = FleetManager(cfg, registry, cluster, session)
             try:
-                yield r
+                async with contextlib.AsyncExitStack() as stack:
+                    await fm.start()
+                    tasks.append(asyncio.create_task(fm.run()))
+                    r = Running(fm, registry, cluster)
+                    if http:
+                        dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
+                        listener = await stack.enter_async_context(HttpListener(dp.http))
+                        r.url = await listener.start(lambda app: add_admin_routes(app, fm, ""), port=0)
+                        tasks.append(asyncio.create_task(dp.run()))
+                    try:
+                        yield r
+                    finally:
+                        for t in tasks:
+                            t.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await fm.shutdown(stop_engines=stop_engines)
     finally:
-        await fm.shutdown(stop_engines=stop_engines)
         await cluster.close()
 
 
@@ -218,7 +221,7 @@ async def test_restart_adopts_same_pids_and_replaces_changed_specs(ray_cluster: 
             return inst is not None and inst.state is InstanceState.READY and inst.pid not in old_pids
 
         await r.wait(renewed, 60, "ad:0 replaced with the new spec")
-        assert r.fm.slots["ad:0"].spec.engine_args["itl-ms"] == 4
+        assert r.fm.supervisors["ad:0"].slot.spec.engine_args["itl-ms"] == 4
         for pid, _, _ in before.values():
             assert pid is not None
             assert not group_members(pid)
@@ -274,7 +277,7 @@ async def test_reload_rolls_changed_specs_one_at_a_time(ray_cluster: RayTestClus
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         assert min_ready == 1  # never both out of rotation at once
-        assert all(s.spec.engine_args["itl-ms"] == 4 for s in r.fm.slots.values())
+        assert all(s.slot.spec.engine_args["itl-ms"] == 4 for s in r.fm.supervisors.values())
 
 
 async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluster: RayTestCluster,
@@ -296,7 +299,8 @@ async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluste
             await daemon.run()
         assert info.group_contains(OSError)
     assert daemon.fleets is not None
-    assert daemon.fleets._session is None  # no leaked aiohttp session
+    assert daemon.session is not None
+    assert daemon.session.closed  # no leaked aiohttp session
     assert not daemon.fleets._tasks  # no supervisor left running
 
 
@@ -321,4 +325,4 @@ async def test_an_actor_record_this_version_cannot_read_is_replaced(ray_cluster:
         await cluster.close()
     async with running(cfg) as r:  # start() used to raise here, so routerd could never start again
         await r.wait_ready("ur", 1)
-        assert r.fm.slots["ur:0"].spec.model == "sim-ur"
+        assert r.fm.supervisors["ur:0"].slot.spec.model == "sim-ur"

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from routerd.bench.failover import Load
-from routerd.engine_actor import group_members
+from routerd.fleet.actor import group_members
 from routerd.registry import Instance, InstanceState
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import SIM_ARGS, Running, make_cfg, running

@@ -13,8 +13,8 @@ import pytest
 from routerd_builtin.launchers import SimLauncher, VllmLauncher
 
 from routerd.config import RayConfig
+from routerd.fleet.ray_cluster import LocalHead, RayCluster, RayConnectError, short_temp_dir
 from routerd.plugins import LaunchSpec
-from routerd.raycluster import LocalHead, RayCluster, RayConnectError, short_temp_dir
 from tests.fixtures.ray_cluster import eventually
 
 

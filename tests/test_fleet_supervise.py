@@ -1,6 +1,6 @@
 """The fleet manager's supervision policy (restart, retire, shutdown, reload) without Ray.
 
-``FakeOps`` stands in for ``routerd._fleet_ops.EngineOps`` (the Ray-facing mechanism) so each race is
+``FakeOps`` stands in for ``routerd.fleet.engine.EngineOps`` (the Ray-facing mechanism) so each race is
 driven step by step; the Ray-backed behaviour is in test_fleet.py and test_fleet_failover.py.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,11 @@ import aiohttp
 import pytest
 
 from routerd import config
-from routerd._fleet_ops import EngineOps, Placement
 from routerd.config import Config, HealthConfig
-from routerd.dataplane import DataPlane
-from routerd.fleet import FleetManager, Slot
-from routerd.health import ProbeResult
-from routerd.raycluster import RayCluster
+from routerd.dataplane import build_dataplane
+from routerd.fleet import EngineOps, FleetManager, Placement, ProbeResult, RayCluster
+from routerd.ingress.listener import HttpListener
+from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
 from tests.fixtures.sim import SimEngineFactory
 
@@ -30,11 +29,11 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class FakeOps:
-    """EngineOps' interface as the fleet manager uses it; every engine step is a controllable event."""
+    """EngineOps' interface as the supervisors use it; every engine step is a controllable event."""
 
     def __init__(self) -> None:
         self.ready = asyncio.Event()  # wait_ready blocks until set (engine "starting")
-        self.placed = asyncio.Event()  # ensure_running blocks placement until set
+        self.placed = asyncio.Event()  # launch blocks placement until set
         self.placed.set()
         self.dead = asyncio.Event()  # the death sentinel resolves when set
         self.restarts: list[float] = []
@@ -45,25 +44,31 @@ class FakeOps:
     def pg_name(self, fleet: str, index: int) -> str:
         return f"pg:{fleet}:{index}"
 
-    async def ensure_running(self, slot: Slot, registry: Registry) -> None:
-        if slot.placement is None:
-            await self.placed.wait()
-            slot.placement = Placement(actor=f"actor:{slot.inst.id}", pg=None, bundle={"CPU": 1.0})
-            slot.inst.url = self.url
+    def _info(self) -> dict[str, Any]:
+        return {"url": self.url, "pid": None, "generation": 0, "alive": True}
 
-    async def wait_ready(self, slot: Slot, registry: Registry, health: HealthConfig) -> bool:
+    async def launch(self, spec: LaunchSpec, generation: int,
+                     report: Callable[[str], None]) -> tuple[Placement, dict[str, Any]]:
+        report("placing")
+        await self.placed.wait()
+        return Placement(actor=f"actor:{spec.fleet}:{spec.index}", pg=None, bundle={"CPU": 1.0}), self._info()
+
+    async def wait_ready(self, placement: Placement, spec: LaunchSpec, url: str, generation: int,
+                         health: HealthConfig) -> str | None:
         self.ready_calls += 1
         await self.ready.wait()
-        return True
+        return None
 
-    async def death_sentinel(self, slot: Slot) -> tuple[str, bool]:
+    async def death_sentinel(self, placement: Placement, generation: int) -> tuple[str, bool]:
         await self.dead.wait()
         return "process exited (rc=1)", False
 
-    async def restart(self, slot: Slot, registry: Registry, grace_s: float = 1.0) -> None:
+    async def restart(self, placement: Placement, spec: LaunchSpec, *, generation: int, pid: int | None,
+                      report: Callable[[str], None], grace_s: float = 1.0) -> dict[str, Any]:
         self.restarts.append(grace_s)
         self.dead = asyncio.Event()
-        registry.set_state(slot.inst, InstanceState.STARTING, "restarting")
+        report("restarting")
+        return self._info()
 
     async def dispose(self, actor: Any, pg_name: str, *, stop: bool) -> dict[str, Any]:
         self.disposed.append((actor, pg_name))
@@ -80,10 +85,17 @@ def make_cfg(tmp_path: Path, replicas: int = 0, max_num_seqs: int = 8, backoff_s
     }, environ={})
 
 
-def manager(cfg: Config) -> tuple[FleetManager, FakeOps, Registry]:
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """The process's one client session, as the daemon hands it to the fleet manager."""
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def manager(cfg: Config, session: aiohttp.ClientSession) -> tuple[FleetManager, FakeOps, Registry]:
     registry = Registry()
     cluster = RayCluster("127.0.0.1:1", "ns", owns_connection=False, local_head=True)  # never called
-    fm = FleetManager(cfg, registry, cluster)
+    fm = FleetManager(cfg, registry, cluster, session)
     ops = FakeOps()
     fm.ops = ops  # type: ignore[assignment]  # a fake of EngineOps' interface
     return fm, ops, registry
@@ -98,8 +110,9 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> No
         raise AssertionError(f"timed out waiting for {what}") from None
 
 
-async def test_admin_restart_while_starting_is_carried_out_once_ready(tmp_path: Path) -> None:
-    fm, ops, registry = manager(make_cfg(tmp_path))
+async def test_admin_restart_while_starting_is_carried_out_once_ready(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path), session)
     try:
         await fm.set_replicas("f", 1)
         await until(lambda: ops.ready_calls == 1, "the engine starting")
@@ -112,13 +125,14 @@ async def test_admin_restart_while_starting_is_carried_out_once_ready(tmp_path: 
         await fm.shutdown(stop_engines=False)
 
 
-async def test_a_late_heartbeat_failure_does_not_restart_twice(tmp_path: Path) -> None:
-    fm, ops, registry = manager(make_cfg(tmp_path, backoff_s=0.3))
+async def test_a_late_heartbeat_failure_does_not_restart_twice(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path, backoff_s=0.3), session)
     try:
         ops.ready.set()
         await fm.set_replicas("f", 1)
         await until(lambda: registry.ready_count("f") == 1, "ready")
-        inst = fm.slots["f:0"].inst
+        inst = fm.supervisors["f:0"].slot.inst
         ops.dead.set()  # the sentinel sees the death first ...
         await until(lambda: "restart 1 in" in inst.state_reason, "the restart backoff")
         await fm._on_failed(inst, ProbeResult.PROCESS_DEAD)  # ... then a probe that was in flight
@@ -130,13 +144,14 @@ async def test_a_late_heartbeat_failure_does_not_restart_twice(tmp_path: Path) -
         await fm.shutdown(stop_engines=False)
 
 
-async def test_an_instance_restarted_while_retiring_stays_out_of_rotation(tmp_path: Path) -> None:
-    fm, ops, registry = manager(make_cfg(tmp_path))
+async def test_an_instance_restarted_while_retiring_stays_out_of_rotation(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path), session)
     try:
         ops.ready.set()
         await fm.set_replicas("f", 1)
         await until(lambda: registry.ready_count("f") == 1, "ready")
-        inst = fm.slots["f:0"].inst
+        inst = fm.supervisors["f:0"].slot.inst
         inst.inflight = 1  # a long stream keeps the retirement draining
         await fm.set_replicas("f", 0)
         await until(lambda: inst.state is InstanceState.DRAINING, "draining")
@@ -146,25 +161,27 @@ async def test_an_instance_restarted_while_retiring_stays_out_of_rotation(tmp_pa
         assert registry.routable("f") == []  # about to be stopped: must take no new requests
         assert inst.state is InstanceState.DRAINING
         inst.inflight = 0
-        await until(lambda: "f:0" not in fm.slots, "retired")
+        await until(lambda: "f:0" not in fm.supervisors, "retired")
         assert ops.disposed == [("actor:f:0", "pg:f:0")]
         assert registry.get("f:0") is None
     finally:
         await fm.shutdown(stop_engines=False)
 
 
-async def test_shutdown_stopping_engines_removes_a_placement_still_pending(tmp_path: Path) -> None:
-    fm, ops, _ = manager(make_cfg(tmp_path))
+async def test_shutdown_stopping_engines_removes_a_placement_still_pending(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    fm, ops, _ = manager(make_cfg(tmp_path), session)
     ops.placed.clear()  # waiting for resources
     await fm.set_replicas("f", 1)
     await asyncio.sleep(0.02)
-    assert fm.slots["f:0"].placement is None
+    assert fm.supervisors["f:0"].slot.placement is None
     await fm.shutdown(stop_engines=True)
     assert ops.disposed == [(None, "pg:f:0")]
 
 
-async def test_reload_applies_max_num_seqs_to_running_instances(tmp_path: Path) -> None:
-    fm, ops, registry = manager(make_cfg(tmp_path, replicas=1, max_num_seqs=8))
+async def test_reload_applies_max_num_seqs_to_running_instances(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    fm, ops, registry = manager(make_cfg(tmp_path, replicas=1, max_num_seqs=8), session)
     try:
         ops.ready.set()
         await fm.set_replicas("f", 1)
@@ -172,28 +189,29 @@ async def test_reload_applies_max_num_seqs_to_running_instances(tmp_path: Path) 
         assert registry.instances("f")[0].capacity == 8
         await fm.apply(make_cfg(tmp_path, replicas=1, max_num_seqs=32))
         assert registry.instances("f")[0].capacity == 32  # as for static fleets; no relaunch needed
-        assert not fm.slots["f:0"].stale
+        assert not fm.supervisors["f:0"].slot.stale
     finally:
         await fm.shutdown(stop_engines=False)
 
 
 async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
-        tmp_path: Path, sim_engine: SimEngineFactory) -> None:
+        tmp_path: Path, sim_engine: SimEngineFactory, session: aiohttp.ClientSession) -> None:
     """The restart comes only after the backoff; a stream on the hung engine must not wait for it
     (or for read_timeout_s): it ends at once with the terminal error event."""
     eng = await sim_engine(model="m", itl_ms=20)
     cfg = make_cfg(tmp_path, backoff_s=1.0)  # the fake restart never touches the engine anyway
-    fm, ops, registry = manager(cfg)
+    fm, ops, registry = manager(cfg, session)
     ops.url = eng.url
     try:
         ops.ready.set()
         await fm.set_replicas("f", 1)
         await until(lambda: registry.ready_count("f") == 1, "ready")
-        inst = fm.slots["f:0"].inst
-        async with DataPlane(cfg, registry) as dp, aiohttp.ClientSession() as session:
-            url = await dp.start_http(port=0)
+        inst = fm.supervisors["f:0"].slot.inst
+        dp = build_dataplane(cfg, registry, session)
+        async with HttpListener(dp.http) as listener, aiohttp.ClientSession() as client:
+            url = await listener.start(port=0)
             body = {"model": "m", "prompt": "hi", "max_tokens": 2000, "stream": True}
-            async with session.post(url + "/v1/completions", json=body) as r:
+            async with client.post(url + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 await r.content.readline()  # the first event: streaming
                 eng.faults.set(hang=True)  # the engine hangs with its socket open
@@ -210,7 +228,8 @@ async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
         await fm.shutdown(stop_engines=False)
 
 
-async def test_the_launched_fleets_heartbeats_leave_static_instances_alone(tmp_path: Path) -> None:
+async def test_the_launched_fleets_heartbeats_leave_static_instances_alone(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
     """With launched and static fleets side by side, the fleet manager's monitor (actor probes) must not
     probe a static instance: it has no actor, and would be reported ``actor_dead`` in status."""
     cfg = config.parse({
@@ -219,7 +238,7 @@ async def test_the_launched_fleets_heartbeats_leave_static_instances_alone(tmp_p
         "fleets": [{"name": "f", "model": "m", "engine": "sim", "replicas": 0},
                    {"name": "s", "model": "m2", "engine": "static", "urls": ["http://127.0.0.1:9"]}],
     }, environ={})
-    fm, _, registry = manager(cfg)
+    fm, _, registry = manager(cfg, session)
     static = registry.add(Instance(id="s:static0", fleet="s", url="http://127.0.0.1:9",
                                    state=InstanceState.READY))
     task = asyncio.create_task(fm.run())
@@ -263,13 +282,13 @@ class OfflineCluster(RayCluster):
 
 @pytest.mark.parametrize(("address", "local", "reaped"), [("10.255.0.1:6379", False, False),
                                                           ("127.0.0.1:6379", True, True)])
-async def test_dispose_reaps_a_process_group_only_on_a_local_cluster(tmp_path: Path, address: str,
-                                                                     local: bool, reaped: bool) -> None:
+async def test_dispose_reaps_a_process_group_only_on_a_local_cluster(
+        tmp_path: Path, address: str, local: bool, reaped: bool, session: aiohttp.ClientSession) -> None:
     # An engine's pid on another node says nothing about this one: here it may be anybody's group.
     bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)  # noqa: ASYNC220  # fork+exec returns at once
     try:
         ops = EngineOps(OfflineCluster(address, "ns", owns_connection=False, local_head=local),
-                        str(tmp_path), time.monotonic)
+                        str(tmp_path), time.monotonic, session)
         report = await ops.dispose(FakeActor(bystander.pid), "pg:f:0", stop=True)
         await asyncio.sleep(0.1)
         assert (bystander.poll() is not None) is reaped

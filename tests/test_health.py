@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from routerd.config import HealthConfig
-from routerd.health import (
+from routerd.fleet.health import (
     ActorProbe,
     HealthMonitor,
     HealthTracker,
@@ -79,12 +79,12 @@ def test_dead_process_or_actor_fails_at_once(clock: Clock, kwargs: dict[str, obj
     assert t.record(result) is Verdict.FAILED
 
 
-def test_failed_is_sticky_until_reset(clock: Clock) -> None:
+def test_failed_is_sticky(clock: Clock) -> None:
+    """Good probes after FAILED change nothing: only a new engine (a new tracker) is healthy again."""
     t = HealthTracker(CFG, clock)
     t.record(ProbeResult.PROCESS_DEAD)
     assert t.record(t.classify(OK)) is Verdict.FAILED
-    t.reset()
-    assert t.record(t.classify(OK)) is Verdict.HEALTHY
+    assert t.record(t.classify(OK)) is Verdict.FAILED
 
 
 def test_slow_answer_while_tokens_advance_is_busy_not_a_miss(clock: Clock) -> None:

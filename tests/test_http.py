@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, cast
 import aiohttp
 import pytest
 
-from routerd.dataplane import DataPlane
+from routerd.dataplane import DataPlane, running_dataplane
 from routerd.errors import BadRequest
 from routerd.ingress.admin import add_admin_routes
 from routerd.ingress.http import parse_request
+from routerd.ingress.listener import HttpListener
 from routerd.registry import Registry
 from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane, plane_config
 
@@ -57,6 +58,12 @@ async def error_of(resp: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
     (CHAT, b'{"model": "m", "messages": "hi"}', "messages"),
     (CHAT, b'{"model": "m", "messages": [], "stream": "yes"}', "stream"),
     (COMP, b'{"model": "m", "prompt": 5}', "prompt"),
+    # the queue's rules for a job's body, now the HTTP ingress's too (routerd.ingress.validate)
+    (CHAT, b'{"model": "", "messages": [{"role": "user", "content": "x"}]}', "model"),
+    (CHAT, b'{"model": "m", "messages": []}', "messages"),
+    (CHAT, b'{"model": "m", "messages": ["x"]}', "messages"),
+    (COMP, b'{"model": "m", "prompt": ""}', "prompt"),
+    (COMP, b'{"model": "m", "prompt": [ ]}', "prompt"),
     (COMP, b'{"model": "m"}', "prompt"),
 ])
 async def test_malformed_requests_are_400(plane: RunningPlane, client: aiohttp.ClientSession,
@@ -69,7 +76,8 @@ async def test_malformed_requests_are_400(plane: RunningPlane, client: aiohttp.C
 
 def test_parse_request_accepts_what_clients_send() -> None:
     assert parse_request(COMP, b'{"model":"m","prompt":["a","b"],"stream":true,"n":2}') == ("m", True)
-    assert parse_request(CHAT, b'{"model":"m","messages":[],"stream":null}') == ("m", False)
+    assert parse_request(CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":null}'
+                         ) == ("m", False)
     with pytest.raises(BadRequest):
         parse_request(COMP, b'{"model":"m","prompt":null}')
 
@@ -98,12 +106,12 @@ async def test_reload_applies_the_body_limit(scripted_engine: EngineFactory, dat
         yield big[:1000]
         yield big[1000:]
 
-    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 8192}))
+    p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 8192}))
     async with client.post(p.url + COMP, data=big) as r:
         assert r.status == 200, await r.text()
     async with client.post(p.url + COMP, data=chunks()) as r:  # no Content-Length
         assert r.status == 200, await r.text()
-    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 1024}))
+    p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 1024}))
     async with client.post(p.url + COMP, data=chunks()) as r:
         await error_of(r, 413)
 
@@ -206,7 +214,7 @@ async def test_reload_swaps_keys_policy_and_static_urls(
     old = await scripted_engine()
     new = await scripted_engine()
     p = await dataplane([old.url])
-    await p.dp.apply(plane_config([new.url], http={"api_keys": ["k"]}, routing={"policy": "round_robin"}))
+    p.dp.apply(plane_config([new.url], http={"api_keys": ["k"]}, routing={"policy": "round_robin"}))
     body = {"model": "m", "prompt": "x"}
     async with client.post(p.url + COMP, json=body) as r:
         await error_of(r, 401)
@@ -227,17 +235,17 @@ async def test_drain_stops_intake_keeps_streams_then_ends_them_with_an_error_eve
     body = {"model": "m", "prompt": "x", "stream": True}
     async with client.post(p.url + COMP, json=body) as r:
         assert await r.content.readline()  # the stream is flowing
-        await p.dp.stop_intake()
+        await p.listener.stop_intake()
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession() as fresh, fresh.post(p.url + COMP, json=body):
                 pass  # the listener is closed: new clients are refused
-        assert not await p.dp.wait_idle(0.1)  # the open stream holds the drain
-        await p.dp.close_streams("routerd is shutting down")
+        assert not await p.listener.wait_idle(0.1)  # the open stream holds the drain
+        await p.listener.close_streams("routerd is shutting down")
         text = await r.text()
     events = [e for e in text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     assert "routerd is shutting down" in events[-2]
-    assert await p.dp.wait_idle(1.0)
+    assert await p.listener.wait_idle(1.0)
     await p.wait_for(lambda: eng.cancelled == 1, timeout=3, what="engine request aborted")
     await p.wait_for(lambda: p.inflight() == 0, what="in-flight released")
 
@@ -339,9 +347,11 @@ class _Fleets:
 async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, DataPlane, _Fleets]]:
     """A data plane with the admin write routes, listening on ``host``."""
     fleets = _Fleets()
-    async with DataPlane(plane_config(urls, http={"host": host}), Registry()) as dp:
-        url = await dp.start_http(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
-                                                               lambda: dp.cfg.http.admin_api_key), port=0)
+    cfg = plane_config(urls, http={"host": host})
+    async with running_dataplane(cfg, Registry()) as dp, HttpListener(dp.http) as listener:
+        url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
+                                                                lambda: dp.http.cfg.http.admin_api_key),
+                                   port=0)
         yield url, dp, fleets
 
 
@@ -372,7 +382,7 @@ async def test_admin_routes_without_a_key_answer_loopback_only(scripted_engine: 
                 err = await error_of(r, 401)
                 assert "loopback" in err["message"], path
         assert fleets.calls == []
-        await dp.apply(plane_config([eng.url], http={"host": addr, "admin_api_key": "adm"}))
+        dp.apply(plane_config([eng.url], http={"host": addr, "admin_api_key": "adm"}))
         for method, path, body in ADMIN_ROUTES:  # with a key, any address that has it
             async with client.request(method, url + path, json=body,
                                       headers={"Authorization": "Bearer adm"}) as r:

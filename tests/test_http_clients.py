@@ -271,8 +271,8 @@ async def test_drain_answers_requests_still_receiving_their_body_at_once(
     async with raw_connection(p) as (reader, writer):
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: routerd\r\nContent-Length: 100\r\n\r\n{")
         await p.wait_for(lambda: p.dp.http is not None and len(p.dp.http.handlers) == 1, what="body awaited")
-        await p.dp.stop_intake()
-        assert await p.dp.wait_idle(5.0)  # not the body timeout's 60 s
+        await p.listener.stop_intake()
+        assert await p.listener.wait_idle(5.0)  # not the body timeout's 60 s
         err = openai_error(await read_until_closed(reader, timeout=5.0), 503)
     assert "shutting down" in err["message"]
     assert eng.requests == 0

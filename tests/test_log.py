@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,80 @@ def test_no_secret_reaches_a_log_line_json_or_console() -> None:
             checked = next(d for d in lines if d["event"] == "checked")
             assert checked["header"] == "Bearer ***"
             assert checked["api_keys"] == "***"
+
+
+MODULE_LOGGERS_SCRIPT = textwrap.dedent("""
+    import importlib, json, logging, pkgutil, sys, types
+    import routerd
+    from routerd import log
+    log.setup("info", json=True)
+    found = []
+    for info in pkgutil.walk_packages(routerd.__path__, "routerd."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for attr in ("_log", "_logger"):
+            logger = getattr(module, attr, None)
+            if logger is None or isinstance(logger, types.FunctionType | types.ModuleType):
+                continue
+            logger.info("module_logger_probe", module=info.name)
+            found.append(info.name)
+    logging.getLogger("aiohttp.server").warning("stdlib_probe")
+    print(json.dumps({"event": "modules", "found": found}))
+""")
+
+
+def test_every_line_carries_its_component() -> None:
+    """Every module's logger, and a stdlib logger's line, says which component wrote it: the field an
+    operator filters journald by (``structlog.get_logger(name)`` used to drop it for fleet and health)."""
+    out = subprocess.run([sys.executable, "-c", MODULE_LOGGERS_SCRIPT], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    lines = [json.loads(line) for line in out.splitlines()]
+    found = next(d["found"] for d in lines if d["event"] == "modules")
+    assert {"routerd.fleet.manager", "routerd.fleet.supervisor", "routerd.fleet.engine",
+            "routerd.fleet.health", "routerd.fleet.ray_cluster", "routerd.fleet.static", "routerd.daemon",
+            "routerd.upstream", "routerd.ingress.http", "routerd.sim.server"} <= set(found)
+    probes = [d for d in lines if d["event"] == "module_logger_probe"]
+    assert len(probes) == len(found)
+    missing = [d["module"] for d in probes if not d.get("component", "").startswith("routerd.")]
+    assert missing == []
+    by_module = {d["module"]: d["component"] for d in probes}
+    fleet_parts = ("routerd.fleet.manager", "routerd.fleet.supervisor", "routerd.fleet.engine")
+    assert {by_module[m] for m in fleet_parts} == {"routerd.fleet"}  # one component, as before the split
+    assert by_module["routerd.fleet.health"] == "routerd.health"
+    stdlib = next(d for d in lines if d["event"] == "stdlib_probe")
+    assert stdlib["component"] == "aiohttp.server"
+
+
+ONE_WRITE_SCRIPT = textwrap.dedent("""
+    import io, json, logging, sys
+    real = sys.stdout
+
+    class Recording(io.TextIOBase):  # what the process's stdout is asked to write, call by call
+        calls = []
+        def write(self, s):
+            self.calls.append(s)
+            return len(s)
+
+    sys.stdout = Recording()
+    from routerd import log
+    log.setup("info", json=True)
+    logger = log.get("routerd.test")
+    logger.info("request", status=200, duration_ms=1.5)
+    logger.warning("slow", ms=900)
+    logging.getLogger("aiohttp.server").warning("from stdlib %s", "aiohttp")
+    real.write(json.dumps(Recording.calls))
+""")
+
+
+def test_each_line_goes_out_in_one_write() -> None:
+    """Under systemd stdout is unbuffered (PYTHONUNBUFFERED=1), so every write() is a syscall and a
+    reader of the pipe may see it alone: a line and its newline must leave together, once per line."""
+    out = subprocess.run([sys.executable, "-c", ONE_WRITE_SCRIPT], capture_output=True, text=True,
+                         timeout=60, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}).stdout
+    calls = json.loads(out)
+    assert len(calls) == 3
+    for call in calls:
+        assert call.endswith("\n")
+        assert call.count("\n") == 1
+        json.loads(call)

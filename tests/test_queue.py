@@ -12,9 +12,12 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
+from routerd.errors import BadRequest
+from routerd.ingress.http import parse_request
 from routerd.jobs import decode_result
 from tests.fixtures.redis_server import (
     FakeUpstream,
@@ -108,6 +111,45 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(
         assert res["error"]["code"] == code
     assert bench.upstream.calls == {good.id: 1}  # no bad message reached an engine
     assert await redis_async.xlen("routerd:requests") == 0
+
+
+# Bodies routerd will not send an engine, whichever way they come in: (endpoint, body, the field named).
+BAD_BODIES = [
+    ("/v1/chat/completions", {"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
+    ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": ["x"]}, "messages"),
+    ("/v1/completions", {"model": "m", "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": "m", "prompt": 5}, "prompt"),
+    ("/v1/completions", {"model": "m", "prompt": "p", "stream": "yes"}, "stream"),
+]
+
+
+async def test_a_jobs_body_is_checked_as_an_http_requests_body(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    """A producer gets the HTTP ingress's answer for the same body: the bodies HTTP rejects are
+    dead-lettered naming the same field, and what HTTP accepts (``stream: null``) runs."""
+    for endpoint, body, param in BAD_BODIES:
+        with pytest.raises(BadRequest) as err:
+            parse_request(endpoint, msgspec.json.encode(body))
+        assert err.value.param == param
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    q = QueueClient(redis_async)
+    bad = [await q.submit(body, endpoint=endpoint) for endpoint, body, _ in BAD_BODIES]
+    null_stream = await q.submit({**BODY, "stream": None})
+    await bench.start()
+    try:
+        assert (await q.wait(null_stream, timeout=10)).status == "ok"
+        results = {job.id: await q.wait(job, timeout=10) for job in bad}
+    finally:
+        await bench.stop()
+    for job, (_, _, param) in zip(bad, BAD_BODIES, strict=True):
+        res = results[job.id]
+        assert res.status == "error"
+        assert res.error is not None
+        assert res.error["code"] == 400
+        assert res.error["message"].startswith(f"body.{param}:"), res.error
+    assert bench.upstream.calls == {null_stream.id: 1}  # no bad body reached an engine
+    assert await redis_async.xlen("routerd:dead") == len(BAD_BODIES)
 
 
 async def _xlen(r: aioredis.Redis, key: str, n: int) -> bool:

@@ -133,8 +133,9 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
             await client.aclose()
 
 
-async def test_daemon_wiring_embedded_redis_and_factories(tmp_path: Path) -> None:
-    """The way the daemon builds the queue path: embedded Redis, then factories for the data plane."""
+async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
+    """The way the daemon builds the queue path: embedded Redis, then the queue over the data plane's
+    upstream and admission."""
     from routerd.admission import Admission
     from routerd.ingress.queue import QueueIngress
     from routerd.registry import Instance, InstanceState, Registry
@@ -143,13 +144,9 @@ async def test_daemon_wiring_embedded_redis_and_factories(tmp_path: Path) -> Non
         cfg = queue_config("embedded")
         registry = Registry()
         registry.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
-        plane: dict[str, Any] = {}
-        queue = QueueIngress.from_config(cfg, url=url, registry=registry,
-                                         upstream_factory=lambda: plane["upstream"],
-                                         admission_factory=lambda: plane["admission"])
+        queue = QueueIngress.from_config(cfg, url=url, registry=registry, upstream=FakeUpstream(),
+                                         admission=Admission(registry, cfg.admission))
         async with queue:
-            plane["upstream"] = FakeUpstream()  # built after Redis, as the daemon's data plane is
-            plane["admission"] = Admission(registry, cfg.admission)
             task = asyncio.create_task(queue.run())
             client = aioredis.Redis.from_url(url, socket_timeout=5)
             try:

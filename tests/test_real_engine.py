@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from routerd.engine_actor import group_members
+from routerd.fleet.actor import group_members
 from routerd.registry import InstanceState
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import make_cfg, running

@@ -15,6 +15,8 @@ from routerd.errors import NoReadyInstance
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 from routerd.router import CircuitBreaker, Router
 from routerd.scraper import Scraper
+from routerd.status import render
+from routerd.telemetry import Telemetry
 
 
 class Clock:
@@ -102,23 +104,23 @@ def test_circuit_opens_after_threshold_and_half_opens_after_cooldown(clock: Cloc
     assert not br.failure(bad)
     assert not br.failure(bad)
     assert br.failure(bad)  # third in a row opens it
-    assert br.state(bad, clock.t) == "open"
+    assert bad.circuit(clock.t) == "open"
     good.inflight = 100  # even far busier, the open one is not chosen
     assert {router.pick("f").id for _ in range(10)} == {"f:1"}
     clock.t += 5.1
-    assert br.state(bad, clock.t) == "half_open"
+    assert bad.circuit(clock.t) == "half_open"
     good.inflight = 100
     assert router.pick("f") is bad  # the one trial
     assert br.begin(bad)
     assert router.pick("f") is good  # no second trial while the first is out
     br.end(bad)
     br.failure(bad)  # trial failed: open again for a whole cool-down
-    assert br.state(bad, clock.t) == "open"
+    assert bad.circuit(clock.t) == "open"
     clock.t += 5.1
     br.begin(bad)
     br.success(bad)
     br.end(bad)
-    assert br.state(bad, clock.t) == "closed"
+    assert bad.circuit(clock.t) == "closed"
     assert bad.consecutive_failures == 0
 
 
@@ -135,10 +137,35 @@ def test_one_opening_per_transition_from_closed(clock: Clock) -> None:
         assert br.begin(inst)
         assert not br.failure(inst)
         br.end(inst)
-        assert br.state(inst, clock.t) == "open"
+        assert inst.circuit(clock.t) == "open"
     clock.t += 5.1
     br.success(inst)
     assert [br.failure(inst) for _ in range(2)] == [False, True]  # closed again: a new opening counts
+
+
+def test_every_view_shows_the_breakers_three_states(clock: Clock) -> None:
+    """Status (the admin replies and ``/admin/fleets``), ``/metrics`` and ``routerd status`` read the one
+    circuit state: a cooled-down circuit is ``half_open`` everywhere — not ``closed`` in some replies."""
+    reg, router = make(clock, 1, circuit_failure_threshold=1, circuit_cooldown_s=5.0)
+    inst = reg.instances("f")[0]
+    telemetry = Telemetry()
+    telemetry.attach(reg, clock=clock)
+
+    def views() -> tuple[str, str, float, str]:
+        st = inst.status(clock.t)
+        metric = next(line for line in telemetry.render().decode().splitlines()
+                      if line.startswith("routerd_circuit_state{"))
+        row = next(line for line in render({"fleets": {"f": {"instances": [st]}}}).splitlines()
+                   if line.startswith("f:0"))
+        return st["circuit"], row.split()[2], float(metric.rsplit(" ", 1)[1]), str(inst.circuit(clock.t))
+
+    assert views() == ("closed", "closed", 0.0, "closed")
+    router.breaker.failure(inst)
+    assert views() == ("open", "open", 2.0, "open")
+    assert inst.status(clock.t)["consecutive_failures"] == 1
+    clock.t += 5.1
+    assert views() == ("half_open", "half_open", 1.0, "half_open")
+    assert reg.routable("f") == [inst]  # half-open: the trial may go there
 
 
 def test_success_resets_the_failure_run(clock: Clock) -> None:
@@ -149,7 +176,7 @@ def test_success_resets_the_failure_run(clock: Clock) -> None:
     br.failure(inst)
     br.success(inst)
     assert not br.failure(inst)
-    assert br.state(inst, clock.t) == "closed"
+    assert inst.circuit(clock.t) == "closed"
 
 
 def test_policy_swap_on_config_update(clock: Clock) -> None:

@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from routerd.config import HealthConfig
-from routerd.dataplane import DataPlane
-from routerd.registry import InstanceState, Registry
+from routerd.dataplane import build_dataplane, running_dataplane
+from routerd.ingress.listener import HttpListener
+from routerd.registry import Instance, InstanceState, Registry
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 
@@ -32,16 +33,11 @@ BOUND_S = HEALTH.heartbeat_timeout_s + 1.2 * HEALTH.heartbeat_interval_s + 1.5
 async def static_plane(urls: list[str], **routing: Any) -> AsyncIterator[RunningPlane]:
     cfg = msgspec.structs.replace(plane_config(urls, routing=routing), health=HEALTH)
     registry = Registry()
-    async with DataPlane(cfg, registry) as dp:
-        url = await dp.start_http(port=0)
-        task = asyncio.create_task(dp.run())
-        try:
-            plane = RunningPlane(url=url, dp=dp, registry=registry)
-            await plane.wait_ready(len(urls))
-            yield plane
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async with running_dataplane(cfg, registry) as dp, HttpListener(dp.http) as listener:
+        url = await listener.start(port=0)
+        plane = RunningPlane(url=url, dp=dp, registry=registry, listener=listener)
+        await plane.wait_ready(len(urls))
+        yield plane
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, events: list[bytes], first: asyncio.Event,
@@ -143,3 +139,20 @@ async def test_static_engine_that_answers_but_makes_no_progress_is_failed(
         inst = plane.registry.get(victim_id)
         assert inst is not None
         assert inst.state_reason == "heartbeat: stalled"
+
+
+async def test_static_is_the_instance_field_not_its_id() -> None:
+    """A reload syncs the instances marked static and no other: one whose id merely looks static (a
+    fleet manager's, say) stays, and it is never heartbeaten as a static instance."""
+    cfg = plane_config(["http://127.0.0.1:9/"])
+    registry = Registry()
+    lookalike = registry.add(Instance(id="f:static7", fleet="f", url="http://127.0.0.1:8"))
+    async with aiohttp.ClientSession() as session:
+        plane = build_dataplane(cfg, registry, session)
+        plane.apply(cfg)
+    static = registry.get("f:static0")
+    assert static is not None
+    assert static.static
+    assert static.url == "http://127.0.0.1:9"
+    assert registry.get("f:static7") is lookalike
+    assert [i.id for i in plane.static_health.instances()] == ["f:static0"]

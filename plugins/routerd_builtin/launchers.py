@@ -67,7 +67,7 @@ class VllmLauncher:
     drops Ray's ``OMP_NUM_THREADS=1`` (the actor has it; the engine would run single-threaded) and on the
     CPU platform pins one core per TP rank (``VLLM_CPU_OMP_THREADS_BIND='0|1'``), without which TP>1 fails
     its NUMA check. ``distributed-executor-backend = "ray"`` in engine_args selects the multi-node pattern
-    (vLLM creates its own placement group on the cluster in RAY_ADDRESS; see routerd.fleet).
+    (vLLM creates its own placement group on the cluster in RAY_ADDRESS; see routerd.fleet.manager).
     """
 
     name = "vllm"

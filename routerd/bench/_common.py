@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,14 +27,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from .._net import free_port
 from ..config import Config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -215,7 +208,8 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
 
 # the data-plane process ---------------------------------------------------------------------
 async def _serve_plane(spec: dict[str, Any]) -> None:
-    from ..dataplane import DataPlane
+    from ..dataplane import running_dataplane
+    from ..ingress.listener import HttpListener
     from ..registry import Registry
 
     cfg = msgspec.convert(spec["config"], Config)
@@ -224,16 +218,13 @@ async def _serve_plane(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    async with DataPlane(cfg, registry) as dp:
+    async with running_dataplane(cfg, registry) as dp, HttpListener(dp.http) as listener:
         # A static fleet's capacity comes from its config; the benchmark's mixed fleet says it per URL.
         for inst in registry:
             inst.capacity_hint = int(spec["capacities"].get(inst.id, inst.capacity_hint))
-        await dp.start_http()
-        task = asyncio.create_task(dp.run())
+        await listener.start()
         await stop.wait()
-        await dp.stop_intake()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await listener.stop_intake()
 
 
 def main(argv: list[str]) -> int:

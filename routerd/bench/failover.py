@@ -79,7 +79,8 @@ class Load:
 @contextlib.contextmanager
 def _own_head() -> Any:
     """A throwaway ``ray start --head --block`` (4 declared GPUs) torn down by SIGTERM at the end."""
-    from routerd.raycluster import free_port, ray_binary, ray_env
+    from routerd._net import free_port
+    from routerd.fleet.ray_cluster import ray_binary, ray_env
 
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
@@ -102,28 +103,33 @@ def _own_head() -> Any:
 @contextlib.asynccontextmanager
 async def _routerd(cfg: Any) -> AsyncIterator[tuple[Any, Any, str]]:
     from routerd import config as config_mod
-    from routerd.dataplane import DataPlane
-    from routerd.fleet import FleetManager
-    from routerd.raycluster import RayCluster
+    from routerd.dataplane import build_dataplane
+    from routerd.fleet import FleetManager, RayCluster
+    from routerd.ingress.listener import HttpListener
     from routerd.registry import Registry
+    from routerd.upstream import make_session
 
     cluster = await RayCluster.connect(cfg.ray, config_mod.state_dir(cfg))
     registry = Registry()
-    fm = FleetManager(cfg, registry, cluster)
     tasks: list[asyncio.Task[None]] = []
     try:
-        await fm.start()
-        async with DataPlane(cfg, registry) as dp:
-            url = await dp.start_http(port=0)
-            tasks = [asyncio.create_task(fm.run()), asyncio.create_task(dp.run())]
+        async with make_session(cfg.routing) as session:  # one per process, as the daemon's
+            fm = FleetManager(cfg, registry, cluster, session)
             try:
-                yield fm, registry, url
+                await fm.start()
+                dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
+                async with HttpListener(dp.http) as listener:
+                    url = await listener.start(port=0)
+                    tasks = [asyncio.create_task(fm.run()), asyncio.create_task(dp.run())]
+                    try:
+                        yield fm, registry, url
+                    finally:
+                        for t in tasks:
+                            t.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await fm.shutdown(stop_engines=True)
     finally:
-        await fm.shutdown(stop_engines=True)
         await cluster.close()
 
 

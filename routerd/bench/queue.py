@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from .. import log
+from .._net import free_port
 from ..client import QueueClient
 from ..config import Config, load, parse
 from ..ingress.queue import QueueIngress
@@ -46,18 +46,12 @@ from ..registry import Registry
 @contextlib.asynccontextmanager
 async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> AsyncIterator[QueueIngress]:
     """The data plane (static fleets: scraped, health-checked, routed) plus the queue consumer."""
-    from ..dataplane import DataPlane  # the data plane pulls in aiohttp's server side; only here
+    from ..dataplane import running_dataplane  # the data plane pulls in aiohttp's server side; only here
 
     registry = Registry()
-    async with DataPlane(cfg, registry) as dp:
-        ingress = QueueIngress(cfg, lambda: redis_client(url, cfg.redis), dp.upstream, dp.admission,
-                               registry, consumer=consumer)
-        async with asyncio.TaskGroup() as tg:
-            plane = tg.create_task(dp.run(), name="dataplane")
-            try:
-                yield ingress
-            finally:
-                plane.cancel()
+    async with running_dataplane(cfg, registry) as dp:
+        yield QueueIngress(cfg, lambda: redis_client(url, cfg.redis), dp.upstream, dp.admission, registry,
+                           consumer=consumer)
 
 
 async def wait_ready(ingress: QueueIngress, fleets: list[str], timeout: float) -> None:
@@ -109,13 +103,6 @@ async def _serve(cfg: Config, consumer: str | None) -> int:
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 # A simulated engine in its own process (so it has its own core), through the sim's public API.
 _ENGINE = """
 import asyncio, sys

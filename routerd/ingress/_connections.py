@@ -143,7 +143,7 @@ class ClientConnections:
         timer: asyncio.TimerHandle | None = None
         if request.body_exists and not request.content.is_eof():
             self._receiving[request.content] = request.protocol
-            timer = asyncio.get_running_loop().call_later(
+            timer = (conn._timers if conn is not None else asyncio.get_running_loop()).call_later(
                 self.cfg.client_body_timeout_s, self._body_expired, request, conn)
         try:
             try:
@@ -189,12 +189,14 @@ class ClientConnections:
 class ClientConnection(web.RequestHandler):
     """aiohttp's HTTP protocol with the header and write timeouts and the connection bound."""
 
-    __slots__ = ("_busy", "_header_timer", "_last_body", "_limits", "_partial", "_refused", "_write_timer",
-                 "close_reason")
+    __slots__ = ("_busy", "_header_timer", "_last_body", "_limits", "_partial", "_refused", "_timers",
+                 "_write_timer", "close_reason")
 
-    def __init__(self, manager: web.Server, limits: ClientConnections, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
+    def __init__(self, manager: web.Server, limits: ClientConnections, *, loop: asyncio.AbstractEventLoop,
+                 **kwargs: Any) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
         self._limits = limits
+        self._timers = loop  # kept: Python 3.11's get_running_loop() is a getpid() syscall per call
         self._refused = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -229,7 +231,7 @@ class ClientConnection(web.RequestHandler):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None and not self._refused:
-            self._write_timer = asyncio.get_running_loop().call_later(
+            self._write_timer = self._timers.call_later(
                 self._limits.cfg.client_write_timeout_s, self._write_expired)
 
     def resume_writing(self) -> None:
@@ -289,10 +291,10 @@ class ClientConnection(web.RequestHandler):
             transport.write_eof()
         # The client normally reads the answer and closes; this bounds one that does not (the header
         # timer's slot is free: a refused connection has no header phase).
-        self._header_timer = asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, transport.close)
+        self._header_timer = self._timers.call_later(_REFUSED_LINGER_S, transport.close)
 
     def _arm_header_timer(self) -> None:
-        self._header_timer = asyncio.get_running_loop().call_later(
+        self._header_timer = self._timers.call_later(
             self._limits.cfg.client_header_timeout_s, self._header_expired)
 
     def _header_expired(self) -> None:

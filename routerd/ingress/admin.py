@@ -2,22 +2,21 @@
 
 ``GET /admin/fleets`` (the read side) belongs to the HTTP ingress; these are the write side, added to
 the same application by the daemon with ``add_admin_routes(app, fleet_manager, admin_key)``. Every admin
-route, read or write, goes through :func:`authorize_admin`: with an admin key set, a call needs
-``Authorization: Bearer <key>``; without one it answers only a loopback peer (the default config binds
-127.0.0.1), so a misconfigured public listener neither shows nor restarts engines.
+route, read or write, goes through :func:`routerd.ingress.auth.check_admin`: with an admin key set, a call
+needs ``Authorization: Bearer <key>``; without one it answers only a loopback peer (the default config
+binds 127.0.0.1), so a misconfigured public listener neither shows nor restarts engines.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from ..errors import BadRequest, NotFound, RouterdError, Unauthorized
+from ..errors import BadRequest, NotFound
+from .auth import check_admin
 
 if TYPE_CHECKING:
     from ..fleet import FleetManager
@@ -32,33 +31,6 @@ class _Replicas(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Drain(msgspec.Struct, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(ge=0, le=_MAX_DRAIN_WAIT_S)] = 30.0
-
-
-def _error(err: RouterdError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
-
-
-def authorize_admin(request: web.Request, admin_key: str) -> None:
-    """The one rule for every admin route: the admin key when one is set, else a loopback peer.
-
-    "Loopback" is the TCP peer: behind a reverse proxy on the same host every client looks local, so
-    such a deployment sets ``http.admin_api_key``."""
-    if admin_key:
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        # surrogateescape: aiohttp keeps undecodable header bytes that way; they are a wrong key, not a 500.
-        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), admin_key.encode()):
-            raise Unauthorized("missing or invalid admin API key")
-        return
-    try:
-        peer = ipaddress.ip_address(request.remote or "")
-    except ValueError:
-        peer = None
-    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
-        peer = peer.ipv4_mapped  # a dual-stack listener sees 127.0.0.1 as ::ffff:127.0.0.1
-    loopback = peer is not None and peer.is_loopback
-    if not loopback:
-        raise Unauthorized("admin routes without http.admin_api_key answer on loopback only")
 
 
 async def _body(request: web.Request, typ: type[Any]) -> Any:
@@ -83,15 +55,15 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
     key = admin_key if callable(admin_key) else (lambda: admin_key)
 
     def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """Authorize, run, and map routerd's errors (and a missing instance or fleet) to JSON."""
+        """Authorize and run; a missing instance or fleet is a :class:`NotFound`. routerd's errors are
+        answered in OpenAI's shape by the HTTP ingress's ``errors_as_json`` middleware, as on every
+        route of the app."""
         async def wrapped(request: web.Request) -> web.Response:
+            check_admin(request, key())
             try:
-                authorize_admin(request, key())
                 return web.json_response(await handler(request))
             except KeyError as e:
-                return _error(NotFound(f"no launched instance or fleet {e.args[0]!r}"))
-            except RouterdError as e:
-                return _error(e)
+                raise NotFound(f"no launched instance or fleet {e.args[0]!r}") from None
         return wrapped
 
     async def restart(request: web.Request) -> Any:

@@ -1,8 +1,7 @@
 """The HTTP way in: OpenAI routes, health and readiness, ``/metrics`` and ``GET /admin/fleets``.
 
-A completion request is checked just enough to route it — a JSON object with a string ``model`` and a
-``prompt``/``messages`` of the right kind, ``stream`` a boolean — with msgspec decoding only those
-fields (``msgspec.Raw`` for the rest), and then forwarded as the very bytes the client sent. Everything
+A completion request is checked just enough to route it (:mod:`routerd.ingress.validate`, the check a
+queue job's body gets too) and then forwarded as the very bytes the client sent. Everything
 the engine validates (sampling parameters, lengths) is left to the engine, whose 4xx answer is passed
 through. Errors routerd finds itself use vLLM/OpenAI's error JSON with a matching status.
 
@@ -14,7 +13,6 @@ aborts the request instead of generating into the void.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,69 +30,27 @@ from ..errors import (
     Overloaded,
     RouterdError,
     ShuttingDown,
-    Unauthorized,
     error_json,
     quote,
     sse_error_event,
 )
 from ..registry import InstanceState, Registry
-from ..router import CircuitBreaker
 from ..telemetry import CONTENT_TYPE, Telemetry
 from ..upstream import Upstream
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
-from .admin import authorize_admin
+from .auth import check_admin, check_api_key
+from .validate import check_body
 
 _log = log.get("routerd.http")
 
 ExtraRoutes = Callable[[web.Application], None]
 
 
-class _Completion(msgspec.Struct):
-    model: str
-    prompt: msgspec.Raw
-    stream: bool | None = None
-
-
-class _Chat(msgspec.Struct):
-    model: str
-    messages: msgspec.Raw
-    stream: bool | None = None
-
-
-_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    "/v1/completions": msgspec.json.Decoder(_Completion),
-    "/v1/chat/completions": msgspec.json.Decoder(_Chat),
-}
-
-
 def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
-    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field.
-
-    The whole body must be UTF-8 (JSON is; vLLM answers 400 to anything else), including the parts
-    msgspec only skips (``Raw``), so no engine is ever sent bytes it cannot parse."""
-    try:
-        if not body.isascii():
-            body.decode()
-        head = _DECODERS[endpoint].decode(body)
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
-    except RecursionError:
-        raise BadRequest("the body's JSON is nested too deeply") from None
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0] if "`$." in msg else None
-        if param is None and "missing required field" in msg:
-            param = msg.rsplit("`", 2)[-2]
-        raise BadRequest(f"invalid request: {msg}", param=param) from None
-    except msgspec.DecodeError as e:
-        raise BadRequest(f"the body is not valid JSON: {e}") from None
-    if isinstance(head, _Chat):
-        if not bytes(head.messages).startswith(b"["):
-            raise BadRequest("invalid request: `messages` must be an array", param="messages")
-    elif bytes(head.prompt)[:1] not in (b'"', b"["):
-        raise BadRequest("invalid request: `prompt` must be a string or an array", param="prompt")
-    return head.model, bool(head.stream)
+    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field: the
+    check both ways in share (:func:`routerd.ingress.validate.check_body`)."""
+    return check_body(endpoint, body)
 
 
 def error_response(err: RouterdError) -> web.Response:
@@ -128,6 +84,16 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
                                                         500), content_type="application/json")
 
 
+class _ForwardedResponse(web.StreamResponse):
+    """An engine's answer on its way to the client: its headers leave in the same ``write`` as its
+    first bytes — the whole body of a non-streamed answer, the first event of a stream — instead of
+    a ``write`` of their own (aiohttp buffers a ``web.Response``'s headers this way; a
+    ``StreamResponse`` sends them at ``prepare``). Each write is a syscall and, on loopback, the
+    receiver's work as well: this halves them for a non-streamed request."""
+
+    _send_headers_immediately = False
+
+
 class _HttpSink:
     """:class:`routerd.upstream.ResponseSink` onto the client's response."""
 
@@ -138,7 +104,7 @@ class _HttpSink:
         self.response: web.StreamResponse | None = None
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
-        resp = web.StreamResponse(status=status, headers=headers)
+        resp = _ForwardedResponse(status=status, headers=headers)
         self.response = resp
         await resp.prepare(self.request)
 
@@ -151,19 +117,18 @@ class HttpIngress:
     """The aiohttp application and its handlers; one per data plane."""
 
     def __init__(self, cfg: Config, registry: Registry, admission: Admission, upstream: Upstream,
-                 telemetry: Telemetry, breaker: CircuitBreaker,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 telemetry: Telemetry, clock: Callable[[], float] = time.monotonic, *,
+                 desired_replicas: Callable[[FleetConfig], int] | None = None) -> None:
         self.registry = registry
         self.admission = admission
         self.upstream = upstream
         self.telemetry = telemetry
-        self.breaker = breaker
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
-        # Set by the daemon when routerd launches fleets: the run-time replica count (admin scaling
-        # overrides the file until the next reload that changes it).
-        self.desired_replicas: Callable[[FleetConfig], int] | None = None
+        # The fleet manager's run-time replica count when routerd launches fleets (admin scaling
+        # overrides the file until the next reload that changes it); None: the config's.
+        self.desired_replicas = desired_replicas
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -191,24 +156,6 @@ class HttpIngress:
         if extra_routes is not None:
             extra_routes(app)
         return app
-
-    # auth ------------------------------------------------------------------------------------
-    @staticmethod
-    def _bearer(request: web.Request) -> bytes:
-        auth = request.headers.get("Authorization", "")
-        # surrogateescape: aiohttp keeps undecodable header bytes that way; they are a wrong key, not a 500.
-        return auth[7:].strip().encode("utf-8", "surrogateescape") if auth[:7].lower() == "bearer " else b""
-
-    def _check_key(self, request: web.Request) -> None:
-        if not self._keys:
-            return
-        token = self._bearer(request)
-        if not any(hmac.compare_digest(token, k) for k in self._keys):
-            raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
-
-    def check_admin(self, request: web.Request) -> None:
-        """Admin routes need ``http.admin_api_key`` when one is set, else a loopback client."""
-        authorize_admin(request, self.cfg.http.admin_api_key)
 
     # OpenAI routes ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -253,7 +200,7 @@ class HttpIngress:
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
-                self.telemetry.request_seconds.labels(fields["fleet"]).observe(duration)
+                self.telemetry.observe_request(fields["fleet"], duration)
             _log.info("request", **fields)
 
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
@@ -261,7 +208,7 @@ class HttpIngress:
         try:
             if self.draining:
                 raise ShuttingDown("routerd is shutting down")
-            self._check_key(request)
+            check_api_key(request, self._keys)
             if (request.content_length or 0) > self.cfg.http.max_body_bytes:
                 raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
             body = await self._read_body(request)
@@ -316,10 +263,7 @@ class HttpIngress:
             pass
 
     async def models(self, request: web.Request) -> web.Response:
-        try:
-            self._check_key(request)
-        except RouterdError as e:
-            return error_response(e)
+        check_api_key(request, self._keys)  # a refusal is answered by errors_as_json
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
                  "root": f.model, "parent": None} for f in self.cfg.fleets]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
@@ -342,10 +286,7 @@ class HttpIngress:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def admin_fleets(self, request: web.Request) -> web.Response:
-        try:
-            self.check_admin(request)
-        except RouterdError as e:
-            return error_response(e)
+        check_admin(request, self.cfg.http.admin_api_key)  # a refusal is answered by errors_as_json
         return web.json_response(self.fleets_status(), dumps=_dumps)
 
     def fleets_status(self) -> dict[str, Any]:
@@ -357,10 +298,7 @@ class HttpIngress:
             f = configured.get(name)
             instances = []
             for inst in sorted(self.registry.instances(name), key=lambda i: i.id):
-                st = inst.status(now)
-                st["circuit"] = self.breaker.state(inst, now)
-                st["consecutive_failures"] = inst.consecutive_failures
-                instances.append(st)
+                instances.append(inst.status(now))
             out[name] = {
                 "model": f.model if f else None,
                 "engine": f.engine if f else None,

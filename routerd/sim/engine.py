@@ -20,7 +20,6 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from routerd import log
 
@@ -28,10 +27,7 @@ from .config import SimConfig
 from .faults import Faults
 from .metrics import SimMetrics
 
-
-def _log() -> Any:
-    # Looked up per call: a logger bound at import would keep structlog's pre-setup() configuration.
-    return log.get("routerd.sim.engine")
+_log = log.get("routerd.sim.engine")
 
 
 class SeqState(enum.Enum):
@@ -166,7 +162,7 @@ class BatchEngine:
             try:
                 await self.step()
             except Exception:  # noqa: BLE001 — loop boundary: log, fail what is in flight, keep serving
-                _log().exception("sim_engine_step_failed")
+                _log.exception("sim_engine_step_failed")
                 for seq in [*self.running, *self.waiting]:
                     self.abort(seq, reason="error")
 

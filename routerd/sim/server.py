@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 
 from routerd import log
-from routerd.errors import error_json, sse_error_event
+from routerd.errors import error_body, error_json, sse_error_event
 
 from . import protocol as p
 from .config import SimConfig
@@ -42,9 +42,7 @@ _fault_dec = msgspec.json.Decoder(FaultUpdate)
 _MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
-def _log() -> Any:
-    # Looked up per call: a logger bound at import would keep structlog's pre-setup() configuration.
-    return log.get("routerd.sim")
+_log = log.get("routerd.sim")
 
 
 INTERNAL_ERROR = error_json("The server had an error while processing your request.",
@@ -140,7 +138,7 @@ class SimEngine:
             raise RuntimeError(f"sim-engine: no listening socket on {host}:{port}")
         self.port = int(sockets[0].getsockname()[1])
         self.url = f"http://{host}:{self.port}"
-        _log().info("sim_engine_started", url=self.url, model=self.config.model,
+        _log.info("sim_engine_started", url=self.url, model=self.config.model,
                   max_num_seqs=self.config.max_num_seqs)
         return self.url
 
@@ -317,16 +315,15 @@ class SimEngine:
         try:
             update = _fault_dec.decode(await request.read())
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-            return _json_response({"error": {"message": str(e)[:200], "type": "BadRequestError",
-                                             "param": None, "code": 400}}, 400)
-        _log().warning("sim_faults_set", **{k: v for k, v in msgspec.structs.asdict(update).items()
+            return _json_response(error_body(str(e)[:200], "BadRequestError", 400), 400)
+        _log.warning("sim_faults_set", **{k: v for k, v in msgspec.structs.asdict(update).items()
                                           if v is not msgspec.UNSET})
         self.faults.apply(update)
         return _json_response(self.faults.snapshot())
 
     async def _delete_faults(self, request: web.Request) -> web.Response:
         self.faults.clear()
-        _log().info("sim_faults_cleared")
+        _log.info("sim_faults_cleared")
         return _json_response(self.faults.snapshot())
 
     async def _stats(self, request: web.Request) -> web.Response:
@@ -372,7 +369,7 @@ async def _serve(cfg: SimConfig, host: str, port: int) -> int:
     try:
         await stop.wait()
     finally:
-        _log().info("sim_engine_stopping", url=sim.url)
+        _log.info("sim_engine_stopping", url=sim.url)
         await sim.stop()
     return 0
 

@@ -1,6 +1,6 @@
 """Heartbeats and rotation for static fleets: engines at configured URLs that routerd did not launch.
 
-They get the heartbeat of a launched instance (routerd/health.py) minus the Ray actor: ``/health``
+They get the heartbeat of a launched instance (routerd/fleet/health.py) minus the Ray actor: ``/health``
 within the probe deadline, asked by routerd itself, plus token progress from the scraped metrics, so a
 hung engine (SIGSTOP, a wedged GPU whose HTTP server still answers) is caught, not only a dead one.
 There is nothing to restart, so the rules are:
@@ -25,15 +25,22 @@ from collections.abc import Callable
 
 import aiohttp
 
-from . import log, redact
-from .config import Config
+from .. import log, redact
+from ..config import Config, FleetConfig
+from ..registry import Instance, InstanceState, Registry
 from .health import ActorProbe, HealthMonitor, ProbeResult
-from .registry import Instance, InstanceState, Registry
 
 _log = log.get("routerd.static_health")
 
 STATIC = "static"
 _WATCHED = (InstanceState.READY, InstanceState.DRAINING, InstanceState.UNHEALTHY)
+
+
+def static_instances(fleet: FleetConfig) -> list[Instance]:
+    """A static fleet's registry entries, ``<fleet>:static<i>`` per URL, starting out of rotation."""
+    return [Instance(id=f"{fleet.name}:static{i}", fleet=fleet.name, url=url.rstrip("/"),
+                     capacity_hint=fleet.max_num_seqs, static=True)
+            for i, url in enumerate(fleet.urls)]
 
 
 class StaticHealth:
@@ -53,9 +60,28 @@ class StaticHealth:
         self.cfg = cfg
         self.monitor.update_config(cfg.health)
 
+    def sync(self, cfg: Config) -> None:
+        """Make the registry's static instances match ``cfg`` (start-up and reload)."""
+        wanted: dict[str, Instance] = {}
+        for fleet in cfg.fleets:
+            self.registry.ensure_fleet(fleet.name)
+            if fleet.engine == STATIC:
+                wanted.update((i.id, i) for i in static_instances(fleet))
+        for inst in list(self.registry):
+            if not inst.static:
+                continue
+            new = wanted.get(inst.id)
+            if new is None or new.url != inst.url:
+                self.registry.remove(inst.id)
+            else:
+                inst.capacity_hint = new.capacity_hint
+                wanted.pop(inst.id)
+        for inst in wanted.values():
+            self.registry.add(inst)
+
     def is_static(self, inst: Instance) -> bool:
         fleet = self.cfg.fleet(inst.fleet)
-        return fleet is not None and fleet.engine == STATIC and ":static" in inst.id
+        return inst.static and fleet is not None and fleet.engine == STATIC
 
     def instances(self) -> list[Instance]:
         return [i for i in self.registry if self.is_static(i)]

@@ -28,10 +28,10 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .. import _aio, log
-from ..config import RedisConfig
-from ..jobs import Attempt, Result, json_encode, now_ms
-from ..keys import Keys
+from ... import _aio, log
+from ...config import RedisConfig
+from ...jobs import Attempt, Result, json_encode, now_ms
+from ...keys import Keys
 
 _log = log.get("routerd.queue")
 _pack = msgspec.msgpack.Encoder().encode

@@ -2,7 +2,7 @@
 
 The fleet manager creates one detached ``EngineActor`` per instance inside that instance's placement
 group, so the actor *holds* the instance's CPUs/GPUs for as long as it lives; the engine it supervises
-is a plain child process (``vllm serve`` cannot reuse an actor's placement group — see routerd.fleet).
+is a plain child process (``vllm serve`` cannot reuse an actor's placement group — see routerd.fleet.manager).
 
 No orphans, by three independent means: the engine runs in its own process group (so a stop reaches
 vLLM's EngineCore and worker grandchildren too), it gets ``PR_SET_PDEATHSIG=SIGKILL`` (so if the actor
@@ -21,7 +21,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,8 +29,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from . import plugins, redact
-from .plugins import LaunchPlan, LaunchSpec
+from .. import plugins, redact
+from .._net import free_port
+from ..plugins import Launcher, LaunchPlan, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -65,13 +65,6 @@ def group_members(pgid: int) -> list[int]:
         if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             out.append(int(entry))
     return out
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _node_ip_and_id() -> tuple[str, str]:
@@ -145,10 +138,10 @@ class EngineActor:
         return proc.returncode
 
     async def _spawn(self) -> None:
-        launcher = plugins.load(plugins.LAUNCHER_GROUP, self.spec.engine)
+        launcher: Launcher = plugins.load(plugins.LAUNCHER_GROUP, self.spec.engine)
         workdir = self.state_dir / "engines" / f"{self.spec.fleet}-{self.spec.index}"
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         plan: LaunchPlan = await launcher.plan(self.spec, host=self.host, port=self.port,
                                                workdir=str(workdir))
         env = dict(os.environ)

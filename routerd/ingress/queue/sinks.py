@@ -1,17 +1,20 @@
 """Where the upstream writes a queue job's response: in memory for plain jobs, to the reply stream for
-streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result)."""
+streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result).
+
+Both implement :class:`routerd.upstream.ResponseSink`, the one contract the upstream writes to (the
+HTTP ingress's sink is the other implementation)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import redis.exceptions
 
-from ..jobs import Chunk, Result, error_result, json_encode
-from ._queue_store import JobStore
+from ...jobs import Chunk, Result, error_result, json_encode
+from .store import JobStore
 
 INSTANCE_HEADER = "x-routerd-instance"
 
@@ -30,27 +33,6 @@ class ReplyRefused(Exception):
         """Another delivery would fail the same way: the key is of another type."""
         return self.error.startswith("WRONGTYPE")
 
-
-class ResponseSink(Protocol):
-    """Where the upstream writes one response: ``start`` once before any byte, then raw bytes."""
-
-    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
-    async def write(self, chunk: bytes) -> None: ...
-
-
-class ForwardOutcome(Protocol):
-    instance: str
-    attempts: int
-    status: int
-    ok: bool
-    error: str | None
-
-
-class Forwarder(Protocol):
-    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
-
-    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *,
-                      stream: bool, request_id: str) -> ForwardOutcome: ...
 
 _decode = msgspec.json.Decoder().decode
 # What decoding an engine's bytes can raise besides malformed JSON: strings that are not UTF-8, and

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import structlog
+from .. import log
+from .._aio import wait_for
+from .._net import free_port
+from ..config import RayConfig
 
-from ._aio import wait_for
-from .config import RayConfig
-
-_logger = structlog.get_logger("routerd.raycluster")
+_logger = log.get("routerd.raycluster")
 
 _MAX_TEMP_DIR_LEN = 40  # Ray adds ~60 bytes (session_<date>_<pid>/sockets/plasma_store) below it
 
@@ -50,13 +50,6 @@ def ray_env() -> dict[str, str]:
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def short_temp_dir(state_dir: Path) -> Path:

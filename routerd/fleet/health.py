@@ -5,7 +5,7 @@ SIGSTOP) keeps the port open and may even answer 200. So each instance is checke
 actor — process alive, ``/health`` within a deadline — and (b) through its scraped metrics — whenever
 requests are running, ``generation_tokens`` must advance. A slow ``/health`` while tokens advance is a
 loaded engine (BUSY), never a failure: restarting it under load would only move the load elsewhere.
-Static fleets (routerd/static_health.py) run the same tracker and monitor with a probe that asks
+Static fleets (routerd/fleet/static.py) run the same tracker and monitor with a probe that asks
 ``/health`` itself, there being no actor.
 
 Timing: each probe has a deadline of ``heartbeat_timeout_s / failure_threshold`` and probes run
@@ -25,12 +25,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import structlog
+from .. import log
+from ..config import HealthConfig
+from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 
-from .config import HealthConfig
-from .registry import Instance, InstanceState, LoadSnapshot, Registry
-
-_logger = structlog.get_logger("routerd.health")
+_logger = log.get("routerd.health")
 
 
 class ProbeResult(enum.StrEnum):
@@ -76,7 +75,8 @@ class HealthTracker:
     """The state machine for one instance. Pure: no I/O, time only from the injected clock.
 
     Feed it snapshots (``observe_snapshot``) and probe outcomes (``classify`` then ``record``); it answers
-    with a Verdict. FAILED is sticky until ``reset()`` (called when the fleet manager restarts the engine).
+    with a Verdict. FAILED is sticky: a new engine behind the instance (a restart, a new generation) gets a
+    new tracker from :class:`HealthMonitor`.
     """
 
     def __init__(self, cfg: HealthConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -85,20 +85,10 @@ class HealthTracker:
         self.misses = 0
         self.verdict = Verdict.HEALTHY
         self.last_result: ProbeResult | None = None
-        self.last_ok_at: float | None = None
         self._tokens: float | None = None
         self._scraped_at: float | None = None
         self._last_advance_at: float | None = None  # when generation_tokens last grew
         self._idle_since: float | None = None  # running == 0 seen, so no progress is expected
-
-    def reset(self) -> None:
-        self.misses = 0
-        self.verdict = Verdict.HEALTHY
-        self.last_result = None
-        self._tokens = None
-        self._scraped_at = None
-        self._last_advance_at = None
-        self._idle_since = None
 
     def observe_snapshot(self, snap: LoadSnapshot | None) -> None:
         """Track token progress from the scraper's latest snapshot (ignored if not newer than the last)."""
@@ -165,7 +155,6 @@ class HealthTracker:
             self.verdict = Verdict.FAILED
         elif result in GOOD:
             self.misses = 0
-            self.last_ok_at = self.clock()
             self.verdict = Verdict.HEALTHY
         else:
             self.misses += 1

@@ -1,0 +1,308 @@
+"""Fleets on Ray: desired vs actual instances — launch, adopt, roll, retire, scale, drain.
+
+Each instance ``<fleet>:<n>`` is one detached ``EngineActor`` named ``routerd:<fleet>:<n>`` in the
+configured namespace, inside its own detached placement group of one STRICT_PACK bundle holding the
+TP×PP GPUs plus the engine's CPUs (one bundle, so the actor holds all of them and Ray sets
+``CUDA_VISIBLE_DEVICES`` to exactly those GPUs; ``vllm serve`` runs with the ``mp`` backend beneath it).
+
+Launch pattern for TP×PP larger than one node: a ``vllm serve`` subprocess can never reuse its actor's
+placement group (vllm-and-ray-facts §4.1), so such a fleet sets ``distributed-executor-backend = "ray"``
+in ``engine_args``. Its actor's bundle then holds CPUs only and the engine gets ``RAY_ADDRESS``; vLLM
+creates and owns its own PACK placement group of ``{GPU: 1} × TP×PP`` across nodes (pattern B). The
+fleet manager still supervises, probes and restarts it the same way; GPU accounting is vLLM's.
+
+The manager decides which instances exist: it reconciles the config's replica counts, adopts engines a
+previous routerd left running, rolls a changed spec out one instance at a time while the others serve,
+and retires what is no longer wanted. Each instance's life is its ``Supervisor``'s
+(routerd/fleet/supervisor.py), the only writer of that instance's state. The request path never awaits
+Ray: it reads the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from .. import config as config_mod
+from .. import log
+from .._aio import wait_for
+from ..config import Config, FleetConfig
+from ..plugins import LaunchSpec
+from ..registry import Instance, InstanceState, Registry
+from .engine import EngineOps, Placement, ProbeAnswer
+from .health import HealthMonitor, ProbeResult, in_rotation
+from .naming import NAME_RE, bundle_for, instance_id, spec_for
+from .ray_cluster import RayCluster
+from .supervisor import Supervisor
+
+_logger = log.get("routerd.fleet")
+
+
+class FleetManager:
+    """Keeps every launched fleet at its desired replicas on Ray; the daemon owns ``run()``."""
+
+    def __init__(self, cfg: Config, registry: Registry, cluster: RayCluster,
+                 session: aiohttp.ClientSession, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``session`` is the process's one client session (routerd/upstream.py), for ``/health``."""
+        self.cfg = cfg
+        self.registry = registry
+        self.cluster = cluster
+        self.clock = clock
+        self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session)
+        self.supervisors: dict[str, Supervisor] = {}
+        self._replicas_override: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake = asyncio.Event()
+        self.monitor = HealthMonitor(registry, cfg.health, self._probe, self._on_failed,
+                                     clock=clock, watch=self._watched)
+
+    # lifecycle -------------------------------------------------------------------------------
+    def _watched(self, inst: Instance) -> bool:
+        """The heartbeats of this manager's instances only (static ones have their own monitor)."""
+        return inst.id in self.supervisors and in_rotation(inst)
+
+    async def _probe(self, inst: Instance, deadline_s: float) -> ProbeAnswer:
+        """The health monitor's probe: the instance's engine actor, asked within the deadline."""
+        sup = self.supervisors.get(inst.id)
+        if sup is None:
+            return None, True, False
+        return await sup.probe(deadline_s)
+
+    def _fleets(self) -> list[FleetConfig]:
+        return [f for f in self.cfg.fleets if f.engine != "static"]
+
+    def desired(self, fleet: FleetConfig) -> int:
+        return self._replicas_override.get(fleet.name, fleet.replicas)
+
+    def _desired_spec(self, fleet_name: str, index: int) -> LaunchSpec | None:
+        fleet = self.cfg.fleet(fleet_name)
+        if fleet is None or fleet.engine == "static" or index >= self.desired(fleet):
+            return None
+        return spec_for(fleet, index, self.cluster.address)
+
+    async def start(self) -> None:
+        """Adopt matching engines, stop the rest (and stray placement groups), launch what is missing."""
+        await asyncio.to_thread(Path(self.ops.state_dir).mkdir, parents=True, exist_ok=True)
+        for fleet in self._fleets():
+            self.registry.ensure_fleet(fleet.name)
+        keep_pgs: set[str] = set()
+        for name in await self.cluster.named_actors():
+            m = NAME_RE.match(name)
+            if m is None:
+                continue
+            fleet_name, index = str(m["fleet"]), int(m["index"])
+            if await self._adopt(name, fleet_name, index):
+                keep_pgs.add(self.ops.pg_name(fleet_name, index))
+        await self.ops.remove_stray_pgs(keep_pgs)
+        self._reconcile()
+        adopted = [s for s in self.supervisors.values() if s.slot.info]
+        if adopted:  # an unchanged restart serves again before start() returns
+            await self._wait_states(adopted, timeout=10.0)
+
+    async def _adopt(self, name: str, fleet: str, index: int) -> bool:
+        actor = await self.cluster.get_actor(name)
+        if actor is None:
+            return False
+        try:
+            info = await self.ops.actor_info(actor, timeout=5.0)
+        except Exception as e:  # noqa: BLE001  # an actor that cannot answer is replaced, not adopted
+            _logger.warning("adopt_unresponsive", actor=name, error=repr(e))
+            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=False)
+            return False
+        try:
+            recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
+        except (KeyError, AttributeError, msgspec.DecodeError) as e:  # another routerd version's record
+            _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
+            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
+            return False
+        desired = self._desired_spec(fleet, index)
+        if desired is None:  # its fleet is gone, or it is beyond the replica count
+            _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
+            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
+            return False
+        fcfg = self.cfg.fleet(fleet)
+        assert fcfg is not None
+        # A changed spec is adopted as it runs and marked stale: it keeps serving until the rolling
+        # replacement in _reconcile swaps it, one instance at a time, for one with the new spec.
+        sup = self._new_supervisor(fcfg, recorded)
+        pg = await self.ops.find_pg(fleet, index)
+        sup.adopt(Placement(actor=actor, pg=pg, bundle=bundle_for(recorded)), info, stale=desired != recorded)
+        _logger.info("adopted", instance=sup.slot.inst.id, pid=info["pid"], url=info["url"],
+                     alive=info["alive"], stale=sup.slot.stale)
+        self._spawn_supervisor(sup)
+        return True
+
+    async def run(self) -> None:
+        """The control loop: health monitor, reconcile each second or when woken; failed steps are logged."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.monitor.run(), name="health-monitor")
+            while True:
+                try:
+                    self._reconcile()
+                    for sup in list(self.supervisors.values()):
+                        await sup.refresh_resources()
+                except Exception:  # a loop boundary: log and go on
+                    _logger.exception("fleet_step_failed")
+                with contextlib.suppress(TimeoutError):
+                    await wait_for(self._wake.wait(), 1.0)
+                self._wake.clear()
+
+    async def apply(self, cfg: Config) -> None:
+        """Reload: new/removed fleets, replica counts, changed specs (rolled out), health settings."""
+        old = self.cfg
+        self.cfg = cfg
+        self.monitor.update_config(cfg.health)
+        for name in list(self._replicas_override):
+            o, n = old.fleet(name), cfg.fleet(name)
+            if o is None or n is None or o.replicas != n.replicas:
+                del self._replicas_override[name]  # the file changed its count: the file wins
+        for sup in self.supervisors.values():
+            spec = sup.slot.spec
+            desired = self._desired_spec(spec.fleet, spec.index)
+            sup.set_stale(desired is not None and desired != spec)  # None: _reconcile retires it
+            fcfg = cfg.fleet(spec.fleet)
+            # Not part of the spec (no relaunch), so applied in place, as for static fleets.
+            capacity = fcfg.max_num_seqs if fcfg is not None else sup.slot.inst.capacity_hint
+            sup.update_config(cfg.health, capacity)
+        self._reconcile()
+
+    async def shutdown(self, stop_engines: bool) -> None:
+        """Stop supervising; with ``stop_engines`` also stop every engine, actor and placement group."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if stop_engines:
+            # Slots still being placed have no Placement yet but may own a pending placement group.
+            await asyncio.gather(*(self._dispose(sup) for sup in self.supervisors.values()),
+                                 return_exceptions=True)
+            for sup in self.supervisors.values():
+                sup.remove()
+
+    async def _dispose(self, sup: Supervisor) -> dict[str, Any]:
+        """Stop the instance's engine and actor and remove its placement group (placed or pending)."""
+        slot = sup.slot
+        actor = slot.placement.actor if slot.placement is not None else None
+        return await self.ops.dispose(actor, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
+
+    # reconcile -------------------------------------------------------------------------------
+    def _new_supervisor(self, fleet: FleetConfig, spec: LaunchSpec) -> Supervisor:
+        sup = Supervisor(spec, fleet.max_num_seqs, self.registry, self.ops, self.cfg.health, self.clock)
+        self.supervisors[sup.slot.inst.id] = sup
+        return sup
+
+    def _reconcile(self) -> None:
+        wanted: set[str] = set()
+        for fleet in self._fleets():
+            self.registry.ensure_fleet(fleet.name)
+            for index in range(self.desired(fleet)):
+                iid = instance_id(fleet.name, index)
+                wanted.add(iid)
+                if iid not in self.supervisors:
+                    self._spawn_supervisor(self._new_supervisor(fleet, spec_for(fleet, index,
+                                                                                self.cluster.address)))
+        for iid, sup in list(self.supervisors.items()):
+            if iid not in wanted and not sup.slot.retiring:
+                self._retire(sup, "scaling down")
+        for fleet in self._fleets():
+            self._roll(fleet.name)
+        configured = {f.name for f in self.cfg.fleets}
+        for name in self.registry.fleets():
+            if name not in configured and all(s.slot.spec.fleet != name for s in self.supervisors.values()):
+                self.registry.drop_fleet(name)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _spawn_supervisor(self, sup: Supervisor) -> None:
+        sup.task = self._spawn(sup.run(), f"supervise:{sup.slot.inst.id}")
+
+    def _roll(self, fleet: str) -> None:
+        """Rolling update: replace one stale instance at a time, and only while every other instance of
+        the fleet is in rotation — a new spec that cannot start halts the rollout instead of emptying
+        the fleet. The retired instance's index is relaunched with the new spec by the next reconcile."""
+        sups = sorted((s for s in self.supervisors.values() if s.slot.spec.fleet == fleet),
+                      key=lambda s: s.slot.spec.index)
+        if any(s.slot.retiring for s in sups):
+            return
+        stale = [s for s in sups if s.slot.stale]
+        others_ready = all(s.slot.inst.state is InstanceState.READY for s in sups if not s.slot.stale)
+        if stale and others_ready:
+            _logger.info("rolling_replace", instance=stale[0].slot.inst.id, remaining=len(stale) - 1)
+            self._retire(stale[0], "replacing: spec changed")
+
+    def _retire(self, sup: Supervisor, reason: str) -> None:
+        """Scale-down/removal/replacement: out of rotation, let in-flight requests finish, stop everything."""
+        sup.retire(reason)
+        self._spawn(self._retire_instance(sup), f"retire:{sup.slot.inst.id}")
+
+    async def _retire_instance(self, sup: Supervisor) -> None:
+        await self._wait_idle(sup.slot.inst, self.cfg.daemon.drain_timeout_s)
+        if sup.task is not None:
+            sup.task.cancel()
+            await asyncio.gather(sup.task, return_exceptions=True)
+        # Never placed (or cancelled mid-placement): dispose still removes a pending placement group.
+        report = await self._dispose(sup)
+        _logger.info("instance_stopped", instance=sup.slot.inst.id, **report)
+        sup.remove()
+        if self.supervisors.get(sup.slot.inst.id) is sup:
+            del self.supervisors[sup.slot.inst.id]
+        self._wake.set()
+
+    async def _wait_idle(self, inst: Instance, timeout: float) -> None:
+        deadline = self.clock() + timeout
+        since = self.registry.version
+        while inst.inflight > 0 and self.clock() < deadline:
+            since = await self.registry.wait_changed(since, timeout=0.1)
+
+    async def _wait_states(self, sups: list[Supervisor], timeout: float) -> None:
+        deadline = self.clock() + timeout
+        since = self.registry.version
+        while any(s.slot.inst.state is InstanceState.STARTING for s in sups) and self.clock() < deadline:
+            since = await self.registry.wait_changed(since, timeout=0.2)
+
+    async def _on_failed(self, inst: Instance, result: ProbeResult) -> None:
+        sup = self.supervisors.get(inst.id)
+        if sup is not None:  # else gone
+            sup.on_failed(inst, result)
+
+    # admin -----------------------------------------------------------------------------------
+    def _supervisor(self, instance_id: str) -> Supervisor:
+        sup = self.supervisors.get(instance_id)
+        if sup is None or sup.slot.retiring:
+            raise KeyError(instance_id)
+        return sup
+
+    async def restart_instance(self, instance_id: str) -> dict[str, Any]:
+        """Admin: take one instance out of rotation now and restart its engine (no backoff)."""
+        sup = self._supervisor(instance_id)
+        sup.request_restart()
+        return sup.slot.inst.status(self.registry.clock())
+
+    async def drain_instance(self, instance_id: str, timeout_s: float) -> dict[str, Any]:
+        """Admin: no new requests; wait (≤ timeout_s) for in-flight ones. Stays drained until restarted."""
+        sup = self._supervisor(instance_id)
+        sup.drain()
+        inst = sup.slot.inst
+        await self._wait_idle(inst, timeout_s)
+        return {**inst.status(self.registry.clock()), "drained": inst.inflight == 0}
+
+    async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
+        """Admin: change a fleet's replica count at run time (until the config file changes it)."""
+        fcfg = self.cfg.fleet(fleet)
+        if fcfg is None or fcfg.engine == "static":
+            raise KeyError(fleet)
+        self._replicas_override[fleet] = replicas
+        self._reconcile()
+        self._wake.set()
+        return {"fleet": fleet, "replicas": replicas}

@@ -1,0 +1,22 @@
+"""The durable way in: a Redis Streams consumer with exactly one result per job id.
+
+Modules, each importing only those listed after it:
+
+- ``consumer``: :class:`QueueIngress` — reading under capacity, the group, the lifecycle, depth samples;
+- ``cancel``: the cancel channel's listener and ``cancel_local``;
+- ``job``: one job's life — validate, attempts, redelivery, result, dead letter;
+- ``reclaim``: own-pending recovery, ``XAUTOCLAIM`` of idle jobs, keep-alive, delivery counts;
+- ``sinks``: where the upstream writes a job's response (in memory, or chunks to ``reply_to``);
+- ``store``: the Lua scripts and the batching writer every Redis write goes through;
+- ``held``: the jobs this consumer holds.
+
+The messages and key names are :mod:`routerd.jobs` and :mod:`routerd.keys`, shared with the client.
+"""
+
+from .consumer import QueueIngress
+from .job import Forwarder, ForwardOutcome
+from .sinks import BufferSink, ReplyRefused, StreamSink
+from .store import REDIS_DOWN, BatchWriter, JobStore
+
+__all__ = ["REDIS_DOWN", "BatchWriter", "BufferSink", "ForwardOutcome", "Forwarder", "JobStore",
+           "QueueIngress", "ReplyRefused", "StreamSink"]

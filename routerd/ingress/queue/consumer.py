@@ -1,0 +1,268 @@
+"""The Redis queue consumer: jobs in from a stream, exactly one result per job id out.
+
+routerd reads ``routerd:requests`` as a member of a consumer group under a stable name, so after a
+crash it finds its own unacknowledged jobs again at start; other consumers' jobs are taken over with
+``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here are kept fresh with ``XCLAIM
+JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow capacity: a read asks for at
+most what the fleets' admission can take now, so the backlog stays in Redis and routerd's memory does
+not grow with it.
+
+Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
+that stores its result (:mod:`.store`). Redis outages pause reading (backoff, reconnect); finished
+results wait in the writer and are stored when Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from ... import _aio, log
+from ..._aio import wait_for
+from ...admission import Admission
+from ...config import Config
+from ...keys import Keys
+from ...redis_server import redis_client
+from ...registry import Registry
+from .cancel import cancel_local, listen_for_cancels
+from .held import Held, Running, as_str
+from .job import Forwarder, JobRunner
+from .reclaim import Reclaimer
+from .store import REDIS_DOWN, JobStore
+
+_log = log.get("routerd.queue")
+_HELD_PER_SLOT = 2
+
+
+class QueueIngress:
+    """Consumes the request stream; the daemon runs :meth:`run` in its TaskGroup."""
+
+    def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis],
+                 upstream: Forwarder, admission: Admission, registry: Registry, *,
+                 consumer: str | None = None, rng: random.Random | None = None) -> None:
+        self._cfg = cfg
+        self._redis_factory = redis_factory
+        self._client: aioredis.Redis | None = None
+        self._admission = admission
+        self.registry = registry
+        self.consumer = consumer or cfg.redis.consumer or socket.gethostname()
+        self.keys = Keys.from_config(cfg.redis)
+        self._rng = rng or random.Random()
+        self._store = JobStore(self.client, self.keys, self.consumer, lambda: self._cfg.redis,
+                               rng=self._rng)
+        self._writer = self._store.writer
+        self._held = Held()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._intake = True
+        self._group_ready = False
+        self._next_reclaim = 0.0
+        self.paused = False
+        self.stats = {"read": 0, "done": 0, "dead": 0, "redelivered": 0, "reclaimed": 0,
+                      "duplicates": 0, "cancelled": 0, "expired": 0}
+        # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
+        self.depth: dict[str, int] = {}
+        self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
+                                    spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
+        self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
+                               self.consumer, upstream=upstream, admission=admission,
+                               stats=self.stats, rng=self._rng)
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, url: str, registry: Registry,
+                    upstream: Forwarder, admission: Admission) -> QueueIngress:
+        """The daemon's constructor: a Redis client for ``url`` built from ``[redis]``."""
+        return cls(cfg, lambda: redis_client(url, cfg.redis), upstream, admission, registry)
+
+    async def __aenter__(self) -> QueueIngress:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(*REDIS_DOWN):
+                await wait_for(client.aclose(), self._cfg.redis.op_timeout_s)
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            self._client = self._redis_factory()
+        return self._client
+
+    def update_config(self, cfg: Config) -> None:
+        self._cfg = cfg
+
+    def stop_intake(self) -> None:
+        """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`)."""
+        self._intake = False
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no job is held here; False if some still are after ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._held.idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def cancel_local(self, job_id: str) -> bool:
+        """Cancel job ``job_id`` if it is held here (waiting for admission or running)."""
+        return cancel_local(self._held, job_id)
+
+    async def run(self) -> None:
+        """Read, reclaim and listen for cancels until intake stops and the last job is done."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                cancels = listen_for_cancels(self.client, self.keys.cancel_channel, self._held,
+                                             op_timeout_s=lambda: self._cfg.redis.op_timeout_s,
+                                             rng=self._rng)
+                helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
+                           tg.create_task(cancels, name="queue-cancels"),
+                           tg.create_task(self._depth_loop(), name="queue-depth")]
+                await self._read_loop()
+                await self._drain_held()
+                await self._writer.command("PING")  # FIFO: every result queued before it is stored
+                for t in helpers:
+                    t.cancel()
+        finally:
+            jobs = list(self._tasks)
+            for t in jobs:
+                t.cancel()
+            try:
+                if jobs:  # let them unwind (release slots, close engine connections) before Redis goes
+                    await asyncio.wait(jobs, timeout=5.0)
+            finally:
+                if self._client is not None:
+                    client, self._client = self._client, None
+                    with contextlib.suppress(*REDIS_DOWN):
+                        await wait_for(client.aclose(), 2.0)  # closing sockets; the stop is bounded
+
+    async def _drain_held(self) -> None:
+        """Wait for the jobs still held, keeping them fresh meanwhile: a drain can outlast
+        ``reclaim_idle_ms``, and another consumer must not take over (and run again) a job that
+        is still running here."""
+        idle = self._held.idle
+        while not idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._cfg.redis.reclaim_interval_s):
+                    await idle.wait()
+            if not idle.is_set():
+                with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
+                    await self._reclaimer.keep_alive(self.client())
+
+    async def _depth_loop(self, interval_s: float = 5.0) -> None:
+        """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
+        while True:
+            try:
+                async with _aio.timeout(self._cfg.redis.op_timeout_s):
+                    pipe = self.client().pipeline(transaction=False)
+                    pipe.xlen(self.keys.stream)
+                    pipe.xpending(self.keys.stream, self.keys.group)
+                    pipe.xlen(self.keys.dead)
+                    length, pending, dead = await pipe.execute()
+                npending = int(pending["pending"]) if isinstance(pending, dict) else 0
+                self.depth = {"stream": int(length), "pending": npending,
+                              "backlog": max(0, int(length) - npending), "dead": int(dead)}
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                pass  # no group yet, or Redis away: the read loop reports that; keep the last sample
+            except Exception:  # noqa: BLE001 — loop boundary: a metrics sample must not end the consumer
+                _log.exception("queue_depth_failed")
+            await asyncio.sleep(interval_s)
+
+    # reading -------------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        backoff = 0.1
+        while self._intake:
+            try:
+                await self._read_once()
+                if self.paused:
+                    _log.info("queue_resumed", consumer=self.consumer)
+                self.paused = False
+                backoff = 0.1
+            except REDIS_DOWN as e:
+                self._group_ready = False
+                if not self.paused:
+                    _log.warning("queue_paused_redis_unavailable", error=repr(e))
+                self.paused = True
+                await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+                backoff = min(backoff * 2, 2.0)
+            except redis.exceptions.ResponseError as e:
+                self._group_ready = False  # NOGROUP: the stream or group was deleted; create it again
+                if "NOGROUP" not in str(e):
+                    _log.error("queue_read_failed", error=repr(e))
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+            except Exception:  # noqa: BLE001 — loop boundary: log, pause, go on reading
+                _log.exception("queue_read_failed")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _want(self) -> int:
+        """How many jobs to read now: what the fleets can admit, minus what is read but not admitted.
+
+        Jobs whose result is being stored no longer hold an engine slot, so they count only against
+        the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least one read batch).
+        """
+        fleets = [f.name for f in self._cfg.fleets]
+        free = sum(self._admission.free_slots(f) for f in fleets) - self._held.unadmitted
+        limit = sum(self._admission.limit(f) for f in fleets)
+        bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) if limit else 0
+        return max(0, min(self._cfg.redis.read_batch, free, bound - self.held))
+
+    async def _read_once(self) -> None:
+        r = self._cfg.redis
+        client: Any = self.client()
+        if not self._group_ready:
+            await self._ensure_group(client)
+        if not self._reclaimer.own_recovered:
+            await self._reclaimer.recover_own(client)
+        now = time.monotonic()
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + r.reclaim_interval_s
+            await self._reclaimer.keep_alive(client)
+            await self._reclaimer.reclaim(client)
+        want = self._want()
+        if want <= 0:
+            await self._admission.wait_freed(min(1.0, r.reclaim_interval_s))
+            return
+        async with _aio.timeout(r.op_timeout_s + r.block_ms / 1000):
+            reply = await client.xreadgroup(r.group, self.consumer, {r.stream: ">"}, count=want,
+                                            block=r.block_ms)
+        if not self._intake:
+            return  # read while intake stopped: left pending; this consumer name recovers them on start
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self.stats["read"] += 1
+                self._spawn(as_str(entry_id), fields, 1)
+
+    async def _ensure_group(self, client: Any) -> None:
+        r = self._cfg.redis
+        try:
+            async with _aio.timeout(r.op_timeout_s):
+                await client.xgroup_create(r.stream, r.group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._group_ready = True
+
+    def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int) -> None:
+        """Hold the entry and run it as a job in a task this consumer owns."""
+        raw = fields.get(b"job", fields.get("job"))
+        raw = raw.encode() if isinstance(raw, str) else raw
+        running = Running(entry_id, delivery=delivery, touched=time.monotonic())
+        self._held.add(running)
+        task = asyncio.create_task(self._jobs.run(running, raw), name=f"job-{entry_id}")
+        running.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

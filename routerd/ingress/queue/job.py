@@ -1,0 +1,307 @@
+"""One job's life: decode and validate, attempts under admission, redelivery with backoff, the result,
+or the dead-letter stream.
+
+A failed run (engine died, no instance) is redelivered here with backoff — ``XCLAIM`` bumps its
+delivery count, so the count survives a crash — until ``max_deliveries``, then it goes to the
+dead-letter stream with its history. A message that cannot be a valid job goes there at once, with an
+error result when its ``reply_to`` was readable: decoding and validating are deterministic, so the same
+bytes would fail the same way on every delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+from ... import _aio, log
+from ...admission import Admission
+from ...config import Config
+from ...errors import BadRequest, DeadlineExceeded, RouterdError
+from ...jobs import (
+    Attempt,
+    InvalidJob,
+    Job,
+    Result,
+    clip,
+    decode_job,
+    error_result,
+    json_encode,
+    now_ms,
+    salvage,
+)
+from ...keys import Keys
+from ...upstream import ResponseSink
+from ..validate import check_body
+from .held import Held, Running
+from .reclaim import delivery_counts
+from .sinks import BufferSink, ReplyRefused, StreamSink
+from .store import REDIS_DOWN, JobStore
+
+_log = log.get("routerd.queue")
+
+
+class ForwardOutcome(Protocol):
+    """How the engine call ended (``routerd.upstream.ForwardResult``)."""
+
+    instance: str
+    attempts: int
+    status: int
+    ok: bool
+    error: str | None
+
+
+class Forwarder(Protocol):
+    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
+
+    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
+                      stream: bool, request_id: str) -> ForwardOutcome: ...
+
+
+class _Retry(Exception):
+    """This delivery failed in a way another delivery may not (engine died, no instance)."""
+
+    def __init__(self, error: str, instance: str = "", attempts: int = 0) -> None:
+        super().__init__(error)
+        self.error, self.instance, self.attempts = error, instance, attempts
+
+
+class _Dead(Exception):
+    """This job cannot succeed on any delivery (say its ``reply_to`` is not a stream): dead-letter it."""
+
+    def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.reply_usable = reason, reply_usable
+
+
+class JobRunner:
+    """Runs held jobs to their one result; ``QueueIngress`` owns the task each :meth:`run` runs in."""
+
+    def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
+                 held: Held, keys: Keys, consumer: str, *, upstream: Forwarder,
+                 admission: Admission, stats: dict[str, int], rng: random.Random) -> None:
+        self._cfg = cfg
+        self._client = client
+        self._store = store
+        self._held = held
+        self._keys = keys
+        self._consumer = consumer
+        self._upstream = upstream
+        self._admission = admission
+        self._stats = stats
+        self._rng = rng
+
+    async def run(self, running: Running, raw: bytes | None) -> None:
+        try:
+            valid = await self._validated(running, raw)
+            if valid is None:
+                return
+            job, fleet = valid
+            try:
+                await self._deliveries(running, job, raw or b"", fleet)
+            except asyncio.CancelledError:
+                # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
+                task = asyncio.current_task()
+                if not running.cancel_requested or task is None or task.cancelling() > 1:
+                    raise
+                task.uncancel()
+                self._stats["cancelled"] += 1
+                await self._finish(running, job, error_result(
+                    job.id, "the job was cancelled", "CancelledError", 499, attempts=running.delivery))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 — one job's bug must not end the consumer
+            # It stays pending: reclaimed after reclaim_idle_ms, counted, dead-lettered at the limit
+            # (checked before decoding, in _validated, so a crash anywhere cannot loop forever).
+            _log.exception("queue_job_crashed", entry=running.entry_id, job_id=running.job_id)
+            if running.job_id and not running.finishing:
+                with contextlib.suppress(*REDIS_DOWN):
+                    await self._record_failure(running, running.job_id, f"routerd: {e!r}")
+        finally:
+            self._held.release(running)
+
+    async def _validated(self, running: Running, raw: bytes | None) -> tuple[Job, str] | None:
+        """The job and its fleet, or None once a message that can never run was dead-lettered."""
+        cfg = self._cfg()
+        r = cfg.redis
+        if running.delivery > r.max_deliveries:  # it crashed routerd on every delivery so far
+            job_id, reply_to = salvage(raw or b"")
+            await self._dead(running, raw or b"", f"delivered {running.delivery - 1} times without a "
+                             f"result (max_deliveries = {r.max_deliveries})", job_id, reply_to, code=502)
+            return None
+        try:
+            if raw is None:
+                raise InvalidJob("the stream entry has no `job` field")
+            job = decode_job(raw)
+        except InvalidJob as e:
+            await self._dead(running, raw or b"", e.reason, e.job_id, e.reply_to, code=400)
+            return None
+        self._held.name(running, job.id)
+        problem, code, reply_to = _body_problem(running, job), 400, job.reply_to
+        fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
+        if problem is None and job.reply_to in (r.stream, r.dead_stream):
+            problem, reply_to = f"reply_to {job.reply_to!r} is one of routerd's own streams", ""
+        if problem is None and fleet is None:
+            model = clip(repr(job.body.get("model")), 200)
+            problem, code = f"body.model: no fleet serves model {model}", 404
+        if problem is not None or fleet is None:
+            await self._dead(running, raw, problem or "", job.id, reply_to, code=code)
+            return None
+        return job, fleet.name
+
+    async def _deliveries(self, running: Running, job: Job, raw: bytes, fleet: str) -> None:
+        """Run the job, redelivering after retryable failures until it has a result or is dead."""
+        backoff = 0.2
+        while True:
+            max_deliveries = self._cfg().redis.max_deliveries
+            if running.delivery > max_deliveries:
+                await self._dead(running, raw, f"delivered {running.delivery - 1} times without a result "
+                                 f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
+                return
+            try:
+                result = await self._attempt(running, job, fleet)
+            except _Retry as e:
+                await self._record_failure(running, job.id, e.error, e.instance)
+            except _Dead as e:
+                await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
+                                 code=400)
+                return
+            else:
+                await self._finish(running, job, result)
+                return
+            await asyncio.sleep(backoff * (0.5 + self._rng.random()))
+            backoff = min(backoff * 2, 10.0)
+            running.delivery = await self._redeliver(running)
+            if running.delivery == 0:
+                return  # another consumer owns it now (or it was deleted)
+            self._stats["redelivered"] += 1
+
+    async def _attempt(self, running: Running, job: Job, fleet: str) -> Result | None:
+        """One delivery of ``job``: the pre-dispatch check, admission, the engine call. None = duplicate.
+
+        The check (already done? cancelled?) comes before admission so that its Redis round trip does
+        not hold an engine slot; it also marks the job running.
+        """
+        deadline = job.deadline_epoch_s(running.entry_id)
+        mono_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
+        state = await self._store.begin(job.id, running.entry_id, job.reply_to)
+        if isinstance(state, str):
+            raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
+                        "take the result", reply_usable=False)
+        if state == 1:
+            self._stats["duplicates"] += 1
+            return None
+        if state == 2:
+            self._stats["cancelled"] += 1
+            return error_result(job.id, "the job was cancelled", "CancelledError", 499)
+        self._held.admitted(running)
+        try:
+            async with self._admission.ticket(fleet, priority=job.priority, deadline=mono_deadline,
+                                              source="queue"):
+                if deadline is None:
+                    return await self._forward(running, job, fleet)
+                async with asyncio.timeout(deadline - time.time()):
+                    return await self._forward(running, job, fleet)
+        except DeadlineExceeded as e:
+            self._stats["expired"] += 1
+            return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
+        except TimeoutError:
+            self._stats["expired"] += 1
+            return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
+                                504, attempts=running.delivery)
+
+    async def _forward(self, running: Running, job: Job, fleet: str) -> Result:
+        run_no = running.delivery
+        sink: BufferSink | StreamSink
+        if job.stream:
+            sink = StreamSink(self._store, job.id, job.reply_to, run_no, self._on_instance(job.id))
+        else:
+            sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
+        try:
+            out = await self._upstream.forward(fleet, job.endpoint, running.body, sink,
+                                               stream=job.stream, request_id=job.id)
+        except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
+            reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
+            if e.permanent:
+                raise _Dead(reason, reply_usable=False) from None
+            raise _Retry(reason) from None
+        except RouterdError as e:
+            if e.retryable or e.status >= 500:
+                raise _Retry(f"{e.type}: {e.message}", getattr(e, "instance", "")) from None
+            return error_result(job.id, e.message, e.type, e.status, attempts=run_no)
+        mid_stream_failure = isinstance(sink, StreamSink) and sink.status == 200 and (
+            sink.failed or not out.ok)
+        if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
+            raise _Retry(out.error or f"upstream status {out.status}", out.instance, out.attempts)
+        return sink.result(job.id, out.instance, out.attempts, out.status)
+
+    def _on_instance(self, job_id: str) -> Callable[[str], None]:
+        def note(instance: str) -> None:
+            self._store.writer.send("HSET", self._keys.status(job_id), "instance", instance)
+        return note
+
+    async def _record_failure(self, running: Running, job_id: str, error: str, instance: str = "") -> None:
+        _log.warning("queue_job_attempt_failed", job_id=job_id, entry=running.entry_id,
+                     delivery=running.delivery, instance=instance, error=error)
+        await self._store.record_failure(job_id, Attempt(
+            at_ms=now_ms(), consumer=self._consumer, delivery=running.delivery, instance=instance,
+            error=error))
+
+    async def _redeliver(self, running: Running) -> int:
+        """XCLAIM the entry again (its delivery count goes up in Redis); 0 if it is no longer ours."""
+        r = self._cfg().redis
+        client: Any = self._client()
+        try:
+            async with _aio.timeout(r.op_timeout_s):
+                # Without JUSTID, XCLAIM counts a delivery: the count survives if routerd dies now.
+                got = await client.xclaim(r.stream, r.group, self._consumer, 0, [running.entry_id])
+                if not got:
+                    return 0
+                counts = await delivery_counts(client, r, self._consumer, [running.entry_id])
+        except REDIS_DOWN:
+            return running.delivery + 1  # Redis will count it when it is back; keep trying meanwhile
+        running.touched = time.monotonic()
+        return counts.get(running.entry_id, running.delivery + 1)
+
+    async def _finish(self, running: Running, job: Job, result: Result | None) -> None:
+        running.finishing = True
+        await self._store.finish(running.entry_id, job.id, job.reply_to, result,
+                                 delivery=running.delivery)
+        self._stats["done"] += 1
+
+    async def _dead(self, running: Running, raw: bytes, reason: str, job_id: str | None,
+                    reply_to: str | None, *, code: int) -> None:
+        """Dead-letter the message with its reason and history, and store an error result when its id
+        is known (sent to ``reply_to`` too unless that is empty)."""
+        running.finishing = True
+        _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
+        result = None
+        if job_id:
+            result = error_result(job_id, reason, "BadRequestError" if code < 500 else "DeadLetterError",
+                                  code, attempts=max(running.delivery - 1, 0))
+        await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
+                                 delivery=running.delivery, dead_reason=reason, raw=raw)
+        self._stats["dead"] += 1
+
+
+def _body_problem(running: Running, job: Job) -> str | None:
+    """What is wrong with the job's OpenAI body — the HTTP ingress's check, on the JSON bytes the
+    engine would be sent (kept in ``running.body``) — or None."""
+    try:
+        running.body = json_encode(job.body)
+    except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
+        return clip(f"body: cannot be sent as JSON: {e}")
+    try:
+        check_body(job.endpoint, running.body)
+    except BadRequest as e:
+        return clip(f"body.{e.param}: {e.message}" if e.param else f"body: {e.message}")
+    return None
+
+
+def _ignore(_: str) -> None:
+    pass
