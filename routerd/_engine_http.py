@@ -141,11 +141,11 @@ class EnginePool:
         end: the connection may serve another request) or ``close()``.
         """
         target = self._target(url)
-        extra = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if extra.count("\n") != len(headers) or extra.count("\r") != len(headers):
+        head = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if head.count("\n") != len(headers) or head.count("\r") != len(headers):
             raise ValueError("a header name or value holds a line break")
-        request = b"".join((target.prefix, extra.encode("latin-1"),
-                            b"Content-Length: %d\r\n\r\n" % len(body), body))
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        request = target.prefix + head.encode("latin-1") + body
         conn = self._take_idle(target)
         reused = conn is not None
         if conn is None:
@@ -469,26 +469,26 @@ class _Conn(asyncio.Protocol):
             self._buf.clear()
 
     def _read_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
         code = rest[:3]
-        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
             raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
         status = int(code)
         if 100 <= status < 200 and status != 101:
             return  # an interim answer (100 Continue, 103 Early Hints): the real one follows
         headers: dict[str, str] = {}
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name[-1:] in (b" ", b"\t") or line[:1] in (b" ", b"\t"):
+            name, sep, value = line.partition(":")
+            if not sep or not name or name[-1] in " \t" or line[0] in " \t":
                 raise ProtocolError(f"malformed header line: {line[:80]!r}")
-            key = name.decode("latin-1").lower()
-            val = value.strip(b" \t").decode("latin-1")
-            headers[key] = f"{headers[key]}, {val}" if key in headers else val
+            key = name.lower()
+            value = value.strip(" \t")
+            headers[key] = f"{headers[key]}, {value}" if key in headers else value
         self.status = status
         self.headers = headers
         connection = headers.get("connection", "").lower()
-        self._keep_alive = ("close" not in connection if version == b"HTTP/1.1"
+        self._keep_alive = ("close" not in connection if version == "HTTP/1.1"
                             else "keep-alive" in connection)
         self._framing, self._left = self._body_framing(status, headers)
         if self._framing == _CLOSE:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterable, MutableMapping
 from typing import Any, TextIO
 
@@ -29,6 +30,28 @@ def _dumps(obj: Any, **_: Any) -> str:
     except TypeError:
         return _json.encode({k: repr(v) if not isinstance(v, str | int | float | bool | None) else v
                              for k, v in obj.items()}).decode()
+
+
+class _UtcTimestamp:
+    """The ``timestamp`` field as ``TimeStamper(fmt="iso", utc=True)`` writes it
+    (``2026-11-23T11:21:04.741981Z``), with the date and time of day formatted once a second: a
+    ``datetime`` built and formatted per line was a sixth of the cost of the request's log line."""
+
+    __slots__ = ("_cached",)
+
+    def __init__(self) -> None:
+        self._cached = (-1, "")  # (second, its text), replaced whole: threads log too
+
+    def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        now = time.time()
+        second = int(now)
+        cached_second, prefix = self._cached
+        if second != cached_second:
+            prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._cached = (second, prefix)
+        micro = int((now - second) * 1_000_000)
+        event["timestamp"] = f"{prefix}.{micro:06d}Z" if micro else f"{prefix}Z"
+        return event
 
 
 class LineWriter:
@@ -70,7 +93,7 @@ def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[st
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _UtcTimestamp(),
     ]
     renderer: Any = redactor.render(
         structlog.processors.JSONRenderer(serializer=_dumps)

@@ -148,7 +148,11 @@ class Redactor:
         """``value`` (a field called ``name``) with every secret in it masked, walking containers."""
         kind = type(value)
         if kind is str:  # most fields of most lines: the checks below in their order, for a str
-            return MASK if secret_name(name) else self.text(value)
+            if secret_name(name):
+                return MASK
+            if self._secrets or "@" in value or "=" in value or "Bearer" in value or "Basic" in value:
+                return self.text(value)
+            return value  # nothing in it that text() would touch
         if kind is int or kind is float or value is None or isinstance(value, bool | int | float | enum.Enum):
             return value
         if secret_name(name):
@@ -164,7 +168,19 @@ class Redactor:
     def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> dict[str, Any]:
         # exc_info stays an exception object for the console renderer (whose output is redacted
         # whole by render()); the JSON chain formats it into the "exception" text before this runs.
-        return {k: v if k == "exc_info" else self.value(k, v) for k, v in event.items()}
+        # Every log line passes here, so what value() would return unchanged — a number, a str with
+        # nothing in it that text() touches under a name that is no secret's — is settled inline.
+        plain = not self._secrets
+        out: dict[str, Any] = {}
+        for k, v in event.items():
+            kind = type(v)
+            if kind is int or kind is float or v is None or kind is bool or k == "exc_info" or (
+                    kind is str and plain and not secret_name(k) and "@" not in v and "=" not in v
+                    and "Bearer" not in v and "Basic" not in v):
+                out[k] = v
+            else:
+                out[k] = self.value(k, v)
+        return out
 
     def render(self, renderer: Any) -> Any:
         """Wrap a renderer so its finished text is redacted too (tracebacks a renderer formats itself)."""

@@ -25,9 +25,9 @@ is sane (1–128 printable ASCII characters), a new one otherwise.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
-import uuid
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
@@ -55,18 +55,25 @@ class BodyTimeout(RouterdError):
     status, type = 408, "RequestTimeoutError"
 
 
+def new_request_id() -> str:
+    """32 random hex digits (what ``uuid4().hex`` gives, from the same ``os.urandom``, for an eighth of
+    the work: most clients send no id, so this runs for most requests)."""
+    return os.urandom(16).hex()
+
+
 def client_request_id(headers: CIMultiDictProxy[str]) -> str:
     """The client's ``X-Request-Id`` when it is 1–128 printable ASCII characters, else a new one."""
     sent = headers.get("X-Request-Id", "")
-    return sent if _SANE_REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
+    return sent if _SANE_REQUEST_ID.fullmatch(sent) else new_request_id()
 
 
 def request_id(request: web.BaseRequest) -> str:
     """This request's id (assigned once, on first use)."""
-    rid = request.get(REQUEST_ID)
-    if rid is None:
+    try:
+        return request[REQUEST_ID]
+    except KeyError:
         rid = request[REQUEST_ID] = client_request_id(request.headers)
-    return rid
+        return rid
 
 
 def http_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -79,7 +86,7 @@ def _raw_answer(status: int, message: str, extra_headers: str = "") -> bytes:
     """A whole HTTP/1.1 error response as bytes, for a connection no request handler serves."""
     body = error_json(message, error_type(status), status)
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nX-Request-Id: {uuid.uuid4().hex}\r\n{extra_headers}"
+            f"Content-Length: {len(body)}\r\nX-Request-Id: {new_request_id()}\r\n{extra_headers}"
             "Connection: close\r\n\r\n")
     return head.encode("ascii") + body
 
@@ -262,7 +269,7 @@ class ClientConnection(web.RequestHandler):
         else:
             text = f"malformed HTTP request: {quote(message or str(exc or HTTPStatus(status).phrase))}"
             _log.info("bad_http_request", status=status, error=text, remote=self.remote())
-        response = http_error(status, text, headers={"X-Request-Id": uuid.uuid4().hex})
+        response = http_error(status, text, headers={"X-Request-Id": new_request_id()})
         response.force_close()
         return response
 

@@ -166,8 +166,7 @@ class HttpIngress:
 
     async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         started = self.clock()
-        request_id = client_request_id(request)
-        log.bind_request_id(request_id=request_id)  # every line logged while serving it carries it
+        request_id = client_request_id(request)  # bound for every log line by ClientConnections
         task = asyncio.current_task()
         assert task is not None
         self.handlers.add(task)
