@@ -31,8 +31,7 @@ from .config import Config, FleetConfig
 from .fleet.static import StaticHealth
 from .ingress.http import HttpIngress
 from .registry import Registry
-from .router import Router
-from .scraper import Scraper
+from .routing import Router, Scraper
 from .telemetry import Telemetry
 from .upstream import Upstream, make_session
 

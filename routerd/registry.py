@@ -33,7 +33,7 @@ class InstanceState(enum.StrEnum):
 
 class CircuitState(enum.StrEnum):
     """The circuit breaker's verdict on one instance, read by routing, status, ``/metrics`` and
-    ``routerd status`` alike (:class:`routerd.router.CircuitBreaker` alone moves it)."""
+    ``routerd status`` alike (:class:`routerd.routing.CircuitBreaker` alone moves it)."""
 
     CLOSED = "closed"  # in rotation
     OPEN = "open"  # failed ``circuit_failure_threshold`` times in a row: out until the cool-down ends

@@ -56,7 +56,7 @@ from ._engine_http import ConnectError, EnginePool, Response
 from .config import RoutingConfig
 from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
 from .registry import Instance
-from .router import Router
+from .routing import Router
 from .telemetry import Telemetry
 
 _log = log.get("routerd.upstream")

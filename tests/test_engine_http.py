@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -41,10 +45,10 @@ class RawServer:
         self._server: asyncio.Server | None = None
         self.url = ""
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+    async def start(self, tls: ssl.SSLContext | None = None) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=tls)
         port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         return self.url
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -494,3 +498,42 @@ async def test_a_large_body_is_read_whole_through_flow_control(
 async def test_a_header_with_a_line_break_is_refused(pool: EnginePool) -> None:
     with pytest.raises(ValueError, match="line break"):
         await pool.post("http://127.0.0.1:1/x", b"{}", {"X-Request-Id": "a\r\nX-Injected: 1"})
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=engine",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
+async def test_https_engines_with_certificate_checks(tls_files: tuple[Path, Path]) -> None:
+    """A static fleet may list ``https://`` engines: TLS, with the certificate checked by default."""
+    cert, key = tls_files
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    ref: list[RawServer] = []
+    raw = RawServer(keep_answering(lambda _: answer(b"secure"), ref))
+    ref.append(raw)
+    url = await raw.start(tls=server_ctx) + "/v1/completions"
+    trusting = EnginePool(connect_timeout_s=5.0, read_timeout_s=5.0,
+                          ssl_context=ssl.create_default_context(cafile=str(cert)))
+    default = EnginePool(connect_timeout_s=5.0, read_timeout_s=5.0)
+    try:
+        for _ in range(2):
+            resp = await trusting.post(url, b"{}", JSON)
+            assert await resp.read() == b"secure"
+            resp.release()
+        assert raw.connections == 1  # kept alive over TLS too
+        assert raw.requests[0][0].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+        with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # self-signed: refused
+            await default.post(url, b"{}", JSON)
+    finally:
+        trusting.close()
+        default.close()
+        await raw.stop()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
+
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import asyncio, logging
@@ -176,3 +180,16 @@ def test_each_line_goes_out_in_one_write() -> None:
         assert call.endswith("\n")
         assert call.count("\n") == 1
         json.loads(call)
+
+
+@pytest.mark.parametrize("now", [1_763_900_000.0, 1_763_900_000.25, 1_763_900_059.5, 1_763_903_599.125])
+def test_timestamps_read_as_structlogs_did(monkeypatch: pytest.MonkeyPatch, now: float) -> None:
+    """The timestamp, formatted once a second now, is the text structlog's TimeStamper(fmt="iso",
+    utc=True) wrote — what log pipelines parse — whole seconds (no fraction) included."""
+    from routerd.log import _UtcTimestamp
+
+    stamp = _UtcTimestamp()
+    monkeypatch.setattr(time, "time", lambda: now)
+    ours = stamp(None, "info", {})["timestamp"]
+    theirs = datetime.datetime.fromtimestamp(now, tz=datetime.UTC).isoformat()
+    assert ours == theirs.replace("+00:00", "Z")

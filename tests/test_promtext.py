@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from routerd import promtext
+from routerd.routing import promtext
 
 
 def vllm_page(*, running: float, waiting: float, kv: float, old_names: bool = False,

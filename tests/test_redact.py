@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from routerd import redact
 from routerd.config import parse
@@ -96,3 +98,22 @@ def test_argv_masks_secret_flags() -> None:
     assert redact.argv(argv) == ["vllm", "serve", "/models/x", "--api-key", "***", "--hf-token=***",
                                  "--port", "8001", "--max-num-seqs", "64", "--kv-transfer-config",
                                  "http://u:***@h:1"]
+
+
+_FIELD_NAMES = st.sampled_from(["event", "request_id", "model", "status", "api_key", "token", "url",
+                                "max_tokens", "password", "instance", "level"])
+_TEXT = st.text(alphabet=st.sampled_from(list("ab@=: /Brearsic0123")), max_size=24) | st.sampled_from(
+    ["Bearer abcd1234", "Basic dXNlcjpw", "http://u:pw@h:1", "x?token=t", "the-secret-key"])
+_VALUES = _TEXT | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none() | st.lists(_TEXT)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(event=st.dictionaries(_FIELD_NAMES, _VALUES, max_size=8), secrets=st.booleans())
+def test_the_whole_line_shortcut_masks_what_field_by_field_masks(event: dict[str, object],
+                                                                 secrets: bool) -> None:
+    """Every log line first takes a shortcut (all fields at once); it must mask exactly what the
+    field-by-field walk masks, or a secret would reach the log."""
+    r = redact.Redactor()
+    if secrets:
+        r.learn(["the-secret-key", "abcd1234"])
+    assert r(None, "info", dict(event)) == {k: r.value(k, v) for k, v in event.items()}

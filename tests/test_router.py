@@ -13,8 +13,7 @@ from aiohttp import web
 from routerd.config import RoutingConfig
 from routerd.errors import NoReadyInstance
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
-from routerd.router import CircuitBreaker, Router
-from routerd.scraper import Scraper
+from routerd.routing import CircuitBreaker, Router, Scraper
 from routerd.status import render
 from routerd.telemetry import Telemetry
 

@@ -7,6 +7,10 @@ Method:
   boundaries do not put the two requests of a pair into different steps) each in their own
   process; routerd's data plane in its own process (uvloop, ``least_load``, info logging with its
   one canonical line per request, to /dev/null).
+* **Peers** (``--peers``, by default the Rust vLLM Router with ``power_of_two``) run in front of the
+  same engines and go through every phase below right after routerd, in the same run.
+* **Added latency, one request at a time (sequential):** ``--sequential`` requests, each sent straight
+  to an engine and then through the router; the differences show the idle path.
 * **Added latency (paired):** Poisson arrivals at each of ``--rates``; each arrival sends the *same*
   request twice at the same instant, once straight to an engine (round-robin over them) and once
   through routerd (which routes it to one of the same engines). The per-pair difference of end-to-end
@@ -15,7 +19,13 @@ Method:
   noise (a shared CPU, the engine's step timing).
 * **Sustained rate:** ``--concurrency`` closed-loop clients through routerd for ``--duration``
   seconds; completed requests per second, and routerd's CPU seconds from ``/proc`` over the same
-  window. ``rate / cpu_share`` is what one fully used core would carry (routerd is one event loop).
+  window. ``rate / cpu_share`` is what one fully used core would carry (routerd is one event loop),
+  and ``cpu_share / rate`` the CPU time one request costs.
+* **Instructions per request** (``--instructions N``, needs valgrind): CPU time per request swings
+  with whatever else a shared machine runs; the instructions a request costs do not. A second data
+  plane runs under ``valgrind --tool=callgrind`` with counting switched on only while ``N`` requests
+  run one at a time, its scrapes and heartbeats slowed to once a minute so that their time-driven
+  work does not land in the count of a process slowed fifty-fold.
 
 Both for non-streaming and streaming requests. The load generator and engines share the machine with
 routerd, so on a small machine the figures are an upper bound of the real overhead.
@@ -25,14 +35,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from ._common import Processes, Timing, cpu_seconds, print_table, summary, timed_request, write_json
+from .._net import free_port
+from ._common import (
+    Processes,
+    Timing,
+    cpu_seconds,
+    print_table,
+    summary,
+    timed_request,
+    wait_http,
+    write_json,
+)
 
 MODEL = "bench"
 
@@ -135,6 +160,72 @@ async def sequential(session: aiohttp.ClientSession, engines: list[str], router:
             "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])}
 
 
+def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str
+                           ) -> tuple[str, subprocess.Popen[bytes], Path]:
+    """A data plane under callgrind, counting nothing yet: its URL, process and dump-file prefix."""
+    cfg = _plane_config(engines, log_level)
+    cfg["routing"].update(scrape_interval_s=60.0, stale_after_s=600.0)
+    cfg["health"] = {"heartbeat_interval_s": 60.0}
+    port = free_port()
+    cfg["http"] = {"host": "127.0.0.1", "port": port}
+    spec = Path(procs.tmp.name) / "callgrind-plane.json"
+    spec.write_text(json.dumps({"config": cfg, "capacities": {}}))
+    out = Path(procs.tmp.name) / "callgrind.out"
+    proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                             f"--callgrind-out-file={out}", sys.executable, "-m", "routerd.bench._common",
+                             "plane", str(spec), "--log-level", log_level],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.procs.append(proc)
+    return f"http://127.0.0.1:{port}", proc, out
+
+
+def _dumps(out: Path) -> list[Path]:
+    """callgrind's dump files (``out``, ``out.1``, …), oldest first."""
+    return sorted(out.parent.glob(out.name + "*"), key=lambda f: f.stat().st_mtime)
+
+
+def _dumped_instructions(dump: Path) -> int:
+    return max((int(line.split()[1]) for line in dump.read_text().splitlines()
+                if line.startswith(("summary:", "totals:"))), default=0)
+
+
+async def instructions(procs: Processes, session: aiohttp.ClientSession, engines: list[str], *,
+                       count: int, max_tokens: int, log_level: str) -> list[dict[str, Any]]:
+    """routerd's instructions per request under callgrind, ``count`` sequential requests of each kind
+    (empty when valgrind is not installed)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions skipped: valgrind is not installed")
+        return []
+    base, proc, out = _spawn_callgrind_plane(procs, engines, log_level)
+    await wait_http(base + "/readyz", timeout=600.0, proc=proc)
+    url = base + "/v1/completions"
+
+    async def control(*args: str) -> None:
+        await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(proc.pid)], check=True,
+                                capture_output=True, timeout=120)
+
+    rows = []
+    for stream in (False, True):
+        body = _body(stream, max_tokens)
+        for _ in range(50):  # warm-up, not counted
+            await timed_request(session, url, body, stream)
+        dumps = len(_dumps(out))
+        await control("-i", "on")
+        failed = 0
+        for _ in range(count):
+            failed += not (await timed_request(session, url, body, stream)).ok
+        await control("-i", "off")
+        await control("-d")  # the counts since the last dump go to a new file, and are zeroed
+        for _ in range(100):
+            if len(_dumps(out)) > dumps:
+                break
+            await asyncio.sleep(0.1)
+        total = _dumped_instructions(_dumps(out)[-1])
+        rows.append({"kind": "stream" if stream else "non_stream", "router": "routerd", "requests": count,
+                     "failed": failed, "instructions_per_request": round(total / count)})
+    return rows
+
+
 async def _peers(procs: Processes, engines: list[str], names: list[str]) -> dict[str, tuple[str, int]]:
     """Peer routers in front of the same engines: name → (URL, pid). Missing ones are reported."""
     out: dict[str, tuple[str, int]] = {}
@@ -153,7 +244,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     sim = {"max_num_seqs": 1024, "ttft_ms": args.engine_ttft_ms, "itl_ms": args.engine_itl_ms,
            "batch_factor": 0, "default_max_tokens": args.max_tokens}
-    results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": [], "sequential": []}
+    results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": [], "sequential": [],
+                               "instructions": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
         url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
@@ -185,6 +277,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     s = await sustained(session, target, pid, concurrency=args.concurrency,
                                         duration=args.duration, stream=stream, max_tokens=args.max_tokens)
                     results["sustained"].append({"kind": kind, "router": name, **s})
+            if args.instructions:
+                results["instructions"] = await instructions(procs, session, engines, count=args.instructions,
+                                                             max_tokens=args.max_tokens,
+                                                             log_level=args.log_level)
     results["routers"] = list(routers)
     return results
 
@@ -222,6 +318,11 @@ def report(results: dict[str, Any]) -> None:
     print_table("sustained rate through the router (closed loop)",
                 ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "p50 ms", "p99 ms",
                  "failed"], rows)
+    if results.get("instructions"):
+        print_table("instructions per request (callgrind, one request at a time)",
+                    ["requests", "router", "count", "instructions", "failed"],
+                    [[r["kind"], r["router"], r["requests"], r["instructions_per_request"], r["failed"]]
+                     for r in results["instructions"]])
 
 
 def main(argv: list[str]) -> int:
@@ -242,6 +343,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--instructions", type=int, default=0, metavar="N",
+                    help="also count routerd's instructions per request under valgrind over N requests "
+                         "of each kind (0: not)")
     args = ap.parse_args(argv)
     import uvloop
 

@@ -1,4 +1,4 @@
-"""Choosing an instance: candidate views over the registry, the policy plugin, and the circuit breaker.
+"""Choosing an instance: candidate views over the registry and the policy plugin.
 
 The router only reads the registry (the circuit fields it reads are written by :class:`CircuitBreaker`,
 which upstream drives). Rules that hold whatever the policy is:
@@ -21,66 +21,12 @@ import random
 import time
 from collections.abc import Callable, Collection
 
-from . import plugins
-from .config import RoutingConfig
-from .errors import NoReadyInstance
-from .plugins import Candidate, RoutingPolicy
-from .registry import CircuitState, Instance, InstanceState, Registry
-
-
-class CircuitBreaker:
-    """Per-instance breaker: ``threshold`` failures in a row → out of rotation for ``cooldown_s``.
-
-    After the cool-down the circuit is half-open: exactly one request may try the instance; success
-    closes the circuit, failure opens it for another cool-down. State lives on the Instance
-    (``consecutive_failures``, ``circuit_open_until``, read as a :class:`CircuitState` through
-    :meth:`Instance.circuit`) so routing, status and metrics all see the same three states; the set of
-    instances with a half-open trial in flight lives here.
-    """
-
-    def __init__(self, cfg: RoutingConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg = cfg
-        self.clock = clock
-        self._trials: set[str] = set()
-
-    def allows(self, inst: Instance, now: float) -> bool:
-        state = inst.circuit(now)
-        if state is CircuitState.HALF_OPEN:
-            return inst.id not in self._trials  # one trial at a time
-        return state is CircuitState.CLOSED
-
-    def begin(self, inst: Instance) -> bool:
-        """Called when a request is sent; returns True when it is the half-open trial."""
-        if inst.circuit(self.clock()) is CircuitState.HALF_OPEN:
-            self._trials.add(inst.id)
-            return True
-        return False
-
-    def end(self, inst: Instance) -> None:
-        self._trials.discard(inst.id)
-
-    def success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
-        inst.circuit_open_until = 0.0
-
-    def failure(self, inst: Instance) -> bool:
-        """Count one failure; returns True only when it moves the circuit from closed to open.
-
-        One opening per transition: the failures of requests that were already in flight when the
-        circuit opened change nothing (the cool-down is not stretched by them), and a failure once the
-        cool-down is over (the half-open trial) re-opens it for another cool-down without counting as a
-        new opening — so one dead engine shows as one opening, however many requests it dropped and
-        however many cool-downs it stays down."""
-        inst.consecutive_failures += 1
-        now = self.clock()
-        if inst.circuit_open_until == 0.0:
-            if inst.consecutive_failures >= self.cfg.circuit_failure_threshold:
-                inst.circuit_open_until = now + self.cfg.circuit_cooldown_s
-                return True
-            return False
-        if now >= inst.circuit_open_until:
-            inst.circuit_open_until = now + self.cfg.circuit_cooldown_s
-        return False
+from .. import plugins
+from ..config import RoutingConfig
+from ..errors import NoReadyInstance
+from ..plugins import Candidate, RoutingPolicy
+from ..registry import Instance, InstanceState, Registry
+from .breaker import CircuitBreaker
 
 
 class Router:

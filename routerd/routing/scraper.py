@@ -20,10 +20,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from . import log, promtext
-from .config import RoutingConfig
-from .registry import Instance, InstanceState, Registry
-from .telemetry import Telemetry
+from .. import log
+from ..config import RoutingConfig
+from ..registry import Instance, InstanceState, Registry
+from ..telemetry import Telemetry
+from . import promtext
 
 _log = log.get("routerd.scraper")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-from .registry import LoadSnapshot
+from ..registry import LoadSnapshot
 
 # family name → snapshot field. Old names map to a separate key so the new one can win.
 _FAMILIES: dict[str, str] = {
