@@ -14,6 +14,21 @@ jobs are not refused: the consumer reads from Redis only as many as :meth:`Admis
 allows, so the backlog stays in Redis. A waiter whose deadline passes is failed with
 :class:`DeadlineExceeded` and never takes a slot.
 
+A fleet that scales to zero (:class:`routerd.elastic.Elastic`) is woken by the first request that finds
+it without a ready instance; that request and those after it wait here as above — HTTP ones for the
+waiting room, then 503 with a ``Retry-After`` of the expected start-up left, queue jobs until ready or
+their deadline — and the queue path reads jobs for it as if one instance were coming
+(:meth:`Admission.intake_limit`), since its jobs are what wakes it.
+
+With tenants, each tenant's work in a fleet waits in a line of its own, ordered as above; when a
+slot frees, :func:`routerd.tenants.fairshare.pick` chooses whose line is served: weighted fair share
+of the slots between the tenants that wait, work-conserving (the proof is in that module). A tenant
+at its ``max_concurrent`` waits, and each may fill only its weight's part of ``max_queued`` with HTTP
+waiters, so a flood from one cannot refuse another. With tenants a fleet admits about what its
+engines run at once (``engine_queue_per_instance``, 0 by default): a request admitted beyond that
+would wait in the engine's own first-come queue, where no share or priority applies. Without tenants
+there is one line, and each step is the single-line case of the same code.
+
 Time comes from the injected ``clock``; :meth:`sweep` applies deadlines and the waiting room by that
 clock (``run`` calls it; tests call it after moving a fake clock).
 """
@@ -25,74 +40,187 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .config import AdmissionConfig
 from .errors import DeadlineExceeded, NoReadyInstance, Overloaded, RouterdError
-from .registry import Registry
+from .registry import InstanceState, Registry
+from .tenants.fairshare import Line, Share, pick, victim
+
+if TYPE_CHECKING:
+    from .elastic import Elastic
 
 Source = Literal["http", "queue"]
 
 
-@dataclass(order=True)
+@dataclass(slots=True)
 class _Waiter:
-    key: tuple[float, float, int]
-    future: asyncio.Future[None] = field(compare=False)
-    source: Source = field(compare=False, default="http")
-    enqueued: float = field(compare=False, default=0.0)
-    deadline: float | None = field(compare=False, default=None)
+    key: tuple[float, float, int]  # the heap's order (see the module's docstring)
+    future: asyncio.Future[None]
+    source: Source = "http"
+    enqueued: float = 0.0
+    deadline: float | None = None
+
+    def __lt__(self, other: _Waiter) -> bool:
+        return self.key < other.key
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class _Ticket:
+    """``async with admission.ticket(...)``: a slot from entry to exit (a plain class rather than an
+    ``asynccontextmanager``: this is on every request's path)."""
+
+    __slots__ = ("_adm", "_args", "_fleet", "_held", "_line", "_preempt")
+
+    def __init__(self, adm: Admission, fleet: str, priority: int, deadline: float | None, source: Source,
+                 tenant: str, preempt: Callable[[], bool] | None) -> None:
+        self._adm, self._fleet, self._preempt = adm, fleet, preempt
+        self._args = (priority, deadline, source, tenant)
+        self._line: Line[_Waiter] | None = None
+        self._held = 0
+
+    async def __aenter__(self) -> None:
+        self._line = line = await self._adm._acquire(self._fleet, *self._args)
+        if self._preempt is not None:
+            self._held = next(self._adm._served)
+            line.preemptible[self._held] = self._preempt
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._line is not None
+        if self._held:
+            self._line.preemptible.pop(self._held, None)
+        self._adm._release(self._fleet, self._line)
 
 
 @dataclass
 class _FleetQueue:
     active: int = 0
-    heap: list[_Waiter] = field(default_factory=list)
+    lines: dict[str, Line[_Waiter]] = field(default_factory=dict)  # every tenant seen in this fleet
+    waiting: dict[str, Line[_Waiter]] = field(default_factory=dict)  # those with waiters (maybe done)
     queued_http: int = 0
     queued_queue: int = 0
     admitted_total: int = 0
     rejected_total: int = 0
     expired_total: int = 0
+    preempted_total: int = 0
     unready_since: float | None = None  # when the fleet last lost its last ready instance
+    # the fleet's limit and ready count, as of registry version ``version`` (see Admission._slots)
+    limit: int = 0
+    ready: int = 0
+    version: int = -1
+    fresh_until: float = 0.0
 
 
-_SLICE_S = 1.0  # a waiter re-checks the clock at least this often (instances may vanish meanwhile)
+_DEFAULT_SHARE = Share()
+_SLICE_S = 1.0  # run() applies the clock (deadlines, the waiting room) at least twice per this
+_LIMIT_TTL_S = 1.0  # capacities come from scrapes, which do not change the registry's version
 
 
 class Admission:
     """Per-fleet bounded priority admission. Use :meth:`ticket` around one request's whole life."""
 
     def __init__(self, registry: Registry, cfg: AdmissionConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, elastic: Elastic | None = None) -> None:
+        """``elastic`` starts fleets scaled to zero on demand (None: every fleet is fixed)."""
         self._registry = registry
         self._cfg = cfg
         self._clock = clock
+        self._elastic = elastic
         self._fleets: dict[str, _FleetQueue] = {}
         self._seq = itertools.count()
+        self._served = itertools.count(1)
         self._freed = asyncio.Event()
+        self._shares: dict[str, Share] = {}
+        self._tenants_configured = False
+        self._http_parts: dict[str, int] = {}  # tenant → HTTP waiters it may have per fleet
+        self._tenant_active: dict[str, int] = {}  # tenant → slots held, all fleets (max_concurrent)
+        self._engine_queue: int | None = None
+        self._preempting = False
+        self.set_tenants({}, configured=False)
 
     def update_config(self, cfg: AdmissionConfig) -> None:
         self._cfg = cfg
+        self.set_tenants(self._shares, configured=self._tenants_configured)
+
+    def set_tenants(self, shares: Mapping[str, Share], *, configured: bool) -> None:
+        """The tenants' weights and concurrency bounds (start-up and reload); unknown names weigh 1."""
+        self._shares = dict(shares)
+        self._tenants_configured = configured
+        q_in_engine = self._cfg.engine_queue_per_instance
+        self._engine_queue = q_in_engine if q_in_engine is not None else (0 if configured else None)
+        self._preempting = configured and self._cfg.preempt_queue_jobs
+        total = sum(s.weight for s in self._shares.values()) or 1.0
+        self._http_parts = {name: max(1, int(self._cfg.max_queued * s.weight / total))
+                            for name, s in self._shares.items()} if len(self._shares) > 1 else {}
+        for q in self._fleets.values():
+            for name, line in q.lines.items():
+                line.weight = self._share(name).weight
         self.dispatch_all()
+
+    @property
+    def tenants_configured(self) -> bool:
+        """Whether ``[[tenants]]`` are configured (fair share between them applies)."""
+        return self._tenants_configured
+
+    def _share(self, tenant: str) -> Share:
+        return self._shares.get(tenant) or _DEFAULT_SHARE
 
     # limits ------------------------------------------------------------------------------------
     def limit(self, fleet: str) -> int:
-        return self._registry.ready_count(fleet) * self._cfg.max_inflight_per_instance
+        """Slots of ``fleet``: per ready instance ``max_inflight_per_instance``, or its capacity plus
+        ``engine_queue_per_instance`` when that is lower."""
+        per_instance = self._cfg.max_inflight_per_instance
+        extra = self._engine_queue
+        if extra is None:
+            return self._registry.ready_count(fleet) * per_instance
+        return sum(min(per_instance, inst.capacity + extra) for inst in self._registry.instances(fleet)
+                   if inst.state is InstanceState.READY)
+
+    def _slots(self, fleet: str, q: _FleetQueue, now: float) -> int:
+        """:meth:`limit` for the request path: recomputed when the registry changed (an instance came,
+        went or changed state) and at least every ``_LIMIT_TTL_S`` (a scrape revealed a capacity)."""
+        version = self._registry.version
+        if q.version != version or now >= q.fresh_until:
+            q.ready = self._registry.ready_count(fleet)
+            q.limit = self.limit(fleet)
+            q.version, q.fresh_until = version, now + _LIMIT_TTL_S
+        return q.limit
+
+    def intake_limit(self, fleet: str) -> int:
+        """What the queue path may read for ``fleet``: its limit, or one instance's worth while it has
+        no ready instance but starts one on demand (its jobs wait here and wake it)."""
+        limit = self.limit(fleet)
+        if limit == 0 and self._elastic is not None and self._elastic.standby(fleet):
+            return self._cfg.max_inflight_per_instance
+        return limit
 
     def free_slots(self, fleet: str) -> int:
         """Slots a new request could take now without waiting (the queue path pulls this many)."""
         q = self._fleets.get(fleet)
         active = q.active if q else 0
         waiting = (q.queued_http + q.queued_queue) if q else 0
-        return max(0, self.limit(fleet) - active - waiting)
+        return max(0, self.intake_limit(fleet) - active - waiting)
 
     def stats(self, fleet: str) -> dict[str, int]:
         q = self._fleets.get(fleet) or _FleetQueue()
         return {"active": q.active, "queued_http": q.queued_http, "queued_queue": q.queued_queue,
                 "limit": self.limit(fleet), "admitted_total": q.admitted_total,
-                "rejected_total": q.rejected_total, "expired_total": q.expired_total}
+                "rejected_total": q.rejected_total, "expired_total": q.expired_total,
+                "preempted_total": q.preempted_total}
+
+    def tenant_stats(self) -> Iterator[tuple[str, str, dict[str, float]]]:
+        """``(tenant, fleet, {active, queued, admitted_total, slot_seconds})`` for every line."""
+        now = self._clock()
+        for fleet, q in self._fleets.items():
+            for name, line in q.lines.items():
+                yield name, fleet, {"active": line.active, "queued": line.queued_http + line.queued_queue,
+                                    "admitted_total": line.admitted_total,
+                                    "slot_seconds": line.occupancy(now)}
 
     async def wait_freed(self, timeout: float) -> None:
         """Wait until some slot is released (or the registry changes); the queue consumer's pacing."""
@@ -103,72 +231,95 @@ class Admission:
                 await self._freed.wait()
 
     # the ticket --------------------------------------------------------------------------------
-    @asynccontextmanager
-    async def ticket(self, fleet: str, *, priority: int = 0, deadline: float | None = None,
-                     source: Source = "http") -> AsyncIterator[None]:
-        """Hold one dispatch slot of ``fleet`` for the body of the ``async with``.
+    def ticket(self, fleet: str, *, priority: int = 0, deadline: float | None = None,
+               source: Source = "http", tenant: str = "default",
+               preempt: Callable[[], bool] | None = None) -> _Ticket:
+        """Hold one dispatch slot of ``fleet`` for ``tenant`` for the body of the ``async with``.
 
         ``deadline`` is on this admission's clock (monotonic seconds). Raises :class:`Overloaded`,
-        :class:`NoReadyInstance` or :class:`DeadlineExceeded` instead of admitting.
+        :class:`NoReadyInstance` or :class:`DeadlineExceeded` instead of admitting. ``preempt``: the
+        slot may be taken back for a tenant below its share — admission calls it to abort the work
+        (it returns False when too late), and the slot is free once the body has left.
         """
-        await self._acquire(fleet, priority, deadline, source)
-        try:
-            yield
-        finally:
-            self._release(fleet)
+        return _Ticket(self, fleet, priority, deadline, source, tenant, preempt)
 
     def _key(self, priority: int, deadline: float | None, now: float) -> tuple[float, float, int]:
         aged = priority - math.floor(now / self._cfg.aging_s)
         return (-aged, deadline if deadline is not None else math.inf, next(self._seq))
 
-    async def _acquire(self, fleet: str, priority: int, deadline: float | None, source: Source) -> None:
-        q = self._fleets.setdefault(fleet, _FleetQueue())
+    async def _acquire(self, fleet: str, priority: int, deadline: float | None, source: Source,
+                       tenant: str) -> Line[_Waiter]:
+        q = self._fleets.get(fleet) or self._fleets.setdefault(fleet, _FleetQueue())
         now = self._clock()
         if deadline is not None and deadline <= now:
             q.expired_total += 1
             raise DeadlineExceeded("the job's deadline passed before it could be dispatched")
         self._note_readiness(fleet, q, now)
-        if not q.heap and q.active < self.limit(fleet):
-            q.active += 1
-            q.admitted_total += 1
-            return
-        if source == "http" and q.queued_http >= self._cfg.max_queued:
-            q.rejected_total += 1
-            if q.unready_since is not None:
-                raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
-            raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
-                             f"{q.queued_http} waiting)", retry_after_s=self._retry_after(q))
+        if q.unready_since is not None and self._elastic is not None:
+            self._elastic.wake(fleet)  # a fleet scaled to zero starts an instance now
+        line = q.lines.get(tenant)
+        if line is None:
+            line = q.lines[tenant] = Line(tenant, self._share(tenant).weight, now)
+        if not q.waiting and q.active < q.limit and not self._capped(tenant):
+            self._grant(q, line, now)
+            return line
+        if source == "http":
+            self._check_room(fleet, q, line)
         waiter = _Waiter(key=self._key(priority, deadline, now),
                          future=asyncio.get_running_loop().create_future(), source=source,
                          enqueued=now, deadline=deadline)
-        heapq.heappush(q.heap, waiter)
-        self._count(q, source, +1)
+        if line.top() is None:
+            line.join(q.waiting.values(), now)
+            q.waiting[tenant] = line
+        heapq.heappush(line.heap, waiter)
+        self._count(q, line, source, +1)
+        if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
+            self._dispatch(fleet, q)
+        elif self._preempting:
+            self._preempt_for(q, line)
+        timer = self._timer(fleet, q, waiter, now)
         try:
-            while not waiter.future.done():
-                try:
-                    async with asyncio.timeout(self._slice(q, waiter)):
-                        await asyncio.shield(waiter.future)
-                except TimeoutError:
-                    self._sweep_fleet(fleet, q, self._clock())
-            waiter.future.result()  # raises what sweep decided (deadline, no ready instance)
+            await waiter.future  # its result, or what sweep decided (deadline, no ready instance)
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self._release(fleet)  # admitted, then the caller went away: give the slot back
+                self._release(fleet, line)  # admitted, then the caller went away: give the slot back
             waiter.future.cancel()
             raise
         finally:
-            self._count(q, source, -1)
-            self._dispatch(fleet, q)
+            if timer is not None:
+                timer.cancel()
+            self._count(q, line, source, -1)
+            if q.waiting and q.active < q.limit:
+                self._dispatch(fleet, q)
+        return line
 
-    def _slice(self, q: _FleetQueue, w: _Waiter) -> float:
-        """How long to wait before the clock must be looked at again for this waiter."""
-        now = self._clock()
-        until = now + _SLICE_S
-        if w.deadline is not None:
-            until = min(until, w.deadline)
+    def _check_room(self, fleet: str, q: _FleetQueue, line: Line[_Waiter]) -> None:
+        """An HTTP request may wait if the fleet's waiting room, and its tenant's part of it, have room."""
+        if q.queued_http < self._cfg.max_queued \
+                and line.queued_http < self._http_parts.get(line.tenant, self._cfg.max_queued):
+            return
+        q.rejected_total += 1
+        if q.unready_since is not None:
+            raise self._no_ready(fleet)
+        raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
+                         f"{q.queued_http} waiting)", retry_after_s=self._retry_after(q))
+
+    def _timer(self, fleet: str, q: _FleetQueue, w: _Waiter, now: float) -> asyncio.TimerHandle | None:
+        """A wake-up for this waiter's deadline or waiting room, when it has one; anything else that
+        changes (instances leaving, the waiting room starting later) :meth:`run` sees within
+        ``_SLICE_S / 2``."""
+        until = w.deadline
         if w.source == "http" and q.unready_since is not None:
-            until = min(until, max(q.unready_since, w.enqueued) + self._cfg.waiting_room_s)
-        return max(0.0, until - now)
+            room = max(q.unready_since, w.enqueued) + self._cfg.waiting_room_s
+            until = room if until is None else min(until, room)
+        if until is None:
+            return None
+        return asyncio.get_running_loop().call_later(max(0.0, until - now) + 0.001, self._sweep_one, fleet)
+
+    def _sweep_one(self, fleet: str) -> None:
+        q = self._fleets.get(fleet)
+        if q is not None:
+            self._sweep_fleet(fleet, q, self._clock())
 
     def sweep(self) -> None:
         """Fail waiters whose deadline passed, and HTTP waiters past the waiting room, by the clock."""
@@ -178,7 +329,7 @@ class Admission:
 
     def _sweep_fleet(self, fleet: str, q: _FleetQueue, now: float) -> None:
         self._note_readiness(fleet, q, now)
-        for w in q.heap:
+        for w in [w for line in q.waiting.values() for w in line.heap]:
             if w.future.done():
                 continue
             err: RouterdError | None = None
@@ -188,51 +339,107 @@ class Admission:
             elif (w.source == "http" and q.unready_since is not None
                   and now - max(q.unready_since, w.enqueued) >= self._cfg.waiting_room_s):
                 q.rejected_total += 1
-                err = NoReadyInstance(f"fleet {fleet!r} has no ready instance")
+                err = self._no_ready(fleet)
             if err is not None:
                 w.future.set_exception(err)
-        while q.heap and q.heap[0].future.done():
-            heapq.heappop(q.heap)
+        for name, line in list(q.waiting.items()):
+            if line.top() is None:
+                del q.waiting[name]
 
     def _note_readiness(self, fleet: str, q: _FleetQueue, now: float) -> None:
-        if self._registry.ready_count(fleet) == 0:
+        self._slots(fleet, q, now)
+        if q.ready == 0:
             if q.unready_since is None:
                 q.unready_since = now
         else:
             q.unready_since = None
 
+    def _no_ready(self, fleet: str) -> NoReadyInstance:
+        """The waiting room ran out: 503, with the start-up time left as ``Retry-After`` when the fleet
+        is starting an instance."""
+        eta = self._elastic.wake(fleet) if self._elastic is not None else None
+        if eta is None:
+            return NoReadyInstance(f"fleet {fleet!r} has no ready instance")
+        return NoReadyInstance(f"fleet {fleet!r} is starting an instance (expected ready in {eta:.0f}s)",
+                               retry_after_s=max(1.0, eta))
+
     def _retry_after(self, q: _FleetQueue) -> float:
         return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
 
     @staticmethod
-    def _count(q: _FleetQueue, source: Source, delta: int) -> None:
+    def _count(q: _FleetQueue, line: Line[_Waiter], source: Source, delta: int) -> None:
         if source == "http":
             q.queued_http += delta
+            line.queued_http += delta
         else:
             q.queued_queue += delta
+            line.queued_queue += delta
 
-    def _release(self, fleet: str) -> None:
+    def _preempt_for(self, q: _FleetQueue, line: Line[_Waiter]) -> None:
+        """``line`` waits below its share on a full fleet: abort the most recently started preemptible
+        request of the tenant furthest above its share (its slot comes here once its holder left)."""
+        while (over := victim(q.lines.values(), line, q.limit)) is not None:
+            _, abort = over.preemptible.popitem()  # the most recent: the least work lost
+            if abort():
+                q.preempted_total += 1
+                return
+
+    def _capped(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds its ``max_concurrent`` slots already (all fleets)."""
+        cap = self._share(tenant).max_concurrent
+        return cap > 0 and self._tenant_active.get(tenant, 0) >= cap
+
+    def _grant(self, q: _FleetQueue, line: Line[_Waiter], now: float) -> None:
+        q.active += 1
+        q.admitted_total += 1
+        line.take(now, next(self._served))
+        self._tenant_active[line.tenant] = self._tenant_active.get(line.tenant, 0) + 1
+
+    def _release(self, fleet: str, line: Line[_Waiter]) -> None:
         q = self._fleets[fleet]
         q.active -= 1
+        line.give_back(self._clock())
+        tenant = line.tenant
+        was_capped = self._capped(tenant)
+        self._tenant_active[tenant] -= 1
         self._dispatch(fleet, q)
+        if was_capped:  # its waiters in other fleets may go now
+            for name, other in self._fleets.items():
+                if other is not q and tenant in other.waiting:
+                    self._dispatch(name, other)
         self._freed.set()
         self._freed = asyncio.Event()
 
     def _dispatch(self, fleet: str, q: _FleetQueue) -> None:
-        limit = self.limit(fleet)
-        while q.heap and q.active < limit:
-            waiter = heapq.heappop(q.heap)
-            if waiter.future.done():
-                continue
-            q.active += 1
-            q.admitted_total += 1
-            waiter.future.set_result(None)
-        while q.heap and q.heap[0].future.done():
-            heapq.heappop(q.heap)
+        waiting = q.waiting
+        if not waiting:
+            return
+        now = self._clock()
+        limit = self._slots(fleet, q, now)
+        while q.active < limit and waiting:
+            line = pick(waiting.values(), now, self._capped) if len(waiting) > 1 \
+                else next(iter(waiting.values()))
+            waiter = line.top() if line is not None else None
+            if line is None or waiter is None or self._capped(line.tenant):
+                break
+            heapq.heappop(line.heap)
+            if waiter.deadline is not None and waiter.deadline <= now:  # never takes a slot
+                q.expired_total += 1
+                waiter.future.set_exception(DeadlineExceeded("the job's deadline passed before it could "
+                                                             "be dispatched"))
+            else:
+                self._grant(q, line, now)
+                waiter.future.set_result(None)
+            if line.top() is None:
+                del waiting[line.tenant]
+        for name, line in list(waiting.items()):
+            if line.top() is None:
+                del waiting[name]
 
     def dispatch_all(self) -> None:
         now = self._clock()
         for fleet, q in self._fleets.items():
+            q.version = -1  # the registry or the config changed: recompute the limit
             self._note_readiness(fleet, q, now)
             self._dispatch(fleet, q)
         self._freed.set()

@@ -60,6 +60,12 @@ def _submit(argv: list[str]) -> int:
     return submit_main(argv)
 
 
+def _usage(argv: list[str]) -> int:
+    from .tenants.report import main as usage_main
+
+    return usage_main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     from .bench import main as bench_main
 
@@ -71,6 +77,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "check-config": (_check_config, "validate a config file; exit 0 valid, 78 invalid"),
     "status": (_status, "fleets and instances from a running daemon's admin API"),
     "submit": (_submit, "enqueue one request on the Redis queue (and wait for its result)"),
+    "usage": (_usage, "usage per tenant and fleet per day (requests, tokens), from Redis"),
     "sim-engine": (_sim_engine, "the vLLM-compatible simulated engine"),
     "bench": (_bench, "benchmarks: overhead, routing, queue, failover"),
 }

@@ -80,13 +80,18 @@ class QueueClient:
 
     # submit --------------------------------------------------------------------------------------
     def _job(self, body: Mapping[str, Any], endpoint: str | None, job_id: str | None,
-             reply_to: str | None, priority: int, deadline_ms: int | None) -> tuple[str, str, dict[str, Any]]:
+             reply_to: str | None, priority: int, deadline_ms: int | None,
+             tenant: str | None = None, session: str | None = None) -> tuple[str, str, dict[str, Any]]:
         job_id = job_id or uuid.uuid4().hex
         reply_to = reply_to or self.keys.reply(job_id)
         if endpoint is None:
             endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         job = {"id": job_id, "endpoint": endpoint, "body": dict(body), "reply_to": reply_to,
                "priority": priority, "deadline_ms": deadline_ms}
+        if tenant is not None:
+            job["tenant"] = tenant
+        if session is not None:
+            job["session"] = session
         return job_id, reply_to, job
 
     def _queue(self, pipe: Any, job_id: str, job: dict[str, Any], encoding: str) -> None:
@@ -100,23 +105,28 @@ class QueueClient:
     async def submit(self, body: Mapping[str, Any], *, endpoint: str | None = None,
                      job_id: str | None = None, reply_to: str | None = None, priority: int = 0,
                      deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
-                     ) -> Submitted:
-        """Enqueue one OpenAI request. ``deadline_ms``: Unix ms, or ms after enqueueing if < 1e11."""
+                     tenant: str | None = None, session: str | None = None) -> Submitted:
+        """Enqueue one OpenAI request. ``deadline_ms``: Unix ms, or ms after enqueueing if < 1e11;
+        ``tenant``: a ``[[tenants]]`` name (None: ``default``); ``session``: keeps a conversation's
+        jobs on one instance while it is not saturated (None: the body's ``user``)."""
         return (await self.submit_many([body], endpoint=endpoint, reply_to=reply_to, priority=priority,
                                        deadline_ms=deadline_ms, encoding=encoding,
-                                       job_ids=[job_id] if job_id else None))[0]
+                                       job_ids=[job_id] if job_id else None, tenant=tenant,
+                                       session=session))[0]
 
     async def submit_many(self, bodies: Iterable[Mapping[str, Any]], *, endpoint: str | None = None,
                           reply_to: str | None = None, priority: int = 0,
                           deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
-                          job_ids: Sequence[str] | None = None, batch: int = 500) -> list[Submitted]:
+                          job_ids: Sequence[str] | None = None, batch: int = 500,
+                          tenant: str | None = None, session: str | None = None) -> list[Submitted]:
         """Enqueue many jobs in pipelined batches (one MULTI per batch); returns them in order."""
         out: list[Submitted] = []
         pending: list[tuple[str, str]] = []
         pipe = self.redis.pipeline(transaction=True)
         for i, body in enumerate(bodies):
             jid = job_ids[i] if job_ids else None
-            job_id, reply, job = self._job(body, endpoint, jid, reply_to, priority, deadline_ms)
+            job_id, reply, job = self._job(body, endpoint, jid, reply_to, priority, deadline_ms, tenant,
+                                           session)
             self._queue(pipe, job_id, job, encoding)
             pending.append((job_id, reply))
             if len(pending) >= batch:
@@ -304,6 +314,7 @@ def submit_main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--deadline-ms", type=int, help="ms from now after which the job is not run")
+    p.add_argument("--tenant", help="the job's tenant (a [[tenants]] name; default: default)")
     p.add_argument("--stream", action="store_true", help="stream: print chunks as they arrive")
     p.add_argument("--wait", action="store_true", help="wait for the result and print it")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -341,7 +352,7 @@ async def _submit(args: argparse.Namespace, url: str, stream: str, model: str) -
         body["stream"] = True
     async with QueueClient.from_url(url, stream=stream,
                                     password=os.environ.get("ROUTERD_REDIS_PASSWORD")) as q:
-        job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms)
+        job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms, tenant=args.tenant)
         if not args.wait:
             print(job.id)
             return 0

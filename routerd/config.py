@@ -68,6 +68,10 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     reclaim_interval_s: PositiveFloat = 5.0
     max_deliveries: PositiveInt = 5
     result_ttl_s: PositiveInt = 86_400
+    usage_retention_days: PositiveInt = 400  # per-day usage counters (routerd usage) expire after this
+    # With [[tenants]]: jobs read beyond what the fleets run, so that fair share sees every tenant's
+    # waiting work in the one stream (~2 KB of memory each while they wait).
+    read_ahead_jobs: NonNegInt = 1000
     reply_maxlen: PositiveInt = 10_000
     op_timeout_s: PositiveFloat = 5.0
     ssl_ca_certs: str = ""
@@ -80,10 +84,13 @@ class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     num_gpus: NonNegInt = 0  # local head only; declared GPUs (Ray accepts ones that do not exist)
     resources: dict[str, float] = {}
     connect_timeout_s: PositiveFloat = 30.0
+    # Ask the cluster's autoscaler (ray.autoscaler.sdk.request_resources) for what autoscaled fleets want;
+    # off when another program on the cluster owns that request (each call replaces the last).
+    request_resources: bool = True
 
 
 class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "least_load"
+    policy: str = "cache_aware"
     scrape_interval_s: PositiveFloat = 0.2
     scrape_timeout_s: PositiveFloat = 1.0
     stale_after_s: PositiveFloat = 2.0
@@ -94,6 +101,18 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     read_timeout_s: PositiveFloat = 600.0
     circuit_failure_threshold: PositiveInt = 3
     circuit_cooldown_s: PositiveFloat = 5.0
+    # A stream whose engine fails after it started is continued on another instance at most this many
+    # times (routerd/resume.py); 0: never — it ends with the terminal error event.
+    max_resumes: Annotated[int, Meta(ge=0, le=100)] = 3
+    # The request view and prefix index (routerd/routing/request.py, prefix_index.py): a prompt is cut
+    # into blocks of about this many tokens (4 bytes each), hashed up to prefix_hash_max_tokens.
+    prefix_block_tokens: Annotated[int, Meta(ge=4, le=4096)] = 128
+    prefix_hash_max_tokens: Annotated[int, Meta(ge=0, le=1_048_576)] = 32_768  # 0: no prefix index
+    prefix_index_max_blocks: Annotated[int, Meta(ge=1, le=100_000_000)] = 1_000_000  # all instances
+    sessions_max: Annotated[int, Meta(ge=1, le=100_000_000)] = 100_000  # sessions remembered (LRU)
+    # cache_aware: an instance draws requests by what it holds (prefix, session) only while its load
+    # stays within this factor of the fleet's mean load (plus one request) and nothing waits there.
+    affinity_load_factor: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.5
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +122,14 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_queued: NonNegInt = 1024
     waiting_room_s: NonNegFloat = 5.0
     aging_s: PositiveFloat = 10.0
+    # Requests routerd lets wait inside each engine beyond its capacity (max-num-seqs): a fleet admits
+    # Σ over ready instances of min(max_inflight_per_instance, capacity + this). Unset: 0 when
+    # [[tenants]] are configured (fair share and priorities are decided here, not in the engine's FIFO
+    # queue), else no bound beyond max_inflight_per_instance.
+    engine_queue_per_instance: NonNegInt | None = None
+    # With [[tenants]]: a tenant below its share waiting on a full fleet takes a slot back from a
+    # non-streamed queue job of the tenant furthest above its share (aborted, run again later).
+    preempt_queue_jobs: bool = True
 
 
 class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,6 +141,21 @@ class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     restart_backoff_max_s: PositiveFloat = 60.0
     startup_timeout_s: PositiveFloat = 900.0
     warmup: bool = True
+
+
+class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[fleets.autoscale]``: the fleet's replica count floats between the bounds, driven by what routerd
+    measures (routerd/fleet/autoscale.py says how); ``replicas`` is then only the count a fresh start
+    launches."""
+
+    min_replicas: NonNegInt = 0  # 0: an idle fleet stops its last engine and starts one on demand
+    max_replicas: Annotated[int, Meta(ge=1, le=1024)]
+    scale_down_delay_s: PositiveFloat = 300.0  # over-provisioned or idle this long before one replica goes
+    scale_up_delay_s: NonNegFloat = 2.0  # a shortfall must last this long before replicas are added
+    target_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.7  # requests per instance / max_num_seqs
+    target_wait_s: PositiveFloat = 1.0  # expected wait for a slot (before the first token) to keep under
+    target_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.85  # mean KV-cache use to keep under
+    drain_timeout_s: PositiveFloat = 600.0  # a replica being scaled down may finish its requests this long
 
 
 class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -129,6 +171,28 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     env: dict[str, str] = {}
     urls: list[str] = []
     max_num_seqs: PositiveInt = 256  # capacity used to normalise load when the engine does not say
+    autoscale: AutoscaleConfig | None = None  # None: a fixed count of ``replicas``
+    # Across Ray nodes (routerd/fleet/spread.py): "any" = where Ray finds room; "spread" = one replica
+    # per node while nodes without one have room, then doubling up; "strict_spread" = never two on one
+    # node (a replica with no such node stays pending, saying so).
+    placement: Literal["any", "spread", "strict_spread"] = "any"
+
+
+class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[tenants]]``: who sends work, what share of a saturated fleet it gets, what it may send.
+
+    Requests whose key maps to no tenant (and keyless ones when no key is configured) belong to
+    ``default``; a ``[[tenants]]`` entry named ``default`` sets that tenant's weight and limits.
+    """
+
+    name: Name
+    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (tenants/apikeys.py)
+    weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0  # share of a saturated fleet's slots
+    requests_per_minute: NonNegInt = 0  # 0 = no limit; shared by every routerd on the same Redis
+    tokens_per_minute: NonNegInt = 0  # prompt + completion tokens; 0 = no limit
+    max_concurrent: NonNegInt = 0  # requests in flight at once (this routerd, all fleets); 0 = no limit
+    fleets: list[Name] = []  # the fleets (by name) it may use; empty = all
+    max_priority: int | None = None  # a queue job's `priority` is lowered to this; None = no ceiling
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -140,6 +204,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     admission: AdmissionConfig = AdmissionConfig()
     health: HealthConfig = HealthConfig()
     fleets: list[FleetConfig] = []
+    tenants: list[TenantConfig] = []
 
     def fleet(self, name: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.name == name), None)
@@ -157,12 +222,13 @@ class ConfigError(Exception):
 
 
 _ENV_PREFIX = "ROUTERD_"
+_ARRAYS = {"fleets": "FleetConfig", "tenants": "TenantConfig"}  # [[arrays of tables]], not sections
 
 
 def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
     """Apply ``ROUTERD_<SECTION>_<KEY>`` variables onto the raw TOML dict; return problems."""
     problems: list[str] = []
-    sections = {f: getattr(Config(), f) for f in Config.__struct_fields__ if f != "fleets"}
+    sections = {f: getattr(Config(), f) for f in Config.__struct_fields__ if f not in _ARRAYS}
     for var, value in environ.items():
         if not var.startswith(_ENV_PREFIX):
             continue
@@ -224,6 +290,14 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
                     problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {redact.url(u)!r}")
         elif f.urls:
             problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
+        if f.engine == "static" and f.placement != "any":
+            problems.append(f"{where}.placement: a static fleet's instances are its urls; routerd does "
+                            "not place them")
+        a = f.autoscale
+        if a is not None and f.engine == "static":
+            problems.append(f"{where}.autoscale: a static fleet's instances are its urls; it cannot scale")
+        if a is not None and a.min_replicas > a.max_replicas:
+            problems.append(f"{where}.autoscale.max_replicas: must be >= min_replicas ({a.min_replicas})")
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
@@ -235,8 +309,6 @@ def _semantic_problems(cfg: Config) -> list[str]:
     h = cfg.health
     if h.restart_backoff_max_s < h.restart_backoff_initial_s:
         problems.append("$.health.restart_backoff_max_s: must be >= restart_backoff_initial_s")
-    if any(not k for k in cfg.http.api_keys):
-        problems.append("$.http.api_keys: empty key")
     if cfg.ray.address and not _HOST_PORT_RE.fullmatch(cfg.ray.address):
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
@@ -262,21 +334,74 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
         raise ConfigError(problems)
     cfg = msgspec.convert(raw, Config)
     problems = _semantic_problems(cfg)
+    cfg, key_problems = _resolve_keys(cfg, os.environ if environ is None else environ)
+    problems += key_problems + _tenant_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
+    """``env:VAR`` API keys replaced by their values (read once, at load); every key form checked."""
+    from .tenants.apikeys import KeyFormError, key_digest, resolve_env
+
+    problems: list[str] = []
+
+    def resolved(keys: list[str], where: str) -> list[str]:
+        out = []
+        for i, spec in enumerate(keys):
+            try:
+                key = resolve_env(spec, environ)
+                key_digest(key)
+            except KeyFormError as e:
+                problems.append(f"{where}[{i}]: {e}")
+                continue
+            out.append(key)
+        return out
+
+    http = msgspec.structs.replace(cfg.http, api_keys=resolved(cfg.http.api_keys, "$.http.api_keys"))
+    tenants = [msgspec.structs.replace(t, api_keys=resolved(t.api_keys, f"$.tenants[{i}].api_keys"))
+               for i, t in enumerate(cfg.tenants)]
+    return msgspec.structs.replace(cfg, http=http, tenants=tenants), problems
+
+
+def _tenant_problems(cfg: Config) -> list[str]:
+    """Tenant names unique, their fleets configured, no key given to two tenants."""
+    from .tenants.apikeys import KeyFormError, key_digest
+
+    problems: list[str] = []
+    names: dict[str, int] = {}
+    owners: dict[bytes, int] = {}
+    fleets = {f.name for f in cfg.fleets}
+    for i, t in enumerate(cfg.tenants):
+        where = f"$.tenants[{i}]"
+        if t.name in names:
+            problems.append(f"{where}.name: duplicate tenant name {t.name!r} "
+                            f"(also $.tenants[{names[t.name]}])")
+        names.setdefault(t.name, i)
+        problems += [f"{where}.fleets: no fleet named {f!r} (fleets: {', '.join(sorted(fleets)) or 'none'})"
+                     for f in t.fleets if f not in fleets]
+        for j, key in enumerate(t.api_keys):
+            try:
+                d = key_digest(key)
+            except KeyFormError:
+                continue  # reported by _resolve_keys
+            if owners.setdefault(d, i) != i:
+                problems.append(f"{where}.api_keys[{j}]: the same key is given to $.tenants[{owners[d]}]")
+    return problems
 
 
 def _structural_problems(raw: dict[str, Any]) -> list[str]:
     """Convert section by section (and fleet by fleet) so that every bad part is reported, not the first."""
     problems: list[str] = []
     for key, value in raw.items():
-        if key == "fleets":
+        if key in _ARRAYS:
             if not isinstance(value, list):
-                problems.append("$.fleets: expected an array of tables ([[fleets]])")
+                problems.append(f"$.{key}: expected an array of tables ([[{key}]])")
                 continue
-            for i, fleet in enumerate(value):
-                problems += _convert_problems(fleet, FleetConfig, f"$.fleets[{i}]")
+            item = FleetConfig if key == "fleets" else TenantConfig
+            for i, entry in enumerate(value):
+                problems += _convert_problems(entry, item, f"$.{key}[{i}]")
         elif key in Config.__struct_fields__:
             problems += _convert_problems(value, type(getattr(Config(), key)), f"$.{key}")
         else:

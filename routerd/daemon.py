@@ -148,7 +148,7 @@ class Daemon:
             async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
                 await self._startup(stack, tg)
                 self.notifier.ready(self.status_line())
-                _logger.info("routerd_ready", http=f"{self.cfg.http.host}:{self.cfg.http.port}",
+                _logger.info("routerd_ready", http=self.listener.url if self.listener else "",
                              fleets=[f.name for f in self.cfg.fleets],
                              redis=redact.url(self.redis_url) if self.redis_url else None)
                 await self._main_loop()
@@ -167,9 +167,11 @@ class Daemon:
         """Build and start every component in dependency order; each one's stop goes on ``stack``."""
         from .dataplane import build_dataplane
         from .file_sd import FileSdWriter
-        from .ingress.listener import HttpListener
+        from .ingress.listener import HttpListener, systemd_sockets
         from .upstream import make_session
 
+        # Socket activation: taken first, so no child started below sees LISTEN_FDS or holds the socket.
+        sockets = systemd_sockets()
         cfg = self.cfg
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
@@ -183,13 +185,17 @@ class Daemon:
             self.fleets = await self._connect_fleets(stack, state, session)
         fleets = self.fleets
         self.dataplane = plane = build_dataplane(
-            cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None)
+            cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None,
+            elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url)
+        if fleets is not None:
+            fleets.autoscaler.attach_admission(plane.admission.stats)
+            plane.telemetry.attach_fleets(fleets.collector())
         if self.redis_url:
             from .ingress.queue import QueueIngress
 
             self.queue = await stack.enter_async_context(QueueIngress.from_config(
                 cfg, url=self.redis_url, registry=self.registry, upstream=plane.upstream,
-                admission=plane.admission))
+                admission=plane.admission, tenancy=plane.tenancy))
         if fleets is not None:
             # If a later start-up step fails (say the HTTP port is taken), stop supervising; after a
             # normal drain this second shutdown finds nothing left to do.
@@ -198,7 +204,7 @@ class Daemon:
 
         self.notifier.status("starting: http")
         self.listener = listener = await stack.enter_async_context(HttpListener(plane.http))
-        await listener.start(extra_routes=self._admin_routes)
+        await listener.start(extra_routes=self._admin_routes, sockets=sockets)
 
         if self.queue is not None:
             q = self.queue

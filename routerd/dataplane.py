@@ -28,11 +28,13 @@ import aiohttp
 
 from .admission import Admission
 from .config import Config, FleetConfig
+from .elastic import Elastic
 from .fleet.static import StaticHealth
 from .ingress.http import HttpIngress
 from .registry import Registry
 from .routing import Router, Scraper
 from .telemetry import Telemetry
+from .tenants.service import Tenancy
 from .upstream import Upstream, make_session
 
 
@@ -49,10 +51,12 @@ class DataPlane:
     scraper: Scraper
     static_health: StaticHealth
     http: HttpIngress
+    tenancy: Tenancy
 
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
         """The long-running loops, by task name, for the owner's TaskGroup (each runs until cancelled)."""
         return {"scraper": self.scraper.run(), "admission": self.admission.run(),
+                "tenancy": self.tenancy.run(),
                 "static_health": self.static_health.run(), "upstream": self.upstream.run()}
 
     async def run(self) -> None:
@@ -65,6 +69,8 @@ class DataPlane:
         """Swap in a new config: policy, timeouts, admission bounds, keys, static fleets."""
         self.router.update_config(cfg.routing)
         self.admission.update_config(cfg.admission)
+        self.tenancy.update_config(cfg)
+        self.admission.set_tenants(self.tenancy.shares(), configured=self.tenancy.directory.configured)
         self.upstream.update_config(cfg.routing)
         self.scraper.update_config(cfg.routing)
         self.static_health.update_config(cfg)
@@ -79,39 +85,46 @@ class DataPlane:
 
 def build_dataplane(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *,
                     desired_replicas: Callable[[FleetConfig], int] | None = None,
+                    elastic: Elastic | None = None, redis_url: str = "",
                     rng: random.Random | None = None,
                     clock: Callable[[], float] = time.monotonic) -> DataPlane:
     """The data plane for ``cfg`` over ``session``, with the static fleets' instances registered.
 
     ``desired_replicas`` is the fleet manager's run-time replica count (admin scaling overrides the
     file until the next reload changes it), shown by ``/admin/fleets``; None when nothing is launched.
+    ``elastic`` is the fleet manager's autoscaler: admission wakes fleets scaled to zero through it.
+    ``redis_url``: where tenants' rate limits and usage are shared ("": in this process only).
     """
     rng = rng or random.Random()
     telemetry = Telemetry()
     router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock)
-    admission = Admission(registry, cfg.admission, clock=clock)
+    admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic)
+    tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
+    admission.set_tenants(tenancy.shares(), configured=tenancy.directory.configured)
     telemetry.attach(registry, admission.stats, clock)
+    telemetry.prom.register(tenancy.collector(admission.tenant_stats))
     upstream = Upstream(router, cfg.routing, telemetry, rng=rng, clock=clock)
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     http = HttpIngress(cfg, registry, admission, upstream, telemetry, clock=clock,
-                       desired_replicas=desired_replicas)
+                       desired_replicas=desired_replicas, elastic=elastic, tenancy=tenancy)
     static_health.sync(cfg)
     return DataPlane(session=session, registry=registry, telemetry=telemetry, router=router,
                      admission=admission, upstream=upstream, scraper=scraper, static_health=static_health,
+                     tenancy=tenancy,
                      http=http)
 
 
 @contextlib.asynccontextmanager
 async def running_dataplane(cfg: Config, registry: Registry, *,
                             desired_replicas: Callable[[FleetConfig], int] | None = None,
-                            rng: random.Random | None = None,
+                            rng: random.Random | None = None, redis_url: str = "",
                             clock: Callable[[], float] = time.monotonic) -> AsyncIterator[DataPlane]:
     """A data plane on its own (benchmarks, tests): its session opened, its loops running; on the way
     out the loops end and the session closes. The daemon composes the same steps with the rest."""
     async with make_session(cfg.routing) as session:
         plane = build_dataplane(cfg, registry, session, desired_replicas=desired_replicas, rng=rng,
-                                clock=clock)
+                                clock=clock, redis_url=redis_url)
         task = asyncio.create_task(plane.run(), name="dataplane")
         try:
             yield plane

@@ -36,6 +36,12 @@ class Unauthorized(RouterdError):
     status, type = 401, "AuthenticationError"
 
 
+class PermissionDenied(RouterdError):
+    """The caller is known but may not do this (a tenant asking for a fleet it is not allowed)."""
+
+    status, type = 403, "PermissionDeniedError"
+
+
 class NotFound(RouterdError):
     status, type = 404, "NotFoundError"
 
@@ -54,8 +60,22 @@ class Overloaded(RouterdError):
         self.retry_after_s = retry_after_s
 
 
+class RateLimited(Overloaded):
+    """A tenant is over its rate limit: 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*``."""
+
+    def __init__(self, message: str, *, retry_after_s: float, headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.headers = headers
+
+
 class NoReadyInstance(RouterdError):
+    """No instance can take the request; ``retry_after_s`` when one is expected (a fleet starting)."""
+
     status, type = 503, "ServiceUnavailableError"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(RouterdError):

@@ -34,6 +34,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     reply_to: Annotated[str, Meta(min_length=1, max_length=512)]
     priority: int = 0
     deadline_ms: int | None = None
+    tenant: Annotated[str, Meta(min_length=1, max_length=64)] = "default"  # a [[tenants]] name
+    # Keeps a conversation's jobs on one instance while it is not saturated (routing's session key;
+    # without it the body's `user`).
+    session: Annotated[str, Meta(max_length=256)] | None = None
 
     @property
     def stream(self) -> bool:

@@ -58,6 +58,14 @@ class Keys:
         """The client's default reply stream for one job."""
         return f"{self.ns}:reply:{job_id}"
 
+    def ratelimit(self, tenant: str) -> str:
+        """Hash: a tenant's request and token buckets (routerd/tenants/ratelimit.py)."""
+        return f"{self.ns}:ratelimit:{tenant}"
+
+    def usage(self, day: str) -> str:
+        """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
+        return f"{self.ns}:usage:{day}"
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""

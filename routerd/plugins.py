@@ -7,6 +7,7 @@ installed.
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -21,25 +22,64 @@ POLICY_GROUP = "routerd.policies"
 LAUNCHER_GROUP = "routerd.launchers"
 
 
-class Candidate(msgspec.Struct, frozen=True, kw_only=True):
-    """What a policy may know about one routable instance (a read-only view built per request)."""
+class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What a policy may know about the request being routed (built once per request, read-only).
+
+    ``prompt_tokens`` is an estimate: routerd does not run the model's tokenizer or chat template. Chat
+    messages are rendered canonically (role, then content, per message) and counted at the fleet's
+    learned tokens per byte (:mod:`routerd.routing.request` says how, and how wrong it can be).
+    ``block_keys`` are chained hashes of the rendered prompt's full blocks of ``block_tokens`` (about)
+    tokens each, hashed up to ``routing.prefix_hash_max_tokens``: key *i* stands for the whole prefix up
+    to the end of block *i*, so two prompts share key *i* exactly when they share that prefix.
+    """
+
+    fleet: str
+    endpoint: str  # "/v1/completions" | "/v1/chat/completions"
+    prompt_tokens: int = 0
+    prompt_bytes: int = 0  # UTF-8 bytes of the canonical text the estimate counts (0: token ids, exact)
+    max_tokens: int | None = None  # max_tokens (or chat's max_completion_tokens) when the body sets it
+    block_keys: tuple[int, ...] = ()
+    block_tokens: float = 0.0  # estimated tokens per block
+    session: str | None = None  # X-Session-Id, else the body's `user`, else a queue job's `session`
+    priority: int = 0  # routerd's priority (a queue job's; HTTP: 0); larger is served first
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What a policy may know about one routable instance (a read-only view built per request).
+
+    ``ttft_s`` is the router's estimate of this request's time to first token there: ``wait_s`` plus
+    the prefill of the prompt tokens the instance is not predicted to hold,
+    ``(prompt_tokens - cached_tokens) / prefill_tokens_per_s``.
+    """
 
     id: str
-    load: float  # normalised: estimated queue / capacity + KV usage
+    load: float  # normalised: estimated queue / capacity + KV usage (blind to speed)
     inflight: int  # routerd's own requests in flight to it
     queue: float  # estimated requests the engine holds (scrape + in-flight delta)
-    capacity: int
+    capacity: int  # requests it runs at once (launch spec, engine, learned or config)
     kv_usage: float
     stale: bool  # last scrape older than routing.stale_after_s (or none yet)
+    wait_s: float = 0.0  # expected seconds before this request's prefill would start there
+    prefill_tokens_per_s: float = 4000.0  # learned (uncached prompt tokens per second of prefill)
+    matched_blocks: int = 0  # leading blocks of the request the prefix index says it holds
+    cached_tokens: float = 0.0  # those blocks in tokens (at most prompt_tokens - 1)
+    ttft_s: float = 0.0  # estimated time to first token: wait_s + uncached prefill
+    session: bool = False  # the request's session was last routed here (and the instance is the same)
+    # A new request would not start at once there (its slots are full), or it carries well over its
+    # share of the fleet's load (routing.affinity_load_factor): what holds it (prefix, session) no
+    # longer draws requests to it.
+    saturated: bool = False
 
 
 @runtime_checkable
 class RoutingPolicy(Protocol):
-    """Choose one of ``candidates`` (never empty). Sync and free of I/O: it runs on every request."""
+    """Choose one of ``candidates`` (never empty) for ``request``. Sync and free of I/O: it runs on
+    every request; randomness only from ``rng`` (the router's, seeded in tests)."""
 
     name: str
 
-    def choose(self, candidates: Sequence[Candidate], rng: random.Random) -> Candidate: ...
+    def choose(self, request: RequestView, candidates: Sequence[Candidate],
+               rng: random.Random) -> Candidate: ...
 
 
 class LaunchSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +132,11 @@ def check(cfg: Config) -> list[str]:
     if cfg.routing.policy not in policies:
         problems.append(f"$.routing.policy: unknown policy {cfg.routing.policy!r} "
                         f"(installed: {_names(policies)})")
+    else:
+        try:
+            load_policy(cfg.routing.policy)
+        except PluginNotFound as e:
+            problems.append(f"$.routing.policy: {e}")
     launchers = available(LAUNCHER_GROUP)
     for i, fleet in enumerate(cfg.fleets):
         if fleet.engine != "static" and fleet.engine not in launchers:
@@ -111,3 +156,21 @@ def load(group: str, name: str, **kwargs: Any) -> Any:
         raise PluginNotFound(f"no {group} plugin named {name!r}; installed: {_names(eps)}")
     factory = eps[name].load()
     return factory(**kwargs)
+
+
+def load_policy(name: str) -> RoutingPolicy:
+    """The routing policy ``name``, checked to take ``choose(request, candidates, rng)``: a policy
+    written for the older ``choose(candidates, rng)`` fails here, when the config names it, with what
+    to change — not on the first request."""
+    policy = load(POLICY_GROUP, name)
+    try:
+        params = inspect.signature(policy.choose).parameters
+    except (AttributeError, TypeError, ValueError) as e:
+        raise PluginNotFound(f"policy {name!r} has no usable choose(): {e}") from None
+    positional = [p for p in params.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if len(positional) < 3 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
+        raise PluginNotFound(f"policy {name!r} implements choose(candidates, rng); routerd calls "
+                             "choose(request, candidates, rng) (routerd.plugins.RoutingPolicy)")
+    return policy  # type: ignore[no-any-return]  # an entry point's object, checked above
+

@@ -115,6 +115,7 @@ def config_secrets(cfg: Config) -> list[str]:
     """Every secret value ``cfg`` holds, for :meth:`Redactor.learn`."""
     found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
              _userinfo_password(cfg.redis.url) or ""]
+    found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:
         found += [_userinfo_password(u) or "" for u in fleet.urls]
         found += [v for k, v in fleet.env.items() if secret_name(k)]

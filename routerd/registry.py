@@ -1,9 +1,11 @@
 """The instances of each fleet and everything known about them: the one piece of shared state.
 
 Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
-the scraper writes ``snapshot``; the health monitor writes ``health``; upstream writes ``inflight`` and
-the circuit fields. The router only reads. Everything runs on one event loop, so plain attributes are
-enough; what needs care is that a reader never sees an instance in rotation that is not ready.
+the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.routing.speed`);
+the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields. The router
+reads, and writes only ``predicted_prefix_hit_ratio``. Everything runs on one event loop, so plain
+attributes are enough; what needs care is that a reader never sees an instance in rotation that is not
+ready.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from . import redact
+
+if TYPE_CHECKING:
+    from .routing.speed import Learned
 
 
 class InstanceState(enum.StrEnum):
@@ -59,6 +65,25 @@ class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_hits: float = 0.0
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    # Sums and counts of the finished-request histograms, from which routing learns each instance's
+    # speed (routerd.routing.speed): seconds running (inference = prefill + decode), in prefill and
+    # in decode; the generated tokens of the same requests; their computed (uncached) prompt tokens,
+    # None when the engine does not export vllm:request_prefill_kv_computed_tokens.
+    running_seconds_sum: float = 0.0
+    running_seconds_count: float = 0.0
+    prefill_seconds_sum: float = 0.0
+    prefill_seconds_count: float = 0.0
+    decode_seconds_sum: float = 0.0
+    decode_seconds_count: float = 0.0
+    finished_generation_tokens: float = 0.0
+    prefill_computed_tokens: float | None = None
+
+
+def _new_learned() -> Learned:
+    # Imported here, not at the top: routerd.routing's package imports the registry.
+    from .routing.speed import Learned
+
+    return Learned()
 
 
 @dataclass
@@ -69,8 +94,9 @@ class Instance:
     fleet: str
     url: str  # base URL, no trailing slash: "http://127.0.0.1:8001"
     state: InstanceState = InstanceState.STARTING
-    capacity_hint: int = 256  # from the fleet config; the scrape's capacity wins when present
+    capacity_hint: int = 256  # the fleet config's max_num_seqs: the prior, see capacity_source()
     static: bool = False  # at a configured URL (static fleet); else launched by the fleet manager
+    launch_capacity: int | None = None  # max-num-seqs of the launch spec, when it states one
     # fleet manager
     generation: int = 0
     restarts: int = 0
@@ -81,6 +107,7 @@ class Instance:
     resources: dict[str, Any] = field(default_factory=dict)
     # scraper
     snapshot: LoadSnapshot | None = None
+    learned: Learned = field(default_factory=_new_learned, repr=False, compare=False)
     inflight_at_scrape: int = 0
     scrape_error: str = ""
     scrape_errors_total: int = 0
@@ -88,6 +115,9 @@ class Instance:
     # health monitor
     health: str = "unknown"
     last_heartbeat: float = 0.0  # wall clock of the last successful heartbeat
+    # router: the prefix-cache hit ratio routing's own prefix index predicts for this instance, over
+    # the same window as the engine's reported one (learned.prefix_hit_ratio); None until it predicts
+    predicted_prefix_hit_ratio: float | None = None
     # upstream
     inflight: int = 0
     consecutive_failures: int = 0
@@ -115,10 +145,56 @@ class Instance:
 
     @property
     def capacity(self) -> int:
+        """Requests the engine runs at once: :meth:`capacity_source`'s figure, without the tuple (it is
+        read per candidate per request)."""
+        if self.launch_capacity:
+            return self.launch_capacity
         snap = self.snapshot
         if snap is not None and snap.capacity:
             return snap.capacity
-        return self.capacity_hint
+        learned = self.learned
+        if learned.capacity is not None:
+            return learned.capacity
+        return self.capacity_hint if learned.max_running <= self.capacity_hint else math.ceil(
+            learned.max_running)
+
+    def capacity_source(self) -> tuple[int, str]:
+        """Capacity and where it comes from, the first known of: ``launch`` (the launch spec's
+        max-num-seqs), ``engine`` (the engine's ``*_info`` says it), ``learned`` (the engine showed it:
+        a running plateau while requests wait, or more running than the config said) and ``config``
+        (the fleet's ``max_num_seqs``, a prior)."""
+        if self.launch_capacity:
+            return self.launch_capacity, "launch"
+        snap = self.snapshot
+        if snap is not None and snap.capacity:
+            return snap.capacity, "engine"
+        learned = self.learned
+        if learned.capacity is not None:
+            return learned.capacity, "learned"
+        if learned.max_running > self.capacity_hint:
+            return math.ceil(learned.max_running), "learned"
+        return self.capacity_hint, "config"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Computed (uncached) prompt tokens per second of one request's prefill here: learned, else a
+        prior (:data:`routerd.routing.speed.PRIOR_PREFILL_TOKENS_PER_S`)."""
+        return self.learned.prefill_rate()
+
+    def expected_wait_s(self) -> float:
+        """Seconds a request sent now would wait before its own prefill starts: the work queued ahead
+        of it over what the instance gets through (:meth:`routerd.routing.speed.Learned.wait_s`).
+
+        The queue is :meth:`estimated_queue` (the scrape plus routerd's in-flight delta since); what is
+        not yet prefilled is the scrape's waiting plus what routerd sent since.
+        """
+        snap = self.snapshot
+        if snap is None:
+            return self.learned.wait_s(float(self.inflight), 0.0, self.capacity)
+        sent = self.inflight - self.inflight_at_scrape  # routerd's in-flight delta since the scrape
+        queue = max(snap.running + snap.waiting + sent, float(self.inflight))  # estimated_queue()
+        unstarted = min(snap.waiting + max(sent, 0), queue)
+        return self.learned.wait_s(queue, unstarted, self.capacity, snap)
 
     def estimated_queue(self) -> float:
         """Requests the engine holds now: the scrape plus what routerd sent (or saw end) since.
@@ -133,7 +209,11 @@ class Instance:
         return max(est, float(self.inflight))
 
     def load(self) -> float:
-        """Normalised load: queue over capacity, plus KV pressure (a full cache means preemption)."""
+        """Normalised load: queue over capacity, plus KV pressure (a full cache means preemption).
+
+        Blind to speed; routing ranks by :meth:`expected_wait_s`. Kept for ``routerd_instance_load`` and
+        ``/admin/fleets``, where dashboards built on it expect it.
+        """
         snap = self.snapshot
         kv = snap.kv_usage if snap is not None else 0.0
         return self.estimated_queue() / max(self.capacity, 1) + kv
@@ -147,9 +227,26 @@ class Instance:
     def routable(self, now: float) -> bool:
         return self.state is InstanceState.READY and self.circuit(now) is not CircuitState.OPEN
 
+    def learned_status(self) -> dict[str, float | None]:
+        """The learned speed figures and both prefix-cache hit ratios; ``None`` where not known yet
+        (routing then uses a prior)."""
+        learned = self.learned
+
+        def r(v: float | None, digits: int) -> float | None:
+            return None if v is None else round(v, digits)
+
+        return {
+            "decode_tokens_per_s": r(learned.decode_tokens_per_s, 1),
+            "prefill_tokens_per_s": r(learned.prefill_tokens_per_s, 1),
+            "request_running_s": r(learned.running_s, 4),
+            "prefix_hit_ratio": r(learned.prefix_hit_ratio, 4),
+            "predicted_prefix_hit_ratio": r(self.predicted_prefix_hit_ratio, 4),
+        }
+
     def status(self, now_mono: float) -> dict[str, Any]:
         """The JSON shape of ``GET /admin/fleets`` for one instance."""
         snap = self.snapshot
+        capacity, capacity_source = self.capacity_source()
         return {
             "id": self.id,
             "fleet": self.fleet,
@@ -167,7 +264,10 @@ class Instance:
             "running": snap.running if snap else None,
             "waiting": snap.waiting if snap else None,
             "kv_usage": snap.kv_usage if snap else None,
-            "capacity": self.capacity,
+            "capacity": capacity,
+            "capacity_source": capacity_source,
+            "expected_wait_s": round(self.expected_wait_s(), 4),
+            **self.learned_status(),
             "scrape_age_s": round(now_mono - snap.scraped_at, 3) if snap else None,
             "scrape_error": redact.text(self.scrape_error) or None,
             "circuit": self.circuit(now_mono).value,

@@ -1,9 +1,11 @@
 """``routerd status [--url URL] [--json] [--admin-key KEY]``: fleets and instances of a running daemon.
 
 Reads ``GET /admin/fleets`` and prints one line per instance — state, circuit (closed, open, half_open),
-URL, PID, node, generation, last heartbeat, load, restarts and the engine's resource use — so an operator
-sees a crash loop (restarts climbing, the reason column), an instance the breaker keeps out, or an
-unplaceable instance without reading logs.
+URL, PID, node, generation, last heartbeat, expected wait, what routing learned of it (capacity and its
+source, decode and prefill speed, prefix-cache hit ratio as the engine reports it / as routerd predicted
+it), restarts and the engine's resource use — so an operator sees a crash loop (restarts climbing, the
+reason column), an instance the breaker keeps out, a slow or small instance, or an unplaceable instance
+without reading logs.
 """
 
 from __future__ import annotations
@@ -48,23 +50,71 @@ def _age(ts: float | None, now: float) -> str:
     return "-" if not ts else f"{max(0.0, now - ts):.1f}s ago"
 
 
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def _rate(v: float | None) -> str:
+    """Tokens per second, short: ``87/s``, ``12.4k/s``; ``-`` until learned."""
+    if v is None:
+        return "-"
+    return f"{v / 1000:.1f}k/s" if v >= 10_000 else f"{v:.0f}/s"
+
+
+def _capacity(i: dict[str, Any]) -> str:
+    """``8 learned``: the capacity routing uses and where it came from (launch, engine, learned, config)."""
+    cap = i.get("capacity")
+    return "-" if cap is None else f"{cap} {i.get('capacity_source') or ''}".rstrip()
+
+
+def _hit(i: dict[str, Any]) -> str:
+    """Prefix-cache hit ratio, the engine's then routerd's prediction: ``0.62/0.60``."""
+    engine, predicted = i.get("prefix_hit_ratio"), i.get("predicted_prefix_hit_ratio")
+    if engine is None and predicted is None:
+        return "-"
+    return "/".join("-" if v is None else f"{v:.2f}" for v in (engine, predicted))
+
+
+def _autoscale(a: dict[str, Any] | None, now: float) -> str:
+    """The fleet line's autoscaling part: bounds, pin, what the signals show and the last decision."""
+    if not a:
+        return ""
+    out = f" autoscale={a['min_replicas']}..{a['max_replicas']}"
+    if a.get("pinned"):
+        out += " PINNED (DELETE /admin/fleets/<fleet>/replicas resumes)"
+    s = a.get("signals")
+    if s:
+        out += (f" demand={s['demand']:.1f} waiting={s['waiting']:.0f} wait={s['expected_wait_s']:.2f}s"
+                f" kv={s['kv_usage']:.2f} recommended={a.get('recommended')}")
+    if a.get("startup_s") is not None:
+        out += f" startup={a['startup_s']:.1f}s"
+    recent = a.get("recent") or []
+    if recent:
+        last = recent[-1]
+        out += (f" last={last['from']}→{last['to']} ({last['reason']}, "
+                f"{max(0.0, now - last['at']):.0f}s ago)")
+    return out
+
+
 def render(status: dict[str, Any], now: float | None = None) -> str:
     """The table: one block per fleet, one row per instance."""
     now = time.time() if now is None else now
-    cols = ["INSTANCE", "STATE", "CIRCUIT", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "LOAD", "RUN/WAIT",
-            "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
+    cols = ["INSTANCE", "STATE", "CIRCUIT", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "WAIT", "RUN/WAIT",
+            "CAPACITY", "DECODE", "PREFILL", "HIT", "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
     rows: list[list[str]] = []
     for name, fleet in status.get("fleets", {}).items():
         rows.append([f"[{name}] model={fleet.get('model')} engine={fleet.get('engine')} "
-                     f"ready={fleet.get('ready')}/{fleet.get('replicas')}"])
+                     f"ready={fleet.get('ready')}/{fleet.get('replicas')}"
+                     + _autoscale(fleet.get("autoscale"), now)])
         for i in fleet.get("instances", []):
             res = i.get("resources") or {}
             run_wait = "-" if i.get("running") is None else f"{i['running']:.0f}/{i.get('waiting') or 0:.0f}"
             rows.append([
                 i.get("id", ""), i.get("state", ""), i.get("circuit") or "-", i.get("url") or "-",
                 str(i.get("pid") or "-"), i.get("node") or "-", str(i.get("generation", "")),
-                _age(i.get("last_heartbeat"), now), f"{i.get('load', 0):.2f}", run_wait,
-                str(i.get("restarts", 0)),
+                _age(i.get("last_heartbeat"), now), _seconds(i.get("expected_wait_s")), run_wait,
+                _capacity(i), _rate(i.get("decode_tokens_per_s")), _rate(i.get("prefill_tokens_per_s")),
+                _hit(i), str(i.get("restarts", 0)),
                 "-" if res.get("cpu_percent") is None else f"{res['cpu_percent']:.0f}",
                 _bytes(res.get("rss_bytes")), _bytes(res.get("gpu_memory_bytes")),
                 i.get("state_reason") or "",

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .registry import CircuitState, Registry
+from .registry import CircuitState, Instance, Registry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,8 +56,10 @@ class _RegistryCollector:
                                        "instance's current engine", labels=labels)
         state = GaugeMetricFamily("routerd_instance_state", "1 for the instance's current state",
                                   labels=[*labels, "state"])
+        learned = _LearnedFamilies(labels)
         for inst in self._registry:
             lv = [inst.fleet, inst.id]
+            learned.add(lv, inst)
             restarts.add_metric(lv, inst.restarts)
             generation.add_metric(lv, inst.generation)
             state.add_metric([*lv, inst.state.value], 1.0)
@@ -69,6 +71,7 @@ class _RegistryCollector:
             errors.add_metric(lv, inst.scrape_errors_total)
             circuit.add_metric(lv, _CIRCUIT[inst.circuit(now)])
         yield from (inflight, load, ready, age, errors, circuit, restarts, generation, state)
+        yield from learned.families()
         if self._admission_stats is not None:
             active = GaugeMetricFamily("routerd_admission_active", "Admitted requests per fleet",
                                        labels=["fleet"])
@@ -83,6 +86,52 @@ class _RegistryCollector:
                 queued.add_metric([fleet, "queue"], s["queued_queue"])
                 rejected.add_metric([fleet], s["rejected_total"])
             yield from (active, queued, rejected)
+
+
+class _LearnedFamilies:
+    """What routing has learned of each instance (:mod:`routerd.routing.speed`): capacity and its
+    source, expected wait, speeds, and the prefix-cache hit ratio the engine reports beside the one
+    routing predicts. A figure not learned yet has no sample (routing uses a prior meanwhile)."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.capacity = GaugeMetricFamily(
+            "routerd_instance_capacity", "Requests the instance runs at once, by where routerd got it: "
+            "launch (spec's max-num-seqs), engine, learned (a running plateau while requests wait), "
+            "config (the fleet's max_num_seqs)", labels=[*labels, "source"])
+        self.wait = GaugeMetricFamily(
+            "routerd_instance_expected_wait_seconds", "Seconds a request sent now would wait before its "
+            "prefill starts: work queued ahead over what the instance gets through", labels=labels)
+        self.decode = GaugeMetricFamily(
+            "routerd_instance_decode_tokens_per_second", "Learned decode speed of one sequence "
+            "(generated tokens after the first over decode time)", labels=labels)
+        self.prefill = GaugeMetricFamily(
+            "routerd_instance_prefill_tokens_per_second", "Learned prefill speed: computed (uncached) "
+            "prompt tokens per second of a request's prefill", labels=labels)
+        self.running = GaugeMetricFamily(
+            "routerd_instance_request_running_seconds", "Learned mean seconds a request runs there "
+            "(prefill + decode)", labels=labels)
+        self.hit = GaugeMetricFamily(
+            "routerd_instance_prefix_cache_hit_ratio", "Prefix-cache hit ratio over the last ~30 s of "
+            "traffic: as the engine reports it (source=engine) and as routerd predicted it "
+            "(source=predicted)", labels=[*labels, "source"])
+
+    def add(self, lv: list[str], inst: Instance) -> None:
+        capacity, source = inst.capacity_source()
+        self.capacity.add_metric([*lv, source], capacity)
+        self.wait.add_metric(lv, inst.expected_wait_s())
+        learned = inst.learned
+        for family, value in ((self.decode, learned.decode_tokens_per_s),
+                              (self.prefill, learned.prefill_tokens_per_s),
+                              (self.running, learned.running_s)):
+            if value is not None:
+                family.add_metric(lv, value)
+        for source, ratio in (("engine", learned.prefix_hit_ratio),
+                              ("predicted", inst.predicted_prefix_hit_ratio)):
+            if ratio is not None:
+                self.hit.add_metric([*lv, source], ratio)
+
+    def families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (self.capacity, self.wait, self.decode, self.prefill, self.running, self.hit)
 
 
 class _QueueCollector:
@@ -145,6 +194,23 @@ class Telemetry:
                                              "refused or closed itself: refused (over max_connections), "
                                              "header_timeout, body_timeout, write_timeout", ["reason"],
                                              registry=r)
+        # mid-stream resume (routerd/resume.py)
+        self.resumes = Counter("routerd_resumes", "Streams continued on another instance after their "
+                               "engine failed mid-stream, by what failed: disconnect, timeout, "
+                               "instance_lost, error_event, incomplete (closed before [DONE]), and for a "
+                               "continuation that failed before its first event, its reason",
+                               ["fleet", "reason"], registry=r)
+        self.resumed_completed = Counter("routerd_resumed_completed", "Resumed streams that then "
+                                         "completed (ended with [DONE] and no error event)", ["fleet"],
+                                         registry=r)
+        self.resume_gap_seconds = Histogram("routerd_resume_gap_seconds", "Resumed streams: from the last "
+                                            "byte the client got before the failure to the first after",
+                                            ["fleet"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.streams_cut = Counter("routerd_streams_cut", "Streams that ended with an error event after "
+                                   "their first byte, by why they were not continued: not_continuable, "
+                                   "max_resumes, no_instance, refused (an engine would not "
+                                   "continue it), disabled (routing.max_resumes = 0), engine_error (the "
+                                   "engine blamed the request)", ["fleet", "reason"], registry=r)
         # Label children of the per-request series, cached: ``labels()`` takes a lock and validates
         # its arguments on every call.
         self._children: dict[tuple[str, str, str], Any] = {}
@@ -160,6 +226,11 @@ class Telemetry:
                      paused: Callable[[], bool], held: Callable[[], int]) -> None:
         """Expose the queue consumer's figures (called once by the daemon when Redis is enabled)."""
         self.prom.register(_QueueCollector(stats, depth, paused, held))
+
+    def attach_fleets(self, collector: Any) -> None:
+        """Expose the launched fleets' replicas and autoscaling decisions (a collector the fleet manager
+        builds: routerd/fleet/autoscaler.py); called once by the daemon when routerd launches fleets."""
+        self.prom.register(collector)
 
     def count_request(self, fleet: str, instance: str, code: int) -> None:
         key = (fleet, instance, str(code))

@@ -12,10 +12,16 @@ One request's life here:
    (at most ``max_attempts``, jittered exponential backoff); 4xx answers are the client's problem and
    are passed through (in OpenAI's error shape: an engine answer in another shape, such as FastAPI's
    ``{"detail": …}``, is rewrapped);
-4. after the first byte nothing is retried: the chunks go to the sink as raw bytes, and if the engine
-   fails (connection dropped, read timeout, closed without ``[DONE]``) the sink gets routerd's terminal
-   ``data: {"error": …}`` + ``data: [DONE]``. An error event the engine sent itself passes through as
-   is (it already ends with ``[DONE]``); either way the result says ``ok=False``.
+4. after the first byte a stream is not retried but *resumed* (:mod:`routerd.resume`): when its
+   engine fails — connection dropped, read timeout, the instance declared lost, closed without
+   ``[DONE]``, an error event with a 5xx code — the generation is continued on another instance and
+   the client's stream goes on as one stream, at most ``max_resumes`` times (a queue job's deadline
+   bounds its whole engine call, resumes included). A stream that cannot be continued
+   (``resume.NOT_CONTINUABLE``: ``n > 1``, grammars, ``echo``…) ends as before: the sink gets
+   routerd's terminal ``data: {"error": …}`` + ``data: [DONE]``, or the engine's own error event when
+   it blamed the request (4xx code). Either way the result says ``ok=False``. A non-streamed request
+   shows nothing before it completes, so one whose engine dies mid-generation is simply retried from
+   the start (step 3).
 
 What the circuit breaker is charged with: a failure only the instance can be blamed for — no
 connection, a timeout, a stream that broke or came back empty — counts at once. An *answer* that says
@@ -51,21 +57,22 @@ from typing import Protocol
 import aiohttp
 import msgspec
 
-from . import log
+from . import log, relay, resume
 from ._engine_http import ConnectError, EnginePool, Response
 from .config import RoutingConfig
 from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
+from .plugins import RequestView
 from .registry import Instance
-from .routing import Router
+from .relay import InstanceLost
+from .resume import ResumableStream
+from .routing import Decision, Router
 from .telemetry import Telemetry
 
 _log = log.get("routerd.upstream")
 
 _ERROR_MARK = b'data: {"error"'
-_DONE = b"data: [DONE]"
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
-_TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
 # What the engine may fail with before or during a response (routerd._engine_http raises only these).
 _NET_ERRORS = (TimeoutError, OSError)
 
@@ -88,6 +95,12 @@ class ForwardResult:
     ok: bool  # 2xx and, for streams, ended with [DONE] and no error event
     error: str | None
     ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
+    decision: Decision | None = None  # why its first instance was chosen (for the request's log line)
+    resumes: int = 0  # times the stream was continued on another instance after its engine failed
+    # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
+    # generation), whether or not the client asked for it; None for a non-stream (its body holds it)
+    # and for a stream that did not end well (billed as a cut stream: README, "Usage").
+    usage: tuple[int, int] | None = None
 
 
 class _Retry(Exception):
@@ -105,8 +118,16 @@ class _Retry(Exception):
         self.answered = answered
 
 
-class InstanceLost(ConnectionError):
-    """The instance was declared failed (``Instance.lose``) while a response from it was being read."""
+class _Resume(Exception):
+    """A stream failed after bytes reached the sink and may be continued elsewhere (``reason`` is the
+    ``routerd_resumes_total`` label)."""
+
+    def __init__(self, reason: str, message: str, instance: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.instance = instance
+        self.ttfb_s = 0.0
 
 
 class _Deadline:
@@ -143,7 +164,8 @@ class _LostWatch:
     Before the response came back (nothing sent to the sink) the call is cancelled and retried
     elsewhere — cancelled the way ``asyncio.timeout`` does it, so a cancellation from outside (the
     client went away) arriving as well is not swallowed. Once a response is being read, its body
-    stream fails with :class:`InstanceLost`, which ends a stream with the terminal error event.
+    stream fails with :class:`InstanceLost`: the stream is resumed elsewhere, or ended with the terminal
+    error event when it cannot be.
     """
 
     def __init__(self, inst: Instance, task: asyncio.Task[object]) -> None:
@@ -255,8 +277,13 @@ class Upstream:
         return base * self.rng.uniform(0.5, 1.5)
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
-                      stream: bool, request_id: str) -> ForwardResult:
+                      stream: bool, request_id: str,
+                      request: RequestView | None = None) -> ForwardResult:
         """Send ``body`` (an OpenAI request, bytes as received) to ``endpoint`` of an instance of ``fleet``.
+
+        ``request`` is what routing knows of it (its prompt's blocks, session, …: built where the body
+        was parsed, :meth:`routerd.routing.request.RequestViews.build`); without it the policy sees only
+        the fleet.
 
         Returns once the response has gone to ``sink`` (see :class:`ForwardResult`). Raises
         :class:`NoReadyInstance` or :class:`UpstreamError` when no byte could be sent.
@@ -270,6 +297,9 @@ class Upstream:
         last: _Retry | None = None
         unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
         tel = self.telemetry
+        plan = self._plan(endpoint, body) if stream else None  # how a stream is read and resumed
+        if isinstance(plan, ResumableStream):
+            body = plan.engine_body
         self.active += 1
         try:
             for attempt in range(1, self.cfg.max_attempts + 1):
@@ -277,16 +307,28 @@ class Upstream:
                     tel.retries.labels(fleet).inc()
                     await asyncio.sleep(self.backoff_s(attempt))
                 try:
-                    inst = self.router.pick(fleet, tried)
+                    decision = self.router.choose(fleet, tried, request)
                 except NoReadyInstance:
                     if last is None:
                         tel.count_request(fleet, "", NoReadyInstance.status)
                         raise
                     break
+                inst = decision.instance
                 tried.append(inst.id)
                 try:
                     result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
-                                                 unexplained, task)
+                                                 unexplained, task, plan)
+                except _Resume as failure:
+                    assert isinstance(plan, ResumableStream)
+                    result = await self._resume(fleet, endpoint, sink, request_id, task, plan, failure,
+                                                tried, request)
+                    result.attempts += attempt
+                    result.usage = plan.usage() if result.ok else None
+                    result.ttfb_s = failure.ttfb_s
+                    result.decision = decision
+                    tel.count_request(fleet, result.instance, result.status)
+                    tel.observe_ttfb(fleet, failure.ttfb_s)
+                    return result
                 except _Retry as e:
                     last = e
                     if e.answered:
@@ -296,6 +338,7 @@ class Upstream:
                                attempt=attempt, reason=e.reason, error=e.message)
                     continue
                 result.attempts = attempt
+                result.decision = decision
                 tel.count_request(fleet, inst.id, result.status)
                 tel.observe_ttfb(fleet, result.ttfb_s)
                 return result
@@ -312,9 +355,18 @@ class Upstream:
         finally:
             self.active -= 1
 
+    def _plan(self, endpoint: str, body: bytes) -> ResumableStream | str:
+        """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
+        passed through byte for byte (the string: why it is not continued)."""
+        plan = resume.plan(endpoint, body) if self.cfg.max_resumes else "disabled"
+        if isinstance(plan, str):  # not continued, but read the same way for its usage
+            return resume.meter(endpoint, body, plan) or plan
+        return plan
+
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
-                       unexplained: list[Instance], task: asyncio.Task[object]) -> ForwardResult:
+                       unexplained: list[Instance], task: asyncio.Task[object],
+                       plan: ResumableStream | str | None = None) -> ForwardResult:
         breaker = self.router.breaker
         inst.inflight += 1
         breaker.begin(inst)
@@ -329,6 +381,10 @@ class Upstream:
                     raise
                 raise _Retry("instance_lost", lost.reason) from None
             lost.resp = resp
+            if isinstance(plan, ResumableStream) and plan.started:  # a continuation of a client's stream
+                ok, error = await self._continued(inst, resp, sink, first, plan)
+                clean = True
+                return ForwardResult(instance=inst.id, attempts=1, status=200, ok=ok, error=error)
             headers = {"Content-Type": resp.headers.get("content-type", "application/json"),
                        "X-Routerd-Instance": inst.id}
             if 200 <= resp.status < 300:
@@ -342,16 +398,26 @@ class Upstream:
                 headers["Content-Length"] = str(len(first))
             await sink.start(resp.status, headers)
             ttfb = self.clock() - started
-            await sink.write(first)
-            if stream and 200 <= resp.status < 300:
-                sse = headers["Content-Type"].startswith("text/event-stream")
-                ok, error = await self._pump(inst, resp, sink, first, sse)
+            sse = headers["Content-Type"].startswith("text/event-stream")
+            if isinstance(plan, ResumableStream) and 200 <= resp.status < 300 and sse:
+                plan.started = True
+                try:
+                    ok, error = await self._continued(inst, resp, sink, first, plan)
+                except _Resume as e:
+                    e.ttfb_s = ttfb
+                    raise
+            elif stream and 200 <= resp.status < 300:
+                await sink.write(first)
+                ending = await relay.passthrough(resp, sink, first, sse)
+                ok, error = await self._passed(inst, sink, ending, sse, plan if isinstance(plan, str) else "")
             else:
+                await sink.write(first)
                 ok = 200 <= resp.status < 300
                 error = None if ok else _error_message(first, resp.status)
             clean = True
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
-                                 ttfb_s=ttfb)
+                                 ttfb_s=ttfb,
+                                 usage=plan.usage() if ok and isinstance(plan, ResumableStream) else None)
         finally:
             lost.close()
             inst.inflight -= 1
@@ -400,42 +466,134 @@ class Upstream:
                 raise
             raise retry from e
 
-    async def _pump(self, inst: Instance, resp: Response, sink: ResponseSink,
-                    first: bytes, sse: bool) -> tuple[bool, str | None]:
-        """Copy the rest of a stream to the sink as raw bytes; make sure an SSE stream ends in a
-        terminal event (``[DONE]``, or an error event and ``[DONE]``)."""
-        tail = first[-_TAIL:]
-        saw_error = _ERROR_MARK in first
-        read = resp.readany
-        failure: str | None = None
-        while True:
-            try:
-                chunk = await read()
-            except _NET_ERRORS as e:
-                failure = f"the engine failed mid-stream ({type(e).__name__}: {e})"
-                break
-            if not chunk:
-                break
-            await sink.write(chunk)
-            if not saw_error and (_ERROR_MARK in chunk or _ERROR_MARK in tail + chunk[:_TAIL]):
-                saw_error = True
-            tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
-        if failure is None and saw_error:
+    async def _passed(self, inst: Instance, sink: ResponseSink, ending: relay.Ending, sse: bool,
+                      why: str) -> tuple[bool, str | None]:
+        """What a stream relayed byte for byte (not continued elsewhere: ``why``, the NOT_CONTINUABLE key
+        or "disabled") ended with; a failed SSE stream gets routerd's terminal error event."""
+        tel = self.telemetry
+        if ending.engine_error:
             # Counted, not charged to the breaker: an engine that says a stream failed is alive, and
             # the failure may be the request's (nothing can be retried after the first byte to tell).
             # An engine that died sends this too, but then /health fails and the health monitor acts.
-            self.telemetry.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()
-            if _DONE not in tail:
-                await sink.write(b"data: [DONE]\n\n")
-            return False, "the engine sent an error event mid-stream"
-        if failure is None and sse and _DONE not in tail:
-            failure = "the engine closed the stream before [DONE]"
-        if failure is not None:
-            self._failed(inst, "stream_broken")
-            if sse:
-                await sink.write(sse_error_event(failure, "UpstreamError", 502))
-            return False, failure
+            tel.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()
+            tel.streams_cut.labels(inst.fleet, "engine_error").inc()
+            return False, ending.message
+        if not ending.failure:
+            return True, None
+        self._failed(inst, "stream_broken")
+        tel.streams_cut.labels(inst.fleet, "disabled" if why == "disabled" else "not_continuable").inc()
+        message = ending.message
+        if why in resume.NOT_CONTINUABLE:
+            message += f"; not continued elsewhere: {resume.NOT_CONTINUABLE[why]}"
+        if sse:
+            await sink.write(sse_error_event(message, "UpstreamError", 502))
+        return False, message
+
+    async def _continued(self, inst: Instance, resp: Response, sink: ResponseSink, first: bytes,
+                         rs: ResumableStream) -> tuple[bool, str | None]:
+        """Relay a continuable stream (a first attempt's or a continuation's) event by event; raise
+        :class:`_Resume` when its engine fails. An engine that refuses a continuation (4xx: it does not
+        know ``continue_final_message``, say) ends the stream: another would refuse it too."""
+        tel = self.telemetry
+        if not 200 <= resp.status < 300:
+            message = f"{inst.id} refused to continue the stream: {_error_message(first, resp.status)}"
+            tel.streams_cut.labels(inst.fleet, "refused").inc()
+            await sink.write(rs.cut(message))
+            return False, message
+        def gap(seconds: float) -> None:  # once per resume: not worth a cached label child
+            tel.resume_gap_seconds.labels(inst.fleet).observe(seconds)
+
+        ending = await relay.by_event(resp, sink, first, rs, self.clock, gap)
+        if ending.failure == "error_event" and rs.fixed:  # not continued: the client gets it, as in _passed
+            await sink.write(rs.pass_error())
+            ending = relay.Ending(engine_error=True, message=ending.message)
+        if ending.engine_error or ending.failure == "error_event":
+            tel.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()  # as in _passed
+        if ending.engine_error:
+            tel.streams_cut.labels(inst.fleet, "engine_error").inc()
+            return False, ending.message
+        if ending.failure:
+            if ending.failure != "error_event":
+                self._failed(inst, "stream_broken")
+            raise _Resume(ending.failure, ending.message, inst.id)
         return True, None
+
+    async def _resume(self, fleet: str, endpoint: str, sink: ResponseSink, request_id: str,
+                      task: asyncio.Task[object], rs: ResumableStream, failure: _Resume, tried: list[str],
+                      request: RequestView | None) -> ForwardResult:
+        """Continue a stream whose engine failed after its first byte on other instances — never one
+        it failed on — until it completes, or ``max_resumes`` continuations failed, or it cannot be
+        continued (then it ends with the terminal error event)."""
+        if rs.fixed:
+            return await self._not_continued(fleet, sink, rs, failure)
+        tel = self.telemetry
+        failed = {failure.instance}
+        rs.gap_from = rs.wrote_at or self.clock()
+        resumes = 0
+        while True:
+            if rs.finished:  # only the tail (usage chunk, [DONE]) was lost: nothing to generate
+                await sink.write(rs.complete())
+                return ForwardResult(instance=failure.instance, attempts=resumes, status=200, ok=True,
+                                     error=None, resumes=resumes)
+            why, key = self._why_not_resume(rs, resumes)
+            inst = None
+            if not why:
+                if resumes:
+                    await asyncio.sleep(self.backoff_s(resumes + 1))
+                try:
+                    inst = self.router.pick(fleet, tried, request)
+                except NoReadyInstance:
+                    inst = None
+                if inst is None or inst.id in failed:
+                    why, key = "no other instance is ready", "no_instance"
+            if why or inst is None:
+                message = f"{failure.message}; not continued elsewhere: {why}"
+                tel.streams_cut.labels(fleet, key).inc()
+                _log.warning("stream_cut", request_id=request_id, instance=failure.instance,
+                             reason=failure.reason, why=why, tokens_sent=rs.tokens, resumes=resumes)
+                await sink.write(rs.cut(message))
+                return ForwardResult(instance=failure.instance, attempts=resumes, status=200, ok=False,
+                                     error=message, resumes=resumes)
+            resumes += 1
+            tel.resumes.labels(fleet, failure.reason).inc()
+            tried.append(inst.id)
+            _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
+                      reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
+            try:
+                result = await self._attempt(inst, endpoint, rs.continuation(), sink, True, request_id,
+                                             0.0, [], task, rs)
+            except _Retry as e:  # the continuation failed before any event of it reached the client
+                failure = _Resume(e.reason, e.message, inst.id)
+            except _Resume as e:
+                failure = e
+            else:
+                result.attempts = result.resumes = resumes
+                if result.ok:
+                    tel.resumed_completed.labels(fleet).inc()
+                return result
+            failed.add(inst.id)
+            rs.gap_from = rs.gap_from or rs.wrote_at or self.clock()
+
+    async def _not_continued(self, fleet: str, sink: ResponseSink, rs: ResumableStream,
+                             failure: _Resume) -> ForwardResult:
+        """End a stream read only for its usage (:func:`resume.meter`) whose engine failed, as
+        :meth:`_passed` ends one relayed byte for byte: with routerd's terminal error event."""
+        why = rs.fixed
+        self.telemetry.streams_cut.labels(fleet, "disabled" if why == "disabled" else "not_continuable").inc()
+        message = failure.message
+        if why in resume.NOT_CONTINUABLE:
+            message += f"; not continued elsewhere: {resume.NOT_CONTINUABLE[why]}"
+        await sink.write(rs.cut(message))
+        return ForwardResult(instance=failure.instance, attempts=0, status=200, ok=False, error=message)
+
+    def _why_not_resume(self, rs: ResumableStream, resumes: int) -> tuple[str, str]:
+        """Why the stream is not continued now (text, ``routerd_streams_cut_total`` reason), or empty."""
+        if resumes >= self.cfg.max_resumes:
+            return f"routing.max_resumes ({self.cfg.max_resumes}) reached", "max_resumes"
+        key = rs.why_not()
+        if key:
+            return resume.NOT_CONTINUABLE[key], "not_continuable"
+        return "", ""
 
     def _failed(self, inst: Instance, reason: str | None = None) -> None:
         if reason is not None:

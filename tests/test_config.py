@@ -90,7 +90,8 @@ engine = "static"
 urls = ["http://127.0.0.1:9"]
 """
 UNKNOWN_PLUGIN_LINES = [
-    "$.routing.policy: unknown policy 'fastest' (installed: least_load, power_of_two, round_robin)",
+    "$.routing.policy: unknown policy 'fastest' "
+    "(installed: cache_aware, least_load, power_of_two, round_robin)",
     "$.fleets[1].engine: unknown launcher 'foo' (installed: sim, vllm)",
 ]
 

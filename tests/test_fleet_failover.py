@@ -1,5 +1,6 @@
 """Failures under traffic on a real Ray cluster: SIGKILL, SIGSTOP and a killed actor, each replaced,
-with no failed request that had not started streaming (the data plane retries those elsewhere)."""
+with no failed request: those that had not started streaming are retried elsewhere, the streams that
+had are resumed there."""
 
 from __future__ import annotations
 
@@ -98,6 +99,9 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
         print("failover timings", {k: round(v, 3) for k, v in timings.items()}, "ok", traffic.ok,
               "mid-stream errors", traffic.failed_mid_stream)
         assert traffic.failed_before_stream == 0, traffic.errors
+        # and what had started went on from the other instance, whole (routerd/resume.py)
+        assert traffic.failed_mid_stream == 0
+        assert traffic.wrong_text == 0
         assert traffic.ok > 50
         assert current(r, "fo:0").restarts == 2
         assert current(r, "fo:1").restarts == 1

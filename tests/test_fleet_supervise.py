@@ -44,6 +44,15 @@ class FakeOps:
     def pg_name(self, fleet: str, index: int) -> str:
         return f"pg:{fleet}:{index}"
 
+    def claim(self, spec: LaunchSpec, node_id: str) -> None:
+        pass  # one node here: nothing to spread
+
+    def release(self, spec: LaunchSpec) -> None:
+        pass
+
+    def node_gone(self, placement: Placement | None) -> bool:
+        return False
+
     def _info(self) -> dict[str, Any]:
         return {"url": self.url, "pid": None, "generation": 0, "alive": True}
 

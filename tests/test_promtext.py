@@ -132,3 +132,16 @@ def test_a_real_vllm_page() -> None:
     assert snap.prefix_cache_queries == 63.0
     assert (snap.num_gpu_blocks, snap.block_size) == (8192, 128)
     assert snap.requests_finished == 6.0
+    # the finished-request histograms' sums and counts routing learns speed from (never the buckets)
+    assert (snap.running_seconds_sum, snap.running_seconds_count) == (0.08067628199978572, 6.0)
+    assert (snap.prefill_seconds_sum, snap.prefill_seconds_count) == (0.028498515999444862, 6.0)
+    assert (snap.decode_seconds_sum, snap.decode_seconds_count) == (0.05217776600034085, 6.0)
+    assert (snap.finished_generation_tokens, snap.prefill_computed_tokens) == (48.0, 63.0)
+
+
+def test_an_engine_without_the_computed_tokens_histogram() -> None:
+    """Before vLLM 0.11 there is no request_prefill_kv_computed_tokens: None, not 0 (learning then
+    falls back to prompt tokens minus prefix-cache hits)."""
+    snap = promtext.parse(vllm_page(running=1, waiting=0, kv=0.1), 0.0)
+    assert snap.prefill_computed_tokens is None
+    assert snap.running_seconds_count == 0.0

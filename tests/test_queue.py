@@ -360,7 +360,7 @@ class _Exploding(FakeUpstream):
     """An upstream with a bug for one job: the consumer must contain it, not die of it."""
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *, stream: bool,
-                      request_id: str) -> Any:
+                      request_id: str, request: Any = None) -> Any:
         if b"boom" in body:
             self.calls[request_id] += 1
             raise ValueError("a bug triggered by this job")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-UNITS = ["routerd.service", "ray-head.service", "ray-worker.service"]
+UNITS = ["routerd.service", "routerd.socket", "ray-head.service", "ray-worker.service"]
 
 
 def _unit(name: str) -> configparser.RawConfigParser:
@@ -25,9 +25,11 @@ def _unit(name: str) -> configparser.RawConfigParser:
 @pytest.mark.parametrize("name", UNITS)
 def test_unit_verifies(tmp_path: Path, name: str) -> None:
     # The units point at /opt/routerd/.venv; verify checks that ExecStart exists, so point it at ours.
+    # The units name each other (routerd.service requires routerd.socket): all of them go side by side.
     venv = Path(sys.prefix)
-    text = (ROOT / "systemd" / name).read_text().replace("/opt/routerd/.venv", str(venv))
-    (tmp_path / name).write_text(text)
+    for unit in UNITS:
+        text = (ROOT / "systemd" / unit).read_text().replace("/opt/routerd/.venv", str(venv))
+        (tmp_path / unit).write_text(text)
     result = subprocess.run(["systemd-analyze", "verify", str(tmp_path / name)],
                             capture_output=True, text=True, timeout=60, check=False)
     own = [line for line in (result.stdout + result.stderr).splitlines() if name in line]
@@ -62,4 +64,19 @@ def test_ray_runs_in_its_own_units() -> None:
     assert "redis-server.service" in unit["After"]
     # routerd must not be bound to Ray: stopping it never stops the engines.
     assert "BindsTo" not in unit
-    assert "Requires" not in unit
+    assert "ray" not in unit.get("Requires", "")
+
+
+def test_the_socket_unit_holds_the_listener_across_restarts() -> None:
+    """routerd.socket owns the listening socket (socket activation), so a restart of routerd.service
+    refuses no connection; the service is started with it and only with it."""
+    sock = _unit("routerd.socket")
+    assert sock["Socket"]["ListenStream"]
+    assert sock["Socket"].get("Accept", "no") == "no"  # one routerd for all connections, not one each
+    assert sock["Socket"]["Service"] == "routerd.service"
+    assert int(sock["Socket"]["Backlog"]) >= 1024  # connections wait here while routerd restarts
+    assert sock["Install"]["WantedBy"] == "sockets.target"
+    svc = _unit("routerd.service")
+    assert svc["Service"]["Sockets"] == "routerd.socket"
+    assert svc["Unit"]["Requires"] == "routerd.socket"
+    assert "routerd.socket" in svc["Unit"]["After"]

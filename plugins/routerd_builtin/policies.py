@@ -1,8 +1,14 @@
-"""The built-in routing policies: ``least_load`` (default), ``power_of_two``, ``round_robin``.
+"""The built-in routing policies: ``cache_aware`` (default), ``least_load``, ``power_of_two``,
+``round_robin``.
 
-Each is sync and pure over the :class:`~routerd.plugins.Candidate` views the router builds per
-request (never empty, never holding a non-ready instance); randomness comes from the router's ``rng``
-so tests are reproducible. They register through the same entry-point group a third-party policy uses.
+Each is sync and pure over the :class:`~routerd.plugins.RequestView` and the
+:class:`~routerd.plugins.Candidate` views the router builds per request (never empty, never holding a
+non-ready instance); randomness comes from the router's ``rng`` so tests are reproducible. They register
+through the same entry-point group a third-party policy uses.
+
+Load is *expected wait* (``Candidate.wait_s``: work queued ahead over what that instance gets through,
+learned per instance), so a slow or small instance is not sent as much as a fast one merely because
+their queue-over-capacity figures look alike.
 """
 
 from __future__ import annotations
@@ -10,16 +16,29 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from routerd.plugins import Candidate
+from routerd.plugins import Candidate, RequestView
+
+# cache_aware: estimated TTFTs closer than this are one choice, decided by load. An estimate is not a
+# measurement (a guessed token count, a learned speed), and a small saving is not worth piling requests
+# on one instance: they all share its decode steps.
+TTFT_BAND_REL = 0.1
+TTFT_BAND_ABS_S = 0.002
 
 
-def _key(c: Candidate) -> tuple[float, int]:
-    # Load first; on equal load fewer of routerd's own requests in flight (they are the freshest fact).
-    return (c.load, c.inflight)
+def _key(c: Candidate) -> tuple[float, float, int]:
+    # Expected wait first; at equal wait (typically 0: a slot is free) the emptier instance, then fewer
+    # of routerd's own requests in flight (they are the freshest fact).
+    return (c.wait_s, c.load, c.inflight)
+
+
+def _least(candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
+    best = min(map(_key, candidates))
+    ties = [c for c in candidates if _key(c) == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 class LeastLoad:
-    """The candidate with the lowest load (scraped queue + in-flight delta over capacity, plus KV use).
+    """The candidate with the least expected wait (then the least load, then the fewest in flight).
 
     Ties are broken at random: with identical idle instances a burst must spread, not pile onto the
     first id (each pick raises that instance's in-flight count before the next pick, so the next one
@@ -28,19 +47,19 @@ class LeastLoad:
 
     name = "least_load"
 
-    def choose(self, candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
-        best = min(_key(c) for c in candidates)
-        ties = [c for c in candidates if _key(c) == best]
-        return ties[0] if len(ties) == 1 else rng.choice(ties)
+    def choose(self, request: RequestView, candidates: Sequence[Candidate],
+               rng: random.Random) -> Candidate:
+        return _least(candidates, rng)
 
 
 class PowerOfTwo:
-    """Two candidates at random, the less loaded one wins: near least-load quality at O(1), and it
-    spreads even when every router sees the same stale snapshot."""
+    """Two candidates at random, the one with less expected wait wins: near least-load quality at O(1),
+    and it spreads even when every router sees the same stale snapshot."""
 
     name = "power_of_two"
 
-    def choose(self, candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
+    def choose(self, request: RequestView, candidates: Sequence[Candidate],
+               rng: random.Random) -> Candidate:
         if len(candidates) == 1:
             return candidates[0]
         a, b = rng.sample(list(candidates), 2)
@@ -59,8 +78,49 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
+    def choose(self, request: RequestView, candidates: Sequence[Candidate],
+               rng: random.Random) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.id)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
         return chosen
+
+
+class CacheAware:
+    """The least estimated time to first token — wait plus the prefill of what the instance is not
+    predicted to hold (``Candidate.ttft_s``).
+
+    * **Saturation bounds every affinity.** While some instance is not saturated
+      (``Candidate.saturated``, the router's one definition: a new request would not get a slot at
+      once, or the instance carries well over its share of the fleet's load), what a saturated one
+      holds draws nothing: its estimate is taken without the cache, as if the prompt were new there.
+      So a conversation stays where its context lives until that instance is saturated, and then moves
+      (paying its prefill once more) instead of queueing; and a popular prefix spreads to a second
+      instance once the first cannot keep up — no instance takes a popular app's traffic merely
+      because it holds its system prompt. When every instance is saturated the estimates keep their
+      cache: the wait is in them, and a cached prefix is then worth the most.
+    * **Session affinity is a soft preference under the same bound**: the instance the request's
+      session was last sent to wins while it is not saturated.
+    * **Close estimates are a tie** (within :data:`TTFT_BAND_REL` of the best, or
+      :data:`TTFT_BAND_ABS_S`): then the least expected wait, the least load, at random — a small
+      saving does not pile requests on one instance, and prompts sharing nothing are placed as
+      ``least_load`` places them.
+    """
+
+    name = "cache_aware"
+
+    def choose(self, request: RequestView, candidates: Sequence[Candidate],
+               rng: random.Random) -> Candidate:
+        if request.session is not None:
+            for c in candidates:
+                if c.session and not c.saturated:
+                    return c
+        if all(c.saturated for c in candidates) or not any(c.saturated for c in candidates):
+            estimates = [c.ttft_s for c in candidates]
+        else:  # a saturated instance's cache draws nothing while another has room
+            estimates = [c.ttft_s + c.cached_tokens / c.prefill_tokens_per_s if c.saturated else c.ttft_s
+                         for c in candidates]
+        best = min(estimates)
+        band = best + max(best * TTFT_BAND_REL, TTFT_BAND_ABS_S)
+        near = [c for c, e in zip(candidates, estimates, strict=True) if e <= band]
+        return near[0] if len(near) == 1 else _least(near, rng)

@@ -1,4 +1,5 @@
-"""``routerd bench {overhead,routing,queue,failover}``: each prints a table and writes JSON with --json.
+"""``routerd bench {overhead,routing,queue,failover,fairness}``:
+each prints a table and writes JSON with --json.
 
 Each benchmark is a module here with ``main(argv: list[str]) -> int``; they are imported on demand so
 one benchmark's dependencies do not slow another's start.
@@ -11,9 +12,11 @@ import sys
 
 BENCHMARKS = {
     "overhead": "routerd's added latency per request and its sustained rate on one core",
-    "routing": "time to first token and latency per policy on a heterogeneous fleet",
+    "routing": "TTFT, latency, prefix hits and spread per policy (and vLLM Router) on four workloads",
     "queue": "end-to-end jobs/s through the Redis queue, against a plain stream loop",
     "failover": "time from an engine's death or hang to it leaving rotation",
+    "autoscale": "an elastic fleet under rising and falling load, and a burst from zero",
+    "fairness": "an interactive tenant's time to first token under a batch tenant's flood; shares by weight",
 }
 
 

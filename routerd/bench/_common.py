@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,8 @@ class Processes:
         argv = [sys.executable, "-m", "routerd", "sim-engine", "--host", "127.0.0.1", "--port", str(port),
                 "--model", model, "--log-level", "warning"]
         for k, v in sim_args.items():
-            argv += [f"--{k.replace('_', '-')}", str(v)]
+            flag = k.replace("_", "-")
+            argv += [f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool) else [f"--{flag}", str(v)]
         return f"http://127.0.0.1:{port}", self._spawn(argv)
 
     async def sim(self, model: str, **sim_args: Any) -> str:
@@ -177,33 +178,76 @@ def find_vllm_router() -> str | None:
 
 
 class Timing(msgspec.Struct):
-    """One request as the client saw it: seconds to the first content byte and to the end."""
+    """One request as the client saw it: seconds to the first generated text and to the end."""
 
     ttft: float
     e2e: float
     ok: bool
     instance: str = ""  # which instance routerd chose (its X-Routerd-Instance header)
+    status: int = 0  # the HTTP status; 0 when the connection failed
 
 
-async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> Timing:
-    """POST ``body``; for streams the first token is the first SSE event after the headers."""
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None  # /v1/completions
+    delta: _Delta | None = None  # /v1/chat/completions
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
+_chunk_dec = msgspec.json.Decoder(_Chunk)
+
+
+def carries_text(line: bytes) -> bool:
+    """Whether one SSE line is an event with generated text: not chat's role chunk (empty content),
+    not a usage chunk (no choices), not an error event, not ``[DONE]``.
+
+    Time to first token is timed to this event, as ``vllm bench serve`` and a user's eyes time it; the
+    first event of any kind would count chat's role chunk, which an engine or a router could send early.
+    """
+    if not line.startswith(b"data: {"):
+        return False
+    try:
+        chunk = _chunk_dec.decode(line[6:])
+    except msgspec.DecodeError:
+        return False
+    return any(c.text or (c.delta is not None and c.delta.content) for c in chunk.choices)
+
+
+async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
+                        headers: Mapping[str, str] | None = None) -> Timing:
+    """POST ``body``; time to first token is, for a stream, the first SSE event carrying generated
+    text (:func:`carries_text`), for a plain answer the whole body. A stream is ``ok`` when it answered
+    200, carried text and ended with ``[DONE]`` (a stream cut with an error event is a failure)."""
     t0 = time.perf_counter()
     ttft = math.nan
     instance = ""
+    status = 0
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        async with session.post(url, data=body, headers=sent) as r:
             if stream:
-                async for _line in r.content:
-                    if math.isnan(ttft):
+                last = b""
+                async for line in r.content:
+                    if math.isnan(ttft) and carries_text(line):
                         ttft = time.perf_counter() - t0
+                    if line != b"\n":
+                        last = line
+                ok = r.status == 200 and not math.isnan(ttft) and last.startswith(b"data: [DONE]")
             else:
                 await r.read()
                 ttft = time.perf_counter() - t0
-            ok = r.status == 200
+                ok = r.status == 200
             instance = r.headers.get("X-Routerd-Instance", "")
+            status = r.status
     except (aiohttp.ClientError, OSError):
         ok = False
-    return Timing(ttft=ttft, e2e=time.perf_counter() - t0, ok=ok, instance=instance)
+    return Timing(ttft=ttft, e2e=time.perf_counter() - t0, ok=ok, instance=instance, status=status)
 
 
 # the data-plane process ---------------------------------------------------------------------

@@ -49,9 +49,9 @@ async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> A
     from ..dataplane import running_dataplane  # the data plane pulls in aiohttp's server side; only here
 
     registry = Registry()
-    async with running_dataplane(cfg, registry) as dp:
+    async with running_dataplane(cfg, registry, redis_url=url) as dp:
         yield QueueIngress(cfg, lambda: redis_client(url, cfg.redis), dp.upstream, dp.admission, registry,
-                           consumer=consumer)
+                           consumer=consumer, tenancy=dp.tenancy)
 
 
 async def wait_ready(ingress: QueueIngress, fleets: list[str], timeout: float) -> None:

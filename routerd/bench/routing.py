@@ -1,20 +1,30 @@
-"""``routerd bench routing``: time to first token and latency per policy on a heterogeneous fleet.
+"""``routerd bench routing``: what each routing policy — and vLLM Router's — gives on four workloads.
 
-Method:
+Method (``docs/benchmarks.md`` has the figures):
 
-* One static fleet of simulated engines of different speed and batch size (``--fast`` instances with
-  ``max_num_seqs=8``, ``ttft_ms=40``, ``itl_ms=10``; ``--slow`` ones with ``max_num_seqs=4``,
-  ``ttft_ms=120``, ``itl_ms=30``), each in its own process; routerd in its own process, restarted
-  for each policy. Each instance's capacity (``max_num_seqs``) is given to routerd, as a launched
-  fleet's config would.
-* The fleet's capacity is measured, not computed: one instance of each kind is saturated directly
-  (closed loop, twice its batch size) for ``--calibrate-s`` seconds, and the fleet's capacity is the
-  sum over instances of their kind's completed requests/s. For each load in ``--loads`` (fractions
-  of that), Poisson arrivals of streaming completions
-  (``max_tokens = --max-tokens``) for ``--duration`` seconds — the *same* arrival sequence for every
-  policy (one seed).
-* Per policy and load: mean and p99 of time to first token (first SSE event) and of end-to-end
-  latency, the share of requests each instance got, and the p99-TTFT change against round-robin.
+* **Workloads** (:mod:`routerd.bench.workloads`): ``heterogeneous`` (unequal instances, capacities not
+  configured), ``multiturn`` (agent-like conversations on prefix-caching engines with a prefill cost),
+  ``shared-prefix`` (a few long system prompts, skewed popularity), ``random`` (nothing shared).
+* **Load.** Each instance kind's capacity is measured first (or given, ``--capacity-rps``): one fresh
+  engine of that kind with prefix caching *off* is saturated (closed loop, twice its batch size) with
+  the workload's own requests for ``--calibrate-s``; capacity = generated tokens/s ÷ mean output
+  tokens per request, summed over the fleet. Arrivals run at ``--load`` × that (for ``multiturn`` the
+  cache-blind capacity, so a router that keeps conversations on their cache runs further below
+  saturation than one that does not).
+* **Same traffic for every router.** One seeded plan per workload: bodies, Poisson arrival times of
+  requests (or conversations) for ``--duration`` seconds and, for conversations, think times; a
+  conversation's next turn goes its think time after the previous answer arrived, as an agent's does.
+* **Fresh engines for every router**: each router runs on newly started engine processes, so no router
+  inherits another's cache or queue. Routers: routerd (its data plane in its own process, uvloop,
+  default settings, one run per policy in ``--policies``) and, when ``vllm-router`` is installed, vLLM
+  Router with each policy of ``--peers``, one after the other in the same run.
+* **Figures per router**: time to first token (the first SSE event carrying generated text) and
+  end-to-end latency, mean and p99; the fleet's prefix-cache hit ratio (Σ ``vllm:prefix_cache_hits``
+  ÷ Σ ``vllm:prefix_cache_queries`` over the run, from the engines); each instance's share of the
+  requests (the engines' ``vllm:request_success`` deltas, so it is the same measure for every router);
+  failures; and what routerd learned of each instance (``/admin/fleets``) at the end.
+* **Decision cost**: routerd's routing decision per request at 8k-token prompts, timed in-process
+  (:mod:`routerd.bench.decision`).
 """
 
 from __future__ import annotations
@@ -22,145 +32,327 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import random
+import hashlib
+import math
+import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import msgspec
 
-from ._common import Processes, Timing, print_table, summary, timed_request, write_json
+from ..config import RoutingConfig
+from . import workloads as wl
+from ._common import Processes, Timing, find_vllm_router, print_table, summary, timed_request, write_json
 
-MODEL = "bench"
-POLICIES = ("round_robin", "least_load", "power_of_two")
-
-
-async def measure_capacity(session: aiohttp.ClientSession, url: str, *, concurrency: int, duration: float,
-                           max_tokens: int) -> float:
-    """Requests/s one instance completes when saturated (closed loop, twice its batch size)."""
-    body = msgspec.json.encode({"model": MODEL, "prompt": "route me somewhere quick",
-                                "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
-    stop_at = time.perf_counter() + duration
-    done = 0
-
-    async def worker() -> None:
-        nonlocal done
-        while time.perf_counter() < stop_at:
-            if (await timed_request(session, url + "/v1/completions", body, True)).ok:
-                done += 1
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=10, sock_read=300)
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:request_success_total", "vllm:generation_tokens_total")
 
 
-async def poisson(session: aiohttp.ClientSession, url: str, *, rate: float, duration: float,
-                  max_tokens: int, seed: int) -> tuple[list[Timing], float]:
-    rng = random.Random(seed)
-    body = msgspec.json.encode({"model": MODEL, "prompt": "route me somewhere quick",
-                                "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
-    done: list[Timing] = []
-    tasks: set[asyncio.Task[None]] = set()
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router to measure: ``routerd`` with a policy, or ``vllm-router`` with one of its own."""
 
-    async def one() -> None:
-        done.append(await timed_request(session, url + "/v1/completions", body, True))
+    kind: str
+    policy: str
 
-    start = time.perf_counter()
-    next_at = start + rng.expovariate(rate)
-    while next_at - start < duration:
-        delay = next_at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(one())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        next_at += rng.expovariate(rate)
-    if tasks:
-        await asyncio.wait(tasks, timeout=120)
-    return done, time.perf_counter() - start
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.policy}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    request: wl.Request
+    timing: Timing
+
+
+def counters(text: str) -> dict[str, float]:
+    """The sums over all label sets of the :data:`COUNTERS` in one ``/metrics`` page."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def scrape(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, float]]:
+    async def one(url: str) -> dict[str, float]:
+        async with session.get(url + "/metrics") as r:
+            return counters(await r.text())
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+def plan_digest(plan: Sequence[wl.Request]) -> str:
+    """Identifies a plan: equal digests mean identical bodies at identical planned times."""
+    h = hashlib.blake2b(digest_size=8)
+    for r in plan:
+        h.update(f"{r.at:.6f}:{r.think_s:.6f}:{r.conversation}:{r.turn}:".encode())
+        h.update(r.body)
+    return h.hexdigest()
+
+
+async def calibrate(session: aiohttp.ClientSession, kind: dict[str, Any], sample: Sequence[wl.Request],
+                    seconds: float) -> float:
+    """Requests/s one engine of ``kind`` completes when saturated with ``sample``'s requests (prefix
+    caching off): generated tokens/s over the window ÷ the sample's mean output tokens."""
+    with Processes() as procs:
+        url = await procs.sim(wl.MODEL, **{**kind, "enable_prefix_caching": False})
+        stop = asyncio.Event()
+
+        async def worker(i: int) -> None:
+            n = i
+            while not stop.is_set():
+                await timed_request(session, url + wl.CHAT, sample[n % len(sample)].body, True)
+                n += 7
+
+        tasks = [asyncio.create_task(worker(i)) for i in range(2 * int(kind["max_num_seqs"]))]
+        try:
+            await asyncio.sleep(min(1.0, seconds / 3))  # fill the batch first
+            (c0,), t0 = await scrape(session, [url]), time.perf_counter()
+            await asyncio.sleep(seconds)
+            (c1,), t1 = await scrape(session, [url]), time.perf_counter()
+        finally:
+            stop.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    tokens_per_s = (c1["vllm:generation_tokens_total"] - c0["vllm:generation_tokens_total"]) / (t1 - t0)
+    return tokens_per_s / (sum(r.max_tokens for r in sample) / len(sample))
+
+
+async def drive(session: aiohttp.ClientSession, url: str, plan: Sequence[wl.Request],
+                session_key: str) -> list[Outcome]:
+    """Send ``plan`` through the router at ``url``: one task per conversation, its turns in order, each
+    later turn its think time after the previous answer."""
+    by_conv: dict[int, list[wl.Request]] = collections.defaultdict(list)
+    for r in plan:
+        by_conv[r.conversation].append(r)
+    outcomes: list[Outcome] = []
+    start = time.perf_counter() + 0.05
+
+    async def conversation(turns: list[wl.Request]) -> None:
+        await asyncio.sleep(max(0.0, start + turns[0].at - time.perf_counter()))
+        headers = {"X-Session-Id": f"conv-{turns[0].conversation}"} if session_key == "header" else None
+        for r in turns:
+            await asyncio.sleep(r.think_s)
+            outcomes.append(Outcome(r, await timed_request(session, url + wl.CHAT, r.body, True,
+                                                           headers=headers)))
+
+    async with asyncio.TaskGroup() as tg:
+        for turns in by_conv.values():
+            tg.create_task(conversation(sorted(turns, key=lambda r: r.turn)))
+    return outcomes
+
+
+async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: list[str],
+                   policy: str) -> str:
+    # A new user's config: a static fleet of URLs, no capacities, every routing setting at its default.
+    cfg = {"redis": {"enabled": False}, "daemon": {"log_level": "warning"},
+           "routing": {"policy": policy},
+           "fleets": [{"name": wl.MODEL, "model": wl.MODEL, "engine": "static", "urls": engines}]}
+    url, _ = await procs.plane(cfg, log_level="warning")
+    async with asyncio.timeout(30):  # every instance ready and scraped once before the traffic starts
+        while True:
+            async with session.get(url + "/admin/fleets") as r:
+                fleet = (await r.json())["fleets"][wl.MODEL]
+            if all(i["state"] == "ready" and i["scrape_age_s"] is not None for i in fleet["instances"]) \
+                    and len(fleet["instances"]) == len(engines):
+                return url
+            await asyncio.sleep(0.1)
+
+
+async def _routerd_view(session: aiohttp.ClientSession, url: str, names: dict[str, str]) -> dict[str, Any]:
+    """What routerd learned of each instance (``/admin/fleets``), by the benchmark's instance names."""
+    keep = ("capacity", "capacity_source", "decode_tokens_per_s", "prefill_tokens_per_s",
+            "prefix_hit_ratio", "predicted_prefix_hit_ratio")
+    async with session.get(url + "/admin/fleets") as r:
+        instances = (await r.json())["fleets"][wl.MODEL]["instances"]
+    return {names.get(i["url"], i["id"]): {k: i.get(k) for k in keep} for i in instances}
+
+
+async def run_one(session: aiohttp.ClientSession, work: wl.Workload, router: RouterSpec,
+                  plan: Sequence[wl.Request], session_key: str) -> dict[str, Any]:
+    """One router on fresh engines: the plan, then its figures."""
+    with Processes() as procs:
+        engines = list(await asyncio.gather(*(procs.sim(wl.MODEL, **k) for k in work.fleet)))
+        names = dict(zip(engines, work.kinds, strict=True))
+        if router.kind == "routerd":
+            url = await _routerd(procs, session, engines, router.policy)
+        else:
+            url = await procs.vllm_router(engines, router.policy)
+        before = await scrape(session, engines)
+        t0 = time.perf_counter()
+        outcomes = await drive(session, url, plan, session_key)
+        elapsed = time.perf_counter() - t0
+        after = await scrape(session, engines)
+        view = await _routerd_view(session, url, names) if router.kind == "routerd" else None
+    ok = [o for o in outcomes if o.timing.ok]
+
+    def delta(name: str) -> list[float]:
+        return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
+
+    hits, queries = sum(delta(COUNTERS[0])), sum(delta(COUNTERS[1]))
+    served = delta(COUNTERS[2])
+    result = {
+        "router": router.kind, "policy": router.policy, "label": router.label,
+        "requests": len(outcomes), "failed": len(outcomes) - len(ok), "elapsed_s": round(elapsed, 2),
+        # why they failed: the HTTP status (0: no answer), 200 for a stream cut or without text
+        "failures": dict(collections.Counter(str(o.timing.status) for o in outcomes if not o.timing.ok)),
+        "ttft_ms": summary([o.timing.ttft for o in ok]), "e2e_ms": summary([o.timing.e2e for o in ok]),
+        "prefix_hit_ratio": round(hits / queries, 4) if queries else math.nan,
+        "share": {n: round(s / max(sum(served), 1), 4) for n, s in zip(work.kinds, served, strict=True)},
+    }
+    if view is not None:
+        result["routerd_view"] = view
+    return result
+
+
+def routers(args: argparse.Namespace) -> tuple[list[RouterSpec], str | None]:
+    """routerd with each policy, then each peer (or why the peers are left out)."""
+    out = [RouterSpec("routerd", p) for p in args.policies]
+    peers = [p.split(":", 1) for p in args.peers]
+    if peers and find_vllm_router() is None:
+        return out, "vllm-router is not installed (pip install vllm-router): peers left out"
+    return out + [RouterSpec(kind, policy) for kind, policy in peers], None
+
+
+async def run_workload(session: aiohttp.ClientSession, name: str, args: argparse.Namespace,
+                       specs: Sequence[RouterSpec]) -> dict[str, Any]:
+    work = wl.build(name, scale=args.scale, engine_seed=args.seed)
+    if args.capacity_rps:  # another run's capacity: the same seed then gives exactly its arrivals
+        capacity, per_kind = args.capacity_rps, {}
+    else:
+        sample = work.plan(50.0, 10.0, args.seed + 1)[:200]
+        # Each kind of instance at once, on its own engine: a few seconds saved, the same figures.
+        kinds = list({tuple(sorted(k.items())): k for k in work.fleet}.values())
+        rates = await asyncio.gather(*(calibrate(session, k, sample, args.calibrate_s) for k in kinds))
+        # Rounded as reported, so that --capacity-rps with the reported figure repeats these arrivals.
+        capacity = round(sum(rps * work.fleet.count(k) for k, rps in zip(kinds, rates, strict=True)), 2)
+        per_kind = {work.kinds[work.fleet.index(k)].rstrip("0123456789"): round(rps, 3)
+                    for k, rps in zip(kinds, rates, strict=True)}
+    rate = args.load * capacity
+    plan = work.plan(rate, args.duration, args.seed)
+    out: dict[str, Any] = {
+        "description": work.description, "fleet": dict(zip(work.kinds, work.fleet, strict=True)),
+        "capacity_rps": round(capacity, 2), "capacity_rps_per_instance_kind": per_kind,
+        "load": args.load, "rate_rps": round(rate, 2), "requests": len(plan),
+        "conversations": len({r.conversation for r in plan}), "plan_digest": plan_digest(plan),
+        "mean_prompt_tokens": round(sum(r.prompt_tokens for r in plan) / max(len(plan), 1), 1),
+        "load_avg_at_start": list(os.getloadavg()), "runs": [],
+    }
+    print(f"{name}: capacity ≈ {capacity:.1f} req/s, {len(plan)} requests at {rate:.1f} req/s", flush=True)
+    for spec in specs:
+        result = await run_one(session, work, spec, plan, args.session)
+        out["runs"].append(result)
+        print(f"  {spec.label:<26} {result['requests'] - result['failed']} ok, {result['failed']} failed, "
+              f"{result['elapsed_s']} s", flush=True)
+    return out
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, from this run's figures (a target whose routers did not run is left out)."""
+    default = "routerd " + RoutingConfig().policy
+    out: list[dict[str, Any]] = []
+
+    def run(work: str, label: str) -> dict[str, Any] | None:
+        for r in results["workloads"].get(work, {}).get("runs", []):
+            if r["label"] == label:
+                return dict(r)
+        return None
+
+    def ratio(work: str, a: str, b: str, metric: str, stat: str, limit: float, what: str) -> None:
+        ra, rb = run(work, a), run(work, b)
+        if ra is not None and rb is not None and rb[metric][stat]:
+            value = ra[metric][stat] / rb[metric][stat]
+            out.append({"workload": work, "target": what, "value": round(value, 3), "limit": limit,
+                        "met": math.isfinite(value) and value <= limit})
+
+    ratio("heterogeneous", default, "routerd least_load", "ttft_ms", "p99", 0.25,
+          f"{default} p99 TTFT ÷ least_load's ≤ 0.25")
+    ratio("heterogeneous", default, "vllm-router power_of_two", "ttft_ms", "p99", 0.5,
+          f"{default} p99 TTFT ÷ vLLM Router power_of_two's ≤ 0.5")
+    mt = run("multiturn", default)
+    if mt is not None:
+        hit, served = mt["prefix_hit_ratio"], mt["requests"] > mt["failed"]
+        out.append({"workload": "multiturn", "target": "fleet prefix hit ratio ≥ 0.75",
+                    "value": hit, "limit": 0.75, "met": math.isfinite(hit) and hit >= 0.75})
+        top = max(mt["share"].values())
+        out.append({"workload": "multiturn", "target": "no instance over 40 % of requests",
+                    "value": top, "limit": 0.4, "met": served and top <= 0.4})
+    ratio("multiturn", default, "routerd least_load", "ttft_ms", "mean", 0.5,
+          f"{default} mean TTFT ÷ least_load's ≤ 0.5")
+    ratio("multiturn", default, "vllm-router cache_aware", "ttft_ms", "mean", 0.8,
+          f"{default} mean TTFT ÷ vLLM Router cache_aware's ≤ 0.8")
+    ratio("random", "routerd cache_aware", "routerd least_load", "ttft_ms", "p99", 1.05,
+          "cache_aware p99 TTFT ÷ least_load's ≤ 1.05")
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    fast = {"max_num_seqs": 8, "ttft_ms": 40.0, "itl_ms": 10.0, "batch_factor": 0.5}
-    slow = {"max_num_seqs": 4, "ttft_ms": 120.0, "itl_ms": 30.0, "batch_factor": 0.5}
-    kinds = [fast] * args.fast + [slow] * args.slow
-    results: dict[str, Any] = {"params": vars(args).copy(), "fleet": {"fast": fast, "slow": slow}, "runs": []}
-    with Processes() as procs:
-        urls = list(await asyncio.gather(*(procs.sim(MODEL, **k, seed=i) for i, k in enumerate(kinds))))
-        capacities = {f"bench:static{i}": int(k["max_num_seqs"]) for i, k in enumerate(kinds)}
-        names = {f"bench:static{i}": ("fast" if k is fast else "slow") + str(i) for i, k in enumerate(kinds)}
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            # The fleet's capacity, measured: saturate the first instance of each kind directly.
-            per_kind = {}
-            for name, kind in (("fast", fast), ("slow", slow)):
-                if kind in kinds:
-                    per_kind[name] = await measure_capacity(
-                        session, urls[kinds.index(kind)], concurrency=2 * int(kind["max_num_seqs"]),
-                        duration=args.calibrate_s, max_tokens=args.max_tokens)
-            capacity = per_kind.get("fast", 0.0) * args.fast + per_kind.get("slow", 0.0) * args.slow
-            results["fleet"]["capacity_rps"] = round(capacity, 1)
-            results["fleet"]["measured_rps_per_instance"] = {k: round(v, 2) for k, v in per_kind.items()}
-            await asyncio.sleep(1.0)
-            for policy in args.policies:
-                cfg = {"redis": {"enabled": False}, "daemon": {"log_level": "warning"},
-                       "routing": {"policy": policy, "scrape_interval_s": args.scrape_interval_s},
-                       "admission": {"max_inflight_per_instance": 4096, "max_queued": 100000},
-                       "fleets": [{"name": "bench", "model": MODEL, "engine": "static", "urls": urls}]}
-                url, proc = await procs.plane(cfg, capacities, log_level="warning")
-                for load in args.loads:
-                    rate = capacity * load
-                    timings, elapsed = await poisson(session, url, rate=rate, duration=args.duration,
-                                                     max_tokens=args.max_tokens, seed=args.seed)
-                    ok = [t for t in timings if t.ok]
-                    share = collections.Counter(names.get(t.instance, "?") for t in ok)
-                    results["runs"].append({
-                        "policy": policy, "load": load, "rate": round(rate, 1),
-                        "requests": len(timings), "failed": len(timings) - len(ok),
-                        "ttft_ms": summary([t.ttft for t in ok]), "e2e_ms": summary([t.e2e for t in ok]),
-                        "share": {k: round(v / max(len(ok), 1), 3) for k, v in sorted(share.items())},
-                    })
-                    print(f"  {policy:<13} load {load:.2f}: {len(ok)} ok in {elapsed:.1f}s", flush=True)
-                    await asyncio.sleep(1.0)  # let the engines drain before the next run
-                proc.terminate()
-                await asyncio.to_thread(proc.wait, 10)
-    _compare(results)
+    specs, note = routers(args)
+    results: dict[str, Any] = {"params": vars(args).copy(), "routers": [s.label for s in specs],
+                               "note": note, "cpus": os.cpu_count(), "workloads": {}}
+    if note:
+        print(note)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=aiohttp.TCPConnector(limit=0)) as session:
+        for name in args.workload:
+            results["workloads"][name] = await run_workload(session, name, args, specs)
+    if args.decision_cost:
+        from .decision import decision_cost
+
+        results["decision_cost_us"] = await asyncio.to_thread(decision_cost, args.decision_prompt_tokens)
+    results["targets"] = targets(results)
     return results
 
 
-def _compare(results: dict[str, Any]) -> None:
-    base = {r["load"]: r for r in results["runs"] if r["policy"] == "round_robin"}
-    for r in results["runs"]:
-        b = base.get(r["load"])
-        if b is not None and b["ttft_ms"]["p99"] > 0:
-            r["p99_ttft_vs_round_robin"] = round(r["ttft_ms"]["p99"] / b["ttft_ms"]["p99"] - 1, 3)
-            r["mean_e2e_vs_round_robin"] = round(r["e2e_ms"]["mean"] / b["e2e_ms"]["mean"] - 1, 3)
-
-
 def report(results: dict[str, Any]) -> None:
-    rows = []
-    for r in results["runs"]:
-        rows.append([r["policy"], r["load"], r["rate"], r["ttft_ms"]["mean"], r["ttft_ms"]["p99"],
-                     r["e2e_ms"]["mean"], r["e2e_ms"]["p99"],
-                     f"{r.get('p99_ttft_vs_round_robin', 0) * 100:+.0f}%", r["failed"],
-                     " ".join(f"{k}={v:.2f}" for k, v in r["share"].items())])
-    print_table(f"routing on a heterogeneous fleet (capacity ≈ {results['fleet']['capacity_rps']} req/s), ms",
-                ["policy", "load", "req/s", "ttft mean", "ttft p99", "e2e mean", "e2e p99",
-                 "p99 ttft vs rr", "failed", "share per instance"], rows)
+    for name, w in results["workloads"].items():
+        rows = [[r["label"], r["ttft_ms"]["mean"], r["ttft_ms"]["p99"], r["e2e_ms"]["mean"],
+                 r["e2e_ms"]["p99"], r["prefix_hit_ratio"],
+                 " ".join(f"{k}={v:.2f}" for k, v in r["share"].items()), r["failed"]]
+                for r in w["runs"]]
+        print_table(f"{name}: {w['description']}\n  {w['requests']} requests at {w['rate_rps']} req/s "
+                    f"({w['load']:.0%} of {w['capacity_rps']} req/s); "
+                    f"load avg {w['load_avg_at_start'][0]:.2f}",
+                    ["router", "ttft mean ms", "ttft p99 ms", "e2e mean ms", "e2e p99 ms", "hit ratio",
+                     "share", "failed"], rows)
+    cost = results.get("decision_cost_us")
+    if cost:
+        print_table(f"routerd's routing decision at {cost['prompt_tokens']}-token prompts, µs per request",
+                    ["part", "p50", "p99", "mean"],
+                    [[part, v["p50"], v["p99"], v["mean"]] for part, v in cost["parts"].items()])
+    if results["targets"]:
+        print_table("targets", ["workload", "target", "value", "met"],
+                    [[t["workload"], t["target"], t["value"], "yes" if t["met"] else "NO"]
+                     for t in results["targets"]])
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="routerd bench routing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", nargs="+", choices=wl.WORKLOADS, default=list(wl.WORKLOADS))
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8])
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
-    ap.add_argument("--fast", type=int, default=2, help="fast instances")
-    ap.add_argument("--slow", type=int, default=2, help="slow instances")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--scrape-interval-s", type=float, default=0.2)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
-    ap.add_argument("--calibrate-s", type=float, default=5.0, help="seconds per capacity measurement")
+    ap.add_argument("--policies", nargs="+", default=["cache_aware", "least_load", "power_of_two"],
+                    help="routerd policies, one run each")
+    ap.add_argument("--peers", nargs="*", default=["vllm-router:cache_aware", "vllm-router:power_of_two"],
+                    help="vLLM Router runs (vllm-router:<policy>); none: --peers")
+    ap.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of measured capacity")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals per router")
+    ap.add_argument("--calibrate-s", type=float, default=2.0, help="seconds per capacity measurement")
+    ap.add_argument("--capacity-rps", type=float, default=0.0,
+                    help="use this fleet capacity instead of measuring it (one --workload; with the same "
+                         "--seed and --load, another run's arrivals exactly)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every prompt and answer length")
+    ap.add_argument("--session", choices=["none", "header"], default="none",
+                    help="send X-Session-Id per conversation (default: routers see the prompt only)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--decision-cost", action=argparse.BooleanOptionalAction, default=True,
+                    help="time routerd's routing decision in-process")
+    ap.add_argument("--decision-prompt-tokens", type=int, default=8192)
     args = ap.parse_args(argv)
     import uvloop
 

@@ -5,6 +5,11 @@ An engine is one detached ``EngineActor`` (routerd/fleet/actor.py) inside its ow
 (the actor's info, a failure reason): it knows nothing of the fleet manager's slots or the registry, and
 says how a long step is going through the ``report`` callback its caller passes. Every call is bounded
 by a timeout; the blocking Ray APIs go through RayCluster (a thread), actor calls are awaited ObjectRefs.
+
+Nodes: a new placement group avoids what the ``Spreader`` says (lost nodes; other replicas' nodes for a
+spread fleet, routerd/fleet/spread.py) and its node is claimed there once placed. An engine whose node
+is gone (routerd/fleet/nodes.py) is not restarted in its old group — the group is removed and a new one
+placed — and no step keeps waiting on a node for more than a second after it is known lost.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from ..plugins import LaunchSpec
 from . import naming
 from .actor import EngineActor, group_members
 from .health import ActorProbe
+from .nodes import NodeWatch
 from .ray_cluster import RayCluster
+from .spread import Spreader
 
 _logger = log.get("routerd.fleet")
 
@@ -49,6 +56,11 @@ class Placement:
     pg: Any
     bundle: dict[str, float]
     actor_dead: bool = False
+    node_id: str = ""  # the node its placement group is on ("" until placed or known)
+
+
+class NodeGone(RuntimeError):
+    """The node an engine was being started on was lost; the step is given up (and placed anew)."""
 
 
 async def _resolve(ref: Any) -> Any:
@@ -69,11 +81,27 @@ class EngineOps:
     """The steps on engine handles, over the Ray connection and the process's one client session."""
 
     def __init__(self, cluster: RayCluster, state_dir: str, clock: Callable[[], float],
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, *, spreader: Spreader | None = None,
+                 nodes: NodeWatch | None = None) -> None:
         self.cluster = cluster
         self.state_dir = state_dir
         self.clock = clock
         self.session = session  # the process's one client session, for /health and warm-up
+        self.nodes = nodes
+        self.spreader = spreader if spreader is not None else Spreader(cluster, nodes, lambda _: "any")
+
+    def claim(self, spec: LaunchSpec, node_id: str) -> None:
+        """The instance's placement group is on ``node_id`` (adopted, or found after a restart)."""
+        self.spreader.claim(spec.fleet, spec.index, node_id)
+
+    def release(self, spec: LaunchSpec) -> None:
+        """The instance's placement group is gone (the instance was disposed)."""
+        self.spreader.release(spec.fleet, spec.index)
+
+    def node_gone(self, placement: Placement | None) -> bool:
+        """The engine's node is lost (or dead to Ray): its placement group must be replaced."""
+        return (placement is not None and self.nodes is not None and bool(placement.node_id)
+                and self.nodes.gone(placement.node_id))
 
     def pg_name(self, fleet: str, index: int) -> str:
         return naming.pg_name(self.cluster.namespace, fleet, index)
@@ -98,48 +126,73 @@ class EngineOps:
                 _logger.info("stray_placement_group_removed", placement_group=name, state=state)
                 await self.cluster.remove_placement_group(handle)
 
-    async def place(self, spec: LaunchSpec, bundle: dict[str, float], report: Report) -> Any:
-        """Create (or find) the instance's PG and wait until placed, reporting what is missing."""
-        pg = await self.cluster.placement_group(self.pg_name(spec.fleet, spec.index), bundle)
-        ready = asyncio.ensure_future(_resolve(pg.ready()))
+    async def place(self, spec: LaunchSpec, bundle: dict[str, float], report: Report) -> tuple[Any, str]:
+        """Create (or find) the instance's PG where the spreader allows and wait until placed,
+        reporting what is missing; the group and its node. Called under ``spreader.placing``."""
+        name = self.pg_name(spec.fleet, spec.index)
+        where = await self.spreader.where(spec.fleet, spec.index, bundle)
+        pg = await self.cluster.placement_group(name, bundle, where.avoid)
         last_log = -_PLACEMENT_LOG_EVERY_S
-        try:
-            while True:
+        while True:
+            ready = asyncio.ensure_future(_resolve(pg.ready()))
+            try:
                 done, _ = await asyncio.wait({ready}, timeout=2.0)
-                if done:
-                    ready.result()
-                    return pg
-                total, avail = await self.cluster.resources()
-                infeasible = {k: v for k, v in bundle.items() if total.get(k, 0.0) < v}
-                missing = {k: round(v - avail.get(k, 0.0), 3) for k, v in bundle.items()
-                           if avail.get(k, 0.0) < v}
-                if infeasible:
-                    reason = (f"unplaceable: needs {bundle} on one node; cluster total "
-                              f"{ {k: total.get(k, 0.0) for k in bundle} }")
-                else:
-                    reason = f"waiting for resources: missing {missing or bundle}"
-                report(reason)
-                if self.clock() - last_log >= _PLACEMENT_LOG_EVERY_S:
-                    last_log = self.clock()
-                    _logger.warning("placement_pending", instance=_instance(spec), bundle=bundle,
-                                    missing=missing, infeasible=bool(infeasible))
-        finally:
-            ready.cancel()
+            finally:
+                ready.cancel()
+            if done:
+                ready.result()
+                return pg, await self.cluster.placement_group_node(pg)
+            now = await self.spreader.where(spec.fleet, spec.index, bundle)
+            if now != where:  # a node was lost or a replica went away: wait under the new constraint
+                _logger.info("placement_constraint_changed", instance=_instance(spec),
+                             avoid=sorted(n[:12] for n in now.avoid), why=now.why)
+                await self.cluster.remove_placement_group(pg)
+                where = now
+                pg = await self.cluster.placement_group(name, bundle, where.avoid)
+                continue
+            total, avail = await self.cluster.resources()
+            infeasible = {k: v for k, v in bundle.items() if total.get(k, 0.0) < v}
+            missing = {k: round(v - avail.get(k, 0.0), 3) for k, v in bundle.items()
+                       if avail.get(k, 0.0) < v}
+            if infeasible:
+                reason = (f"unplaceable: needs {bundle} on one node; cluster total "
+                          f"{ {k: total.get(k, 0.0) for k in bundle} }")
+            else:
+                reason = f"waiting for resources: missing {missing or bundle}"
+            if where.why:
+                reason += f"; {where.why}"
+            report(reason)
+            if self.clock() - last_log >= _PLACEMENT_LOG_EVERY_S:
+                last_log = self.clock()
+                _logger.warning("placement_pending", instance=_instance(spec), bundle=bundle,
+                                missing=missing, infeasible=bool(infeasible), constraint=where.why)
+
+    async def _place_claimed(self, placement: Placement, spec: LaunchSpec, report: Report) -> None:
+        """A new group for ``placement`` (one at a time per spread fleet), its node claimed."""
+        async with self.spreader.placing(spec.fleet):
+            placement.pg, placement.node_id = await self.place(spec, placement.bundle, report)
+            self.spreader.claim(spec.fleet, spec.index, placement.node_id)
 
     # launch ----------------------------------------------------------------------------------
     async def launch(self, spec: LaunchSpec, generation: int,
                      report: Report) -> tuple[Placement, dict[str, Any]]:
         """Place a new instance and start its engine: the handle and the actor's info."""
-        bundle = naming.bundle_for(spec)
         report("placing")
-        placement = Placement(actor=None, pg=await self.place(spec, bundle, report), bundle=bundle)
+        placement = Placement(actor=None, pg=None, bundle=naming.bundle_for(spec))
+        await self._place_claimed(placement, spec, report)
         return placement, await self._new_actor(placement, spec, generation, report)
 
     async def _new_actor(self, placement: Placement, spec: LaunchSpec, generation: int,
                          report: Report) -> dict[str, Any]:
         """A new actor in the handle's placement group, its engine started as ``generation + 1``."""
-        if placement.pg is None:  # adopted without a PG record: place a fresh one
-            placement.pg = await self.place(spec, placement.bundle, report)
+        if placement.pg is not None and self.node_gone(placement):
+            _logger.warning("placement_group_replaced", instance=_instance(spec), node=placement.node_id[:12],
+                            why="its node is lost")
+            await self.cluster.remove_placement_group(placement.pg)
+            self.spreader.release(spec.fleet, spec.index)
+            placement.pg, placement.node_id = None, ""
+        if placement.pg is None:  # adopted without a PG record, or its node lost: place a fresh one
+            await self._place_claimed(placement, spec, report)
         report("starting engine")
         actor = await self.cluster.create_actor(EngineActor, naming.actor_name(spec.fleet, spec.index),
                                                 placement.bundle, placement.pg, msgspec.json.encode(spec),
@@ -147,15 +200,35 @@ class EngineOps:
                                                 "127.0.0.1" if self.cluster.is_local() else "")
         placement.actor = actor
         placement.actor_dead = False
-        info: dict[str, Any] = await wait_for(_resolve(actor.start.remote()), 120.0)
+        info: dict[str, Any] = await self._unless_node_gone(placement, _resolve(actor.start.remote()), 120.0)
         _logger.info("engine_started", instance=_instance(spec), pid=info["pid"], url=info["url"],
                      generation=info["generation"], log=info["log_path"])
         return info
 
+    async def _unless_node_gone(self, placement: Placement, aw: Any, timeout: float) -> Any:
+        """Await ``aw`` (bounded by ``timeout``), giving up with :class:`NodeGone` as soon as the
+        placement's node is lost: a call to an actor on a vanished node would wait out the timeout."""
+        task = asyncio.ensure_future(aw)
+        deadline = self.clock() + timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(1.0, max(0.0, deadline - self.clock())))
+                if done:
+                    return task.result()
+                if self.node_gone(placement):
+                    raise NodeGone(f"node {placement.node_id[:12]} lost")
+                if self.clock() >= deadline:
+                    raise TimeoutError(f"no answer in {timeout}s")
+        finally:
+            task.cancel()
+
     async def restart(self, placement: Placement, spec: LaunchSpec, *, generation: int, pid: int | None,
                       report: Report, grace_s: float = 1.0) -> dict[str, Any]:
-        """New engine for the same instance: in the same actor if it answers, else a new actor, same PG."""
+        """New engine for the same instance: in the same actor if it answers, else a new actor in the
+        same PG — or, when its node is lost, a new actor in a new PG elsewhere."""
         report("restarting")
+        if self.node_gone(placement):
+            placement.actor_dead = True
         if not placement.actor_dead and placement.actor is not None:
             try:
                 info: dict[str, Any] = await wait_for(
@@ -174,7 +247,9 @@ class EngineOps:
 
     async def _wait_name_free(self, name: str) -> None:
         deadline = self.clock() + 10.0
-        while await self.cluster.get_actor(name) is not None and self.clock() < deadline:  # noqa: ASYNC110  # polling Ray's name table: no event to wait on
+        while (holder := await self.cluster.get_actor(name)) is not None and self.clock() < deadline:
+            # An actor an interrupted start left behind (its handle never reached us) holds the name.
+            await self.cluster.kill(holder)
             await asyncio.sleep(0.1)
 
     async def wait_ready(self, placement: Placement, spec: LaunchSpec, url: str, generation: int,

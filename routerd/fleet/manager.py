@@ -36,10 +36,13 @@ from .._aio import wait_for
 from ..config import Config, FleetConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
+from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, Placement, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
 from .naming import NAME_RE, bundle_for, instance_id, spec_for
+from .nodes import NodeWatch
 from .ray_cluster import RayCluster
+from .spread import Spreader
 from .supervisor import Supervisor
 
 _logger = log.get("routerd.fleet")
@@ -55,15 +58,36 @@ class FleetManager:
         self.registry = registry
         self.cluster = cluster
         self.clock = clock
-        self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session)
+        # Node loss and spread placement (routerd/fleet/nodes.py, spread.py): the node watch probes the
+        # nodes the spreader knows engines on; a lost node fails its instances (_node_lost).
+        self.nodes = NodeWatch(cluster, cfg.health, lambda: self.ops.spreader.nodes_in_use(), self._node_lost,
+                               clock=clock)
+        spreader = Spreader(cluster, self.nodes, self._placement_of)
+        self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
+                             nodes=self.nodes)
         self.supervisors: dict[str, Supervisor] = {}
         self._replicas_override: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
+        self._crowded: set[str] = set()  # replicas of spread fleets to move to a node of their own
         self.monitor = HealthMonitor(registry, cfg.health, self._probe, self._on_failed,
                                      clock=clock, watch=self._watched)
+        # Autoscaled fleets' counts; an admin pin (_replicas_override) suspends a fleet's policy.
+        self.autoscaler = Autoscaler(cfg, registry, cluster, on_change=self._wake.set,
+                                     pin=self._replicas_override.get, clock=clock)
 
     # lifecycle -------------------------------------------------------------------------------
+    def _placement_of(self, fleet: str) -> str:
+        fcfg = self.cfg.fleet(fleet)
+        return fcfg.placement if fcfg is not None else "any"
+
+    def _node_lost(self, node_id: str, why: str) -> None:
+        """Every instance on a lost node out of rotation now; each supervisor places its own again."""
+        for fleet, index in self.ops.spreader.instances_on(node_id):
+            sup = self.supervisors.get(instance_id(fleet, index))
+            if sup is not None:
+                sup.node_lost(node_id, why)
+
     def _watched(self, inst: Instance) -> bool:
         """The heartbeats of this manager's instances only (static ones have their own monitor)."""
         return inst.id in self.supervisors and in_rotation(inst)
@@ -79,11 +103,21 @@ class FleetManager:
         return [f for f in self.cfg.fleets if f.engine != "static"]
 
     def desired(self, fleet: FleetConfig) -> int:
-        return self._replicas_override.get(fleet.name, fleet.replicas)
+        """The count the fleet is kept at: an admin pin, else the autoscaler's, else the config's."""
+        pinned = self._replicas_override.get(fleet.name)
+        if pinned is not None:
+            return pinned
+        scaled = self.autoscaler.replicas(fleet.name)
+        return fleet.replicas if scaled is None else scaled
 
-    def _desired_spec(self, fleet_name: str, index: int) -> LaunchSpec | None:
+    def _desired_spec(self, fleet_name: str, index: int, *, adopting: bool = False) -> LaunchSpec | None:
         fleet = self.cfg.fleet(fleet_name)
-        if fleet is None or fleet.engine == "static" or index >= self.desired(fleet):
+        if fleet is None or fleet.engine == "static":
+            return None
+        # An autoscaled fleet adopts whatever runs within its bounds: a restart keeps the count it had.
+        limit = fleet.autoscale.max_replicas if adopting and fleet.autoscale is not None \
+            else self.desired(fleet)
+        if index >= limit:
             return None
         return spec_for(fleet, index, self.cluster.address)
 
@@ -93,6 +127,7 @@ class FleetManager:
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
         keep_pgs: set[str] = set()
+        counts: dict[str, int] = {}  # fleet → highest adopted index + 1
         for name in await self.cluster.named_actors():
             m = NAME_RE.match(name)
             if m is None:
@@ -100,7 +135,9 @@ class FleetManager:
             fleet_name, index = str(m["fleet"]), int(m["index"])
             if await self._adopt(name, fleet_name, index):
                 keep_pgs.add(self.ops.pg_name(fleet_name, index))
+                counts[fleet_name] = max(counts.get(fleet_name, 0), index + 1)
         await self.ops.remove_stray_pgs(keep_pgs)
+        self.autoscaler.begin(counts)
         self._reconcile()
         adopted = [s for s in self.supervisors.values() if s.slot.info]
         if adopted:  # an unchanged restart serves again before start() returns
@@ -122,7 +159,7 @@ class FleetManager:
             _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
             await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
             return False
-        desired = self._desired_spec(fleet, index)
+        desired = self._desired_spec(fleet, index, adopting=True)
         if desired is None:  # its fleet is gone, or it is beyond the replica count
             _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
             await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
@@ -143,6 +180,8 @@ class FleetManager:
         """The control loop: health monitor, reconcile each second or when woken; failed steps are logged."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.monitor.run(), name="health-monitor")
+            tg.create_task(self.nodes.run(), name="node-watch")
+            tg.create_task(self.autoscaler.run(), name="autoscaler")
             while True:
                 try:
                     self._reconcile()
@@ -150,6 +189,12 @@ class FleetManager:
                         await sup.refresh_resources()
                 except Exception:  # a loop boundary: log and go on
                     _logger.exception("fleet_step_failed")
+                # For the next reconcile; never a stale answer (instance ids are reused by replacements).
+                self._crowded = set()
+                try:
+                    self._crowded = await self._find_crowded()
+                except Exception:  # a loop boundary: the next round asks Ray again
+                    _logger.exception("respread_check_failed")
                 with contextlib.suppress(TimeoutError):
                     await wait_for(self._wake.wait(), 1.0)
                 self._wake.clear()
@@ -159,10 +204,18 @@ class FleetManager:
         old = self.cfg
         self.cfg = cfg
         self.monitor.update_config(cfg.health)
+        self.nodes.update_config(cfg.health)
         for name in list(self._replicas_override):
             o, n = old.fleet(name), cfg.fleet(name)
-            if o is None or n is None or o.replicas != n.replicas:
-                del self._replicas_override[name]  # the file changed its count: the file wins
+            if o is None or n is None or o.replicas != n.replicas or o.autoscale != n.autoscale:
+                # The file changed its count or bounds: the file wins (an autoscaled fleet resumes
+                # from the pinned count, so the pin's replicas are not all dropped at once).
+                self.autoscaler.unpinned(name, self._replicas_override.pop(name))
+        running: dict[str, int] = {}
+        for sup in self.supervisors.values():
+            if not sup.slot.retiring:
+                running[sup.slot.spec.fleet] = running.get(sup.slot.spec.fleet, 0) + 1
+        self.autoscaler.update_config(cfg, running)
         for sup in self.supervisors.values():
             spec = sup.slot.spec
             desired = self._desired_spec(spec.fleet, spec.index)
@@ -180,6 +233,8 @@ class FleetManager:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if stop_engines:
+            with contextlib.suppress(Exception):  # best effort: the cluster may be going away too
+                await self.autoscaler.withdraw()
             # Slots still being placed have no Placement yet but may own a pending placement group.
             await asyncio.gather(*(self._dispose(sup) for sup in self.supervisors.values()),
                                  return_exceptions=True)
@@ -235,11 +290,25 @@ class FleetManager:
                       key=lambda s: s.slot.spec.index)
         if any(s.slot.retiring for s in sups):
             return
-        stale = [s for s in sups if s.slot.stale]
-        others_ready = all(s.slot.inst.state is InstanceState.READY for s in sups if not s.slot.stale)
+        stale = [s for s in sups if s.slot.stale or s.slot.inst.id in self._crowded]
+        others_ready = all(s.slot.inst.state is InstanceState.READY for s in sups if s not in stale)
         if stale and others_ready:
-            _logger.info("rolling_replace", instance=stale[0].slot.inst.id, remaining=len(stale) - 1)
-            self._retire(stale[0], "replacing: spec changed")
+            _logger.info("rolling_replace", instance=stale[0].slot.inst.id, remaining=len(stale) - 1,
+                         why="spec changed" if stale[0].slot.stale else "re-spreading over nodes")
+            self._retire(stale[0], "replacing: spec changed" if stale[0].slot.stale
+                         else "moving to a node of its own (placement = spread)")
+
+    async def _find_crowded(self) -> set[str]:
+        """Replicas of ``spread`` fleets doubled up on a node while another node has room for them
+        (routerd/fleet/spread.py); ``_roll`` moves them one at a time."""
+        out: set[str] = set()
+        for fleet in self._fleets():
+            if fleet.placement == "spread" and not any(s.slot.retiring for s in self.supervisors.values()
+                                                        if s.slot.spec.fleet == fleet.name):
+                bundle = bundle_for(spec_for(fleet, 0, self.cluster.address))
+                indices = await self.ops.spreader.crowded(fleet.name, bundle)
+                out |= {instance_id(fleet.name, i) for i in indices}
+        return out
 
     def _retire(self, sup: Supervisor, reason: str) -> None:
         """Scale-down/removal/replacement: out of rotation, let in-flight requests finish, stop everything."""
@@ -247,7 +316,11 @@ class FleetManager:
         self._spawn(self._retire_instance(sup), f"retire:{sup.slot.inst.id}")
 
     async def _retire_instance(self, sup: Supervisor) -> None:
-        await self._wait_idle(sup.slot.inst, self.cfg.daemon.drain_timeout_s)
+        fleet = self.cfg.fleet(sup.slot.spec.fleet)
+        # An autoscaled fleet's scale-down waits for its requests as long as they may reasonably run.
+        timeout = fleet.autoscale.drain_timeout_s if fleet is not None and fleet.autoscale is not None \
+            else self.cfg.daemon.drain_timeout_s
+        await self._wait_idle(sup.slot.inst, timeout)
         if sup.task is not None:
             sup.task.cancel()
             await asyncio.gather(sup.task, return_exceptions=True)
@@ -298,11 +371,40 @@ class FleetManager:
         return {**inst.status(self.registry.clock()), "drained": inst.inflight == 0}
 
     async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
-        """Admin: change a fleet's replica count at run time (until the config file changes it)."""
+        """Admin: change a fleet's replica count at run time (until the config file changes it, or
+        :meth:`unset_replicas`). An autoscaled fleet is pinned there: its policy waits meanwhile."""
         fcfg = self.cfg.fleet(fleet)
         if fcfg is None or fcfg.engine == "static":
             raise KeyError(fleet)
         self._replicas_override[fleet] = replicas
+        if fcfg.autoscale is not None:
+            _logger.info("autoscale_pinned", fleet=fleet, replicas=replicas)
         self._reconcile()
         self._wake.set()
-        return {"fleet": fleet, "replicas": replicas}
+        return {"fleet": fleet, "replicas": replicas, "pinned": fcfg.autoscale is not None}
+
+    async def unset_replicas(self, fleet: str) -> dict[str, Any]:
+        """Admin: drop the run-time count: back to the autoscaler (from the pinned count) or the file."""
+        fcfg = self.cfg.fleet(fleet)
+        if fcfg is None or fcfg.engine == "static":
+            raise KeyError(fleet)
+        pinned = self._replicas_override.pop(fleet, None)
+        if pinned is not None:
+            self.autoscaler.unpinned(fleet, pinned)
+        self._reconcile()
+        self._wake.set()
+        return {"fleet": fleet, "replicas": self.desired(fcfg), "pinned": False}
+
+    def replica_figures(self) -> list[tuple[str, int, int, int]]:
+        """(fleet, desired, actual, ready) of every launched fleet: actual counts the replicas launched
+        and not being retired (starting, ready or restarting)."""
+        out = []
+        for fleet in self._fleets():
+            sups = [s for s in self.supervisors.values() if s.slot.spec.fleet == fleet.name]
+            actual = sum(1 for s in sups if not s.slot.retiring)
+            out.append((fleet.name, self.desired(fleet), actual, self.registry.ready_count(fleet.name)))
+        return out
+
+    def collector(self) -> FleetCollector:
+        """The ``/metrics`` collector of desired vs actual replicas and autoscaling decisions."""
+        return FleetCollector(self.replica_figures, self.autoscaler)

@@ -28,12 +28,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import log
 from .._aio import wait_for
 from .._net import free_port
 from ..config import RayConfig
+
+if TYPE_CHECKING:
+    from .nodes import NodeInfo
 
 _logger = log.get("routerd.raycluster")
 
@@ -258,22 +261,69 @@ class RayCluster:
         with contextlib.suppress(Exception):  # already dead is fine: the goal is "not running"
             await self.call(lambda: ray.kill(actor, no_restart=True))
 
-    async def placement_group(self, name: str, bundle: dict[str, float]) -> Any:
-        """The detached STRICT_PACK placement group ``name`` (reused if it exists, else created)."""
+    async def placement_group(self, name: str, bundle: dict[str, float],
+                              avoid: frozenset[str] = frozenset()) -> Any:
+        """The detached STRICT_PACK placement group ``name`` (reused if it exists, else created on a node
+        not in ``avoid``: node ids, through Ray's label selector on ``ray.io/node-id``)."""
         import ray.util
 
         def get_or_create() -> Any:
             with contextlib.suppress(ValueError):
                 return ray.util.get_placement_group(name)
-            return ray.util.placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+            selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}] if avoid else None
+            return ray.util.placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached",
+                                            bundle_label_selector=selector)
 
         return await self.call(get_or_create)
+
+    async def placement_group_node(self, pg: Any) -> str:
+        """The node id a placed group's bundle is on ("" while it is not placed)."""
+        import ray.util
+
+        def read() -> str:
+            table = ray.util.placement_group_table(pg)
+            return str(next(iter(table.get("bundles_to_node_id", {}).values()), "") or "")
+
+        node: str = await self.call(read)
+        return node
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Ray's node table as :class:`routerd.fleet.nodes.NodeInfo` (dead nodes included)."""
+        import ray
+
+        from .nodes import NodeInfo
+
+        def read() -> list[NodeInfo]:
+            return [NodeInfo(node_id=str(n["NodeID"]), host=str(n["NodeManagerAddress"]),
+                             port=int(n["NodeManagerPort"]), alive=bool(n["Alive"]),
+                             resources={k: float(v) for k, v in n.get("Resources", {}).items()
+                                        if not k.startswith("node:")})
+                    for n in ray.nodes()]  # type: ignore[no-untyped-call]  # ray is untyped
+
+        nodes: list[NodeInfo] = await self.call(read)
+        return nodes
+
+    async def available_per_node(self) -> dict[str, dict[str, float]]:
+        """Free resources of each live node right now (Ray's developer API; a few ms)."""
+        from ray._private import state
+
+        free: dict[str, dict[str, float]] = await self.call(state.available_resources_per_node)
+        return free
 
     async def remove_placement_group(self, pg: Any) -> None:
         import ray.util
 
         with contextlib.suppress(Exception):  # already removed
             await self.call(ray.util.remove_placement_group, pg)
+
+    async def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        """Ask the cluster's autoscaler to make room for ``bundles`` at once (``ray.autoscaler.sdk``).
+
+        Each call replaces the previous request (``[]`` withdraws it); a cluster without an autoscaler
+        records it and adds nothing."""
+        from ray.autoscaler.sdk import request_resources
+
+        await self.call(lambda: request_resources(bundles=bundles))
 
     async def placement_groups(self) -> list[tuple[str, str, Any]]:
         """(name, state, handle) of every not-removed named placement group in the cluster."""

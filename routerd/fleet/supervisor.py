@@ -8,6 +8,10 @@ engine's scrape or circuit state is held against the new one). The engine steps 
 ``EngineOps``' (routerd/fleet/engine.py), which return data; the supervisor writes the ``Slot`` and the
 registry entry. The fleet manager decides *which* instances should exist and asks the supervisor to
 drain, retire, restart or mark one stale; it never writes an instance's state itself.
+
+A lost node (routerd/fleet/nodes.py) fails its instances at once (``node_lost``), as failed heartbeats
+do; their restart skips the backoff — the engine is not to blame — and happens in a new placement group
+on another node (``EngineOps``), or waits for one, pending.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .. import log
 from ..config import HealthConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
+from ..routing.speed import spec_capacity
 from . import naming
 from .engine import EngineOps, Placement, ProbeAnswer
 from .health import ProbeResult
@@ -66,7 +71,7 @@ class Supervisor:
                  health: HealthConfig, clock: Callable[[], float]) -> None:
         """Puts the instance in the registry at once (STARTING); ``run()`` does the rest."""
         inst = Instance(id=naming.instance_id(spec.fleet, spec.index), fleet=spec.fleet, url="",
-                        capacity_hint=capacity_hint)
+                        capacity_hint=capacity_hint, launch_capacity=spec_capacity(spec.engine_args))
         self.slot = Slot(inst=inst, spec=spec)
         self.registry = registry
         self.ops = ops
@@ -91,6 +96,15 @@ class Supervisor:
         slot.placement = placement
         slot.info = info
         apply_info(slot.inst, info)
+        self._claim_node(info)
+
+    def _claim_node(self, info: dict[str, Any]) -> None:
+        """The node the actor reports is where its placement group is (the group holds the actor)."""
+        placement = self.slot.placement
+        node = str(info.get("node_id", ""))
+        if placement is not None and node and not placement.node_id:
+            placement.node_id = node
+            self.ops.claim(self.slot.spec, node)
 
     def retire(self, reason: str) -> None:
         """Out of rotation for good: in-flight requests finish, the manager then disposes the engine."""
@@ -109,6 +123,22 @@ class Supervisor:
 
     def remove(self) -> None:
         self.registry.remove(self.slot.inst.id)
+        self.ops.release(self.slot.spec)
+
+    def node_lost(self, node_id: str, why: str) -> None:
+        """The node this instance's engine runs on is lost: out of rotation and its requests ended now
+        (streams resume elsewhere); ``run()`` places it again on another node."""
+        slot = self.slot
+        inst = slot.inst
+        if slot.placement is not None:
+            slot.placement.actor_dead = True
+        reason = f"node {node_id[:12]} lost: {why}"
+        # One still starting fails its start step on its own (EngineOps gives up on a gone node).
+        if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+            self.fail(reason)
+        ended = inst.lose(f"instance {inst.id}: {reason}")
+        _logger.warning("instance_node_lost", instance=inst.id, node=node_id[:12], why=why,
+                        generation=inst.generation, requests_ended=ended)
 
     async def probe(self, deadline_s: float) -> ProbeAnswer:
         return await self.ops.probe(self.slot.placement, deadline_s)
@@ -205,8 +235,10 @@ class Supervisor:
         slot = self.slot
         slot.info = info
         old = slot.inst
+        self._claim_node(info)
         if old.generation and int(info["generation"]) != old.generation:
             inst = Instance(id=old.id, fleet=old.fleet, url=info["url"], capacity_hint=old.capacity_hint,
+                            launch_capacity=old.launch_capacity,
                             restarts=old.restarts, state=InstanceState.STARTING,
                             state_reason=old.state_reason)
             self.registry.add(inst)
@@ -253,7 +285,8 @@ class Supervisor:
         slot.restart_requested = False
         self.registry.set_state(inst, InstanceState.UNHEALTHY, reason)
         delay = 0.0
-        if not requested:
+        # A lost node is not the engine's fault: no backoff, and no step towards "crash loop".
+        if not requested and not self.ops.node_gone(slot.placement):
             slot.streak += 1
             h = self.health
             delay = min(h.restart_backoff_initial_s * 2 ** (slot.streak - 1), h.restart_backoff_max_s)

@@ -28,6 +28,7 @@ import asyncio
 import os
 import re
 import resource
+import socket
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
@@ -102,6 +103,7 @@ class ClientConnections:
         self.cfg = cfg
         self.telemetry = telemetry
         self.open = 0  # counted connections (refused ones are not)
+        self.last_request_end = 0.0  # loop time the last request on any connection ended (a handover's quiet)
         # The bodies still arriving, with their connections (a request itself is not hashable).
         self._receiving: dict[StreamReader, web.RequestHandler] = {}
         telemetry.http_connections.set_function(lambda: self.open)
@@ -126,8 +128,10 @@ class ClientConnections:
                          fd_limit=soft, hint=f"raise the open-files limit to {need} (LimitNOFILE=) "
                          "or lower http.max_connections")
 
-    def site(self, runner: web.BaseRunner, host: str, port: int, *, backlog: int = 1024) -> web.BaseSite:
-        return _Site(runner, self, host, port, backlog=backlog)
+    def site(self, runner: web.BaseRunner, host: str | None = None, port: int | None = None, *,
+             sock: socket.socket | None = None, backlog: int = 1024) -> web.BaseSite:
+        """A listener on ``host``:``port``, or on ``sock`` already bound (socket activation)."""
+        return _Site(runner, self, host, port, sock=sock, backlog=backlog)
 
     def connection(self, server: web.Server) -> ClientConnection:
         """The protocol factory of the listener (aiohttp's ``Server()`` with our class)."""
@@ -284,6 +288,25 @@ class ClientConnection(web.RequestHandler):
 
     def request_finished(self) -> None:
         self._busy = False
+        self._limits.last_request_end = self._timers.time()
+
+    def hand_over(self, *, close_idle: bool) -> None:
+        """End this connection so that its client's next request opens a new one (a socket-activated
+        drain, routerd/ingress/listener.py).
+
+        A request in progress (aiohttp's own flag: its handler runs or its answer is being written):
+        the connection closes once the answer is sent. A request arriving: its answer says
+        ``Connection: close``, which ends it. Idle: closed only with ``close_idle`` — a request its
+        client sends just as the server closes it fails, so the caller waits until clients have
+        stopped sending on old connections."""
+        if self._request_in_progress:
+            self.close()  # no waiter while a request runs: this only marks it to close after the answer
+        elif close_idle and not self._partial:
+            self.force_close()
+
+    @property
+    def idle(self) -> bool:
+        return not self._request_in_progress and not self._partial
 
     # expiry -------------------------------------------------------------------------------------
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
@@ -328,22 +351,31 @@ class ClientConnection(web.RequestHandler):
 
 
 class _Site(web.BaseSite):
-    """A TCP listener like ``web.TCPSite`` whose connections are :class:`ClientConnection`."""
+    """A TCP listener like ``web.TCPSite`` (or ``web.SockSite``, given ``sock``) whose connections are
+    :class:`ClientConnection`."""
 
-    __slots__ = ("_connections", "_host", "_port")
+    __slots__ = ("_connections", "_host", "_port", "_sock")
 
-    def __init__(self, runner: web.BaseRunner, connections: ClientConnections, host: str, port: int, *,
-                 backlog: int) -> None:
+    def __init__(self, runner: web.BaseRunner, connections: ClientConnections, host: str | None,
+                 port: int | None, *, sock: socket.socket | None = None, backlog: int) -> None:
         super().__init__(runner, backlog=backlog)
-        self._host, self._port, self._connections = host, port, connections
+        self._host, self._port, self._sock, self._connections = host, port, sock, connections
 
     @property
     def name(self) -> str:
+        if self._sock is not None:
+            return f"fd {self._sock.fileno()}"
         return f"http://{self._host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
         server = self._runner.server
         assert server is not None, "runner.setup() first"
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: self._connections.connection(server), self._host, self._port, backlog=self._backlog)
+        loop = asyncio.get_running_loop()
+        if self._sock is not None:
+            self._server = await loop.create_server(lambda: self._connections.connection(server),
+                                                    sock=self._sock, backlog=self._backlog)
+        else:
+            assert self._port is not None, "a port, or a socket"
+            self._server = await loop.create_server(
+                lambda: self._connections.connection(server), self._host, self._port, backlog=self._backlog)

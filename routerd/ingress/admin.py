@@ -49,7 +49,9 @@ Handler = Callable[[web.Request], Awaitable[Any]]
 def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
                      admin_key: str | Callable[[], str]) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
-    ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``). Instance ids look like ``small:0``.
+    ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``: an autoscaled fleet is pinned there) and
+    ``DELETE /admin/fleets/{fleet}/replicas`` (back to the autoscaler, or to the file's count). Instance ids
+    look like ``small:0``.
 
     ``admin_key`` may be a callable so a reload that changes the key applies to these routes too."""
     key = admin_key if callable(admin_key) else (lambda: admin_key)
@@ -80,6 +82,10 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
             raise BadRequest(f"replicas must be 0..{_MAX_REPLICAS}", param="replicas")
         return await fleet_manager.set_replicas(request.match_info["fleet"], body.replicas)
 
+    async def unpin(request: web.Request) -> Any:
+        return await fleet_manager.unset_replicas(request.match_info["fleet"])
+
     app.router.add_post("/admin/instances/{instance}/restart", route(restart))
     app.router.add_post("/admin/instances/{instance}/drain", route(drain))
     app.router.add_post("/admin/fleets/{fleet}/replicas", route(replicas))
+    app.router.add_delete("/admin/fleets/{fleet}/replicas", route(unpin))

@@ -1,20 +1,22 @@
-"""Who may call what: the API keys for the OpenAI routes, the admin key (or a loopback peer) for every
-admin route, read or write.
+"""Who may call what: an API key — and the tenant it belongs to — for the OpenAI routes, the admin key
+(or a loopback peer) for every admin route, read or write.
 
-Both checks read ``Authorization: Bearer <key>`` the same way and compare with
-:func:`hmac.compare_digest`, so a wrong key takes as long to refuse as a nearly right one. Header
-bytes that are not UTF-8 (aiohttp keeps them as surrogate escapes) are a wrong key, never a 500.
+Both checks read ``Authorization: Bearer <key>`` the same way. API keys (``http.api_keys`` and each
+tenant's) are looked up by their SHA-256 (:mod:`routerd.tenants.apikeys`: one dict lookup, whatever
+the number of keys, and nothing learnt from its timing); the admin key is compared with
+:func:`hmac.compare_digest`. Header bytes that are not UTF-8 (aiohttp keeps them as surrogate escapes)
+are a wrong key, never a 500.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Sequence
 
 from aiohttp import web
 
 from ..errors import Unauthorized
+from ..tenants.directory import Directory, Tenant
 
 
 def bearer(request: web.Request) -> bytes:
@@ -25,13 +27,16 @@ def bearer(request: web.Request) -> bytes:
     return auth[7:].strip().encode("utf-8", "surrogateescape")
 
 
-def check_api_key(request: web.Request, keys: Sequence[bytes]) -> None:
-    """The OpenAI routes: one of ``keys`` when any is configured (``http.api_keys``), else open."""
-    if not keys:
-        return
-    token = bearer(request)
-    if not any(hmac.compare_digest(token, k) for k in keys):
+def authenticate(request: web.Request, tenants: Directory) -> Tenant:
+    """The OpenAI routes: the tenant of the request's key. When no key is configured anywhere the
+    routes are open and every request is the ``default`` tenant's; else a key is required, and one
+    of ``http.api_keys`` (no tenant's) is ``default``'s too."""
+    if tenants.open:
+        return tenants.default
+    tenant = tenants.by_token(bearer(request))
+    if tenant is None:
         raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer <key>')")
+    return tenant
 
 
 def check_admin(request: web.Request, admin_key: str) -> None:

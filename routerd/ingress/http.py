@@ -13,6 +13,7 @@ aborts the request instead of generating into the void.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,24 +24,30 @@ from aiohttp import web
 from .. import log
 from ..admission import Admission
 from ..config import Config, FleetConfig
+from ..elastic import Elastic
 from ..errors import (
     BadRequest,
     BodyTooLarge,
+    NoReadyInstance,
     NotFound,
     Overloaded,
+    RateLimited,
     RouterdError,
     ShuttingDown,
     error_json,
     quote,
     sse_error_event,
 )
+from ..plugins import RequestView
 from ..registry import InstanceState, Registry
 from ..telemetry import CONTENT_TYPE, Telemetry
-from ..upstream import Upstream
+from ..tenants import Tenant, UsageTap, inspect
+from ..tenants.service import Tenancy
+from ..upstream import ForwardResult, Upstream
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
-from .auth import check_admin, check_api_key
-from .validate import check_body
+from .auth import authenticate, check_admin
+from .validate import check_body, read_head
 
 _log = log.get("routerd.http")
 
@@ -55,8 +62,14 @@ def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
 
 def error_response(err: RouterdError) -> web.Response:
     headers: dict[str, str] = {}
-    if isinstance(err, Overloaded):
+    if isinstance(err, RateLimited):  # a tenant's limit: when its bucket holds enough, to the ms
+        headers.update(err.headers)
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(err.retry_after_s * 1000)))
+    elif isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
+    elif isinstance(err, NoReadyInstance) and err.retry_after_s is not None:  # a fleet starting up
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     return web.Response(status=err.status, body=error_json(err.message, err.type, err.status, err.param),
                         content_type="application/json", headers=headers)
 
@@ -118,17 +131,25 @@ class HttpIngress:
 
     def __init__(self, cfg: Config, registry: Registry, admission: Admission, upstream: Upstream,
                  telemetry: Telemetry, clock: Callable[[], float] = time.monotonic, *,
-                 desired_replicas: Callable[[FleetConfig], int] | None = None) -> None:
+                 desired_replicas: Callable[[FleetConfig], int] | None = None,
+                 elastic: Elastic | None = None, tenancy: Tenancy | None = None) -> None:
         self.registry = registry
+        self.tenancy = tenancy or Tenancy(cfg)  # the data plane's, shared with the queue
         self.admission = admission
         self.upstream = upstream
         self.telemetry = telemetry
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
+        # Draining a socket-activated listener (routerd/ingress/listener.py): requests on open
+        # connections are still served, each response closing its connection.
+        self.handover = False
         # The fleet manager's run-time replica count when routerd launches fleets (admin scaling
         # overrides the file until the next reload that changes it); None: the config's.
         self.desired_replicas = desired_replicas
+        # Fleets that scale to zero: ready while at zero (a request starts one); their autoscaling
+        # state in /admin/fleets.
+        self.elastic = elastic
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -140,7 +161,6 @@ class HttpIngress:
         self.cfg = cfg
         self.connections.update_config(cfg.http)
         self._models = {f.model: f.name for f in cfg.fleets}
-        self._keys = [k.encode() for k in cfg.http.api_keys]
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
@@ -153,9 +173,19 @@ class HttpIngress:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/admin/fleets", self.admin_fleets)
         app.on_response_prepare.append(_stamp_request_id)
+        app.on_response_prepare.append(self._close_when_draining)
         if extra_routes is not None:
             extra_routes(app)
         return app
+
+    async def _close_when_draining(self, request: web.Request, response: web.StreamResponse) -> None:
+        """During a drain every response says ``Connection: close``: the client's next request opens a
+        new connection — refused, or after a handover, accepted by the next routerd."""
+        if self.draining:
+            response.force_close()
+            # aiohttp writes its Connection header before this hook runs: say it here too, or the
+            # client would reuse a connection this response ends.
+            response.headers["Connection"] = "close"
 
     # OpenAI routes ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -205,23 +235,26 @@ class HttpIngress:
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
         try:
-            if self.draining:
+            if self.draining and not self.handover:
                 raise ShuttingDown("routerd is shutting down")
-            check_api_key(request, self._keys)
+            tenant = authenticate(request, self.tenancy.directory)
+            if self.tenancy.directory.configured:
+                fields["tenant"] = tenant.name
             if (request.content_length or 0) > self.cfg.http.max_body_bytes:
                 raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
             body = await self._read_body(request)
-            model, stream = parse_request(endpoint, body)
+            head = read_head(endpoint, body)
+            model, stream = head.model, bool(head.stream)
             fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
             if fleet is None:
                 raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
                                f"{', '.join(sorted(self._models)) or 'none'}", param="model")
             fields["fleet"] = fleet
-            async with self.admission.ticket(fleet, priority=0, deadline=None, source="http"):
-                fields["forwarded"] = True  # from here on upstream counts the request
-                result = await self.upstream.forward(fleet, endpoint, body, sink, stream=stream,
-                                                     request_id=request_id)
+            self.tenancy.check_fleet(tenant, fleet)
+            view = self.upstream.router.views.build(fleet, endpoint, head, session=_session(request))
+            result = await self._forward(tenant, fleet, endpoint, body, stream, request_id, sink, fields,
+                                         view)
         except RouterdError as e:
             fields["status"], fields["error"] = e.status, e.message
             if "attempts" in e.data:
@@ -232,11 +265,37 @@ class HttpIngress:
         fields.pop("forwarded", None)
         fields.update(status=result.status, instance=result.instance, attempts=result.attempts,
                       ttfb_ms=round(result.ttfb_s * 1000, 2))
+        if result.resumes:
+            fields["resumes"] = result.resumes
         if result.error:
             fields["error"] = result.error
+        if result.decision is not None:  # why this instance: matched blocks, wait and TTFT of the best two
+            fields.update(result.decision.log_fields())
         assert sink.response is not None
         await sink.response.write_eof()
         return sink.response
+
+    async def _forward(self, tenant: Tenant, fleet: str, endpoint: str, body: bytes, stream: bool,
+                       request_id: str, sink: _HttpSink, fields: dict[str, Any],
+                       view: RequestView | None = None) -> ForwardResult:
+        """The tenant's charge, an admission slot, the engine call; the usage the engine reported is
+        counted and the charge corrected however it ends (a client gone, an engine failing)."""
+        facts = inspect(body, view)
+        charge = await self.tenancy.charge(tenant, fleet, facts)  # RateLimited: 429 + x-ratelimit-*
+        tap = UsageTap(sink, stream=stream, headers=charge.grant.headers())
+        result: ForwardResult | None = None
+        waited = self.clock()
+        try:
+            async with self.admission.ticket(fleet, priority=0, deadline=None, source="http",
+                                             tenant=tenant.name):
+                fields["admission_ms"] = round((self.clock() - waited) * 1000, 2)  # time queued here
+                fields["forwarded"] = True  # from here on upstream counts the request
+                result = await self.upstream.forward(fleet, endpoint, facts.body, tap, stream=stream,
+                                                     request_id=request_id, request=view)
+        finally:
+            self.tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
+                                status=tap.status, ok=result is not None and result.ok)
+        return result
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
@@ -262,7 +321,7 @@ class HttpIngress:
             pass
 
     async def models(self, request: web.Request) -> web.Response:
-        check_api_key(request, self._keys)  # a refusal is answered by errors_as_json
+        authenticate(request, self.tenancy.directory)  # a refusal is answered by errors_as_json
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
                  "root": f.model, "parent": None} for f in self.cfg.fleets]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
@@ -273,10 +332,14 @@ class HttpIngress:
 
     async def readyz(self, request: web.Request) -> web.Response:
         fleets = {f.name: self.registry.ready_count(f.name) for f in self.cfg.fleets}
-        not_ready = sorted(name for name, n in fleets.items() if n == 0)
+        elastic = self.elastic
+        # A fleet scaled to zero is ready: a request for it waits while an instance starts.
+        standby = sorted(name for name, n in fleets.items()
+                         if n == 0 and elastic is not None and elastic.standby(name))
+        not_ready = sorted(name for name, n in fleets.items() if n == 0 and name not in standby)
         ready = not not_ready and not self.draining
         body = {"ready": ready, "draining": self.draining, "ready_instances": fleets,
-                "not_ready": not_ready}
+                "not_ready": not_ready, "standby": standby}
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -305,6 +368,7 @@ class HttpIngress:
                 "ready": sum(1 for i in self.registry.instances(name) if i.state is InstanceState.READY),
                 "instances": instances,
                 "admission": self.admission.stats(name),
+                "autoscale": self.elastic.status(name) if self.elastic is not None else None,
             }
         return {"fleets": out, "policy": self.upstream.router.policy.name}
 
@@ -317,6 +381,13 @@ def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] |
     if fleet.engine == "static":
         return len(fleet.urls)
     return desired(fleet) if desired is not None else fleet.replicas
+
+
+def _session(request: web.Request) -> str | None:
+    """The client's ``X-Session-Id`` (its first 256 characters), or None: routing then falls back to
+    the body's ``user``."""
+    sid = request.headers.get("X-Session-Id")
+    return sid[:256] if sid else None
 
 
 def _shed_reason(request: web.Request) -> str:

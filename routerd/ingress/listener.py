@@ -7,19 +7,71 @@ object, so the listener is started and stopped one way everywhere::
         url = await listener.start(extra_routes=..., port=0)  # bind (port 0 picks a free one)
         ...
         await listener.stop_intake(); await listener.wait_idle(t); await listener.close_streams("…")
+
+Socket activation (``systemd/routerd.socket``): systemd binds the port and passes the listening socket
+(``LISTEN_FDS``, fd 3 on); :func:`systemd_sockets` takes it and ``start(sockets=…)`` serves on it instead
+of binding. The socket then outlives the process — systemd keeps its own copy — so a restart refuses no
+connection: while one routerd drains and the next one starts, new connections wait in the kernel's
+accept queue and are served by the next one. Draining such a listener is a *handover*: requests that
+arrive on connections already open are still served rather than answered 503 (where else would they
+go?), every response says ``Connection: close`` so the client's next request opens a connection the
+next routerd accepts, and idle connections are closed only at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+from collections.abc import MutableMapping, Sequence
 from types import TracebackType
 
 from aiohttp import web
 
 from .. import log
+from ._connections import ClientConnection
 from .http import ExtraRoutes, HttpIngress
 
 _log = log.get("routerd.listener")
+
+SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): passed descriptors start here
+_HANDOVER_CLOSE_S = 2.0  # at the end of a handover, open connections get this long to be ended cleanly
+_HANDOVER_QUIET_S = 0.25  # ... and idle ones are closed once no request has run on any for this long
+
+
+class SocketActivationError(RuntimeError):
+    """``LISTEN_FDS`` names a descriptor routerd cannot serve HTTP on (not a listening stream socket)."""
+
+
+def systemd_sockets(environ: MutableMapping[str, str] | None = None) -> list[socket.socket]:
+    """The listening sockets systemd passed to this process (socket activation), or ``[]``.
+
+    Follows sd_listen_fds(3): only when ``LISTEN_PID`` is this process; the ``LISTEN_*`` variables are
+    removed either way so that no child takes them for its own, and the descriptors are made
+    close-on-exec so that no child (the Ray head, redis-server) holds the socket open.
+    """
+    env = os.environ if environ is None else environ
+    pid, count = env.pop("LISTEN_PID", ""), env.pop("LISTEN_FDS", "")
+    env.pop("LISTEN_FDNAMES", None)
+    if pid != str(os.getpid()) or not count.isdigit():
+        return []
+    sockets: list[socket.socket] = []
+    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + int(count)):
+        os.set_inheritable(fd, False)
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise SocketActivationError(f"LISTEN_FDS: fd {fd} is not a listening stream socket "
+                                        f"(ListenStream= in routerd.socket)")
+        sock.setblocking(False)
+        sockets.append(sock)
+    return sockets
+
+
+def _url(address: object) -> str:
+    if isinstance(address, tuple):
+        host = str(address[0])
+        return f"http://[{host}]:{address[1]}" if ":" in host else f"http://{host}:{address[1]}"
+    return f"http+unix://{address!s}"
 
 
 class HttpListener:
@@ -31,6 +83,7 @@ class HttpListener:
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._sites: list[web.BaseSite] = []
+        self.inherited = False  # serving on sockets systemd holds: a drain hands over to the next routerd
 
     async def __aenter__(self) -> HttpListener:
         return self
@@ -40,8 +93,9 @@ class HttpListener:
         await self.close()
 
     async def start(self, extra_routes: ExtraRoutes | None = None, *, host: str | None = None,
-                    port: int | None = None) -> str:
-        """Bind the listener (``host``/``port`` default to ``http.*`` of the config); its base URL."""
+                    port: int | None = None, sockets: Sequence[socket.socket] = ()) -> str:
+        """Serve on ``sockets`` (socket activation) if any, else bind ``host``/``port`` (default
+        ``http.*`` of the config; port 0 picks a free one); returns the (first) base URL."""
         self.app = self.http.build_app(extra_routes)
         http_cfg = self.http.cfg.http
         # Connections are ClientConnection (bounded count, client timeouts): see ingress/_connections.py.
@@ -52,20 +106,31 @@ class HttpListener:
         self._runner = runner
         assert runner.server is not None
         self.http.connections.install(runner.server)
-        site = self.http.connections.site(runner, host or http_cfg.host,
-                                          http_cfg.port if port is None else port, backlog=1024)
-        await site.start()
-        self._sites.append(site)
-        bound = runner.addresses[0]
-        self.url = f"http://{bound[0]}:{bound[1]}"
-        _log.info("http_listening", url=self.url)
+        if sockets:
+            # The accept queue's length is the socket unit's (Backlog=); listen() again must not cut it.
+            new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN) for s in sockets]
+            self.inherited = True
+        else:
+            new = [self.http.connections.site(runner, host or http_cfg.host,
+                                              http_cfg.port if port is None else port, backlog=1024)]
+        for site in new:
+            await site.start()
+            self._sites.append(site)
+        self.url = _url(runner.addresses[0])
+        _log.info("http_listening", url=self.url, urls=[_url(a) for a in runner.addresses],
+                  socket_activated=self.inherited)
         return self.url
 
     async def stop_intake(self) -> None:
-        """Stop taking new requests: close the listener; requests on open connections get 503, and so
-        do those still receiving their bodies (a slowloris does not hold the drain)."""
+        """Stop taking new connections (close our listening sockets).
+
+        Bound here: requests on open connections get 503, and so do those still receiving their bodies
+        (a slowloris does not hold the drain). Socket-activated: a handover (module docstring) — those
+        requests are served, each response closing its connection."""
         self.http.draining = True
-        self.http.connections.end_pending_bodies("routerd is shutting down")
+        self.http.handover = self.inherited
+        if not self.inherited:
+            self.http.connections.end_pending_bodies("routerd is shutting down")
         for site in self._sites:
             await site.stop()
         self._sites.clear()
@@ -80,7 +145,28 @@ class HttpListener:
         return True
 
     async def close_streams(self, reason: str) -> None:
-        """End what is still in flight: streams get a terminal error event saying ``reason``."""
+        """End what is still in flight: streams get a terminal error event saying ``reason``.
+
+        After a handover, the open connections are first ended cleanly, within ``_HANDOVER_CLOSE_S``:
+        busy ones after their answer, idle ones once no request has run on any old connection for
+        ``_HANDOVER_QUIET_S``. A busy client picks its pooled connections one after another (each
+        answer closing the one it used); closing an idle one while it still does would race with a
+        request on its way. What is left at the end is closed with the runner."""
+        server = self._runner.server if self._runner is not None else None
+        if self.http.handover and server is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _HANDOVER_CLOSE_S
+            limits = self.http.connections
+            started, before = loop.time(), len(server.connections)
+            while server.connections and loop.time() < deadline:
+                conns = [c for c in server.connections if isinstance(c, ClientConnection)]
+                quiet = (all(c.idle for c in conns)
+                         and loop.time() - limits.last_request_end >= _HANDOVER_QUIET_S)
+                for conn in conns:
+                    conn.hand_over(close_idle=quiet)
+                await asyncio.sleep(0.05)
+            _log.info("http_handed_over", connections=before, left_open=len(server.connections),
+                      took_s=round(loop.time() - started, 3))
         if not self.http.handlers:
             return
         self.http.close_reason = reason

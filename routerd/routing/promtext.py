@@ -8,6 +8,8 @@ everything that is not a wanted family by a dict lookup on the name, and parses 
 
 Names are matched by *family*: a counter ``vllm:X`` is exposed as ``vllm:X_total`` (prometheus_client)
 but older or hand-written exporters send ``vllm:X``; both count, and ``_created`` samples are ignored.
+Of the histograms only the ``_sum`` and ``_count`` of the finished-request ones are read: the
+deltas routing learns each instance's speed from (:mod:`routerd.routing.speed`).
 Both current and pre-0.12 names are understood (``kv_cache_usage_perc`` / ``gpu_cache_usage_perc``,
 ``prefix_cache_*`` / ``gpu_prefix_cache_*``); the current name wins when both appear. Samples are summed
 over the ``engine`` label (a data-parallel server exports one series per engine); KV usage is averaged.
@@ -34,6 +36,15 @@ _FAMILIES: dict[str, str] = {
     "vllm:prefix_cache_hits": "ph",
     "vllm:gpu_prefix_cache_queries": "pq_old",
     "vllm:gpu_prefix_cache_hits": "ph_old",
+    # finished-request histograms: only their _sum and _count (never the ~20 _bucket lines each)
+    "vllm:request_inference_time_seconds_sum": "running_seconds_sum",
+    "vllm:request_inference_time_seconds_count": "running_seconds_count",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_seconds_count",
+    "vllm:request_decode_time_seconds_sum": "decode_seconds_sum",
+    "vllm:request_decode_time_seconds_count": "decode_seconds_count",
+    "vllm:request_generation_tokens_sum": "finished_generation_tokens",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_computed_tokens",
 }
 _LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _CAPACITY_LABELS = ("max_num_seqs",)
@@ -130,4 +141,12 @@ def _snapshot(sums: dict[str, float], counts: dict[str, int], info: dict[str, st
         prefix_cache_hits=sums.get(ph, 0.0),
         num_gpu_blocks=_int_label(info, "num_gpu_blocks"),
         block_size=_int_label(info, "block_size"),
+        running_seconds_sum=sums.get("running_seconds_sum", 0.0),
+        running_seconds_count=sums.get("running_seconds_count", 0.0),
+        prefill_seconds_sum=sums.get("prefill_seconds_sum", 0.0),
+        prefill_seconds_count=sums.get("prefill_seconds_count", 0.0),
+        decode_seconds_sum=sums.get("decode_seconds_sum", 0.0),
+        decode_seconds_count=sums.get("decode_seconds_count", 0.0),
+        finished_generation_tokens=sums.get("finished_generation_tokens", 0.0),
+        prefill_computed_tokens=sums.get("prefill_computed_tokens"),
     )

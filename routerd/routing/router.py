@@ -1,7 +1,9 @@
-"""Choosing an instance: candidate views over the registry and the policy plugin.
+"""Choosing an instance: candidate views over the registry, what routerd knows of the request, and the
+policy plugin.
 
-The router only reads the registry (the circuit fields it reads are written by :class:`CircuitBreaker`,
-which upstream drives). Rules that hold whatever the policy is:
+The router reads the registry (the circuit fields it reads are written by :class:`CircuitBreaker`,
+which upstream drives) and writes one field of it, ``Instance.predicted_prefix_hit_ratio``. Rules that
+hold whatever the policy is:
 
 * only READY instances whose circuit lets a request through are candidates — never a starting,
   draining or unhealthy one;
@@ -10,9 +12,21 @@ which upstream drives). Rules that hold whatever the policy is:
 * instances this request already tried are left out while an untried one exists (failover goes
   elsewhere first).
 
-Load is the registry's :meth:`Instance.load` — last scrape plus routerd's in-flight delta since it —
-so a burst between two scrapes is visible at once, because upstream counts a request in flight
-*before* it awaits anything.
+Load is *expected wait* (:meth:`Instance.expected_wait_s`: the last scrape plus routerd's in-flight
+delta since it, over what the instance is learned to get through), so a burst between two scrapes is
+visible at once, because upstream counts a request in flight *before* it awaits anything.
+
+Each candidate also carries what the request would cost there: the prompt blocks the
+:class:`PrefixIndex` says it holds, and so the estimated time to first token, ``wait + uncached prompt
+tokens / the fleet's learned prefill speed``; whether the request's session went there last; and
+whether it is *saturated* — a new request would not start at once (its slots are full), or it carries
+more than ``routing.affinity_load_factor`` × the fleet's mean load (an instance may always fill half its
+slots; slots it has not shown are counted as its siblings' at most).
+
+Once the policy chose, the router records the prompt's blocks on the chosen instance (the index learns
+only from decisions, at pick time), notes the session, counts the prediction into the instance's
+predicted hit ratio, and learns the fleet's tokens per byte from the engines' prompt-token
+counters. The :class:`Decision` it returns explains itself in the request's log line.
 """
 
 from __future__ import annotations
@@ -20,13 +34,83 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Collection
+from typing import Any
 
 from .. import plugins
 from ..config import RoutingConfig
 from ..errors import NoReadyInstance
-from ..plugins import Candidate, RoutingPolicy
-from ..registry import Instance, InstanceState, Registry
+from ..plugins import Candidate, RequestView, RoutingPolicy
+from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 from .breaker import CircuitBreaker
+from .prefix_index import PrefixIndex, Sessions
+from .request import RequestViews
+from .speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
+
+SWEEP_EVERY = 1024  # decisions between two sweeps of what is kept for instances no longer registered
+
+
+class Decision:
+    """One routing decision: the instance, the candidate view chosen and the others the policy saw.
+
+    :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
+    """
+
+    __slots__ = ("chosen", "instance", "policy", "request", "views")
+
+    def __init__(self, instance: Instance, chosen: Candidate, views: list[Candidate], request: RequestView,
+                 policy: str) -> None:
+        self.instance = instance
+        self.chosen = chosen
+        self.views = views
+        self.request = request
+        self.policy = policy
+
+    def runner_up(self) -> Candidate | None:
+        """The best other candidate by estimated TTFT (``None`` when there was no other)."""
+        others = [v for v in self.views if v is not self.chosen]
+        return min(others, key=lambda v: (v.ttft_s, v.wait_s)) if others else None
+
+    def log_fields(self) -> dict[str, Any]:
+        """Why this instance: its matched blocks, expected wait and estimated TTFT, and the runner-up's."""
+        c, req = self.chosen, self.request
+        out: dict[str, Any] = {
+            "policy": self.policy, "prompt_tokens_est": req.prompt_tokens,
+            "prompt_blocks": len(req.block_keys), "matched_blocks": c.matched_blocks,
+            "cached_tokens_est": round(c.cached_tokens),
+            "wait_est_ms": round(c.wait_s * 1000, 1), "ttft_est_ms": round(c.ttft_s * 1000, 1),
+        }
+        if c.session:
+            out["session_affinity"] = True
+        r = self.runner_up()
+        if r is not None:
+            out.update(runner_up=r.id, runner_up_matched_blocks=r.matched_blocks,
+                       runner_up_wait_est_ms=round(r.wait_s * 1000, 1),
+                       runner_up_ttft_est_ms=round(r.ttft_s * 1000, 1))
+        return out
+
+
+class _Track:
+    """What the router follows of one instance (one engine generation): its predicted hit ratio, and
+    the counters the fleet's tokens per byte are learned from."""
+
+    __slots__ = ("at", "bytes_at_snap", "figures", "figures_of", "generation", "ids", "ids_at_snap", "nbytes",
+                 "predicted", "snap_at", "snap_tokens")
+
+    def __init__(self, generation: int, now: float) -> None:
+        self.generation = generation
+        self.predicted = DecayedRatio()  # windowed as the engine's reported one (learned.prefix_hit_ratio)
+        self.at = now
+        self.nbytes = 0  # bytes of canonical text sent (text prompts)
+        self.ids = 0  # tokens sent as token ids (exact: not part of the ratio)
+        self.snap_at: float | None = None  # scraped_at of the last snapshot looked at
+        self.snap_tokens = 0.0
+        self.bytes_at_snap = 0
+        # The instance's load figures (queue, capacity, expected wait, learned prefill speed or 0, whether
+        # the capacity is more than the config's guess) and the state they were read from: they change
+        # only with a new scrape or routerd's in-flight counts.
+        self.figures: tuple[float, int, float, float, bool] = (0.0, 1, 0.0, 0.0, False)
+        self.figures_of: tuple[LoadSnapshot | None, int, int, int, int | None] | None = None
+        self.ids_at_snap = 0
 
 
 class Router:
@@ -41,56 +125,187 @@ class Router:
         self.clock = clock
         self.breaker = breaker or CircuitBreaker(cfg, clock)
         self.rng = rng or random.Random()
+        self.views = RequestViews(cfg)
+        self.index = PrefixIndex(cfg.prefix_index_max_blocks)
+        self.sessions = Sessions(cfg.sessions_max)
+        self._tracks: dict[str, _Track] = {}
+        self._decisions = 0
 
     @classmethod
     def from_config(cls, registry: Registry, cfg: RoutingConfig, **kwargs: object) -> Router:
-        policy = plugins.load(plugins.POLICY_GROUP, cfg.policy)
+        policy = plugins.load_policy(cfg.policy)
         return cls(registry, policy, cfg, **kwargs)  # type: ignore[arg-type]  # kwargs typed by caller
 
     def update_config(self, cfg: RoutingConfig) -> None:
         if cfg.policy != self.policy.name:
-            self.policy = plugins.load(plugins.POLICY_GROUP, cfg.policy)
+            self.policy = plugins.load_policy(cfg.policy)
+        if cfg.prefix_block_tokens != self.cfg.prefix_block_tokens:
+            self.index.clear()  # other blocks, other keys: nothing recorded would match again
         self.cfg = cfg
         self.breaker.cfg = cfg
+        self.views.configure(cfg)
+        self.index.max_blocks = cfg.prefix_index_max_blocks
+        self.sessions.max_entries = cfg.sessions_max
 
     def is_stale(self, inst: Instance, now: float) -> bool:
         snap = inst.snapshot
         return snap is None or bool(inst.scrape_error) or now - snap.scraped_at > self.cfg.stale_after_s
 
-    def candidates(self, fleet: str, exclude: Collection[str] = ()) -> list[tuple[Candidate, Instance]]:
+    def candidates(self, fleet: str, exclude: Collection[str] = (),
+                   request: RequestView | None = None) -> list[tuple[Candidate, Instance]]:
         """The instances a request may go to now, each with its policy view (may be empty)."""
+        return self._candidates(fleet, exclude, request)[0]
+
+    def _candidates(self, fleet: str, exclude: Collection[str],
+                    request: RequestView | None) -> tuple[list[tuple[Candidate, Instance]], RequestView]:
+        """The candidates, and the request view brought up to the fleet's tokens per byte as
+        just learned from the newest scrapes (the view was built before; the ratio may have moved)."""
         now = self.clock()
         allows = self.breaker.allows
-        pool = [i for i in self.registry.instances(fleet)
-                if i.state is InstanceState.READY and allows(i, now)]
+        tracks = self._tracks
+        pool = []
+        for i in self.registry.instances(fleet):
+            if i.state is not InstanceState.READY:
+                if i.id in tracks:  # out of rotation: whatever it held is not to be counted on
+                    self._forget(i.id)
+            elif i.circuit_open_until == 0.0 or allows(i, now):  # a closed circuit needs no call
+                pool.append(i)
         if exclude:
             untried = [i for i in pool if i.id not in exclude]
             pool = untried or pool
-        views = [(self._view(i, now), i) for i in pool]
-        fresh = [v for v in views if not v[0].stale]
-        return fresh or views
+        stale_after = self.cfg.stale_after_s
+        fresh = [i for i in pool if (snap := i.snapshot) is not None and not i.scrape_error
+                 and now - snap.scraped_at <= stale_after]
+        stale = not fresh
+        pool = fresh or pool
+        req = request if request is not None else self.views.bare(fleet, "")
+        if not pool:
+            return [], req
+        figures = []
+        for i in pool:
+            track = tracks.get(i.id)
+            if track is None or track.generation != i.generation:
+                track = self._track(i, now)
+            snap = i.snapshot
+            scraped_at = snap.scraped_at if snap is not None else -1.0
+            if scraped_at != track.snap_at and snap is not None:
+                # A new scrape: learn from it, and see a restart before trusting the index.
+                self._observe(i, track, scraped_at, snap.prompt_tokens)
+            state = (snap, i.inflight, i.inflight_at_scrape, i.capacity_hint, i.launch_capacity)
+            if state != track.figures_of:
+                track.figures_of = state
+                capacity, source = i.capacity_source()
+                track.figures = (i.estimated_queue(), max(capacity, 1), i.expected_wait_s(),
+                                 i.learned.prefill_tokens_per_s or 0.0, source != "config")
+            figures.append(track.figures)
+        req = self.views.current(req)
+        # The prefill of a prompt is priced at the fleet's prefill speed (the mean of what its instances
+        # learned), not each instance's own: a learned rate is seconds of prefill over tokens computed,
+        # and the fixed cost of a prefill step weighs most where the cache saves the most, so an
+        # instance serving cache hits learns a rate several times lower than one serving misses —
+        # and one that never prefilled keeps the prior. Per-instance rates would rank instances by
+        # that noise; an instance's speed is in its wait (learned from its own running times). A
+        # capacity an instance has not shown is likewise bounded, for saturation, by its siblings'
+        # (same model, most likely the same hardware): at the config's 256 slots it would never be
+        # saturated, and cache affinity would pile requests on it.
+        rates = [f[3] for f in figures if f[3] > 0.0]
+        rate = sum(rates) / len(rates) if rates else PRIOR_PREFILL_TOKENS_PER_S
+        known = [f[1] for f in figures if f[4]]
+        fleet_cap = max(known) if known else 0
+        caps = [f[1] if f[4] or not fleet_cap else min(f[1], fleet_cap) for f in figures]
+        limit = min(1.0, max(0.5, self.cfg.affinity_load_factor * sum(f[0] for f in figures) / sum(caps)))
+        last = self.sessions.last(req.session) if req.session is not None else None
+        keys = req.block_keys
+        match = self.index.match
+        tokens = req.prompt_tokens
+        out = []
+        for i, (queue, cap, wait, _, _), sat_cap in zip(pool, figures, caps, strict=True):
+            snap = i.snapshot
+            kv = snap.kv_usage if snap is not None else 0.0
+            matched = match(i, keys) if keys else 0
+            cached = min(matched * req.block_tokens, tokens - 1.0) if matched else 0.0
+            out.append((Candidate(
+                id=i.id, load=queue / cap + kv, inflight=i.inflight, queue=queue, capacity=cap, kv_usage=kv,
+                stale=stale, wait_s=wait, prefill_tokens_per_s=rate, matched_blocks=matched,
+                cached_tokens=cached, ttft_s=wait + (tokens - cached) / rate,
+                session=last is not None and last[0] == i.id and last[1] == i.generation,
+                saturated=queue + 1.0 > sat_cap * limit), i))
+        return out, req
 
-    def _view(self, inst: Instance, now: float) -> Candidate:
-        snap = inst.snapshot
-        return Candidate(
-            id=inst.id,
-            load=inst.load(),
-            inflight=inst.inflight,
-            queue=inst.estimated_queue(),
-            capacity=inst.capacity,
-            kv_usage=snap.kv_usage if snap is not None else 0.0,
-            stale=self.is_stale(inst, now),
-        )
-
-    def pick(self, fleet: str, exclude: Collection[str] = ()) -> Instance:
-        """One instance for a request to ``fleet``; raises :class:`NoReadyInstance` when none may take it."""
-        views = self.candidates(fleet, exclude)
-        if not views:
+    def choose(self, fleet: str, exclude: Collection[str] = (),
+               request: RequestView | None = None) -> Decision:
+        """Decide where a request to ``fleet`` goes, and record it (see the module docstring); raises
+        :class:`NoReadyInstance` when no instance may take it."""
+        pairs, req = self._candidates(fleet, exclude, request)
+        if not pairs:
             raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
-        if len(views) == 1:
-            return views[0][1]
-        chosen = self.policy.choose([v for v, _ in views], self.rng)
-        for view, inst in views:
-            if view.id == chosen.id:
-                return inst
-        raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
+        views = [v for v, _ in pairs]
+        if len(pairs) == 1:
+            chosen, inst = pairs[0]
+        else:
+            chosen = self.policy.choose(req, views, self.rng)
+            found = next((i for v, i in pairs if v.id == chosen.id), None)
+            if found is None:
+                raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
+            inst = found
+        self._sent(inst, chosen, req)
+        return Decision(inst, chosen, views, req, self.policy.name)
+
+    def pick(self, fleet: str, exclude: Collection[str] = (), request: RequestView | None = None) -> Instance:
+        """The instance :meth:`choose` decides on."""
+        return self.choose(fleet, exclude, request).instance
+
+    # what a decision teaches ---------------------------------------------------------------------
+    def _sent(self, inst: Instance, chosen: Candidate, req: RequestView) -> None:
+        now = self.clock()
+        self._decisions += 1
+        if self._decisions % SWEEP_EVERY == 0:
+            self._sweep()
+        track = self._track(inst, now)
+        snap = inst.snapshot
+        if req.session is not None:
+            self.sessions.note(req.session, inst)
+        if req.prompt_tokens <= 0:
+            return
+        if req.prompt_bytes:
+            track.nbytes += req.prompt_bytes
+        else:
+            track.ids += req.prompt_tokens
+        if req.block_keys:
+            capacity = None
+            if snap is not None and snap.num_gpu_blocks and snap.block_size and req.block_tokens > 0:
+                capacity = int(snap.num_gpu_blocks * snap.block_size / req.block_tokens)
+            self.index.record(inst, req.block_keys, chosen.matched_blocks, capacity)
+        track.predicted.add(chosen.cached_tokens, float(req.prompt_tokens), now - track.at)
+        track.at = now
+        inst.predicted_prefix_hit_ratio = track.predicted.value
+
+    def _track(self, inst: Instance, now: float) -> _Track:
+        track = self._tracks.get(inst.id)
+        if track is None or track.generation != inst.generation:
+            self.index.forget(inst.id)
+            track = self._tracks[inst.id] = _Track(inst.generation, now)
+        return track
+
+    def _observe(self, inst: Instance, track: _Track, scraped_at: float, prompt_tokens: float) -> None:
+        """A new scrape of ``inst``: the prompt tokens it counted since the last one teach the fleet's
+        tokens per byte; a counter that went down means the engine restarted (its cache is gone)."""
+        if track.snap_at is not None:
+            counted = prompt_tokens - track.snap_tokens
+            if counted < 0:
+                self.index.forget(inst.id)
+            else:
+                self.views.ratio(inst.fleet).add(counted - (track.ids - track.ids_at_snap),
+                                                 float(track.nbytes - track.bytes_at_snap))
+        track.snap_at, track.snap_tokens = scraped_at, prompt_tokens
+        track.bytes_at_snap, track.ids_at_snap = track.nbytes, track.ids
+
+    def _forget(self, instance_id: str) -> None:
+        self.index.forget(instance_id)
+        self._tracks.pop(instance_id, None)
+
+    def _sweep(self) -> None:
+        """Drop what is kept for instances the registry no longer has (removed, replaced)."""
+        for instance_id in {*self._tracks, *self.index.instances()}:
+            if self.registry.get(instance_id) is None:
+                self._forget(instance_id)

@@ -5,7 +5,8 @@ Per-instance loops (not one gather per round) so that a hung engine, whose scrap
 instance added by anyone (static fleet set-up, the fleet manager adopting a Ray actor) gets a loop
 within one registry change; a removed or replaced one loses it.
 
-The scraper is the one writer of ``snapshot``, ``inflight_at_scrape`` and the ``scrape_*`` fields.
+The scraper is the one writer of ``snapshot``, ``inflight_at_scrape`` and the ``scrape_*`` fields, and
+feeds each new snapshot to the instance's learned capacity and speed (:mod:`.speed`).
 ``inflight_at_scrape`` is routerd's in-flight count when the answer arrived: the engine's gauges
 already include those requests, so only what routerd sends *after* it is added on top (see
 ``Instance.estimated_queue``).
@@ -119,4 +120,5 @@ class Scraper:
         inst.snapshot = snap
         inst.inflight_at_scrape = inst.inflight
         inst.scrape_error = ""
+        inst.learned.observe(snap)
         return True

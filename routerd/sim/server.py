@@ -33,7 +33,7 @@ from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
 from .metrics import SimMetrics
-from .tokens import generate, prompt_key
+from .tokens import generate
 
 SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
 _json = msgspec.json.Encoder()
@@ -57,6 +57,13 @@ def _json_response(body: Any, status: int = 200) -> web.Response:
 
 def _event(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def _usage(req: p.GenRequest, completion_tokens: int) -> dict[str, Any] | None:
+    """A chunk's usage with ``stream_options.continuous_usage_stats``, else None (no usage member)."""
+    if not req.continuous_usage:
+        return None
+    return p.continuous_usage(req.chat, req.prompt_tokens, completion_tokens)
 
 
 class SimEngine:
@@ -242,10 +249,10 @@ class SimEngine:
             req = p.parse_request(body, self.config, chat=chat)
         except p.RequestError as e:
             return self._error(e)
-        if self._stopping or self.faults.draw_error() or self.faults.poisoned(prompt_key(req.prompt)):
+        if self._stopping or self.faults.draw_error() or self.faults.poisoned(req.key):
             return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
         cfg = self.config
-        pieces, finish, stop_reason = generate(cfg.seed, req.prompt, req.max_tokens, stop=req.stop,
+        pieces, finish, stop_reason = generate(cfg.seed, req.key, req.max_tokens, stop=req.stop,
                                                eos_prob=cfg.eos_prob, ignore_eos=req.ignore_eos)
         hashes = p.block_hashes(req.words, cfg.block_size)
         seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,
@@ -271,14 +278,17 @@ class SimEngine:
     async def _stream(self, request: web.Request, req: p.GenRequest, seq: Sequence) -> web.StreamResponse:
         cfg, chat = self.config, req.chat
         rid, created = p.new_id(chat), int(time.time())
+        # Headers go at once, as uvicorn sends them under vLLM; not one body byte before the first token:
+        # vLLM builds chat's role chunk on the first engine output, after queueing and prefill, so a
+        # client that times the first SSE event measures time to first token here as it would there.
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         sent = 0
-        if chat:
-            await resp.write(_event(p.chat_role_chunk(rid, created, cfg)))
-            sent = 1
         last_idx = seq.num_tokens - 1
         async for idx in seq.stream():
+            if chat and sent == 0:
+                await resp.write(_event(p.chat_role_chunk(rid, created, cfg, usage=_usage(req, 0))))
+                sent = 1
             limit = self.faults.fail_after_chunks
             if limit is not None and sent >= limit:
                 self.engine.abort(seq, reason="error")
@@ -291,7 +301,7 @@ class SimEngine:
             tail = last and not req.include_usage
             build = p.chat_chunk if chat else p.completion_chunk
             await resp.write(_event(build(rid, created, cfg, seq.pieces[idx], finish, stop_reason,
-                                          last_without_usage=tail)))
+                                          last_without_usage=tail, usage=_usage(req, idx + 1))))
             sent += 1
         if seq.state is not SeqState.FINISHED:  # the engine dropped it (server stopping)
             await resp.write(sse_error_event("The server had an error while processing your request."))

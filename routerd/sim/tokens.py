@@ -6,12 +6,17 @@ on timing, batching or which instance served it. :func:`expected_text` is the fu
 
 Tokenization is deliberately simple (whitespace words) — the sim needs token *counts* that grow with the
 prompt, not a real vocabulary. Chat messages are rendered with ChatML, as the tiny test model does.
+
+Generation is autoregressive like a greedy model's: each token is a function of the seed and the whole
+context before it (prompt words, then the words generated so far). So a request whose prompt is another
+request's prompt plus the first part of its output — what routerd sends to continue a stream on
+another instance — generates exactly the rest of that output, as vLLM at temperature 0 does. The
+context is folded into a CRC-32 word by word (one C call over a long prompt, one per token after).
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +32,16 @@ VOCAB: tuple[str, ...] = (
 Messages = Sequence[dict[str, Any]]
 
 
-def render_chat(messages: Messages) -> str:
-    """ChatML with the assistant turn opened, like vLLM applying the tiny model's template."""
+def render_chat(messages: Messages, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """ChatML, like vLLM applying the tiny model's template: by default with the assistant turn opened;
+    ``continue_final_message`` leaves the last message open instead (its text is continued)."""
     parts = [f"<|im_start|>{m.get('role', '')}\n{_content_text(m.get('content'))}<|im_end|>\n"
              for m in messages]
-    return "".join(parts) + "<|im_start|>assistant\n"
+    if continue_final_message and parts:
+        parts[-1] = parts[-1][:-len("<|im_end|>\n")]
+        return "".join(parts)
+    return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def _content_text(content: Any) -> str:
@@ -57,9 +67,25 @@ def count_prompt_tokens(prompt: str | Sequence[int]) -> int:
     return max(1, len(prompt_words(prompt)))
 
 
-def _rng(seed: int, key: str) -> random.Random:
-    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(digest, "little"))
+def _context(key: str) -> int:
+    """CRC-32 of the context's words, each after one space: extended token by token by :func:`_next`."""
+    words = key.split()
+    return zlib.crc32((" " + " ".join(words)).encode()) if words else 0
+
+
+def _next(state: int, word: str) -> int:
+    return zlib.crc32((" " + word).encode(), state)
+
+
+_MASK = (1 << 64) - 1
+
+
+def _draw(seed: int, state: int) -> int:
+    """64 well-mixed bits from the seed and the context (splitmix64's finaliser)."""
+    z = (state + (seed & _MASK) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
 
 def prompt_key(prompt: str | Sequence[int] | Messages) -> str:
@@ -81,15 +107,17 @@ def generate(seed: int, prompt: str | Sequence[int] | Messages, max_tokens: int,
     "length" when ``max_tokens`` ran out, "stop" for EOS or a stop string; the stop string itself is not
     part of the output (vLLM's default ``include_stop_str_in_output=False``) and is the stop reason.
     """
-    rng = _rng(seed, prompt_key(prompt))
+    state = _context(prompt_key(prompt))
     tokens: list[str] = []
     for _ in range(max_tokens):
-        word = VOCAB[rng.randrange(len(VOCAB))]
-        eos = rng.random() < eos_prob
+        bits = _draw(seed, state)
+        word = VOCAB[(bits >> 32) % len(VOCAB)]
+        eos = (bits & 0xFFFFFFFF) / 2**32 < eos_prob
         if eos and not ignore_eos:
             tokens.append("")  # the EOS token counts as generated but detokenizes to nothing
             return tokens, "stop", None
         tokens.append(" " + word)
+        state = _next(state, word)
     if stop:
         cut = _apply_stop(tokens, stop)
         if cut is not None:

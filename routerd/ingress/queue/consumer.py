@@ -32,6 +32,7 @@ from ...config import Config
 from ...keys import Keys
 from ...redis_server import redis_client
 from ...registry import Registry
+from ...tenants.service import Tenancy
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Running, as_str
 from .job import Forwarder, JobRunner
@@ -40,6 +41,7 @@ from .store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
 _HELD_PER_SLOT = 2
+_PARKED_PER_SLOT = 8  # jobs waiting for their tenant's rate limit, per admission slot
 
 
 class QueueIngress:
@@ -47,8 +49,11 @@ class QueueIngress:
 
     def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis],
                  upstream: Forwarder, admission: Admission, registry: Registry, *,
-                 consumer: str | None = None, rng: random.Random | None = None) -> None:
+                 consumer: str | None = None, rng: random.Random | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self._cfg = cfg
+        self._own_tenancy = tenancy is None  # else the data plane's, which it updates on reload
+        self.tenancy = tenancy or Tenancy(cfg)
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
@@ -66,20 +71,21 @@ class QueueIngress:
         self._next_reclaim = 0.0
         self.paused = False
         self.stats = {"read": 0, "done": 0, "dead": 0, "redelivered": 0, "reclaimed": 0,
-                      "duplicates": 0, "cancelled": 0, "expired": 0}
+                      "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0}
         # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
         self.depth: dict[str, int] = {}
         self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
                                     spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
                                self.consumer, upstream=upstream, admission=admission,
-                               stats=self.stats, rng=self._rng)
+                               stats=self.stats, rng=self._rng, tenancy=self.tenancy)
 
     @classmethod
-    def from_config(cls, cfg: Config, *, url: str, registry: Registry,
-                    upstream: Forwarder, admission: Admission) -> QueueIngress:
+    def from_config(cls, cfg: Config, *, url: str, registry: Registry, upstream: Forwarder,
+                    admission: Admission, tenancy: Tenancy | None = None) -> QueueIngress:
         """The daemon's constructor: a Redis client for ``url`` built from ``[redis]``."""
-        return cls(cfg, lambda: redis_client(url, cfg.redis), upstream, admission, registry)
+        return cls(cfg, lambda: redis_client(url, cfg.redis), upstream, admission, registry,
+                   tenancy=tenancy)
 
     async def __aenter__(self) -> QueueIngress:
         return self
@@ -98,6 +104,8 @@ class QueueIngress:
 
     def update_config(self, cfg: Config) -> None:
         self._cfg = cfg
+        if self._own_tenancy:
+            self.tenancy.update_config(cfg)
 
     def stop_intake(self) -> None:
         """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`)."""
@@ -216,9 +224,16 @@ class QueueIngress:
         """
         fleets = [f.name for f in self._cfg.fleets]
         free = sum(self._admission.free_slots(f) for f in fleets) - self._held.unadmitted
-        limit = sum(self._admission.limit(f) for f in fleets)
-        bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) if limit else 0
-        return max(0, min(self._cfg.redis.read_batch, free, bound - self.held))
+        limit = sum(self._admission.intake_limit(f) for f in fleets)  # a fleet at zero: one instance's
+        ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured and limit else 0
+        # With tenants, jobs wait in admission beyond the free slots: fair share chooses between the
+        # tenants whose jobs it has read, and a stream is read in order.
+        free += ahead
+        bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) + ahead if limit else 0
+        parked = self._held.parked  # waiting for their tenant's rate limit: they hold no slot
+        if parked >= max(_PARKED_PER_SLOT * limit, self._cfg.redis.read_batch):
+            return 0
+        return max(0, min(self._cfg.redis.read_batch, free, bound - (self.held - parked)))
 
     async def _read_once(self) -> None:
         r = self._cfg.redis

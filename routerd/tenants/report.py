@@ -1,0 +1,89 @@
+"""``routerd usage [--tenant T] [--fleet F] [--days N] [--json]``: the per-day usage stored in Redis.
+
+Reads what every routerd on that Redis wrote (:mod:`routerd.tenants.usage`): requests served, failed
+and refused by a rate limit, and the prompt and completion tokens the engines reported, per UTC day,
+tenant and fleet, with the totals over the days shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from .. import redact
+from ..keys import Keys
+from .usage import COUNTERS, day_of, read_days
+
+_COLUMNS = ["day", "tenant", "fleet", *COUNTERS, "total_tokens"]
+
+
+def _days(n: int, now: float) -> list[str]:
+    return sorted({day_of(now - i * 86_400) for i in range(n)})
+
+
+async def _read(url: str, stream: str, password: str | None, days: list[str]) -> list[dict[str, Any]]:
+    import redis.asyncio as aioredis
+
+    client: Any = aioredis.Redis.from_url(url, password=password or None, socket_timeout=10,
+                                          socket_connect_timeout=5)
+    try:
+        return await read_days(client, Keys(stream=stream), days)
+    finally:
+        await client.aclose()
+
+
+def _resolve(args: argparse.Namespace) -> tuple[str, str]:
+    url, stream = args.redis, "routerd:requests"
+    if args.config:
+        from .. import config
+
+        cfg = config.load(args.config)
+        stream = cfg.redis.stream
+        if not url:
+            url = cfg.redis.url
+            if url == "embedded":
+                from ..redis_server import embedded_url
+
+                url = embedded_url(config.state_dir(cfg) / "redis") or ""
+    return url or "redis://127.0.0.1:6379/0", stream
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="routerd usage", description="Usage per tenant and fleet (requests, "
+                                "tokens the engines reported) per UTC day, from routerd's Redis.")
+    p.add_argument("--redis", default=os.environ.get("ROUTERD_REDIS_URL", ""),
+                   help="Redis URL (default: $ROUTERD_REDIS_URL, else the config's, else localhost)")
+    p.add_argument("--config", help="read the Redis URL and stream namespace from this config")
+    p.add_argument("--tenant", help="only this tenant")
+    p.add_argument("--fleet", help="only this fleet")
+    p.add_argument("--days", type=int, default=7, help="the last N UTC days, today included (default 7)")
+    p.add_argument("--json", action="store_true", help="print JSON: {days, rows, totals}")
+    args = p.parse_args(argv)
+    if args.days < 1:
+        p.error("--days must be at least 1")
+    url, stream = _resolve(args)
+    days = _days(args.days, time.time())
+    import redis.exceptions
+
+    try:
+        rows = asyncio.run(_read(url, stream, os.environ.get("ROUTERD_REDIS_PASSWORD"), days))
+    except (redis.exceptions.RedisError, OSError, TimeoutError) as e:
+        print(f"routerd usage: cannot read Redis at {redact.url(url)}: {e}", file=sys.stderr)
+        return 1
+    rows = [r for r in rows if (not args.tenant or r["tenant"] == args.tenant)
+            and (not args.fleet or r["fleet"] == args.fleet)]
+    totals = {c: sum(r[c] for r in rows) for c in [*COUNTERS, "total_tokens"]}
+    if args.json:
+        print(msgspec.json.encode({"days": days, "rows": rows, "totals": totals}).decode())
+        return 0
+    from ..bench._common import print_table
+
+    print_table(f"usage {days[0]} .. {days[-1]} (UTC)", _COLUMNS,
+                [[r[c] for c in _COLUMNS] for r in rows] + [["total", "", "", *totals.values()]])
+    return 0

@@ -1,0 +1,90 @@
+"""A response sink in front of another that notes the usage the engine reported.
+
+It sits between upstream and the client's sink (an HTTP response, a queue job's result or reply
+stream) and passes every byte on, so routerd bills what the engine counted, never its own guess:
+
+- a non-streamed answer is one JSON document: its ``usage`` is read when the request ends;
+- a stream is read by upstream, event by event, the way a resumable stream is
+  (:func:`routerd.resume.meter`): it asks the engine for the counts on the client's behalf and hides
+  what the client did not ask for, so the client gets the bytes of its own request; upstream returns
+  the count (``ForwardResult.usage``, a resumed stream's whole generation) and :meth:`UsageTap.usage`
+  is given it. One reader of the engine's events, one notion of what the client asked for.
+
+``headers`` are added to the response's own (the tenant's ``x-ratelimit-*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
+
+import msgspec
+
+__all__ = ["Usage", "UsageTap"]
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class _Counts(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Doc(msgspec.Struct):
+    usage: _Counts | None = None
+
+
+_decode = msgspec.json.Decoder(_Doc).decode
+
+
+def _usage_of(doc: bytes) -> Usage | None:
+    try:
+        usage = _decode(doc).usage
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return None if usage is None else Usage(usage.prompt_tokens, usage.completion_tokens)
+
+
+class Sink(Protocol):
+    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
+
+    async def write(self, chunk: bytes) -> None: ...
+
+
+class UsageTap:
+    """:class:`routerd.upstream.ResponseSink` wrapping ``inner``; :meth:`usage` once the call ended."""
+
+    __slots__ = ("_chunks", "_stream", "headers", "inner", "status")
+
+    def __init__(self, inner: Sink, *, stream: bool, headers: Mapping[str, str] | None = None) -> None:
+        self.inner = inner
+        self.headers = headers
+        self.status = 0
+        self._stream = stream
+        self._chunks: list[bytes] = []  # a non-streamed answer's body
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
+        if self.headers:
+            headers = {**headers, **self.headers}
+        await self.inner.start(status, headers)
+
+    async def write(self, chunk: bytes) -> None:
+        if not self._stream:
+            self._chunks.append(chunk)
+        await self.inner.write(chunk)
+
+    def usage(self, streamed: tuple[int, int] | None = None) -> Usage | None:
+        """What the engine reported for a 2xx answer; None when it reported nothing. ``streamed``: a
+        stream's count as upstream read it (``ForwardResult.usage``)."""
+        if not 200 <= self.status < 300:
+            return None
+        if self._stream:
+            return None if streamed is None else Usage(*streamed)
+        return _usage_of(b"".join(self._chunks))

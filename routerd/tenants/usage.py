@@ -1,0 +1,132 @@
+"""Usage per tenant and fleet: counters in this process (``/metrics``) and per-day counters in Redis.
+
+Every request a tenant sent to a fleet ends in :meth:`UsageLedger.add`: served (``requests``),
+failed (``errors``), refused by its rate limit (``rate_limited``), and the prompt and completion
+tokens the engine reported. The process's totals since start feed ``/metrics``; the same increments
+are summed per UTC day and written to Redis by :meth:`UsageLedger.run` every ``flush_interval_s`` as
+``HINCRBY <ns>:usage:<day> <tenant>|<fleet>|<counter>`` — one command per counter that moved, however
+many requests moved it — so the days survive restarts and every routerd on the same Redis adds to
+the same figures. A failed write keeps its increments for the next one; on stop the last ones are
+written (bounded). A crash loses at most one interval's. ``routerd usage`` reads them back
+(:func:`read_days`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from .. import log
+from ..keys import Keys
+
+__all__ = ["COUNTERS", "UsageLedger", "day_of", "read_days"]
+
+_log = log.get("routerd.tenants")
+COUNTERS = ("requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens")
+_REDIS_ERRORS = (redis.exceptions.RedisError, OSError, TimeoutError)
+_FINAL_FLUSH_S = 2.0
+
+
+def day_of(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(epoch_s))
+
+
+class UsageLedger:
+    """Counts usage; :meth:`run` writes it to Redis (when there is one) until cancelled."""
+
+    def __init__(self, client: Callable[[], aioredis.Redis] | None, keys: Keys, *, retention_days: int,
+                 flush_interval_s: float = 1.0, op_timeout_s: float = 5.0,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._client = client
+        self._keys = keys
+        self.retention_days = retention_days
+        self._interval = flush_interval_s
+        self._op_timeout = op_timeout_s
+        self._wall = wall
+        self.totals: dict[tuple[str, str], list[int]] = {}  # (tenant, fleet) → COUNTERS, since start
+        self._pending: dict[tuple[str, str, str], list[int]] = {}  # (day, tenant, fleet) → increments
+        self.flush_errors = 0
+
+    def add(self, tenant: str, fleet: str, *, requests: int = 0, errors: int = 0, rate_limited: int = 0,
+            prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        deltas = (requests, errors, rate_limited, prompt_tokens, completion_tokens)
+        total = self.totals.get((tenant, fleet))
+        if total is None:
+            total = self.totals[(tenant, fleet)] = [0] * len(COUNTERS)
+        if self._client is None:
+            for i, d in enumerate(deltas):
+                total[i] += d
+            return
+        key = (day_of(self._wall()), tenant, fleet)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = [0] * len(COUNTERS)
+        for i, d in enumerate(deltas):
+            total[i] += d
+            pending[i] += d
+
+    async def run(self) -> None:
+        """Write the increments every interval; on cancellation write what is left, then re-raise."""
+        if self._client is None:
+            return
+        try:
+            while True:
+                await asyncio.sleep(self._interval)
+                await self.flush()
+        finally:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FINAL_FLUSH_S):
+                    await self.flush()
+
+    async def flush(self) -> bool:
+        """Write the pending increments; on failure keep them for the next try. True if written."""
+        if not self._pending or self._client is None:
+            return True
+        batch, self._pending = self._pending, {}
+        ttl = self.retention_days * 86_400
+        try:
+            async with asyncio.timeout(self._op_timeout):
+                pipe = self._client().pipeline(transaction=False)
+                for (day, tenant, fleet), deltas in batch.items():
+                    key = self._keys.usage(day)
+                    for name, d in zip(COUNTERS, deltas, strict=True):
+                        if d:
+                            pipe.hincrby(key, f"{tenant}|{fleet}|{name}", d)
+                    pipe.expire(key, ttl)
+                await pipe.execute()
+        except _REDIS_ERRORS as e:
+            for where, deltas in batch.items():  # added to what came meanwhile
+                pending = self._pending.setdefault(where, [0] * len(COUNTERS))
+                for i, d in enumerate(deltas):
+                    pending[i] += d
+            self.flush_errors += 1
+            _log.warning("usage_flush_failed", error=repr(e), pending=len(self._pending))
+            return False
+        return True
+
+
+async def read_days(client: Any, keys: Keys, days: Iterable[str]) -> list[dict[str, Any]]:
+    """Rows ``{day, tenant, fleet, <counters>, total_tokens}`` of the stored days, sorted."""
+    days = list(days)
+    pipe = client.pipeline(transaction=False)
+    for day in days:
+        pipe.hgetall(keys.usage(day))
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for day, fields in zip(days, await pipe.execute(), strict=True):
+        for field, value in fields.items():
+            name = field.decode() if isinstance(field, bytes) else str(field)
+            tenant, fleet, counter = name.rsplit("|", 2)
+            row = rows.setdefault((day, tenant, fleet), {"day": day, "tenant": tenant, "fleet": fleet,
+                                                         **dict.fromkeys(COUNTERS, 0)})
+            if counter in row:
+                row[counter] += int(value)
+    out = [rows[k] for k in sorted(rows)]
+    for row in out:
+        row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    return out

