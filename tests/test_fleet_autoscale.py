@@ -24,16 +24,13 @@ import aiohttp
 import msgspec
 import pytest
 
-from routerd import config
 from routerd.bench.failover import Load
+from routerd.bench.in_process import running_routerd
 from routerd.config import Config
-from routerd.dataplane import DataPlane, build_dataplane
+from routerd.dataplane import DataPlane
 from routerd.fleet import FleetManager, RayCluster
 from routerd.fleet.actor import group_members
-from routerd.ingress.admin import add_admin_routes
-from routerd.ingress.listener import HttpListener
 from routerd.registry import InstanceState, Registry
-from routerd.upstream import make_session
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import make_cfg
 
@@ -66,30 +63,8 @@ class Elastic:
 @contextlib.asynccontextmanager
 async def elastic(cfg: Config) -> AsyncIterator[Elastic]:
     """Fleet manager, data plane and admin routes, wired as the daemon wires them."""
-    cluster = await RayCluster.connect(cfg.ray, config.state_dir(cfg))
-    registry = Registry()
-    try:
-        async with make_session(cfg.routing) as session:
-            fm = FleetManager(cfg, registry, cluster, session)
-            try:
-                dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired,
-                                     elastic=fm.autoscaler)
-                fm.autoscaler.attach_admission(dp.admission.stats)
-                dp.telemetry.attach_fleets(fm.collector())
-                await fm.start()
-                async with HttpListener(dp.http) as listener:
-                    url = await listener.start(lambda app: add_admin_routes(app, fm, ""), port=0)
-                    tasks = [asyncio.create_task(fm.run()), asyncio.create_task(dp.run())]
-                    try:
-                        yield Elastic(fm, dp, registry, cluster, url)
-                    finally:
-                        for t in tasks:
-                            t.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await fm.shutdown(stop_engines=True)
-    finally:
-        await cluster.close()
+    async with running_routerd(cfg, admin=True) as r:
+        yield Elastic(r.fm, r.dp, r.registry, r.cluster, r.url)
 
 
 def autoscaled(name: str, *, replicas: int, engine_args: dict[str, Any], **autoscale: Any) -> dict[str, Any]:

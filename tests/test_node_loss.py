@@ -21,7 +21,7 @@ import pytest
 
 from routerd import config
 from routerd.bench.failover import Load
-from routerd.bench.node_loss import Running, running_routerd
+from routerd.bench.in_process import Running, running_routerd
 from routerd.bench.ray_nodes import LocalRayCluster
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config
@@ -157,7 +157,7 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(cfg: Config, redis_url: str) -> AsyncIterator[Harness]:
-    async with running_routerd(cfg, redis_url) as r:
+    async with running_routerd(cfg, redis_url=redis_url) as r:
         yield Harness(r)
 
 

@@ -90,6 +90,17 @@ async def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[byte
     raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM and wait, as systemd's stop does (SIGKILL only past ``timeout_s``); the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)
+
+
 class Processes:
     """Child processes of one benchmark run, terminated together (each is one we started)."""
 

@@ -35,12 +35,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from ._common import stop_process
+from .in_process import running_routerd
 
 
 @dataclass
@@ -144,45 +146,7 @@ def _own_head() -> Any:
     try:
         yield f"127.0.0.1:{port}", tmp
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-@contextlib.asynccontextmanager
-async def _routerd(cfg: Any) -> AsyncIterator[tuple[Any, Any, str]]:
-    from routerd import config as config_mod
-    from routerd.dataplane import build_dataplane
-    from routerd.fleet import FleetManager, RayCluster
-    from routerd.ingress.listener import HttpListener
-    from routerd.registry import Registry
-    from routerd.upstream import make_session
-
-    cluster = await RayCluster.connect(cfg.ray, config_mod.state_dir(cfg))
-    registry = Registry()
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        async with make_session(cfg.routing) as session:  # one per process, as the daemon's
-            fm = FleetManager(cfg, registry, cluster, session)
-            try:
-                await fm.start()
-                dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
-                async with HttpListener(dp.http) as listener:
-                    url = await listener.start(port=0)
-                    tasks = [asyncio.create_task(fm.run()), asyncio.create_task(dp.run())]
-                    try:
-                        yield fm, registry, url
-                    finally:
-                        for t in tasks:
-                            t.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await fm.shutdown(stop_engines=True)
-    finally:
-        await cluster.close()
+        stop_process(proc, 30.0)
 
 
 async def _wait(cond: Any, timeout: float, step: float = 0.01) -> float:
@@ -234,7 +198,8 @@ async def run(args: argparse.Namespace, address: str, state_dir: str) -> dict[st
     }, environ={})
     h = cfg.health
     rng = random.Random(args.seed)
-    async with _routerd(cfg) as (_fm, registry, url), aiohttp.ClientSession() as session:
+    async with running_routerd(cfg) as r, aiohttp.ClientSession() as session:
+        registry, url = r.registry, r.url
         await _wait(lambda: registry.ready_count("bench") == args.replicas, 120.0, 0.1)
         load = Load(url, "sim-bench")
         stop = asyncio.Event()

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ import aiohttp
 import msgspec
 
 from .._net import free_port
-from ._common import Processes, print_table, summary, timed_request, wait_http, write_json
+from ._common import Processes, print_table, stop_process, summary, timed_request, wait_http, write_json
 
 _KEY = "sk-interactive"
 
@@ -81,13 +80,7 @@ class Routerd:
         await wait_http(self.url + "/readyz", timeout=60, proc=self.proc)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 30.0)
 
     async def metric(self, s: aiohttp.ClientSession, name: str, label: str) -> dict[str, float]:
         """``name``'s samples summed by the value of ``label``, from routerd's ``/metrics``."""

@@ -20,64 +20,14 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from .failover import Load
+from .in_process import Running, running_routerd
 from .ray_nodes import LocalRayCluster
-
-
-@dataclass
-class Running:
-    """A routerd assembled as the daemon assembles it: fleet manager, data plane, HTTP, queue."""
-
-    fm: Any  # FleetManager
-    registry: Any  # Registry
-    cluster: Any  # RayCluster
-    url: str
-
-
-@contextlib.asynccontextmanager
-async def running_routerd(cfg: Any, redis_url: str) -> AsyncIterator[Running]:
-    """The fleet manager (engines on Ray), the data plane with its HTTP listener on a free port and the
-    queue consumer over it, their loops running; on exit everything stops and the engines with it."""
-    from routerd import config as config_mod
-    from routerd.dataplane import build_dataplane
-    from routerd.fleet import FleetManager, RayCluster
-    from routerd.ingress.listener import HttpListener
-    from routerd.ingress.queue import QueueIngress
-    from routerd.registry import Registry
-    from routerd.upstream import make_session
-
-    cluster = await RayCluster.connect(cfg.ray, config_mod.state_dir(cfg))
-    registry = Registry()
-    try:
-        async with make_session(cfg.routing) as session:
-            fm = FleetManager(cfg, registry, cluster, session)
-            try:
-                await fm.start()
-                dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
-                async with HttpListener(dp.http) as listener, QueueIngress.from_config(
-                        cfg, url=redis_url, registry=registry, upstream=dp.upstream,
-                        admission=dp.admission) as queue:
-                    url = await listener.start(port=0)
-                    tasks = [asyncio.create_task(fm.run()), asyncio.create_task(dp.run()),
-                             asyncio.create_task(queue.run())]
-                    try:
-                        yield Running(fm, registry, cluster, url)
-                    finally:
-                        queue.stop_intake()
-                        for t in tasks:
-                            t.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await fm.shutdown(stop_engines=True)
-    finally:
-        await cluster.close()
 
 
 async def _until(cond: Any, timeout: float, what: str) -> float:
@@ -111,7 +61,7 @@ async def node_loss_rounds(rounds: int, state_dir: str) -> dict[str, Any]:
                             "engine_args": {"max-num-seqs": seqs, "ttft-ms": 30, "itl-ms": 10}}],
             }, environ={})
             h = cfg.health
-            async with running_routerd(cfg, redis_url) as r, aiohttp.ClientSession() as session, \
+            async with running_routerd(cfg, redis_url=redis_url) as r, aiohttp.ClientSession() as session, \
                     QueueClient.from_url(redis_url) as q:
                 await _until(lambda: r.registry.ready_count("nodes") == 2, 180, "2 ready")
                 load = Load(r.url, "sim-nodes")

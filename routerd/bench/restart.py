@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from ._common import quantile, wait_http
+from ._common import quantile, stop_process, wait_http
 
 # dup2 the held socket to fd 3 and exec routerd in the same process, so LISTEN_PID is routerd's own pid.
 _SHIM = ("import os, sys\n"
@@ -145,17 +144,6 @@ def start_routerd(config_path: Path, env: dict[str, str], log_path: Path,
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def stop_routerd(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
-    """SIGTERM and wait, as systemd's stop does (SIGKILL only past ``timeout_s``)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait(10)
-
-
 async def restart_under_load(config_path: Path, url: str, model: str, *, holder: SocketHolder | None,
                              env: dict[str, str], log_dir: Path, rate_per_s: float = 100.0,
                              restarts: int = 1, before_s: float = 2.0, after_s: float = 2.0,
@@ -187,7 +175,7 @@ async def restart_under_load(config_path: Path, url: str, model: str, *, holder:
                               for _ in range(long_streams)]
                 await asyncio.sleep(0.2)  # they reached routerd and are streaming
                 t_term = time.monotonic()
-                rc = await asyncio.to_thread(stop_routerd, proc)
+                rc = await asyncio.to_thread(stop_process, proc, 60.0)
                 exited_s = time.monotonic() - t_term
                 n += 1
                 next_env = last_env if n > restarts and last_env else env
@@ -205,7 +193,7 @@ async def restart_under_load(config_path: Path, url: str, model: str, *, holder:
                 await asyncio.wait(in_flight, timeout=long.timeout_s)
             await long_session.close()
     finally:
-        await asyncio.to_thread(stop_routerd, proc)
+        await asyncio.to_thread(stop_process, proc, 60.0)
     return {"socket_activated": holder is not None, "rate_per_s": rate_per_s, "restarts": timings,
             **load.summary(),
             "long_streams": {"opened": long_streams * restarts, "whole": long.ok, "errors": long.errors}}
