@@ -98,18 +98,30 @@ async def test_a_queue_jobs_session_keeps_it_on_one_instance(redis_server: Redis
         await wait_ready(ingress, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
-            async with QueueClient.from_url(redis_server.url) as client:
-                by_session: dict[str, set[str]] = {}
-                for s in range(4):
-                    jobs = [await client.submit({"model": "m", "prompt": f"job {s}/{i} of nothing shared",
-                                                 "max_tokens": 2}, session=f"batch-{s}") for i in range(3)]
-                    results = (await client.wait_many(jobs, timeout=20)).values()
-                    assert all(r.status == "ok" for r in results), results
-                    by_session[f"batch-{s}"] = {r.instance for r in results}
+            with structlog.testing.capture_logs() as logs:
+                async with QueueClient.from_url(redis_server.url) as client:
+                    by_session: dict[str, set[str]] = {}
+                    for s in range(4):
+                        jobs = [await client.submit({"model": "m", "max_tokens": 2,
+                                                     "prompt": f"job {s}/{i} of nothing shared"},
+                                                    session=f"batch-{s}") for i in range(3)]
+                        results = (await client.wait_many(jobs, timeout=20)).values()
+                        assert all(r.status == "ok" for r in results), results
+                        by_session[f"batch-{s}"] = {r.instance for r in results}
         finally:
             ingress.stop_intake()
             await asyncio.wait_for(task, 30)
     assert all(len(v) == 1 for v in by_session.values()), by_session
+    # Each job has its log line, like an HTTP request: where it ran, how it ended and why there.
+    lines = {e["job_id"]: e for e in logs if e["event"] == "queue_job"}
+    assert len(lines) == 12
+    for line in lines.values():
+        assert (line["status"], line["fleet"], line["attempts"]) == (200, "f", 1)
+        assert line["instance"] in {"f:static0", "f:static1", "f:static2"}
+        assert (line["policy"], "runner_up" in line) == ("cache_aware", True)
+        assert line["ttft_est_ms"] >= 0
+    affine = sum(bool(line.get("session_affinity")) for line in lines.values())
+    assert affine >= 8  # each session's jobs after its first
 
 
 @pytest.mark.parametrize("policy", ["least_load", "power_of_two", "round_robin"])

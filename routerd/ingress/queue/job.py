@@ -37,6 +37,7 @@ from ...jobs import (
 )
 from ...keys import Keys
 from ...plugins import RequestView
+from ...routing import Decision
 from ...tenants import RequestFacts, Tenant, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
 from ...upstream import ResponseSink, Upstream
@@ -59,6 +60,8 @@ class ForwardOutcome(Protocol):
     ok: bool
     error: str | None
     usage: tuple[int, int] | None  # a stream's, as the engine counted it
+    decision: Decision | None  # why its first instance was chosen, for the job's log line
+    resumes: int
 
 
 class Forwarder(Protocol):
@@ -306,6 +309,7 @@ class JobRunner:
             sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
         tap = UsageTap(sink, stream=job.stream)
         out: ForwardOutcome | None = None
+        started = time.monotonic()
         try:
             if preempt is not None:
                 preempt.arm()
@@ -322,6 +326,7 @@ class JobRunner:
         except RouterdError as e:
             if e.retryable or e.status >= 500:
                 raise _Retry(f"{e.type}: {e.message}", getattr(e, "instance", "")) from None
+            self._log_done(running, job, fleet, started, status=e.status, error=e.message)
             return error_result(job.id, e.message, e.type, e.status, attempts=run_no)
         finally:
             if preempt is not None:
@@ -334,7 +339,20 @@ class JobRunner:
             sink.failed or not out.ok)
         if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
             raise _Retry(out.error or f"upstream status {out.status}", out.instance, out.attempts)
+        self._log_done(running, job, fleet, started, status=out.status, instance=out.instance,
+                       attempts=out.attempts, **({"resumes": out.resumes} if out.resumes else {}),
+                       **({"error": out.error} if out.error else {}),
+                       **(out.decision.log_fields() if out.decision is not None else {}))
         return sink.result(job.id, out.instance, out.attempts, out.status)
+
+    def _log_done(self, running: Running, job: Job, fleet: str, started: float, **fields: Any) -> None:
+        """The job's line in the log, as the HTTP ingress writes one per request: where it ran, how it
+        ended and why that instance (a retried delivery has its failures logged apart)."""
+        if self._tenancy.directory.configured:
+            fields["tenant"] = job.tenant
+        _log.info("queue_job", job_id=job.id, entry=running.entry_id, delivery=running.delivery, fleet=fleet,
+                  endpoint=job.endpoint, stream=job.stream,
+                  duration_ms=round((time.monotonic() - started) * 1000, 2), **fields)
 
     def _view(self, job: Job, fleet: str, body: bytes) -> RequestView | None:
         """What routing knows of the job: its prompt, its ``session`` (else the body's ``user``), its
