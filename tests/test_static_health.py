@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+import structlog
 
 from routerd.config import HealthConfig
 from routerd.dataplane import build_dataplane, running_dataplane
@@ -128,6 +129,27 @@ async def test_sigstopped_static_engine_ends_its_stream_and_leaves_rotation(
 
         seen = set(await asyncio.gather(*(one() for _ in range(16))))
         assert victim_id in seen
+
+
+async def test_a_stall_of_routerd_itself_takes_no_instance_out_of_rotation(
+        two_sims: list[SimProcess]) -> None:
+    """routerd's own loop held up longer than ``stale_after_s`` (a starved machine, a long pause) held
+    its scrapes up too: their age then says nothing of the engines, which stay in rotation. An engine
+    that does stop answering afterwards still leaves rotation on its stale scrapes."""
+    async with static_plane([s.url for s in two_sims], stale_after_s=0.6) as plane:
+        with structlog.testing.capture_logs() as logs:
+            time.sleep(2.0)  # noqa: ASYNC251  # the stall itself: routerd's loop does not run
+            await asyncio.sleep(1.5)  # the rotation, the scrapes and the heartbeats run again
+        assert [e for e in logs if e["event"] == "instance_out_of_rotation"] == []
+        assert [i.state for i in plane.registry] == [InstanceState.READY] * 2
+        victim = plane.registry.get("f:static0")
+        assert victim is not None
+        two_sims[0].signal(signal.SIGSTOP)
+        try:
+            await plane.wait_for(lambda: victim.state is InstanceState.UNHEALTHY, 5, "out on stale scrapes")
+            assert victim.state_reason.startswith("no successful /metrics scrape")
+        finally:
+            two_sims[0].signal(signal.SIGCONT)
 
 
 async def test_static_engine_that_answers_but_makes_no_progress_is_failed(

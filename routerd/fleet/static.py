@@ -7,7 +7,8 @@ There is nothing to restart, so the rules are:
 
 * into rotation when ``/health`` answers 200 and a scrape succeeded within ``stale_after_s``;
 * out of rotation when no scrape succeeded for ``stale_after_s`` (its load figure is a guess); it is
-  still heartbeaten, and what runs on it goes on;
+  still heartbeaten, and what runs on it goes on. Not right after routerd's own loop was held up:
+  that stall held the scrapes up too, so their age is judged again once one has had time to land;
 * failed after ``failure_threshold`` missed heartbeats or a stall (requests running, no new token for
   ``progress_timeout_s``): out of rotation, and every engine call still on it is ended
   (``Instance.lose``): a stream gets the terminal error event at once, instead of waiting
@@ -96,14 +97,23 @@ class StaticHealth:
             tg.create_task(self._rotation(), name="static_rotation")
 
     async def _rotation(self) -> None:
+        lag, excused_until = 0.0, 0.0
         while True:
             cfg = self.cfg.routing
             now = self.clock()
+            if lag > cfg.scrape_interval_s:
+                # This pass ran late: routerd's own loop was held up (CPU starvation, a long pause), and
+                # the scrapes with it — their age says nothing of the engines. Judge staleness again once
+                # a scrape has had a period and its timeout to land, else a stall of routerd would take
+                # every instance out of rotation at once.
+                excused_until = now + cfg.scrape_interval_s + cfg.scrape_timeout_s
             probes = []
             for inst in self.instances():
                 snap = inst.snapshot
                 last_ok = snap.scraped_at if snap is not None else None
                 if inst.state is InstanceState.READY:
+                    if now < excused_until and last_ok is not None:
+                        continue
                     if last_ok is None or now - last_ok > cfg.stale_after_s:
                         self.registry.set_state(inst, InstanceState.UNHEALTHY,
                                                 f"no successful /metrics scrape for {cfg.stale_after_s}s")
@@ -112,7 +122,9 @@ class StaticHealth:
                     probes.append(self._admit(inst))
             if probes:
                 await asyncio.gather(*probes)
+            slept_from = self.clock()
             await asyncio.sleep(cfg.scrape_interval_s)
+            lag = self.clock() - slept_from - cfg.scrape_interval_s
 
     async def _admit(self, inst: Instance) -> None:
         """Back into rotation if ``/health`` answers 200 now."""
