@@ -14,7 +14,7 @@ import json
 import re
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -33,6 +33,7 @@ from tests.fixtures.sim import SimProcess, SimProcessFactory
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "tell me how the router streams"}]
+OWED = 10  # tokens an engine must still owe when a fault hits it, for the fault to land mid-way
 
 
 @pytest.fixture
@@ -67,17 +68,41 @@ async def direct(client: aiohttp.ClientSession, url: str, endpoint: str, body: d
         return await r.read()
 
 
+async def generated(client: aiohttp.ClientSession, url: str) -> float:
+    """The engine's own count of the tokens it generated (``vllm:generation_tokens_total``)."""
+    async with client.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+class Faulted(NamedTuple):
+    raw: bytes  # what the client got of the stream the fault hit
+    streams: int  # streams sent: any before that one finished before the fault could land mid-way
+
+
 async def stream_with_fault(client: aiohttp.ClientSession, plane: RunningPlane, endpoint: str,
                             body: dict[str, Any], fault: Callable[[str], Awaitable[None]],
-                            after_events: int = 5, headers: dict[str, str] | None = None) -> bytes:
-    """Stream ``body`` through routerd; after ``after_events`` events, ``fault(instance serving it)``."""
-    async with client.post(plane.url + endpoint, json=body, headers=headers) as r:
-        assert r.status == 200
-        raw = b""
-        while raw.count(b"\n\n") < after_events:
-            raw += await r.content.readany()
-        await fault(r.headers["X-Routerd-Instance"])
-        return raw + await r.read()
+                            after_events: int = 5, headers: dict[str, str] | None = None) -> Faulted:
+    """Stream ``body`` through routerd; after ``after_events`` events, ``fault(instance serving it)`` —
+    only while its engine still owes ``OWED`` tokens by its own count: a starved test process can read
+    the first events after the engine has finished, and a fault then would test nothing. Such a stream
+    is read to its end and another sent, at most four."""
+    for streams in range(1, 5):
+        urls = {i.id: i.url for i in plane.registry.instances("f")}
+        before = {i: await generated(client, url) for i, url in urls.items()}
+        async with client.post(plane.url + endpoint, json=body, headers=headers) as r:
+            assert r.status == 200
+            raw = b""
+            while raw.count(b"\n\n") < after_events:
+                raw += await r.content.readany()
+            instance = r.headers["X-Routerd-Instance"]
+            done = await generated(client, urls[instance]) - before[instance]
+            if done <= body["max_tokens"] - OWED:
+                await fault(instance)
+                return Faulted(raw + await r.read(), streams)
+            await r.read()
+    pytest.fail(f"four streams finished before a fault could land mid-way (last: {done} tokens generated)")
 
 
 async def metrics(client: aiohttp.ClientSession, plane: RunningPlane) -> str:
@@ -133,7 +158,7 @@ async def test_sigkilled_engine_the_stream_goes_on_as_one_stream(
     async def kill(instance: str) -> None:
         engines[engine_of(instance)].signal(signal.SIGKILL)
 
-    got = await stream_with_fault(client, plane, endpoint, body, kill)
+    got = (await stream_with_fault(client, plane, endpoint, body, kill)).raw
     survivor = next(e for e in engines if e.proc.poll() is None)
     assert normalized(got) == normalized(await direct(client, survivor.url, endpoint, body))
     events = payloads(got)
@@ -174,8 +199,9 @@ async def test_a_tenants_stream_is_the_engines_own_and_billed_the_engines_usage(
     async def kill(instance: str) -> None:
         engines[engine_of(instance)].signal(signal.SIGKILL)
 
+    streams = 1
     if how == "resumed":
-        got = await stream_with_fault(client, plane, endpoint, body, kill, headers=auth)
+        got, streams = await stream_with_fault(client, plane, endpoint, body, kill, headers=auth)
     else:
         async with client.post(plane.url + endpoint, json=body, headers=auth) as r:
             assert r.status == 200
@@ -190,9 +216,9 @@ async def test_a_tenants_stream_is_the_engines_own_and_billed_the_engines_usage(
     def billed() -> list[int]:  # prompt and completion tokens in the tenant's ledger
         return plane.dp.tenancy.ledger.totals.get(("web", "f"), [0] * 5)[3:]
 
-    await plane.wait_for(lambda: billed() != [0, 0], what="the stream billed")
+    want_billed = [streams * asked["prompt_tokens"], streams * asked["completion_tokens"]]
+    await plane.wait_for(lambda: billed() == want_billed, what="the streams billed")
     assert asked["completion_tokens"] == 40
-    assert billed() == [asked["prompt_tokens"], asked["completion_tokens"]]
     text = await metrics(client, plane)
     assert metric(text, "routerd_resumes_total", fleet="f") == (how == "resumed")
     await settle(plane)
@@ -239,11 +265,20 @@ async def test_a_non_streamed_request_is_served_again_from_the_start(
     engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
     plane = await dataplane([e.url for e in engines])
     body = {"model": "m", "prompt": "no stream here", "max_tokens": 40}
-    request = asyncio.create_task(client.post(plane.url + COMP, json=body))
-    await plane.wait_for(lambda: plane.inflight() == 1, timeout=5, what="the request at an engine")
-    await asyncio.sleep(0.2)  # well into its generation
-    (serving,) = [i for i in plane.registry.instances("f") if i.inflight]
-    engines[engine_of(serving.id)].signal(signal.SIGKILL)
+    for _ in range(4):  # until the kill lands mid-generation (see stream_with_fault)
+        before = {e.url: await generated(client, e.url) for e in engines}
+        request = asyncio.create_task(client.post(plane.url + COMP, json=body))
+        await plane.wait_for(lambda: plane.inflight() == 1, timeout=5, what="the request at an engine")
+        (serving,) = [i for i in plane.registry.instances("f") if i.inflight]
+        async with asyncio.timeout(5):
+            while (done := await generated(client, serving.url) - before[serving.url]) < 5:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        if done <= 40 - OWED:
+            engines[engine_of(serving.id)].signal(signal.SIGKILL)
+            break
+        (await request).release()
+    else:
+        pytest.fail("four requests finished before the kill could land mid-generation")
     async with await request as r:
         assert r.status == 200
         assert r.headers["X-Routerd-Instance"] != serving.id
@@ -263,7 +298,7 @@ async def test_an_error_event_from_a_failing_engine_is_resumed(
     async def fail(instance: str) -> None:
         engines[engine_of(instance)].faults.set(fail_after_chunks=1)
 
-    got = await stream_with_fault(client, plane, CHAT, body, fail)
+    got = (await stream_with_fault(client, plane, CHAT, body, fail)).raw
     assert normalized(got) == normalized(await direct(client, engines[1].url, CHAT, body))
     events = payloads(got)
     # the client asked for per-chunk usage: it counts over the whole generation, one step at a time
@@ -290,7 +325,7 @@ async def test_a_hung_engine_taken_out_by_its_heartbeats_is_resumed(
         stopped[0].signal(signal.SIGSTOP)
 
     try:
-        got = await stream_with_fault(client, plane, COMP, body, stop)
+        got = (await stream_with_fault(client, plane, COMP, body, stop)).raw
     finally:
         for e in stopped:
             e.signal(signal.SIGCONT)
@@ -313,7 +348,7 @@ async def test_a_request_that_cannot_be_continued_ends_with_the_terminal_error_e
     async def kill(instance: str) -> None:
         engines[engine_of(instance)].signal(signal.SIGKILL)
 
-    got = await stream_with_fault(client, plane, COMP, body_for(COMP, 40, echo=True), kill)
+    got = (await stream_with_fault(client, plane, COMP, body_for(COMP, 40, echo=True), kill)).raw
     events = got.decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     error = json.loads(events[-3][len("data: "):])["error"]
