@@ -493,8 +493,11 @@ async def test_jobs_running_through_a_drain_are_not_taken_over(redis_server: Red
     """Draining can outlast reclaim_idle_ms: a job still running here must stay ours, not be
     XAUTOCLAIMed and run a second time by another consumer."""
     hold = asyncio.Event()
-    draining = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold), consumer="c1")
-    other = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c2")
+    # 3 s of idle time (not the fixture's 0.5 s): a test process starved for a second must not make the
+    # keep-alive look broken.
+    draining = QueueBench(queue_config(redis_server.url, reclaim_idle_ms=3000), FakeUpstream(hold=hold),
+                          consumer="c1")
+    other = QueueBench(queue_config(redis_server.url, reclaim_idle_ms=3000), FakeUpstream(), consumer="c2")
     q = QueueClient(redis_async)
     job = await q.submit(BODY)
     await draining.start()
@@ -502,7 +505,7 @@ async def test_jobs_running_through_a_drain_are_not_taken_over(redis_server: Red
     await other.start()
     draining.ingress.stop_intake()
     try:
-        await asyncio.sleep(1.5)  # three times reclaim_idle_ms
+        await asyncio.sleep(3.5)  # longer than reclaim_idle_ms and a reclaim pass
         hold.set()
         res = await q.wait(job, timeout=10)
     finally:

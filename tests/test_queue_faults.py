@@ -45,8 +45,9 @@ async def run_through_outage(redis_server: RedisServer, redis_async: aioredis.Re
     await wait_done(redis_async, "replies", n // 4, timeout=20)
     if kill:
         await asyncio.to_thread(redis_server.kill)
-        await asyncio.sleep(1.0)  # routerd must notice and pause, not die
-        assert bench.ingress.paused
+        async with asyncio.timeout(10):  # routerd must notice and pause, not die
+            while not bench.ingress.paused:  # noqa: ASYNC110  # a flag, no event to wait on
+                await asyncio.sleep(0.02)
         assert bench.task is not None
         assert not bench.task.done()
         await asyncio.to_thread(redis_server.start)
@@ -85,8 +86,11 @@ async def test_backlog_stays_in_redis(redis_server: RedisServer, redis_async: ai
     await QueueClient(redis_async).submit_many([BODY] * n, reply_to="replies")
     await bench.start()
     try:
-        await asyncio.sleep(1.0)
         limit = 2 * cfg.admission.max_inflight_per_instance
+        async with asyncio.timeout(10):
+            while bench.ingress.held < limit:  # noqa: ASYNC110  # a count, no event to wait on
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # two more reads (block_ms 200): none may take more
         assert bench.ingress.held == limit  # exactly what the fleet can run, not the backlog
         assert up.concurrent == limit
         info = await redis_async.xinfo_groups("routerd:requests")

@@ -199,14 +199,15 @@ async def test_circuit_breaker_takes_failing_instance_out_then_back(
         scripted_engine: EngineFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     flaky = await scripted_engine(default="status:500")
     good = await scripted_engine()
+    # a cool-down longer than a starved test process's pause: all 20 requests fall within it
     plane = await dataplane([flaky.url, good.url], routing={"circuit_failure_threshold": 2,
-                                                            "circuit_cooldown_s": 0.5})
+                                                            "circuit_cooldown_s": 3.0})
     for _ in range(20):
         async with client.post(plane.url + CHAT, json=BODY) as r:
             assert r.status == 200
     assert flaky.requests == 2  # two failures in a row, then out of rotation
     flaky.default = "ok"
-    await asyncio.sleep(0.6)  # cool-down over: half-open, one trial, which succeeds
+    await asyncio.sleep(3.1)  # cool-down over: half-open, one trial, which succeeds
     seen: collections.Counter[str] = collections.Counter()
     for _ in range(20):
         async with client.post(plane.url + CHAT, json=BODY) as r:
