@@ -315,7 +315,8 @@ async def test_a_hung_engine_taken_out_by_its_heartbeats_is_resumed(
     ends the engine call, which the stream survives."""
     engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
     plane = await dataplane([e.url for e in engines], routing={"policy": "round_robin"},
-                            health={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.3,
+                            # probes of a second: the idle survivor must not be lost to a starved test process
+                            health={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0,
                                     "failure_threshold": 2})
     body = body_for(COMP, 40)
     stopped: list[SimProcess] = []
