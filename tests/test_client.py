@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+import structlog
 
 from routerd.client import QueueClient, submit_main
 from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
@@ -99,24 +100,26 @@ async def test_routerd_submit_command(redis_server: RedisServer, redis_async: ai
                                       capsys: pytest.CaptureFixture[str]) -> None:
     bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
     await bench.start()
+    # The consumer runs in this process: its log lines (one per job) are kept off the stdout under test.
     try:
-        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
-                                                     "--wait", "--timeout", "10", "say hi"])
-        out = capsys.readouterr().out
-        assert code == 0
-        result = msgspec.json.decode(out.strip().splitlines()[-1])
-        assert result["status"] == "ok"
-        assert result["response"]["choices"][0]["text"] == "echo:say hi"
-        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
-                                                     "--wait", "--stream", "--max-tokens", "4", "s"])
-        lines = capsys.readouterr().out.strip().splitlines()
-        assert code == 0
-        assert [msgspec.json.decode(x)["choices"][0]["text"] for x in lines[:-1]] == [
-            "t0", "t1", "t2", "t3"]
-        assert msgspec.json.decode(lines[-1])["response"]["chunks"] == 4
-        code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m", "x"])
-        job_id = capsys.readouterr().out.strip()
-        assert code == 0
-        assert len(job_id) == 32
+        with structlog.testing.capture_logs():
+            code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
+                                                         "--wait", "--timeout", "10", "say hi"])
+            out = capsys.readouterr().out
+            assert code == 0
+            result = msgspec.json.decode(out.strip().splitlines()[-1])
+            assert result["status"] == "ok"
+            assert result["response"]["choices"][0]["text"] == "echo:say hi"
+            code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m",
+                                                         "--wait", "--stream", "--max-tokens", "4", "s"])
+            lines = capsys.readouterr().out.strip().splitlines()
+            assert code == 0
+            assert [msgspec.json.decode(x)["choices"][0]["text"] for x in lines[:-1]] == [
+                "t0", "t1", "t2", "t3"]
+            assert msgspec.json.decode(lines[-1])["response"]["chunks"] == 4
+            code = await asyncio.to_thread(submit_main, ["--redis", redis_server.url, "--model", "m", "x"])
+            job_id = capsys.readouterr().out.strip()
+            assert code == 0
+            assert len(job_id) == 32
     finally:
         await bench.stop()
