@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -35,13 +36,14 @@ def sig(ready: int, demand: float, *, waiting: float = 0.0, wait_s: float = 0.0,
                    kv_usage=kv)
 
 
-def run(policy: ScalingPolicy, signals: Signals, start: float, end: float,
+def run(policy: ScalingPolicy, signals: Signals | Callable[[int], Signals], start: float, end: float,
         step: float = 0.5) -> list[Decision]:
-    """Observe the same signals every ``step`` from ``start`` to ``end`` (exclusive)."""
+    """Observe ``signals`` every ``step`` from ``start`` to ``end`` (exclusive): the same ones, or drawn
+    anew each step from the policy's current replica count."""
     out = []
     t = start
     while t < end:
-        d = policy.observe(signals, t)
+        d = policy.observe(signals(policy.replicas) if callable(signals) else signals, t)
         if d is not None:
             out.append(d)
         t += step
@@ -165,13 +167,8 @@ def test_steady_noisy_load_near_a_threshold_makes_at_most_one_decision() -> None
     rng = random.Random(7)
     for seed_demand in (7.6, 8.0, 8.4):
         p = ScalingPolicy(cfg(min_replicas=1), replicas=2, now=0.0)
-        decisions = []
-        t = 0.0
-        while t < 300.0:
-            d = p.observe(sig(ready=p.replicas, demand=max(0.0, seed_demand + rng.uniform(-1.0, 1.0))), t)
-            if d is not None:
-                decisions.append(d)
-            t += 0.5
+        decisions = run(p, lambda n, d=seed_demand: sig(ready=n, demand=max(0.0, d + rng.uniform(-1.0, 1.0))),
+                        0.0, 300.0)
         assert len(decisions) <= 1, (seed_demand, decisions)
 
 
@@ -192,15 +189,9 @@ def test_poisson_load_between_two_thresholds_settles_with_one_decision() -> None
     for seed in range(5):
         rng = random.Random(seed)
         p = ScalingPolicy(c, replicas=4, now=0.0)
-        decisions = []
-        t = 0.0
-        while t < 600.0:
-            demand = max(0.0, rng.gauss(7.0, math.sqrt(7.0)))
-            d = p.observe(Signals(ready=p.replicas, demand=demand, waiting=0.0, capacity=4.0,
-                                  expected_wait_s=0.0, kv_usage=0.0), t)
-            if d is not None:
-                decisions.append(d)
-            t += 0.5
+        decisions = run(p, lambda n, rng=rng: Signals(
+            ready=n, demand=max(0.0, rng.gauss(7.0, math.sqrt(7.0))), waiting=0.0, capacity=4.0,
+            expected_wait_s=0.0, kv_usage=0.0), 0.0, 600.0)
         assert len(decisions) <= 1, (seed, decisions)
 
 
@@ -212,15 +203,9 @@ def test_concurrency_that_grows_as_replicas_go_does_not_flap() -> None:
     for seed in range(5):
         rng = random.Random(seed)
         p = ScalingPolicy(c, replicas=4, now=0.0)
-        decisions = []
-        t = 0.0
-        while t < 600.0:
-            mean = in_flight[p.replicas]
-            d = p.observe(Signals(ready=p.replicas, demand=max(0.0, rng.gauss(mean, math.sqrt(mean))),
-                                  waiting=0.0, capacity=4.0, expected_wait_s=0.0, kv_usage=0.0), t)
-            if d is not None:
-                decisions.append(d)
-            t += 0.5
+        decisions = run(p, lambda n, rng=rng: Signals(
+            ready=n, demand=max(0.0, rng.gauss(in_flight[n], math.sqrt(in_flight[n]))), waiting=0.0,
+            capacity=4.0, expected_wait_s=0.0, kv_usage=0.0), 0.0, 600.0)
         assert len(decisions) <= 1, (seed, decisions)
 
 
