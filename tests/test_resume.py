@@ -71,9 +71,7 @@ async def direct(client: aiohttp.ClientSession, url: str, endpoint: str, body: d
 async def generated(client: aiohttp.ClientSession, url: str) -> float:
     """The engine's own count of the tokens it generated (``vllm:generation_tokens_total``)."""
     async with client.get(url + "/metrics") as r:
-        text = await r.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+        return metric(await r.text(), "vllm:generation_tokens_total")
 
 
 class Faulted(NamedTuple):
