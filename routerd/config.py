@@ -222,7 +222,8 @@ class ConfigError(Exception):
 
 
 _ENV_PREFIX = "ROUTERD_"
-_ARRAYS = {"fleets": "FleetConfig", "tenants": "TenantConfig"}  # [[arrays of tables]], not sections
+# [[arrays of tables]], not sections: each entry converted as its struct
+_ARRAYS: dict[str, type[msgspec.Struct]] = {"fleets": FleetConfig, "tenants": TenantConfig}
 
 
 def _env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> list[str]:
@@ -399,9 +400,8 @@ def _structural_problems(raw: dict[str, Any]) -> list[str]:
             if not isinstance(value, list):
                 problems.append(f"$.{key}: expected an array of tables ([[{key}]])")
                 continue
-            item = FleetConfig if key == "fleets" else TenantConfig
             for i, entry in enumerate(value):
-                problems += _convert_problems(entry, item, f"$.{key}[{i}]")
+                problems += _convert_problems(entry, _ARRAYS[key], f"$.{key}[{i}]")
         elif key in Config.__struct_fields__:
             problems += _convert_problems(value, type(getattr(Config(), key)), f"$.{key}")
         else:

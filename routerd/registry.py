@@ -145,18 +145,8 @@ class Instance:
 
     @property
     def capacity(self) -> int:
-        """Requests the engine runs at once: :meth:`capacity_source`'s figure, without the tuple (it is
-        read per candidate per request)."""
-        if self.launch_capacity:
-            return self.launch_capacity
-        snap = self.snapshot
-        if snap is not None and snap.capacity:
-            return snap.capacity
-        learned = self.learned
-        if learned.capacity is not None:
-            return learned.capacity
-        return self.capacity_hint if learned.max_running <= self.capacity_hint else math.ceil(
-            learned.max_running)
+        """Requests the engine runs at once: :meth:`capacity_source`'s figure."""
+        return self.capacity_source()[0]
 
     def capacity_source(self) -> tuple[int, str]:
         """Capacity and where it comes from, the first known of: ``launch`` (the launch spec's
@@ -181,20 +171,24 @@ class Instance:
         prior (:data:`routerd.routing.speed.PRIOR_PREFILL_TOKENS_PER_S`)."""
         return self.learned.prefill_rate()
 
-    def expected_wait_s(self) -> float:
+    def expected_wait_s(self, queue: float | None = None, capacity: int | None = None) -> float:
         """Seconds a request sent now would wait before its own prefill starts: the work queued ahead
         of it over what the instance gets through (:meth:`routerd.routing.speed.Learned.wait_s`).
 
         The queue is :meth:`estimated_queue` (the scrape plus routerd's in-flight delta since); what is
-        not yet prefilled is the scrape's waiting plus what routerd sent since.
+        not yet prefilled is the scrape's waiting plus what routerd sent since. A caller that has just
+        computed the queue and the capacity passes them in.
         """
+        if capacity is None:
+            capacity = self.capacity
         snap = self.snapshot
         if snap is None:
-            return self.learned.wait_s(float(self.inflight), 0.0, self.capacity)
+            return self.learned.wait_s(float(self.inflight), 0.0, capacity)
+        if queue is None:
+            queue = self.estimated_queue()
         sent = self.inflight - self.inflight_at_scrape  # routerd's in-flight delta since the scrape
-        queue = max(snap.running + snap.waiting + sent, float(self.inflight))  # estimated_queue()
         unstarted = min(snap.waiting + max(sent, 0), queue)
-        return self.learned.wait_s(queue, unstarted, self.capacity, snap)
+        return self.learned.wait_s(queue, unstarted, capacity, snap)
 
     def estimated_queue(self) -> float:
         """Requests the engine holds now: the scrape plus what routerd sent (or saw end) since.

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from .nodes import NodeWatch
 from .ray_cluster import RayCluster
 
-MODES = ("any", "spread", "strict_spread")
-
 
 @dataclass(frozen=True, slots=True)
 class Where:
@@ -105,9 +103,6 @@ class Spreader:
 
     def release(self, fleet: str, index: int) -> None:
         self._claims.get(fleet, {}).pop(index, None)
-
-    def node_of(self, fleet: str, index: int) -> str:
-        return self._claims.get(fleet, {}).get(index, "")
 
     def nodes_in_use(self) -> set[str]:
         """Every node holding one of routerd's placement groups (the ones the node watch probes)."""

@@ -147,15 +147,6 @@ class Router:
         self.index.max_blocks = cfg.prefix_index_max_blocks
         self.sessions.max_entries = cfg.sessions_max
 
-    def is_stale(self, inst: Instance, now: float) -> bool:
-        snap = inst.snapshot
-        return snap is None or bool(inst.scrape_error) or now - snap.scraped_at > self.cfg.stale_after_s
-
-    def candidates(self, fleet: str, exclude: Collection[str] = (),
-                   request: RequestView | None = None) -> list[tuple[Candidate, Instance]]:
-        """The instances a request may go to now, each with its policy view (may be empty)."""
-        return self._candidates(fleet, exclude, request)[0]
-
     def _candidates(self, fleet: str, exclude: Collection[str],
                     request: RequestView | None) -> tuple[list[tuple[Candidate, Instance]], RequestView]:
         """The candidates, and the request view brought up to the fleet's tokens per byte as
@@ -195,7 +186,8 @@ class Router:
             if state != track.figures_of:
                 track.figures_of = state
                 capacity, source = i.capacity_source()
-                track.figures = (i.estimated_queue(), max(capacity, 1), i.expected_wait_s(),
+                queue = i.estimated_queue()
+                track.figures = (queue, max(capacity, 1), i.expected_wait_s(queue, capacity),
                                  i.learned.prefill_tokens_per_s or 0.0, source != "config")
             figures.append(track.figures)
         req = self.views.current(req)
