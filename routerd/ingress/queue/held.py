@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..validate import ChatHead, CompletionHead
+
 
 @dataclass
 class Running:
@@ -29,6 +31,8 @@ class Running:
     finishing: bool = False
     unadmitted: bool = True  # read, but not yet counted by admission
     body: bytes = b""  # the job's body as sent to the engine, encoded once
+    # its checked head (validate.read_head), decoded once for every delivery's routing
+    head: CompletionHead | ChatHead | None = None
 
 
 class Held:

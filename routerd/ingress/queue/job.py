@@ -41,7 +41,7 @@ from ...routing import Decision
 from ...tenants import RequestFacts, Tenant, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
 from ...upstream import ResponseSink, Upstream
-from ..validate import check_body, read_head
+from ..validate import read_head
 from .held import Held, Running
 from .reclaim import delivery_counts
 from .sinks import BufferSink, ReplyRefused, StreamSink
@@ -263,7 +263,7 @@ class JobRunner:
         self._held.admitted(running)
         # A tenant removed by a reload while its job waited: the job still runs, as the default's.
         tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
-        view = self._view(job, fleet, running.body)
+        view = self._view(job, fleet, running)
         facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
         try:
             return await self._run(running, job, fleet, tenant, facts, view, deadline, mono_deadline)
@@ -354,13 +354,13 @@ class JobRunner:
                   endpoint=job.endpoint, stream=job.stream,
                   duration_ms=round((time.monotonic() - started) * 1000, 2), **fields)
 
-    def _view(self, job: Job, fleet: str, body: bytes) -> RequestView | None:
+    def _view(self, job: Job, fleet: str, running: Running) -> RequestView | None:
         """What routing knows of the job: its prompt, its ``session`` (else the body's ``user``), its
-        priority. The body passed :func:`check_body` when the job was read."""
+        priority — from the head :func:`_body_problem` decoded when the job was read."""
         if self._views is None:
             return None
-        return self._views.build(fleet, job.endpoint, read_head(job.endpoint, body), session=job.session,
-                                 priority=job.priority)
+        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
+        return self._views.build(fleet, job.endpoint, head, session=job.session, priority=job.priority)
 
     def _on_instance(self, job_id: str) -> Callable[[str], None]:
         def note(instance: str) -> None:
@@ -419,7 +419,7 @@ def _body_problem(running: Running, job: Job) -> str | None:
     except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
         return clip(f"body: cannot be sent as JSON: {e}")
     try:
-        check_body(job.endpoint, running.body)
+        running.head = read_head(job.endpoint, running.body)  # kept: each delivery's routing reads it
     except BadRequest as e:
         return clip(f"body.{e.param}: {e.message}" if e.param else f"body: {e.message}")
     return None
