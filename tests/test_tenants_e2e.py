@@ -141,7 +141,7 @@ async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
     their turn and succeed; a job whose deadline comes first gets an error result saying why."""
     sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=0, itl_ms=0)
     cfg = config(redis_server.url, [sim.url], [{"name": "batch", "requests_per_minute": 60}])
-    async with routerd(cfg), QueueClient.from_url(redis_server.url) as q:
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
         jobs = await q.submit_many([{"model": "m", "prompt": f"p{i}", "max_tokens": 1} for i in range(62)],
                                    tenant="batch")
         # its deadline comes before the bucket's first refill (one request a second), whatever the
@@ -152,7 +152,11 @@ async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
         results = await asyncio.gather(*(q.wait(j, timeout=30) for j in jobs))
         took = time.monotonic() - started
         expired = await q.wait(late, timeout=30)
+        requests, _, rate_limited = rd.dp.tenancy.ledger.totals[("batch", "f")][:3]
     assert [r.status for r in results] == ["ok"] * 62
+    # the jobs that waited were served, not refused: only the one whose deadline came first counts as
+    # rate limited, once, however often it looked at the bucket
+    assert (requests, rate_limited) == (62, 1)
     assert took >= 1.5  # the last two waited for the bucket to refill, one second each
     assert expired.status == "error"
     assert expired.error is not None

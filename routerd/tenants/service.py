@@ -106,7 +106,7 @@ class Tenancy:
 
     async def charge(self, tenant: Tenant, fleet: str, facts: RequestFacts) -> Charge:
         """Charge one request (HTTP); :class:`RateLimited` with the headers when over a limit."""
-        grant = await self.limiter.acquire(tenant, facts.prompt_tokens) if tenant.limited else UNLIMITED
+        grant = await self._grant(tenant, facts)
         if not grant.allowed:
             self.ledger.add(tenant.name, fleet, rate_limited=1)
             raise RateLimited(f"tenant {tenant.name!r} is over its rate limit "
@@ -117,16 +117,23 @@ class Tenancy:
     async def wait_for_quota(self, tenant: Tenant, fleet: str, facts: RequestFacts,
                              deadline_epoch_s: float | None) -> Charge:
         """Charge one request (a queue job), waiting while the tenant is over a limit; raises
-        :class:`DeadlineExceeded` when the quota would come after the job's deadline."""
+        :class:`DeadlineExceeded` when the quota would come after the job's deadline.
+
+        A job that waits is not refused: only one whose deadline comes first counts as ``rate_limited``,
+        once — not once per look at the bucket."""
         while True:
-            try:
-                return await self.charge(tenant, fleet, facts)
-            except RateLimited as e:
-                wait = min(max(e.retry_after_s, 0.01), _QUOTA_POLL_MAX_S) * (1 + 0.1 * self._rng.random())
-                if deadline_epoch_s is not None and self._wall() + wait >= deadline_epoch_s:
-                    raise DeadlineExceeded("the job's deadline passed while its tenant "
-                                           f"{tenant.name!r} was over its rate limit") from None
-                await asyncio.sleep(wait)
+            grant = await self._grant(tenant, facts)
+            if grant.allowed:
+                return Charge(tenant, fleet, facts.prompt_tokens, grant)
+            wait = min(max(grant.retry_after_s, 0.01), _QUOTA_POLL_MAX_S) * (1 + 0.1 * self._rng.random())
+            if deadline_epoch_s is not None and self._wall() + wait >= deadline_epoch_s:
+                self.ledger.add(tenant.name, fleet, rate_limited=1)
+                raise DeadlineExceeded("the job's deadline passed while its tenant "
+                                       f"{tenant.name!r} was over its rate limit")
+            await asyncio.sleep(wait)
+
+    async def _grant(self, tenant: Tenant, facts: RequestFacts) -> Grant:
+        return await self.limiter.acquire(tenant, facts.prompt_tokens) if tenant.limited else UNLIMITED
 
     def settle(self, charge: Charge | None, usage: Usage | None, *, status: int, ok: bool) -> None:
         """The request ended: count it and correct its charge by what the engine reported.
