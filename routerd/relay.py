@@ -14,29 +14,24 @@ says how it ended (:class:`Ending`), in one of two ways:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ._engine_http import Response
 from .errors import quote
 from .resume import ResumableStream
 
-__all__ = ["Ending", "InstanceLost", "by_event", "passthrough"]
+if TYPE_CHECKING:
+    from .upstream import ResponseSink
 
-_ERROR_MARK = b'data: {"error"'
+__all__ = ["ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "passthrough"]
+
+ERROR_MARK = b'data: {"error"'
 _DONE = b"data: [DONE]"
 _TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
 # What a read of the engine's body may fail with (routerd._engine_http raises only these).
-_NET_ERRORS = (TimeoutError, OSError)
-
-
-class Sink(Protocol):
-    """:class:`routerd.upstream.ResponseSink`, the part a relay uses."""
-
-    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
-
-    async def write(self, chunk: bytes) -> None: ...
+NET_ERRORS = (TimeoutError, OSError)
 
 
 class InstanceLost(ConnectionError):
@@ -54,10 +49,6 @@ class Ending:
     message: str = ""
     engine_error: bool = False
 
-    @property
-    def ok(self) -> bool:
-        return not self.failure and not self.engine_error
-
 
 def _broken(e: BaseException) -> Ending:
     kind = "instance_lost" if isinstance(e, InstanceLost) else \
@@ -65,22 +56,22 @@ def _broken(e: BaseException) -> Ending:
     return Ending(kind, f"the engine failed mid-stream ({type(e).__name__}: {e})")
 
 
-async def passthrough(resp: Response, sink: Sink, first: bytes, sse: bool) -> Ending:
+async def passthrough(resp: Response, sink: ResponseSink, first: bytes, sse: bool) -> Ending:
     """Copy the rest of a stream (``first`` already went to the sink) as raw bytes. An error event the
     engine sent passes on, ended with ``[DONE]`` if the engine did not; the terminal event of a
     failure is the caller's to write."""
     tail = first[-_TAIL:]
-    saw_error = _ERROR_MARK in first
+    saw_error = ERROR_MARK in first
     read = resp.readany
     while True:
         try:
             chunk = await read()
-        except _NET_ERRORS as e:
+        except NET_ERRORS as e:
             return _broken(e)
         if not chunk:
             break
         await sink.write(chunk)
-        if not saw_error and (_ERROR_MARK in chunk or _ERROR_MARK in tail + chunk[:_TAIL]):
+        if not saw_error and (ERROR_MARK in chunk or ERROR_MARK in tail + chunk[:_TAIL]):
             saw_error = True
         tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
     if saw_error:
@@ -92,7 +83,7 @@ async def passthrough(resp: Response, sink: Sink, first: bytes, sse: bool) -> En
     return Ending()
 
 
-async def by_event(resp: Response, sink: Sink, first: bytes, rs: ResumableStream,
+async def by_event(resp: Response, sink: ResponseSink, first: bytes, rs: ResumableStream,
                    clock: Callable[[], float], gap: Callable[[float], None]) -> Ending:
     """Copy a continuable stream (``first`` included) as :meth:`ResumableStream.feed` makes it.
 
@@ -116,7 +107,7 @@ async def by_event(resp: Response, sink: Sink, first: bytes, rs: ResumableStream
                           + quote(rs.error_message()))
         try:
             chunk = await read()
-        except _NET_ERRORS as e:
+        except NET_ERRORS as e:
             return _broken(e)
         if not chunk:
             break

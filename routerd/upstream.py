@@ -63,18 +63,15 @@ from .config import RoutingConfig
 from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
 from .plugins import RequestView
 from .registry import Instance
-from .relay import InstanceLost
+from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
 from .resume import ResumableStream
 from .routing import Decision, Router
 from .telemetry import Telemetry
 
 _log = log.get("routerd.upstream")
 
-_ERROR_MARK = b'data: {"error"'
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
-# What the engine may fail with before or during a response (routerd._engine_http raises only these).
-_NET_ERRORS = (TimeoutError, OSError)
 
 
 class ResponseSink(Protocol):
@@ -455,7 +452,7 @@ class Upstream:
                 retry = e
             elif isinstance(e, TimeoutError):
                 retry = _Retry("timeout", f"no first byte from {inst.id} in time")
-            elif isinstance(e, _NET_ERRORS):
+            elif isinstance(e, NET_ERRORS):
                 reason = "connect" if isinstance(e, ConnectError) else "disconnect"
                 retry = _Retry(reason, f"{type(e).__name__}: {e}")
             else:
@@ -615,7 +612,7 @@ async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     first = await resp.readany()
     if not first:
         raise _Retry("empty", "the engine closed the stream before sending anything")
-    if first.startswith(_ERROR_MARK):
+    if first.startswith(ERROR_MARK):
         raise _Retry("error_event", "error event before any token: " + _event_message(first),
                      answered=True)
     return first

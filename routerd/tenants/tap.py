@@ -16,9 +16,12 @@ stream) and passes every byte on, so routerd bills what the engine counted, neve
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
+
+if TYPE_CHECKING:
+    from ..upstream import ResponseSink
 
 __all__ = ["Usage", "UsageTap"]
 
@@ -51,18 +54,13 @@ def _usage_of(doc: bytes) -> Usage | None:
     return None if usage is None else Usage(usage.prompt_tokens, usage.completion_tokens)
 
 
-class Sink(Protocol):
-    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...
-
-    async def write(self, chunk: bytes) -> None: ...
-
-
 class UsageTap:
     """:class:`routerd.upstream.ResponseSink` wrapping ``inner``; :meth:`usage` once the call ended."""
 
     __slots__ = ("_chunks", "_stream", "headers", "inner", "status")
 
-    def __init__(self, inner: Sink, *, stream: bool, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, inner: ResponseSink, *, stream: bool,
+                 headers: Mapping[str, str] | None = None) -> None:
         self.inner = inner
         self.headers = headers
         self.status = 0

@@ -316,8 +316,6 @@ class JobRunner:
             out = await self._upstream.forward(fleet, job.endpoint, facts.body, tap,
                                                stream=job.stream, request_id=job.id,
                                                request=view)
-            if preempt is not None:
-                preempt.disarm()
         except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
             reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
             if e.permanent:
