@@ -36,7 +36,7 @@ import msgspec
 
 from .errors import sse_error_event
 
-__all__ = ["NOT_CONTINUABLE", "ResumableStream", "meter", "plan"]
+__all__ = ["NOT_CONTINUABLE", "ResumableStream", "meter", "plan", "reader"]
 
 CHAT = "/v1/chat/completions"
 
@@ -144,6 +144,20 @@ _decode_event = msgspec.json.Decoder(_Event).decode
 _decode_ident = msgspec.json.Decoder(_Ident).decode
 
 
+def reader(endpoint: str, body: bytes, *, resumable: bool) -> ResumableStream | str:
+    """How upstream reads this streamed request, its body decoded once: a stream it may continue
+    (:func:`plan`), one read only for its usage (:func:`meter`), or — the string — why it is passed
+    through untouched (``"disabled"`` when resume is off)."""
+    try:
+        req = _decode_request(body)
+    except (msgspec.ValidationError, *_UNREADABLE):
+        return "fields" if resumable else "disabled"
+    planned = _plan(endpoint, body, req) if resumable else "disabled"
+    if not isinstance(planned, str):
+        return planned
+    return _meter(endpoint, body, req, planned) or planned
+
+
 def plan(endpoint: str, body: bytes) -> ResumableStream | str:
     """A :class:`ResumableStream` for this streamed request, or the key in :data:`NOT_CONTINUABLE`
     of why it cannot be continued (its stream is then passed through untouched, as before)."""
@@ -151,6 +165,10 @@ def plan(endpoint: str, body: bytes) -> ResumableStream | str:
         req = _decode_request(body)
     except (msgspec.ValidationError, *_UNREADABLE):
         return "fields"
+    return _plan(endpoint, body, req)
+
+
+def _plan(endpoint: str, body: bytes, req: _Request) -> ResumableStream | str:
     why = _obstacle(endpoint, req)
     if why:
         return why
@@ -170,6 +188,10 @@ def meter(endpoint: str, body: bytes, why: str) -> ResumableStream | None:
         req = _decode_request(body)
     except (msgspec.ValidationError, *_UNREADABLE):
         return None
+    return _meter(endpoint, body, req, why)
+
+
+def _meter(endpoint: str, body: bytes, req: _Request, why: str) -> ResumableStream | None:
     opts = req.stream_options
     asked = isinstance(opts, _StreamOptions) and bool(opts.include_usage)
     if not asked and (req.n not in (None, 1) or req.best_of not in (None, 1) or req.use_beam_search):

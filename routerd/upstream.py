@@ -355,10 +355,7 @@ class Upstream:
     def _plan(self, endpoint: str, body: bytes) -> ResumableStream | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
         passed through byte for byte (the string: why it is not continued)."""
-        plan = resume.plan(endpoint, body) if self.cfg.max_resumes else "disabled"
-        if isinstance(plan, str):  # not continued, but read the same way for its usage
-            return resume.meter(endpoint, body, plan) or plan
-        return plan
+        return resume.reader(endpoint, body, resumable=bool(self.cfg.max_resumes))
 
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
