@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from routerd._engine_http import (
+from routerd.dataplane.engine_http import (
     ConnectError,
     ConnectTimeout,
     Disconnected,

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.errors import BadRequest
-from routerd.ingress.http import parse_request
+from routerd.ingress.validate import read_head
 from routerd.jobs import decode_result
 from tests.fixtures.redis_server import (
     FakeUpstream,
@@ -130,7 +130,7 @@ async def test_a_jobs_body_is_checked_as_an_http_requests_body(
     dead-lettered naming the same field, and what HTTP accepts (``stream: null``) runs."""
     for endpoint, body, param in BAD_BODIES:
         with pytest.raises(BadRequest) as err:
-            parse_request(endpoint, msgspec.json.encode(body))
+            read_head(endpoint, msgspec.json.encode(body))
         assert err.value.param == param
     bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
     q = QueueClient(redis_async)

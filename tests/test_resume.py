@@ -21,10 +21,10 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from routerd import resume
 from routerd.bench.queue import queue_path, wait_ready
 from routerd.client import QueueClient
 from routerd.config import parse
+from routerd.dataplane import resume
 from routerd.sim.tokens import expected_text
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer
@@ -233,8 +233,10 @@ async def test_a_queue_streamed_job_goes_on_in_order_without_duplicates(
                  "fleets": [{"name": "f", "model": "m", "engine": "static",
                              "urls": [e.url for e in engines]}]}, environ={})
     body = {"model": "m", "prompt": "a queued stream", "max_tokens": 40, "stream": True}
-    async with queue_path(cfg, redis_server.url) as ingress:
-        await wait_ready(ingress, ["f"], 15)
+    async with queue_path(cfg, redis_server.url) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
             q = QueueClient(redis_async)

@@ -11,9 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from routerd import redact, resume
-from routerd.admission import Admission
+from routerd import redact
 from routerd.config import AdmissionConfig, ConfigError, parse
+from routerd.dataplane import resume
+from routerd.dataplane.admission import Admission
 from routerd.errors import Overloaded
 from routerd.ingress.validate import read_head
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
@@ -100,8 +101,7 @@ def scheduler(slots: int, shares: dict[str, Share], **cfg: Any) -> tuple[Admissi
     clock = Clock()
     settings: dict[str, Any] = {"max_inflight_per_instance": slots, "max_queued": 1000}
     settings.update(cfg)
-    adm = Admission(registry, msgspec.convert(settings, AdmissionConfig), clock=clock)
-    adm.set_tenants(shares, configured=True)
+    adm = Admission(registry, msgspec.convert(settings, AdmissionConfig), clock=clock, shares=shares)
     return adm, registry, clock
 
 
@@ -314,9 +314,10 @@ def test_with_tenants_a_fleet_admits_what_its_engines_run() -> None:
         registry.add(inst)
     adm = Admission(registry, AdmissionConfig(max_inflight_per_instance=256))
     assert adm.limit("f") == 512  # no tenants: as before, the engines queue the rest themselves
-    adm.set_tenants({"a": Share()}, configured=True)
+    adm.update_config(AdmissionConfig(max_inflight_per_instance=256), {"a": Share()})
     assert adm.limit("f") == 10  # their capacities: the rest waits here, in fair order
-    adm.update_config(AdmissionConfig(max_inflight_per_instance=256, engine_queue_per_instance=2))
+    adm.update_config(AdmissionConfig(max_inflight_per_instance=256, engine_queue_per_instance=2),
+                      {"a": Share()})
     assert adm.limit("f") == 14
 
 

@@ -15,12 +15,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from routerd.assembly import Routerd as Assembled
+from routerd.assembly import running
 from routerd.client import QueueClient
 from routerd.config import Config, parse
-from routerd.dataplane import DataPlane, running_dataplane
-from routerd.ingress.listener import HttpListener
 from routerd.ingress.queue import QueueIngress
-from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.routing.promtext import parse as parse_metrics
 from routerd.tenants.service import Tenancy
@@ -46,7 +45,7 @@ def config(redis_url: str, urls: list[str], tenants: list[dict[str, Any]], **adm
 @dataclass
 class Routerd:
     url: str
-    dp: DataPlane
+    dp: Assembled
     queue: QueueIngress
 
     def served(self, tenant: str) -> int:
@@ -63,22 +62,13 @@ class Routerd:
 async def routerd(cfg: Config) -> AsyncIterator[Routerd]:
     """One routerd in this process: the data plane, its HTTP listener and its queue consumer."""
     registry = Registry()
-    async with running_dataplane(cfg, registry, redis_url=cfg.redis.url) as dp, \
-            HttpListener(dp.http) as listener:
-        url = await listener.start(port=0)
-        queue = QueueIngress(cfg, lambda: redis_client(cfg.redis.url, cfg.redis), dp.upstream, dp.admission,
-                             registry, tenancy=dp.tenancy)
-        task = asyncio.create_task(queue.run())
-        try:
-            deadline = time.monotonic() + 20
-            while any(registry.ready_count(f.name) < len(f.urls) for f in cfg.fleets):
-                assert time.monotonic() < deadline, dp.status()
-                await asyncio.sleep(0.05)
-            yield Routerd(url, dp, queue)
-        finally:
-            queue.stop_intake()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async with running(cfg, registry) as dp:
+        assert dp.queue is not None
+        deadline = time.monotonic() + 20
+        while any(registry.ready_count(f.name) < len(f.urls) for f in cfg.fleets):
+            assert time.monotonic() < deadline, dp.status()
+            await asyncio.sleep(0.05)
+        yield Routerd(dp.url, dp, dp.queue)
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -325,7 +315,7 @@ async def test_a_reload_applies_tenants_keys_and_weights(redis_server: RedisServ
     async with routerd(config(redis_server.url, [sim.url], tenants)) as rd, aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": "x", "max_tokens": 1}
         assert (await post(s, rd.url, body, "sk-b"))[0] == 401
-        rd.dp.apply(config(redis_server.url, [sim.url],
+        await rd.dp.apply(config(redis_server.url, [sim.url],
                            [*tenants, {"name": "b", "api_keys": ["sk-b"], "requests_per_minute": 1}]))
         assert (await post(s, rd.url, body, "sk-b"))[0] == 200
         status, headers, _ = await post(s, rd.url, body, "sk-b")

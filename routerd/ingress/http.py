@@ -6,8 +6,8 @@ the engine validates (sampling parameters, lengths) is left to the engine, whose
 through. Errors routerd finds itself use vLLM/OpenAI's error JSON with a matching status.
 
 The app runs with ``handler_cancellation=True``: a client that disconnects cancels its handler, the
-cancellation reaches :meth:`Upstream.forward`, and that closes the engine connection so the engine
-aborts the request instead of generating into the void.
+cancellation reaches the engine call (:mod:`routerd.dataplane`), and that closes the engine
+connection so the engine aborts the request instead of generating into the void.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import msgspec
 from aiohttp import web
 
 from .. import log
-from ..admission import Admission
 from ..config import Config, FleetConfig
+from ..dataplane.admission import Admission
+from ..dataplane.dispatch import Dispatch, Request
 from ..elastic import Elastic
 from ..errors import (
     BadRequest,
@@ -38,26 +39,18 @@ from ..errors import (
     quote,
     sse_error_event,
 )
-from ..plugins import RequestView
 from ..registry import InstanceState, Registry
-from ..telemetry import CONTENT_TYPE, Telemetry
-from ..tenants import Tenant, UsageTap, inspect
+from ..routing import Router
+from ..telemetry import CONTENT_TYPE, Metrics, Telemetry
 from ..tenants.service import Tenancy
-from ..upstream import ForwardResult, Upstream
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
 from .auth import authenticate, check_admin
-from .validate import check_body, read_head
+from .validate import read_head
 
 _log = log.get("routerd.http")
 
 ExtraRoutes = Callable[[web.Application], None]
-
-
-def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
-    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field: the
-    check both ways in share (:func:`routerd.ingress.validate.check_body`)."""
-    return check_body(endpoint, body)
 
 
 def error_response(err: RouterdError) -> web.Response:
@@ -108,7 +101,7 @@ class _ForwardedResponse(web.StreamResponse):
 
 
 class _HttpSink:
-    """:class:`routerd.upstream.ResponseSink` onto the client's response."""
+    """:class:`routerd.dataplane.sinks.ResponseSink` onto the client's response."""
 
     __slots__ = ("request", "response")
 
@@ -129,15 +122,18 @@ class _HttpSink:
 class HttpIngress:
     """The aiohttp application and its handlers; one per data plane."""
 
-    def __init__(self, cfg: Config, registry: Registry, admission: Admission, upstream: Upstream,
-                 telemetry: Telemetry, clock: Callable[[], float] = time.monotonic, *,
+    def __init__(self, cfg: Config, registry: Registry, *, dispatch: Dispatch, admission: Admission,
+                 router: Router, tenancy: Tenancy, telemetry: Telemetry, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic,
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
-                 elastic: Elastic | None = None, tenancy: Tenancy | None = None) -> None:
+                 elastic: Elastic | None = None) -> None:
         self.registry = registry
-        self.tenancy = tenancy or Tenancy(cfg)  # the data plane's, shared with the queue
-        self.admission = admission
-        self.upstream = upstream
+        self.dispatch = dispatch
+        self.tenancy = tenancy  # the data plane's, shared with the queue
+        self.admission = admission  # its figures in /admin/fleets, its HTTP waiters answered on drain
+        self.router = router  # its policy's name in /admin/fleets
         self.telemetry = telemetry
+        self.exposition = metrics  # the /metrics body
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
@@ -225,7 +221,6 @@ class HttpIngress:
             self.handlers.discard(task)
             if not self.handlers:
                 self.idle.set()
-            fields.pop("forwarded", None)
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
@@ -235,67 +230,41 @@ class HttpIngress:
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
         try:
-            if self.draining and not self.handover:
-                raise ShuttingDown("routerd is shutting down")
-            tenant = authenticate(request, self.tenancy.directory)
-            if self.tenancy.directory.configured:
-                fields["tenant"] = tenant.name
-            if (request.content_length or 0) > self.cfg.http.max_body_bytes:
-                raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
-            body = await self._read_body(request)
-            head = read_head(endpoint, body)
-            model, stream = head.model, bool(head.stream)
-            fields["model"], fields["stream"] = quote(model), stream
-            fleet = self._models.get(model)
-            if fleet is None:
-                raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
-                               f"{', '.join(sorted(self._models)) or 'none'}", param="model")
-            fields["fleet"] = fleet
-            self.tenancy.check_fleet(tenant, fleet)
-            view = self.upstream.router.views.build(fleet, endpoint, head, session=_session(request))
-            result = await self._forward(tenant, fleet, endpoint, body, stream, request_id, sink, fields,
-                                         view)
-        except RouterdError as e:
+            req = await self._read(request, endpoint, request_id, fields)
+        except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
-            if "attempts" in e.data:
-                fields["attempts"] = e.data["attempts"]
-            if not fields.pop("forwarded", False):
-                self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
+            self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
             return error_response(e)
-        fields.pop("forwarded", None)
-        fields.update(status=result.status, instance=result.instance, attempts=result.attempts,
-                      ttfb_ms=round(result.ttfb_s * 1000, 2))
-        if result.resumes:
-            fields["resumes"] = result.resumes
-        if result.error:
-            fields["error"] = result.error
-        if result.decision is not None:  # why this instance: matched blocks, wait and TTFT of the best two
-            fields.update(result.decision.log_fields())
+        try:
+            await self.dispatch.run(req, lambda: sink, fields)
+        except RouterdError as e:  # the dispatch noted and counted it
+            return error_response(e)
         assert sink.response is not None
         await sink.response.write_eof()
         return sink.response
 
-    async def _forward(self, tenant: Tenant, fleet: str, endpoint: str, body: bytes, stream: bool,
-                       request_id: str, sink: _HttpSink, fields: dict[str, Any],
-                       view: RequestView | None = None) -> ForwardResult:
-        """The tenant's charge, an admission slot, the engine call; the usage the engine reported is
-        counted and the charge corrected however it ends (a client gone, an engine failing)."""
-        facts = inspect(body, view)
-        charge = await self.tenancy.charge(tenant, fleet, facts)  # RateLimited: 429 + x-ratelimit-*
-        tap = UsageTap(sink, stream=stream, headers=charge.grant.headers())
-        result: ForwardResult | None = None
-        waited = self.clock()
-        try:
-            async with self.admission.ticket(fleet, priority=0, deadline=None, source="http",
-                                             tenant=tenant.name):
-                fields["admission_ms"] = round((self.clock() - waited) * 1000, 2)  # time queued here
-                fields["forwarded"] = True  # from here on upstream counts the request
-                result = await self.upstream.forward(fleet, endpoint, facts.body, tap, stream=stream,
-                                                     request_id=request_id, request=view)
-        finally:
-            self.tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
-                                status=tap.status, ok=result is not None and result.ok)
-        return result
+    async def _read(self, request: web.Request, endpoint: str, request_id: str,
+                    fields: dict[str, Any]) -> Request:
+        """The HTTP request as the dispatch takes it: its key's tenant, its body, its fleet."""
+        if self.draining and not self.handover:
+            raise ShuttingDown("routerd is shutting down")
+        tenant = authenticate(request, self.tenancy.directory)
+        if self.tenancy.directory.configured:
+            fields["tenant"] = tenant.name
+        if (request.content_length or 0) > self.cfg.http.max_body_bytes:
+            raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
+        body = await self._read_body(request)
+        head = read_head(endpoint, body)
+        model, stream = head.model, bool(head.stream)
+        fields["model"], fields["stream"] = quote(model), stream
+        fleet = self._models.get(model)
+        if fleet is None:
+            raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
+                           f"{', '.join(sorted(self._models)) or 'none'}", param="model")
+        fields["fleet"] = fleet
+        self.tenancy.check_fleet(tenant, fleet)
+        return Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
+                       tenant=tenant, source="http", session=_session(request))
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
@@ -343,8 +312,8 @@ class HttpIngress:
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(self.telemetry.render) if len(self.handlers) > 64 \
-            else self.telemetry.render()
+        body = await asyncio.to_thread(self.exposition.render) if len(self.handlers) > 64 \
+            else self.exposition.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def admin_fleets(self, request: web.Request) -> web.Response:
@@ -370,7 +339,7 @@ class HttpIngress:
                 "admission": self.admission.stats(name),
                 "autoscale": self.elastic.status(name) if self.elastic is not None else None,
             }
-        return {"fleets": out, "policy": self.upstream.router.policy.name}
+        return {"fleets": out, "policy": self.router.policy.name}
 
 
 def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] | None) -> int | None:

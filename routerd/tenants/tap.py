@@ -5,7 +5,7 @@ stream) and passes every byte on, so routerd bills what the engine counted, neve
 
 - a non-streamed answer is one JSON document: its ``usage`` is read when the request ends;
 - a stream is read by upstream, event by event, the way a resumable stream is
-  (:func:`routerd.resume.meter`): it asks the engine for the counts on the client's behalf and hides
+  (:func:`routerd.dataplane.resume.meter`): it asks the engine for the counts on the client's behalf and hides
   what the client did not ask for, so the client gets the bytes of its own request; upstream returns
   the count (``ForwardResult.usage``, a resumed stream's whole generation) and :meth:`UsageTap.usage`
   is given it. One reader of the engine's events, one notion of what the client asked for.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import msgspec
 
 if TYPE_CHECKING:
-    from ..upstream import ResponseSink
+    from ..dataplane.sinks import ResponseSink
 
 __all__ = ["Usage", "UsageTap"]
 
@@ -55,7 +55,7 @@ def _usage_of(doc: bytes) -> Usage | None:
 
 
 class UsageTap:
-    """:class:`routerd.upstream.ResponseSink` wrapping ``inner``; :meth:`usage` once the call ended."""
+    """:class:`routerd.dataplane.sinks.ResponseSink` wrapping ``inner``; :meth:`usage` once the call ended."""
 
     __slots__ = ("_chunks", "_stream", "headers", "inner", "status")
 

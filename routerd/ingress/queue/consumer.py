@@ -27,15 +27,15 @@ import redis.exceptions
 
 from ... import _aio, log
 from ..._aio import wait_for
-from ...admission import Admission
 from ...config import Config
+from ...dataplane.admission import Admission
+from ...dataplane.dispatch import Dispatch
 from ...keys import Keys
 from ...redis_server import redis_client
-from ...registry import Registry
 from ...tenants.service import Tenancy
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Running, as_str
-from .job import Forwarder, JobRunner
+from .job import JobRunner
 from .reclaim import Reclaimer
 from .store import REDIS_DOWN, JobStore
 
@@ -47,17 +47,15 @@ _PARKED_PER_SLOT = 8  # jobs waiting for their tenant's rate limit, per admissio
 class QueueIngress:
     """Consumes the request stream; the daemon runs :meth:`run` in its TaskGroup."""
 
-    def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis],
-                 upstream: Forwarder, admission: Admission, registry: Registry, *,
-                 consumer: str | None = None, rng: random.Random | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+    def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis], *, dispatch: Dispatch,
+                 admission: Admission, tenancy: Tenancy, consumer: str | None = None,
+                 rng: random.Random | None = None) -> None:
         self._cfg = cfg
-        self._own_tenancy = tenancy is None  # else the data plane's, which it updates on reload
-        self.tenancy = tenancy or Tenancy(cfg)
+        self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
+        self._dispatch = dispatch
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
-        self.registry = registry
         self.consumer = consumer or cfg.redis.consumer or socket.gethostname()
         self.keys = Keys.from_config(cfg.redis)
         self._rng = rng or random.Random()
@@ -77,14 +75,14 @@ class QueueIngress:
         self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
                                     spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
-                               self.consumer, upstream=upstream, admission=admission,
-                               stats=self.stats, rng=self._rng, tenancy=self.tenancy)
+                               self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
+                               tenancy=tenancy)
 
     @classmethod
-    def from_config(cls, cfg: Config, *, url: str, registry: Registry, upstream: Forwarder,
-                    admission: Admission, tenancy: Tenancy | None = None) -> QueueIngress:
-        """The daemon's constructor: a Redis client for ``url`` built from ``[redis]``."""
-        return cls(cfg, lambda: redis_client(url, cfg.redis), upstream, admission, registry,
+    def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
+                    tenancy: Tenancy) -> QueueIngress:
+        """The assembly's constructor: a Redis client for ``url`` built from ``[redis]``."""
+        return cls(cfg, lambda: redis_client(url, cfg.redis), dispatch=dispatch, admission=admission,
                    tenancy=tenancy)
 
     async def __aenter__(self) -> QueueIngress:
@@ -104,8 +102,6 @@ class QueueIngress:
 
     def update_config(self, cfg: Config) -> None:
         self._cfg = cfg
-        if self._own_tenancy:
-            self.tenancy.update_config(cfg)
 
     def stop_intake(self) -> None:
         """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`)."""
@@ -223,14 +219,15 @@ class QueueIngress:
         the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least one read batch).
         """
         fleets = [f.name for f in self._cfg.fleets]
-        free = sum(self._admission.free_slots(f) for f in fleets) - self._held.unadmitted
-        limit = sum(self._admission.intake_limit(f) for f in fleets)  # a fleet at zero: one instance's
+        intake = [self._admission.intake(f) for f in fleets]  # a fleet at zero: one instance's
+        limit = sum(lim for lim, _ in intake)
+        free = sum(f for _, f in intake) - self._held.unadmitted
         ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured and limit else 0
         # With tenants, jobs wait in admission beyond the free slots: fair share chooses between the
         # tenants whose jobs it has read, and a stream is read in order.
         free += ahead
         bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) + ahead if limit else 0
-        parked = self._held.parked  # waiting for their tenant's rate limit: they hold no slot
+        parked = self._dispatch.quota_waiting  # waiting for their tenant's rate limit: no slot held
         if parked >= max(_PARKED_PER_SLOT * limit, self._cfg.redis.read_batch):
             return 0
         return max(0, min(self._cfg.redis.read_batch, free, bound - (self.held - parked)))

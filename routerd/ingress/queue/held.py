@@ -2,16 +2,13 @@
 
 The consumer adds a job when it reads it, the job's task releases it in ``finally``; reclaim, keep-alive
 and the cancel listener only look. ``unadmitted`` counts jobs read but not yet counted by admission, so
-a read never asks for more than the fleets can take (see ``QueueIngress._want``). ``parked`` counts
-jobs waiting for their tenant's rate limit: they hold no slot and must not stop other tenants' jobs
-from being read, so the read bound leaves them out (they have a bound of their own).
+a read never asks for more than the fleets can take (see ``QueueIngress._want``; the jobs waiting for
+their tenant's rate limit are counted by the dispatch, ``Dispatch.quota_waiting``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +39,6 @@ class Held:
         self.by_entry: dict[str, Running] = {}
         self.by_job: dict[str, Running] = {}
         self.unadmitted = 0
-        self.parked = 0
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -67,18 +63,6 @@ class Held:
         if running.unadmitted:
             running.unadmitted = False
             self.unadmitted -= 1
-
-    @contextlib.contextmanager
-    def waiting_for_quota(self, limited: bool) -> Iterator[None]:
-        """Around a job's wait for its tenant's rate limit (``limited``: its tenant has one)."""
-        if not limited:
-            yield
-            return
-        self.parked += 1
-        try:
-            yield
-        finally:
-            self.parked -= 1
 
     def release(self, running: Running) -> None:
         self.admitted(running)

@@ -15,13 +15,13 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from ... import _aio, log
-from ...admission import Admission
 from ...config import Config
+from ...dataplane.dispatch import Dispatch, Request
 from ...errors import BadRequest, DeadlineExceeded, RouterdError, error_type
 from ...jobs import (
     Attempt,
@@ -36,11 +36,7 @@ from ...jobs import (
     salvage,
 )
 from ...keys import Keys
-from ...plugins import RequestView
-from ...routing import Decision
-from ...tenants import RequestFacts, Tenant, UsageTap, inspect
-from ...tenants.service import Charge, Tenancy
-from ...upstream import ResponseSink, Upstream
+from ...tenants.service import Tenancy
 from ..validate import read_head
 from .held import Held, Running
 from .reclaim import delivery_counts
@@ -48,28 +44,6 @@ from .sinks import BufferSink, ReplyRefused, StreamSink
 from .store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
-_MAX_PREEMPTIONS = 3  # a job's slot is taken back at most this many times, then it runs to its end
-
-
-class ForwardOutcome(Protocol):
-    """How the engine call ended (``routerd.upstream.ForwardResult``)."""
-
-    instance: str
-    attempts: int
-    status: int
-    ok: bool
-    error: str | None
-    usage: tuple[int, int] | None  # a stream's, as the engine counted it
-    decision: Decision | None  # why its first instance was chosen, for the job's log line
-    resumes: int
-
-
-class Forwarder(Protocol):
-    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
-
-    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
-                      stream: bool, request_id: str,
-                      request: RequestView | None = None) -> ForwardOutcome: ...
 
 
 class _Retry(Exception):
@@ -88,62 +62,22 @@ class _Dead(Exception):
         self.reason, self.reply_usable = reason, reply_usable
 
 
-class _Preempt:
-    """Admission's way to take a running job's slot back: while the engine call runs it cancels it
-    (closing the connection: the engine aborts the generation), and :meth:`absorbed` tells that
-    cancellation from any other (a shutdown arriving as well is not swallowed)."""
-
-    __slots__ = ("_cancelling", "_fired", "_task")
-
-    def __init__(self) -> None:
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelling = 0
-        self._fired = False
-
-    def arm(self) -> None:
-        self._task = asyncio.current_task()
-        self._cancelling = self._task.cancelling() if self._task is not None else 0
-
-    def disarm(self) -> None:
-        self._task = None
-
-    def __call__(self) -> bool:
-        if self._task is None or self._fired:
-            return False  # not in the engine call (waiting, or storing its result): too late
-        self._fired = True
-        self._task.cancel()
-        return True
-
-    @property
-    def fired(self) -> bool:
-        return self._fired
-
-    def absorbed(self) -> bool:
-        """After a CancelledError: True if it was this preemption alone (it is undone)."""
-        task = asyncio.current_task()
-        return self._fired and task is not None and task.uncancel() <= self._cancelling
-
-
 class JobRunner:
     """Runs held jobs to their one result; ``QueueIngress`` owns the task each :meth:`run` runs in."""
 
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
-                 held: Held, keys: Keys, consumer: str, *, upstream: Forwarder,
-                 admission: Admission, stats: dict[str, int], rng: random.Random,
-                 tenancy: Tenancy) -> None:
+                 held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
+                 rng: random.Random, tenancy: Tenancy) -> None:
         self._cfg = cfg
         self._client = client
         self._store = store
         self._held = held
         self._keys = keys
         self._consumer = consumer
-        self._upstream = upstream
-        self._admission = admission
+        self._dispatch = dispatch
         self._stats = stats
         self._rng = rng
         self._tenancy = tenancy
-        # The real upstream's router builds each job's request view (a fake upstream routes blind).
-        self._views = upstream.router.views if isinstance(upstream, Upstream) else None
 
     async def run(self, running: Running, raw: bytes | None) -> None:
         try:
@@ -199,21 +133,14 @@ class JobRunner:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
         if problem is None and fleet is not None:
-            problem, code = self._tenant_problem(job, fleet.name)
+            try:
+                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name)
+            except RouterdError as e:
+                problem, code = e.message, e.status
         if problem is not None or fleet is None:
             await self._dead(running, raw, problem or "", job.id, reply_to, code=code)
             return None
         return job, fleet.name
-
-    def _tenant_problem(self, job: Job, fleet: str) -> tuple[str | None, int]:
-        """Why the job's tenant cannot send it (unknown, or not allowed that fleet), with its code."""
-        tenant = self._tenancy.tenant(job.tenant)
-        if tenant is None:
-            known = ", ".join(sorted(self._tenancy.directory.tenants))
-            return f"tenant: no tenant named {clip(repr(job.tenant), 100)} (tenants: {known})", 400
-        if not tenant.allows(fleet):
-            return f"tenant {job.tenant!r} may not use fleet {fleet!r}", 403
-        return None, 400
 
     async def _deliveries(self, running: Running, job: Job, raw: bytes, fleet: str) -> None:
         """Run the job, redelivering after retryable failures until it has a result or is dead."""
@@ -249,7 +176,6 @@ class JobRunner:
         not hold an engine slot; it also marks the job running.
         """
         deadline = job.deadline_epoch_s(running.entry_id)
-        mono_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
         state = await self._store.begin(job.id, running.entry_id, job.reply_to)
         if isinstance(state, str):
             raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
@@ -263,10 +189,13 @@ class JobRunner:
         self._held.admitted(running)
         # A tenant removed by a reload while its job waited: the job still runs, as the default's.
         tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
-        view = self._view(job, fleet, running)
-        facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
+        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
+        req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=head, stream=job.stream,
+                      id=job.id, tenant=tenant, source="queue", priority=tenant.priority(job.priority),
+                      deadline=deadline, session=job.session, waits_for_quota=True,
+                      preemptible=not job.stream)
         try:
-            return await self._run(running, job, fleet, tenant, facts, view, deadline, mono_deadline)
+            return await self._run(running, job, req)
         except DeadlineExceeded as e:
             self._stats["expired"] += 1
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
@@ -275,90 +204,53 @@ class JobRunner:
             return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
                                 504, attempts=running.delivery)
 
-    async def _run(self, running: Running, job: Job, fleet: str, tenant: Tenant, facts: RequestFacts,
-                   view: RequestView | None, deadline: float | None, mono_deadline: float | None) -> Result:
-        """The tenant's quota, a slot, the engine call — again when admission takes the slot back for
-        a tenant below its share (a non-streamed job: nobody has seen its output), at most
-        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption."""
-        runs = 0
-        while True:
-            with self._held.waiting_for_quota(tenant.limited):  # over its limit it waits, not failing
-                charge = await self._tenancy.wait_for_quota(tenant, fleet, facts, deadline)
-            preempt = _Preempt() if not job.stream and runs < _MAX_PREEMPTIONS else None
-            runs += 1
-            try:
-                async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
-                                                  deadline=mono_deadline, source="queue",
-                                                  tenant=tenant.name, preempt=preempt):
-                    if deadline is None:
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
-                    async with asyncio.timeout(deadline - time.time()):
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
-            except asyncio.CancelledError:
-                if preempt is None or not preempt.absorbed():
-                    raise
-                self._stats["preempted"] += 1
+    async def _run(self, running: Running, job: Job, req: Request) -> Result:
+        """The dispatch (quota, slot, engine call — again when admission takes a non-streamed job's slot
+        back), its response into the job's result or reply stream; a failure another delivery may not
+        have raises :class:`_Retry`."""
+        sinks: list[BufferSink | StreamSink] = []
 
-    async def _forward(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
-                       view: RequestView | None, charge: Charge, preempt: _Preempt | None = None) -> Result:
-        run_no = running.delivery
-        sink: BufferSink | StreamSink
-        if job.stream:
-            sink = StreamSink(self._store, job.id, job.reply_to, run_no, self._on_instance(job.id))
-        else:
-            sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
-        tap = UsageTap(sink, stream=job.stream)
-        out: ForwardOutcome | None = None
+        def sink() -> BufferSink | StreamSink:  # one per run: a preempted run's output is dropped
+            if job.stream:
+                sinks.append(StreamSink(self._store, job.id, job.reply_to, running.delivery,
+                                        self._on_instance(job.id)))
+            else:
+                sinks.append(BufferSink(_ignore))  # the result names the instance a moment later anyway
+            return sinks[-1]
+
+        line: dict[str, Any] = {}
         started = time.monotonic()
         try:
-            if preempt is not None:
-                preempt.arm()
-            out = await self._upstream.forward(fleet, job.endpoint, facts.body, tap,
-                                               stream=job.stream, request_id=job.id,
-                                               request=view)
+            out = await self._dispatch.run(req, sink, line)
         except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
             reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
             if e.permanent:
                 raise _Dead(reason, reply_usable=False) from None
             raise _Retry(reason) from None
+        except DeadlineExceeded:
+            raise  # the job's result: expired
         except RouterdError as e:
             if e.retryable or e.status >= 500:
                 raise _Retry(f"{e.type}: {e.message}", getattr(e, "instance", "")) from None
-            self._log_done(running, job, fleet, started, status=e.status, error=e.message)
-            return error_result(job.id, e.message, e.type, e.status, attempts=run_no)
+            self._log_done(running, job, req.fleet, started, line)
+            return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery)
         finally:
-            if preempt is not None:
-                preempt.disarm()
-            if preempt is not None and preempt.fired:
-                self._tenancy.withdraw(charge)  # it runs again, and that run is what counts
-            self._tenancy.settle(charge, tap.usage(out.usage if out is not None else None), status=tap.status,
-                                 ok=out is not None and out.ok)
-        mid_stream_failure = isinstance(sink, StreamSink) and sink.status == 200 and (
-            sink.failed or not out.ok)
+            self._stats["preempted"] += req.preempted
+        last = sinks[-1]
+        mid_stream_failure = isinstance(last, StreamSink) and last.status == 200 and (
+            last.failed or not out.ok)
         if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
             raise _Retry(out.error or f"upstream status {out.status}", out.instance, out.attempts)
-        self._log_done(running, job, fleet, started, status=out.status, instance=out.instance,
-                       attempts=out.attempts, **({"resumes": out.resumes} if out.resumes else {}),
-                       **({"error": out.error} if out.error else {}),
-                       **(out.decision.log_fields() if out.decision is not None else {}))
-        return sink.result(job.id, out.instance, out.attempts, out.status)
+        self._log_done(running, job, req.fleet, started, line)
+        return last.result(job.id, out.instance, out.attempts, out.status)
 
-    def _log_done(self, running: Running, job: Job, fleet: str, started: float, **fields: Any) -> None:
+    def _log_done(self, running: Running, job: Job, fleet: str, started: float,
+                  line: dict[str, Any]) -> None:
         """The job's line in the log, as the HTTP ingress writes one per request: where it ran, how it
         ended and why that instance (a retried delivery has its failures logged apart)."""
-        if self._tenancy.directory.configured:
-            fields["tenant"] = job.tenant
-        _log.info("queue_job", job_id=job.id, entry=running.entry_id, delivery=running.delivery, fleet=fleet,
-                  endpoint=job.endpoint, stream=job.stream,
-                  duration_ms=round((time.monotonic() - started) * 1000, 2), **fields)
-
-    def _view(self, job: Job, fleet: str, running: Running) -> RequestView | None:
-        """What routing knows of the job: its prompt, its ``session`` (else the body's ``user``), its
-        priority — from the head :func:`_body_problem` decoded when the job was read."""
-        if self._views is None:
-            return None
-        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
-        return self._views.build(fleet, job.endpoint, head, session=job.session, priority=job.priority)
+        _log.info("queue_job", job_id=job.id, entry=running.entry_id, delivery=running.delivery,
+                  fleet=fleet, endpoint=job.endpoint, stream=job.stream,
+                  duration_ms=round((time.monotonic() - started) * 1000, 2), **line)
 
     def _on_instance(self, job_id: str) -> Callable[[str], None]:
         def note(instance: str) -> None:

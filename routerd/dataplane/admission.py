@@ -45,13 +45,13 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .config import AdmissionConfig
-from .errors import DeadlineExceeded, NoReadyInstance, Overloaded, RouterdError
-from .registry import InstanceState, Registry
-from .tenants.fairshare import Line, Share, pick, victim
+from ..config import AdmissionConfig
+from ..errors import DeadlineExceeded, NoReadyInstance, Overloaded, RouterdError
+from ..registry import InstanceState, Registry
+from ..tenants.fairshare import Line, Share, pick, victim
 
 if TYPE_CHECKING:
-    from .elastic import Elastic
+    from ..elastic import Elastic
 
 Source = Literal["http", "queue"]
 
@@ -125,37 +125,32 @@ class Admission:
     """Per-fleet bounded priority admission. Use :meth:`ticket` around one request's whole life."""
 
     def __init__(self, registry: Registry, cfg: AdmissionConfig,
-                 clock: Callable[[], float] = time.monotonic, *, elastic: Elastic | None = None) -> None:
-        """``elastic`` starts fleets scaled to zero on demand (None: every fleet is fixed)."""
+                 clock: Callable[[], float] = time.monotonic, *, elastic: Elastic | None = None,
+                 shares: Mapping[str, Share] | None = None) -> None:
+        """``elastic`` starts fleets scaled to zero on demand (None: every fleet is fixed); ``shares``:
+        the ``[[tenants]]``' weights and concurrency bounds (None: no tenants are configured)."""
         self._registry = registry
-        self._cfg = cfg
         self._clock = clock
         self._elastic = elastic
         self._fleets: dict[str, _FleetQueue] = {}
         self._seq = itertools.count()
         self._served = itertools.count(1)
         self._freed = asyncio.Event()
-        self._shares: dict[str, Share] = {}
-        self._tenants_configured = False
-        self._http_parts: dict[str, int] = {}  # tenant → HTTP waiters it may have per fleet
         self._tenant_active: dict[str, int] = {}  # tenant → slots held, all fleets (max_concurrent)
-        self._engine_queue: int | None = None
-        self._preempting = False
-        self.set_tenants({}, configured=False)
+        self.update_config(cfg, shares)
 
-    def update_config(self, cfg: AdmissionConfig) -> None:
+    def update_config(self, cfg: AdmissionConfig, shares: Mapping[str, Share] | None = None) -> None:
+        """Bounds and tenants' shares (start-up and reload), applied together; unknown names weigh 1."""
         self._cfg = cfg
-        self.set_tenants(self._shares, configured=self._tenants_configured)
-
-    def set_tenants(self, shares: Mapping[str, Share], *, configured: bool) -> None:
-        """The tenants' weights and concurrency bounds (start-up and reload); unknown names weigh 1."""
-        self._shares = dict(shares)
-        self._tenants_configured = configured
-        q_in_engine = self._cfg.engine_queue_per_instance
-        self._engine_queue = q_in_engine if q_in_engine is not None else (0 if configured else None)
-        self._preempting = configured and self._cfg.preempt_queue_jobs
+        self._shares: dict[str, Share] = dict(shares or {})
+        self._tenants_configured = configured = shares is not None
+        q_in_engine = cfg.engine_queue_per_instance
+        self._engine_queue: int | None = (q_in_engine if q_in_engine is not None
+                                          else (0 if configured else None))
+        self._preempting = configured and cfg.preempt_queue_jobs
         total = sum(s.weight for s in self._shares.values()) or 1.0
-        self._http_parts = {name: max(1, int(self._cfg.max_queued * s.weight / total))
+        # tenant → HTTP waiters it may have per fleet
+        self._http_parts = {name: max(1, int(cfg.max_queued * s.weight / total))
                             for name, s in self._shares.items()} if len(self._shares) > 1 else {}
         for q in self._fleets.values():
             for name, line in q.lines.items():
@@ -199,12 +194,17 @@ class Admission:
             return self._cfg.max_inflight_per_instance
         return limit
 
+    def intake(self, fleet: str) -> tuple[int, int]:
+        """The queue path's read for ``fleet``: its :meth:`intake_limit` and the slots of it a new
+        request could take now without waiting (the limit computed once for both)."""
+        limit = self.intake_limit(fleet)
+        q = self._fleets.get(fleet)
+        taken = (q.active + q.queued_http + q.queued_queue) if q else 0
+        return limit, max(0, limit - taken)
+
     def free_slots(self, fleet: str) -> int:
         """Slots a new request could take now without waiting (the queue path pulls this many)."""
-        q = self._fleets.get(fleet)
-        active = q.active if q else 0
-        waiting = (q.queued_http + q.queued_queue) if q else 0
-        return max(0, self.intake_limit(fleet) - active - waiting)
+        return self.intake(fleet)[1]
 
     def stats(self, fleet: str) -> dict[str, int]:
         q = self._fleets.get(fleet) or _FleetQueue()
@@ -272,7 +272,7 @@ class Admission:
             line.join(q.waiting.values(), now)
             q.waiting[tenant] = line
         heapq.heappush(line.heap, waiter)
-        self._count(q, line, source, +1)
+        self._count(fleet, q, line, source, +1)
         if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
             self._dispatch(fleet, q)
         elif self._preempting:
@@ -288,7 +288,7 @@ class Admission:
         finally:
             if timer is not None:
                 timer.cancel()
-            self._count(q, line, source, -1)
+            self._count(fleet, q, line, source, -1)
             if q.waiting and q.active < q.limit:
                 self._dispatch(fleet, q)
         return line
@@ -366,14 +366,14 @@ class Admission:
     def _retry_after(self, q: _FleetQueue) -> float:
         return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
 
-    @staticmethod
-    def _count(q: _FleetQueue, line: Line[_Waiter], source: Source, delta: int) -> None:
+    def _count(self, fleet: str, q: _FleetQueue, line: Line[_Waiter], source: Source, delta: int) -> None:
         if source == "http":
             q.queued_http += delta
             line.queued_http += delta
         else:
             q.queued_queue += delta
             line.queued_queue += delta
+        self._registry.queued[fleet] = q.queued_http + q.queued_queue  # the autoscaler's demand
 
     def _preempt_for(self, q: _FleetQueue, line: Line[_Waiter]) -> None:
         """``line`` waits below its share on a full fleet: abort the most recently started preemptible

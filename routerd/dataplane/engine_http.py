@@ -106,7 +106,7 @@ class _Target:
 
 
 class EnginePool:
-    """Keep-alive connections to engines, for one :class:`~routerd.upstream.Upstream`.
+    """Keep-alive connections to engines, for one :class:`~routerd.dataplane.upstream.Upstream`.
 
     No limit on connections: admission bounds how many requests run at once, and a pool wait would be
     an unbounded, untimed queue.

@@ -1,6 +1,6 @@
 """Mid-stream resume: a stream whose engine fails goes on from another instance as the same stream.
 
-:mod:`routerd.upstream` moves bytes; this module knows what they mean. For one streamed request it
+:mod:`routerd.dataplane.upstream` moves bytes; this module knows what they mean. For one streamed request it
 
 1. decides before the first attempt whether the request can be continued faithfully at all
    (:func:`plan`; what cannot is :data:`NOT_CONTINUABLE`) and, if so, asks the engine for
@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import sse_error_event
+from ..errors import sse_error_event
 
 __all__ = ["NOT_CONTINUABLE", "ResumableStream", "meter", "plan", "reader"]
 

@@ -12,7 +12,7 @@ One request's life here:
    (at most ``max_attempts``, jittered exponential backoff); 4xx answers are the client's problem and
    are passed through (in OpenAI's error shape: an engine answer in another shape, such as FastAPI's
    ``{"detail": …}``, is rewrapped);
-4. after the first byte a stream is not retried but *resumed* (:mod:`routerd.resume`): when its
+4. after the first byte a stream is not retried but *resumed* (:mod:`routerd.dataplane.resume`): when its
    engine fails — connection dropped, read timeout, the instance declared lost, closed without
    ``[DONE]``, an error event with a 5xx code — the generation is continued on another instance and
    the client's stream goes on as one stream, at most ``max_resumes`` times (a queue job's deadline
@@ -37,7 +37,7 @@ by the health monitor.
 An instance whose heartbeats fail (``Instance.lose``) ends what runs on it at once: a hung engine never
 closes its sockets, so nothing else would before ``read_timeout_s`` (see :class:`_LostWatch`).
 
-The HTTP itself is :mod:`routerd._engine_http`: keep-alive connections per engine, one write per
+The HTTP itself is :mod:`routerd.dataplane.engine_http`: keep-alive connections per engine, one write per
 request. Cancelling ``forward`` (the client went away) closes the upstream connection, which is what
 makes vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
 way and do not count against the engine.
@@ -50,54 +50,28 @@ import random
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
 
-from . import log, relay, resume
-from ._engine_http import ConnectError, EnginePool, Response
-from .config import RoutingConfig
-from .errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
-from .plugins import RequestView
-from .registry import Instance
+from .. import log
+from ..config import RoutingConfig
+from ..errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
+from ..plugins import RequestView
+from ..registry import Instance
+from ..routing import Router
+from ..telemetry import Telemetry
+from . import relay, resume
+from .engine_http import ConnectError, EnginePool, Response
 from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
 from .resume import ResumableStream
-from .routing import Decision, Router
-from .telemetry import Telemetry
+from .sinks import ForwardResult, ResponseSink
 
 _log = log.get("routerd.upstream")
 
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
-
-
-class ResponseSink(Protocol):
-    """Where an engine response goes: the client's HTTP response, or a queue job's result."""
-
-    async def start(self, status: int, headers: Mapping[str, str]) -> None: ...  # once, before any byte
-
-    async def write(self, chunk: bytes) -> None: ...  # raw bytes, in order
-
-
-@dataclass
-class ForwardResult:
-    """How a forwarded request ended once bytes reached the sink."""
-
-    instance: str
-    attempts: int
-    status: int
-    ok: bool  # 2xx and, for streams, ended with [DONE] and no error event
-    error: str | None
-    ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
-    decision: Decision | None = None  # why its first instance was chosen (for the request's log line)
-    resumes: int = 0  # times the stream was continued on another instance after its engine failed
-    # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
-    # generation), whether or not the client asked for it; None for a non-stream (its body holds it)
-    # and for a stream that did not end well (billed as a cut stream: README, "Usage").
-    usage: tuple[int, int] | None = None
 
 
 class _Retry(Exception):
@@ -229,7 +203,7 @@ def _openai_error_body(body: bytes, status: int) -> bytes:
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
     """The pooled client session of a process: scrapes and health checks (the engine call itself has
-    the leaner connections of :class:`~routerd._engine_http.EnginePool`).
+    the leaner connections of :class:`~routerd.dataplane.engine_http.EnginePool`).
 
     Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive, so routerd never
     writes a request onto a connection the engine is closing. No pool limit: admission bounds

@@ -1,0 +1,226 @@
+"""One request's sequence, the same for both ways in: charge its tenant, hold an admission slot, call
+the engine (retries and resume are the engine call's), settle the usage, and note what its one log
+line says.
+
+The HTTP ingress and the queue differ only in how they read a request into a :class:`Request` and in
+where its response goes (a :class:`~routerd.dataplane.sinks.ResponseSink`); everything between is
+:meth:`Dispatch.run`. Where they differ in policy, the request says so, not the caller's code path:
+
+* over its tenant's rate limit, a request that ``waits_for_quota`` (a queue job) waits until its
+  deadline; any other is refused (:class:`RateLimited`, HTTP 429);
+* a ``preemptible`` request (a non-streamed queue job: nobody has seen its output) may have its slot
+  taken back by admission for a tenant below its share; it then runs again, at most
+  ``MAX_PREEMPTIONS`` times, so it is never starved by preemption;
+* a ``deadline`` bounds the wait for its quota, for a slot and the whole engine call.
+
+A refusal made here (rate limit, admission) is counted in ``routerd_requests_total`` here; the engine
+call counts every request it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RouterdError
+from ..ingress.validate import ChatHead, CompletionHead
+from ..plugins import RequestView
+from ..routing import RequestViews
+from ..telemetry import Telemetry
+from ..tenants import RequestFacts, Tenant, UsageTap, inspect
+from ..tenants.service import Charge, Tenancy
+from .admission import Admission, Source
+from .sinks import EngineCall, ForwardResult, ResponseSink
+
+__all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request"]
+
+MAX_PREEMPTIONS = 3  # a request's slot is taken back at most this many times, then it runs to its end
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request as a way in read it: what to send where, for whom, how urgent."""
+
+    fleet: str
+    endpoint: str
+    body: bytes  # the bytes the engine is sent
+    head: CompletionHead | ChatHead  # the body's head, decoded once (routing reads it)
+    stream: bool
+    id: str
+    tenant: Tenant
+    source: Source
+    priority: int = 0
+    deadline: float | None = None  # epoch seconds: the slot and the whole engine call end by then
+    session: str | None = None  # routing's session key; None: the body's ``user``
+    waits_for_quota: bool = False  # over the tenant's rate limit: wait (until the deadline), not 429
+    preemptible: bool = False
+    preempted: int = 0  # runs whose slot admission took back (each ran again), set by the dispatch
+
+
+class _Preempt:
+    """Admission's way to take a running request's slot back: while the engine call runs it cancels it
+    (closing the connection: the engine aborts the generation), and :meth:`absorbed` tells that
+    cancellation from any other (a shutdown arriving as well is not swallowed)."""
+
+    __slots__ = ("_cancelling", "_fired", "_task")
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._fired = False
+
+    def arm(self) -> None:
+        self._task = asyncio.current_task()
+        self._cancelling = self._task.cancelling() if self._task is not None else 0
+
+    def disarm(self) -> None:
+        self._task = None
+
+    def __call__(self) -> bool:
+        if self._task is None or self._fired:
+            return False  # not in the engine call (waiting, or storing its result): too late
+        self._fired = True
+        self._task.cancel()
+        return True
+
+    @property
+    def fired(self) -> bool:
+        return self._fired
+
+    def absorbed(self) -> bool:
+        """After a CancelledError: True if it was this preemption alone (it is undone)."""
+        task = asyncio.current_task()
+        return self._fired and task is not None and task.uncancel() <= self._cancelling
+
+
+class Dispatch:
+    """Both ways in call :meth:`run`; one per data plane."""
+
+    def __init__(self, *, views: RequestViews, admission: Admission, engine: EngineCall, tenancy: Tenancy,
+                 telemetry: Telemetry, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._views = views
+        self._admission = admission
+        self._engine = engine
+        self._tenancy = tenancy
+        self._telemetry = telemetry
+        self._clock = clock
+        self._wall = wall
+        self.quota_waiting = 0  # requests waiting for their tenant's rate limit (they hold no slot)
+
+    def view(self, req: Request) -> RequestView:
+        """What routing knows of the request: its prompt's blocks, session, priority."""
+        return self._views.build(req.fleet, req.endpoint, req.head, session=req.session,
+                                 priority=req.priority)
+
+    async def run(self, req: Request, sink: Callable[[], ResponseSink],
+                  line: dict[str, Any]) -> ForwardResult:
+        """Charge, admit and forward ``req``; ``sink()`` gives the sink of each run (a preempted one
+        runs again into a fresh one). The fields of the request's log line go into ``line``: who, how
+        long it waited for a slot, and (returned or raised) how it ended.
+
+        Raises the :class:`RouterdError` of a refusal (rate limit, admission) or of the engine call;
+        the usage is settled however it ends."""
+        if self._tenancy.directory.configured:
+            line["tenant"] = req.tenant.name
+        view = self.view(req)
+        facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
+        runs = 0
+        try:
+            while True:
+                preempt = _Preempt() if req.preemptible and runs < MAX_PREEMPTIONS else None
+                runs += 1
+                try:
+                    return await self._once(req, view, facts, sink(), preempt, line)
+                except asyncio.CancelledError:
+                    if preempt is None or not preempt.absorbed():
+                        raise
+                    req.preempted += 1
+        except RouterdError as e:
+            line["status"], line["error"] = e.status, e.message
+            if "attempts" in e.data:
+                line["attempts"] = e.data["attempts"]
+            raise
+
+    async def _charge(self, req: Request, facts: RequestFacts) -> Charge:
+        """The tenant charged for the request: refused (:class:`RateLimited`) over its limit, or
+        waiting for its quota until the deadline (:class:`DeadlineExceeded`) if ``waits_for_quota``."""
+        tenant = req.tenant
+        if not req.waits_for_quota:
+            return await self._tenancy.charge(tenant, req.fleet, facts)
+        limited = int(tenant.limited)  # only a tenant with a limit can wait for it
+        self.quota_waiting += limited
+        try:
+            return await self._tenancy.wait_for_quota(tenant, req.fleet, facts, req.deadline)
+        finally:
+            self.quota_waiting -= limited
+
+    async def _once(self, req: Request, view: RequestView, facts: RequestFacts, sink: ResponseSink,
+                    preempt: _Preempt | None, line: dict[str, Any]) -> ForwardResult:
+        """One run: the charge, a slot, the engine call within the deadline; the charge settled (or,
+        preempted, withdrawn: the next run is what counts) however it ends."""
+        forwarded = False
+        try:
+            charge = await self._charge(req, facts)
+        except RouterdError as e:  # refused here: the engine call counts only what it was given
+            self._telemetry.count_request(req.fleet, "", e.status)
+            raise
+        tap = UsageTap(sink, stream=req.stream, headers=charge.grant.headers())
+        result: ForwardResult | None = None
+        deadline = req.deadline
+        waited = self._clock()
+        try:
+            async with self._admission.ticket(req.fleet, priority=req.priority,
+                                              deadline=_monotonic(deadline, self._wall), source=req.source,
+                                              tenant=req.tenant.name, preempt=preempt):
+                line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # time queued here
+                forwarded = True
+                if preempt is not None:
+                    preempt.arm()
+                try:
+                    if deadline is None:
+                        result = await self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
+                                                            stream=req.stream, request_id=req.id,
+                                                            request=view)
+                    else:
+                        async with asyncio.timeout(deadline - self._wall()):
+                            result = await self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
+                                                                stream=req.stream, request_id=req.id,
+                                                                request=view)
+                finally:
+                    if preempt is not None:
+                        preempt.disarm()
+        except RouterdError as e:
+            if not forwarded:
+                self._telemetry.count_request(req.fleet, "", e.status)
+            raise
+        finally:
+            if preempt is not None and preempt.fired:
+                self._tenancy.withdraw(charge)
+            self._tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
+                                 status=tap.status, ok=result is not None and result.ok)
+        assert result is not None  # the engine call returned
+        line.update(outcome_fields(result))
+        return result
+
+
+def outcome_fields(result: ForwardResult) -> dict[str, Any]:
+    """What the request's log line says of how the engine call ended: where, after how many attempts
+    and resumes, how soon, and why that instance (matched blocks, wait and TTFT of the best two)."""
+    fields: dict[str, Any] = {"status": result.status, "instance": result.instance,
+                              "attempts": result.attempts, "ttfb_ms": round(result.ttfb_s * 1000, 2)}
+    if result.resumes:
+        fields["resumes"] = result.resumes
+    if result.error:
+        fields["error"] = result.error
+    if result.decision is not None:
+        fields.update(result.decision.log_fields())
+    return fields
+
+
+def _monotonic(deadline: float | None, wall: Callable[[], float]) -> float | None:
+    """An epoch deadline on the monotonic clock admission keeps."""
+    return None if deadline is None else time.monotonic() + (deadline - wall())
