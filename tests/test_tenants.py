@@ -419,3 +419,41 @@ def test_settling_corrects_the_estimate_and_refunds_what_no_engine_did() -> None
     tenancy.settle(charge, None, status=0, ok=False)  # no engine answered: given back whole
     assert level() == (99, 600)
     assert tenancy.ledger.totals[("a", "f")] == [1, 1, 0, 120, 280]
+
+
+async def test_a_reload_that_adds_tenants_applies_their_bounds_at_once() -> None:
+    """A reload hands admission its new bounds and the new tenants together. Applied one after the
+    other (bounds with the old tenants' settings, then the tenants) the moment between admitted
+    waiters under a limit neither config has: without tenants the engines queue beyond their capacity
+    (``max_inflight_per_instance`` 100), with them a fleet admits only its engines' capacity (2)."""
+    import aiohttp
+
+    from routerd.assembly import build
+
+    def cfg(**extra: Any) -> Any:
+        return parse({"redis": {"enabled": False}, "fleets": [
+            {"name": "f", "model": "m", "engine": "static", "urls": ["http://127.0.0.1:9"],
+             "max_num_seqs": 2}], **extra}, environ={})
+
+    async with aiohttp.ClientSession() as session:
+        routerd = build(cfg(admission={"max_inflight_per_instance": 2}), Registry(), session)
+        inst = routerd.registry.instances("f")[0]
+        routerd.registry.set_state(inst, InstanceState.READY)
+        adm = routerd.admission
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with adm.ticket("f", source="queue", tenant="a"):
+                await release.wait()
+
+        tasks = [asyncio.create_task(hold()) for _ in range(4)]
+        while adm.stats("f")["queued_queue"] < 2:  # noqa: ASYNC110  # polls admission's state; no event
+            await asyncio.sleep(0)
+        assert adm.stats("f")["active"] == 2  # max_inflight_per_instance, the engine queues the rest
+        await routerd.apply(cfg(admission={"max_inflight_per_instance": 100}, tenants=[{"name": "a"}]))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert adm.limit("f") == 2  # with tenants: the engine's capacity
+        assert adm.stats("f")["active"] == 2  # and never more, not even for a moment
+        release.set()
+        await asyncio.gather(*tasks)
