@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from routerd.bench.queue import queue_path, wait_ready
 from routerd.client import QueueClient
 from routerd.config import parse
-from routerd.dataplane import resume
+from routerd.dataplane import resume, resume_stream
 from routerd.sim.tokens import expected_text
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer
@@ -500,8 +500,9 @@ def test_usage_is_cut_out_whatever_it_holds() -> None:
     event = (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],"usage":{"prompt_tokens":1,'
              b'"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}},'
              b'"prompt_token_ids":null}')
-    assert resume._cut_usage(event) == (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],'
-                                        b'"prompt_token_ids":null}')
+    cut = resume_stream._cut_usage(event)
+    assert cut == (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],'
+                   b'"prompt_token_ids":null}')
 
 
 def test_a_body_without_stream_options_is_spliced_not_reencoded() -> None:

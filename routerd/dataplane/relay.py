@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import quote
 from .engine_http import Response
-from .resume import ResumableStream
+from .resume_stream import ResumableStream
 from .sinks import ResponseSink
 
 __all__ = ["ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "passthrough"]
