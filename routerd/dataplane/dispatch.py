@@ -32,7 +32,8 @@ from ..routing import RequestViews
 from ..telemetry import Telemetry
 from ..tenants import RequestFacts, Tenant, UsageTap, inspect
 from ..tenants.service import Charge, Tenancy
-from .admission import Admission, Source
+from .admission import Admission
+from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
 
 __all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request"]
