@@ -19,6 +19,7 @@ from routerd.client import QueueClient
 from routerd.errors import BadRequest
 from routerd.ingress.validate import read_head
 from routerd.jobs import decode_result
+from routerd.telemetry import Metrics
 from tests.fixtures.redis_server import (
     FakeUpstream,
     QueueBench,
@@ -234,6 +235,9 @@ async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: Redis
     assert res.error["code"] == 504
     assert ok.status == "ok"
     assert expired.id not in bench.upstream.calls
+    # Refused by admission, as an HTTP request would be: counted both ways in, with no instance.
+    metrics = Metrics(bench.telemetry, []).render().decode()
+    assert 'routerd_requests_total{code="504",fleet="f",instance=""} 1.0' in metrics
 
 
 async def test_deadline_passing_during_run(redis_server: RedisServer,
