@@ -220,15 +220,15 @@ def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
 class Upstream:
     """Forwards requests to a fleet's instances; shared by the HTTP ingress and the queue consumer."""
 
-    def __init__(self, router: Router, cfg: RoutingConfig,
-                 telemetry: Telemetry | None = None, *, rng: random.Random | None = None,
+    def __init__(self, router: Router, cfg: RoutingConfig, telemetry: Telemetry, *,
+                 rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive.
         self.pool = EnginePool(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                                keepalive_s=4.0)
         self.router = router
         self.cfg = cfg
-        self.telemetry = telemetry or Telemetry()
+        self.telemetry = telemetry
         self.rng = rng or random.Random()
         self.clock = clock
         self.active = 0  # forward() calls in progress (drain waits on this)
