@@ -106,7 +106,8 @@ class UsageLedger:
                 for i, d in enumerate(deltas):
                     pending[i] += d
             self.flush_errors += 1
-            _log.warning("usage_flush_failed", error=repr(e), pending=len(self._pending))
+            # redis-py's repr() of its errors drops the message ("server:ResponseError")
+            _log.warning("usage_flush_failed", error=f"{type(e).__name__}: {e}", pending=len(self._pending))
             return False
         return True
 
