@@ -1,12 +1,13 @@
-"""Rate limits under bad input and Redis errors (issue 18): one request, one tenant's key or one error
-reply stays with itself — the batching loop every tenant's checks go through goes on, the other tenants
-stay on the shared buckets, and an error is logged as the error it is."""
+"""Rate limits and usage under bad input and Redis errors (issue 18): one request, one tenant's key or
+one error reply stays with itself — the batching loop every tenant's checks go through goes on, the
+other tenants stay on the shared buckets, and an error is logged as the error it is."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from routerd.config import Config
 from routerd.tenants.directory import Tenant
 from routerd.tenants.ratelimit import LocalBuckets
 from routerd.tenants.service import Tenancy
+from routerd.tenants.usage import day_of
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 from tests.test_tenants_e2e import config, post, routerd, wait_until
@@ -188,3 +190,26 @@ def test_local_buckets_keep_no_debt_for_a_dimension_without_a_limit() -> None:
     refused = local.apply(t, 1, 1, check=True)
     assert not refused.allowed
     assert refused.retry_after_ms <= 61 * 60_000
+
+
+async def test_a_usage_increment_redis_refuses_is_dropped_not_retried_with_the_others(
+        redis_server: RedisServer) -> None:
+    """One field Redis refuses (here: not an integer) failed the whole pipeline, whose other increments
+    Redis had applied; the batch was kept and written again every second, adding them again each time."""
+    cfg = config(redis_server.url, _NO_ENGINE, [{"name": "a"}, {"name": "b"}])
+    r = redis_server.client()
+    day = day_of(time.time())
+    r.hset(f"routerd:usage:{day}", "a|f|requests", "not a number")
+    async with running(cfg, redis_server.url) as tenancy:
+        ledger = tenancy.ledger
+        ledger.add("a", "f", requests=1)
+        ledger.add("b", "f", requests=1, prompt_tokens=7)
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                await ledger.flush()
+    written = r.hgetall(f"routerd:usage:{day}")
+    assert (written[b"b|f|requests"], written[b"b|f|prompt_tokens"]) == (b"1", b"7")  # once, not 3 times
+    refused = [e for e in logs if e["event"] == "usage_write_refused"]
+    assert len(refused) == 1
+    assert refused[0]["field"] == "a|f|requests"
+    assert "not an integer" in refused[0]["error"]
