@@ -99,6 +99,11 @@ class ShuttingDown(RouterdError):
     status, type = 503, "ServiceUnavailableError"
 
 
+class RateLimitFailed(RouterdError):
+    """A request's rate-limit check failed inside routerd (not over the limit, not Redis away): that
+    request fails, logged with the cause; the checks of every other request go on."""
+
+
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
     """vLLM ≥ 0.10.1's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

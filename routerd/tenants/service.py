@@ -216,8 +216,10 @@ class _Collector:
             queued.add_metric([tenant, fleet], s["queued"])
             slot_seconds.add_metric([tenant, fleet], s["slot_seconds"])
         yield from (requests, tokens, active, queued, slot_seconds)
-        yield CounterMetricFamily("routerd_tenant_ratelimit_redis_errors", "Rate-limit batches Redis did "
-                                  "not answer (this routerd then enforced the limits alone for a second)",
+        yield CounterMetricFamily("routerd_tenant_ratelimit_redis_errors", "Rate-limit calls Redis did not "
+                                  "answer or answered with an error, a tenant's unusable bucket included "
+                                  "(this routerd then decided alone: see the log)",
                                   value=self._limiter.redis_errors)
         yield CounterMetricFamily("routerd_tenant_usage_flush_errors", "Failed writes of usage to Redis "
-                                  "(kept and written with the next)", value=self._ledger.flush_errors)
+                                  "(kept and written with the next; increments Redis refused are dropped, "
+                                  "logged)", value=self._ledger.flush_errors)
