@@ -281,6 +281,12 @@ async def test_usage_totals_equal_what_the_engines_reported(
 
 
 # -- who may send what ------------------------------------------------------------------------------------
+async def listed_models(s: aiohttp.ClientSession, url: str, key: str) -> list[str]:
+    async with s.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200
+        return sorted(m["id"] for m in (await r.json())["data"])
+
+
 async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     m = await sim_process(model="m", ttft_ms=0, itl_ms=0)
@@ -300,6 +306,8 @@ async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         assert (await post(s, rd.url, {"model": "n", "prompt": "x", "max_tokens": 1}, "sk-shared"))[0] == 200
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}, "sk-nobody"))[0] == 401
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}))[0] == 401
+        assert await listed_models(s, rd.url, "sk-only-f") == ["m"]  # n is a model it may not use
+        assert await listed_models(s, rd.url, "sk-shared") == ["m", "n"]
         unknown = await q.submit({"model": "m", "prompt": "x"}, tenant="nobody")
         barred = await q.submit({"model": "n", "prompt": "x"}, tenant="only-f")
         r1, r2 = await q.wait(unknown, timeout=10), await q.wait(barred, timeout=10)
