@@ -319,6 +319,12 @@ async def test_usage_and_submit_log_in_with_the_configs_password_whatever_its_ke
             rows = json.loads(await run("usage", *argv, "--json", **extra))["rows"]
             assert [(r["tenant"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] \
                 == [("web", 3, 5, 7)], argv
+        cli = await asyncio.create_subprocess_exec(  # --days past the bound is refused (a huge one hung)
+            sys.executable, "-m", "routerd", "usage", "--config", str(path), "--days", "5000",
+            stderr=asyncio.subprocess.PIPE, env=env)
+        _, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 2
+        assert b"--days must be 1..3660" in err
         job = (await run("submit", "--config", str(path), "hello")).strip()
         async with QueueClient.from_url(server.url, password=password) as q:
             entries = await q.redis.xrange("routerd:requests")

@@ -22,6 +22,7 @@ from ..keys import Keys
 from .usage import COUNTERS, day_of, read_days
 
 _COLUMNS = ["day", "tenant", "fleet", *COUNTERS, "total_tokens"]
+_MAX_DAYS = 3660  # ten years of per-day counters
 
 
 def _days(n: int, now: float) -> list[str]:
@@ -49,8 +50,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--days", type=int, default=7, help="the last N UTC days, today included (default 7)")
     p.add_argument("--json", action="store_true", help="print JSON: {days, rows, totals}")
     args = p.parse_args(argv)
-    if args.days < 1:
-        p.error("--days must be at least 1")
+    if not 1 <= args.days <= _MAX_DAYS:  # a day is a key to read: a huge N would only hang
+        p.error(f"--days must be 1..{_MAX_DAYS}")
     from ..config import EXIT_CONFIG, ConfigError
 
     try:
