@@ -245,11 +245,11 @@ class Daemon:
         return FleetManager(self.cfg, self.registry, cluster, session)
 
     def _admin_routes(self, app: web.Application) -> None:
-        if self.fleets is None:
-            return
+        """The admin write routes, static-only too: a static instance can be drained without Ray."""
         from .ingress.admin import add_admin_routes
 
-        add_admin_routes(app, self.fleets, lambda: self.cfg.http.admin_api_key)
+        assert self.dataplane is not None, "the HTTP listener starts after the data plane is built"
+        add_admin_routes(app, self.fleets, self.dataplane.static_health, lambda: self.cfg.http.admin_api_key)
 
     async def _main_loop(self) -> None:
         stop = asyncio.create_task(self._stop.wait())

@@ -82,7 +82,9 @@ async def running(cfg: Config, *, http: bool = False, stop_engines: bool = True)
                     if http:
                         dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
                         listener = await stack.enter_async_context(HttpListener(dp.http))
-                        r.url = await listener.start(lambda app: add_admin_routes(app, fm, ""), port=0)
+                        static = dp.static_health
+                        r.url = await listener.start(lambda app: add_admin_routes(app, fm, static, ""),
+                                                     port=0)
                         tasks.append(asyncio.create_task(dp.run()))
                     try:
                         yield r

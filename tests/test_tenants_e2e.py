@@ -6,25 +6,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from routerd.client import QueueClient
-from routerd.config import Config, parse
+from routerd.config import Config, RedisConfig, parse
 from routerd.dataplane import DataPlane, running_dataplane
 from routerd.ingress.listener import HttpListener
 from routerd.ingress.queue import QueueIngress
+from routerd.keys import Keys
 from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.routing.promtext import parse as parse_metrics
 from routerd.tenants.service import Tenancy
-from tests.fixtures.daemon import RouterdFactory
+from routerd.tenants.usage import UsageLedger
+from tests.fixtures.daemon import RouterdFactory, to_toml
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -280,7 +284,63 @@ async def test_usage_totals_equal_what_the_engines_reported(
     assert rows["jobs"]["requests"] == 6
 
 
+async def test_usage_and_submit_log_in_with_the_configs_password_whatever_its_keys(tmp_path: Path) -> None:
+    """``routerd usage --config`` (and ``routerd submit --config``) reach a password-protected Redis with
+    the file's ``redis.password``, or ``$ROUTERD_REDIS_PASSWORD`` without a file, and a tenant's ``env:``
+    key whose variable is not set where the tool runs does not matter: keys are not what it reads."""
+    password = "usage-pw-J3k9"
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", extra_args=("--requirepass", password))
+    server.start()
+    try:
+        cfg = {"redis": {"url": server.url, "password": password},
+               "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": ["http://127.0.0.1:9"]}],
+               "tenants": [{"name": "web", "api_keys": ["env:ROUTERD_TEST_KEY_NOT_SET_HERE"]}]}
+        path = tmp_path / "routerd.toml"
+        path.write_text(to_toml(cfg))
+        writer = redis_client(server.url, RedisConfig(password=password))
+        ledger = UsageLedger(lambda: writer, Keys(), retention_days=1)  # what a routerd on it counted
+        ledger.add("web", "f", requests=3, prompt_tokens=5, completion_tokens=7)
+        assert await ledger.flush()
+        await writer.aclose()
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"ROUTERD_REDIS_PASSWORD", "ROUTERD_REDIS_URL", "ROUTERD_TEST_KEY_NOT_SET_HERE"}}
+
+        async def run(*argv: str, **extra: str) -> str:
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**env, **extra})
+            out, err = await asyncio.wait_for(cli.communicate(), 60)
+            assert cli.returncode == 0, err.decode()
+            return out.decode()
+
+        for argv, extra in [(["--config", str(path)], {}),
+                            (["--redis", server.url], {"ROUTERD_REDIS_PASSWORD": password})]:
+            rows = json.loads(await run("usage", *argv, "--json", **extra))["rows"]
+            assert [(r["tenant"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] \
+                == [("web", 3, 5, 7)], argv
+        cli = await asyncio.create_subprocess_exec(  # --days past the bound is refused (a huge one hung)
+            sys.executable, "-m", "routerd", "usage", "--config", str(path), "--days", "5000",
+            stderr=asyncio.subprocess.PIPE, env=env)
+        _, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 2
+        assert b"--days must be 1..3660" in err
+        job = (await run("submit", "--config", str(path), "hello")).strip()
+        async with QueueClient.from_url(server.url, password=password) as q:
+            entries = await q.redis.xrange("routerd:requests")
+        assert len(entries) == 1
+        assert job.encode() in entries[0][1][b"job"]  # the job it said it wrote
+    finally:
+        server.kill()
+
+
 # -- who may send what ------------------------------------------------------------------------------------
+async def listed_models(s: aiohttp.ClientSession, url: str, key: str) -> list[str]:
+    async with s.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200
+        return sorted(m["id"] for m in (await r.json())["data"])
+
+
 async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     m = await sim_process(model="m", ttft_ms=0, itl_ms=0)
@@ -300,6 +360,8 @@ async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         assert (await post(s, rd.url, {"model": "n", "prompt": "x", "max_tokens": 1}, "sk-shared"))[0] == 200
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}, "sk-nobody"))[0] == 401
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}))[0] == 401
+        assert await listed_models(s, rd.url, "sk-only-f") == ["m"]  # n is a model it may not use
+        assert await listed_models(s, rd.url, "sk-shared") == ["m", "n"]
         unknown = await q.submit({"model": "m", "prompt": "x"}, tenant="nobody")
         barred = await q.submit({"model": "n", "prompt": "x"}, tenant="only-f")
         r1, r2 = await q.wait(unknown, timeout=10), await q.wait(barred, timeout=10)

@@ -59,7 +59,7 @@ async def running_routerd(cfg: Config, *, redis_url: str | None = None,
                 fm.autoscaler.attach_admission(dp.admission.stats)
                 dp.telemetry.attach_fleets(fm.collector())
                 await fm.start()
-                routes = (lambda app: add_admin_routes(app, fm, "")) if admin else None
+                routes = (lambda app: add_admin_routes(app, fm, dp.static_health, "")) if admin else None
                 async with contextlib.AsyncExitStack() as stack:
                     listener = await stack.enter_async_context(HttpListener(dp.http))
                     queue = None

@@ -321,9 +321,11 @@ class HttpIngress:
             pass
 
     async def models(self, request: web.Request) -> web.Response:
-        authenticate(request, self.tenancy.directory)  # a refusal is answered by errors_as_json
+        # A refusal is answered by errors_as_json. Only the fleets the caller's tenant may use are
+        # listed: a model it would get 403 for is not one it has.
+        tenant = authenticate(request, self.tenancy.directory)
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
-                 "root": f.model, "parent": None} for f in self.cfg.fleets]
+                 "root": f.model, "parent": None} for f in self.cfg.fleets if tenant.allows(f.name)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     # operations ------------------------------------------------------------------------------
