@@ -95,8 +95,9 @@ class ForwardResult:
     decision: Decision | None = None  # why its first instance was chosen (for the request's log line)
     resumes: int = 0  # times the stream was continued on another instance after its engine failed
     # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
-    # generation), whether or not the client asked for it; None for a non-stream (its body holds it)
-    # and for a stream that did not end well (billed as a cut stream: README, "Usage").
+    # generation), whether or not the client asked for it, as far as it was read — a stream that
+    # did not end well included: its engine generated them; None for a non-stream (its body holds it)
+    # and for a stream whose events carried no count.
     usage: tuple[int, int] | None = None
 
 
@@ -297,6 +298,10 @@ class Upstream:
         plan = self._plan(endpoint, body) if stream else None  # how a stream is read and resumed
         if isinstance(plan, ResumableStream):
             body = plan.engine_body
+            meter: Callable[[Callable[[], tuple[int, int] | None]], None] | None = \
+                getattr(sink, "meter", None)
+            if meter is not None:  # a UsageTap: it reads the count however the call ends (cancelled too)
+                meter(plan.usage)
         self.active += 1
         try:
             for attempt in range(1, self.cfg.max_attempts + 1):
@@ -320,7 +325,7 @@ class Upstream:
                     result = await self._resume(fleet, endpoint, sink, request_id, task, plan, failure,
                                                 tried, request)
                     result.attempts += attempt
-                    result.usage = plan.usage() if result.ok else None
+                    result.usage = plan.usage()
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
                     tel.count_request(fleet, result.instance, result.status)
@@ -411,7 +416,7 @@ class Upstream:
             clean = True
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
                                  ttfb_s=ttfb,
-                                 usage=plan.usage() if ok and isinstance(plan, ResumableStream) else None)
+                                 usage=plan.usage() if isinstance(plan, ResumableStream) else None)
         finally:
             lost.close()
             inst.inflight -= 1

@@ -20,10 +20,12 @@ from routerd.config import Config, parse
 from routerd.dataplane import DataPlane, running_dataplane
 from routerd.ingress.listener import HttpListener
 from routerd.ingress.queue import QueueIngress
+from routerd.keys import Keys
 from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.routing.promtext import parse as parse_metrics
 from routerd.tenants.service import Tenancy
+from routerd.tenants.usage import day_of, read_days
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
@@ -278,6 +280,88 @@ async def test_usage_totals_equal_what_the_engines_reported(
         assert (rows[tenant]["prompt_tokens"], rows[tenant]["completion_tokens"]) == (prompt, completion)
     assert rows["web"]["requests"] == 12
     assert rows["jobs"]["requests"] == 6
+
+
+async def read_events(r: aiohttp.ClientResponse, k: int) -> int:
+    """Read ``k`` events carrying text of a stream (fewer if it ends first); the number read."""
+    n = 0
+    async for line in r.content:
+        if line.startswith(b"data: {") and b'"text"' in line:
+            n += 1
+            if n == k:
+                break
+    return n
+
+
+async def test_streams_ended_early_are_billed_what_the_engine_generated(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2: a stream its client closes after k of n events, and a queue job's stream cut by its
+    deadline, are billed the tokens the engine generated (its own ``vllm:generation_tokens``) — in
+    /metrics, in Redis' usage and in the tenant's token bucket — not 0."""
+    sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20) for _ in range(2)]
+    urls = [s.url for s in sims]
+    # 600 tokens a minute, 10 a second refilled: 8 streams of 40 tokens read leave it far from full.
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"], "tokens_per_minute": 600},
+                                         {"name": "jobs"}])
+    keys = Keys.from_config(cfg.redis)
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
+        start = await engine_tokens(s, urls)
+        began = time.monotonic()
+
+        async def closed_early(i: int) -> int:
+            body = {"model": "m", "prompt": f"cut {i}", "max_tokens": 100, "stream": True}
+            async with s.post(rd.url + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer sk-web"}) as r:
+                assert r.status == 200
+                n = await read_events(r, 40)
+                r.close()  # the client goes away before the end: the engine aborts the request
+            return n
+
+        assert await asyncio.gather(*(closed_early(i) for i in range(8))) == [40] * 8
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        mid = await _settled_engine_tokens(s, urls)
+        web = rd.dp.tenancy.directory.get("web")
+        assert web is not None
+        level = await rd.dp.tenancy.limiter.acquire(web, 0)
+        refilled = 10 * (time.monotonic() - began)
+        job = await q.submit({"model": "m", "prompt": "long job", "max_tokens": 500, "stream": True},
+                             tenant="jobs", deadline_ms=1500)
+        result = await q.wait(job, timeout=30)
+        assert result.status == "error"  # its deadline cut the stream
+        end = await _settled_engine_tokens(s, urls)
+        assert await rd.dp.tenancy.ledger.flush()
+        metrics = (await (await s.get(rd.url + "/metrics")).read()).decode()
+        async with redis_client(redis_server.url, cfg.redis) as client:
+            rows = {r["tenant"]: r for r in await read_days(client, keys, [day_of(time.time())])}
+    engine = {"web": (mid[0] - start[0], mid[1] - start[1]), "jobs": (end[0] - mid[0], end[1] - mid[1])}
+    assert engine["web"][1] >= 8 * 40
+    assert engine["jobs"][1] >= 20
+    for tenant, (prompt, completion) in engine.items():
+        _, _, _, billed_prompt, billed = rd.dp.tenancy.ledger.totals[(tenant, "f")]
+        assert billed_prompt == prompt
+        # The count read last: the engine may have made a token or two more before it saw the abort.
+        assert 0.9 * completion <= billed <= completion, (tenant, billed, completion)
+        assert (rows[tenant]["prompt_tokens"], rows[tenant]["completion_tokens"]) == (billed_prompt, billed)
+        assert f'routerd_tenant_tokens_total{{fleet="f",kind="completion",tenant="{tenant}"}} ' \
+            f'{float(billed)}' in metrics
+    # The bucket was charged what was generated (not only the prompts' estimates), less its refill.
+    left = int(level.headers()["x-ratelimit-remaining-tokens"])
+    assert left <= 600 - sum(rd.dp.tenancy.ledger.totals[("web", "f")][3:]) + refilled + 1, (left, refilled)
+
+
+async def _settled_engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """The engines' token counts once no request runs on them (the aborted ones stopped counting)."""
+    deadline = time.monotonic() + 10
+    while True:
+        counts = await engine_tokens(s, urls)
+        running = 0.0
+        for url in urls:
+            async with s.get(url + "/metrics") as r:
+                running += parse_metrics(await r.text(), 0.0).running
+        if running == 0:
+            return counts
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
 
 
 # -- who may send what ------------------------------------------------------------------------------------
