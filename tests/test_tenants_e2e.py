@@ -349,6 +349,46 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
     assert left <= 600 - sum(rd.dp.tenancy.ledger.totals[("web", "f")][3:]) + refilled + 1, (left, refilled)
 
 
+async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_the_engines_work(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2, a non-streamed request: its client goes away while the engine generates; nobody reads
+    the answer, so routerd bills its best figure — the prompt estimate and the instance's learned
+    decode speed over the time it had the request — which lands near the engine's own count."""
+    sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20)]
+    urls = [s.url for s in sims]
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}])
+    async with routerd(cfg) as rd, aiohttp.ClientSession() as s:
+        for i in range(3):  # the instance shows its decode speed
+            status, _, _ = await post(s, rd.url, {"model": "m", "prompt": f"warm {i}", "max_tokens": 10},
+                                   "sk-web")
+            assert status == 200
+        await wait_until(lambda: all(i.learned.decode_tokens_per_s for i in rd.dp.registry.instances("f")))
+        rd.dp.tenancy.ledger.totals.clear()
+        start = await _settled_engine_tokens(s, urls)
+
+        async def left(i: int) -> None:
+            body = {"model": "m", "prompt": f"left {i}", "max_tokens": 400}
+            try:
+                async with s.post(rd.url + "/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer sk-web"},
+                                  timeout=aiohttp.ClientTimeout(total=1.5)) as r:
+                    await r.read()
+            except TimeoutError:
+                return
+            raise AssertionError("the answer came before the client left")
+
+        results = await asyncio.gather(*(left(i) for i in range(4)), return_exceptions=True)
+        assert not any(isinstance(r, AssertionError) for r in results), results
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        end = await _settled_engine_tokens(s, urls)
+    generated = end[1] - start[1]
+    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    assert (requests, errors) == (0, 4)
+    assert prompt > 0
+    assert generated >= 4 * 40  # 1.5 s of 20 ms tokens each
+    assert 0.6 * generated <= completion <= 1.4 * generated, (completion, generated)
+
+
 async def _settled_engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
     """The engines' token counts once no request runs on them (the aborted ones stopped counting)."""
     deadline = time.monotonic() + 10

@@ -73,7 +73,8 @@ class UsageTap:
 
     def meter(self, counts: Callable[[], tuple[int, int] | None]) -> None:
         """``counts()``: the engine's count of a stream so far, read when the call ends however it ends
-        (upstream's :meth:`routerd.resume.ResumableStream.usage`)."""
+        (upstream's :meth:`routerd.resume.ResumableStream.usage`); for a non-streamed request cancelled
+        while its engine worked, upstream's estimate of what it generated."""
         self._counts = counts
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
@@ -89,7 +90,11 @@ class UsageTap:
 
     def usage(self, streamed: tuple[int, int] | None = None) -> Usage | None:
         """What the engine reported for a 2xx answer; None when it reported nothing. ``streamed``: a
-        stream's count as upstream read it (``ForwardResult.usage``)."""
+        stream's count as upstream read it (``ForwardResult.usage``). A non-streamed request abandoned
+        before its answer came (no status) has upstream's estimate, when it gave one."""
+        if self.status == 0 and not self._stream and self._counts is not None:
+            counts = self._counts()
+            return None if counts is None else Usage(*counts)
         if not 200 <= self.status < 300:
             return None
         if self._stream:
