@@ -323,7 +323,7 @@ class Upstream:
                     result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
                                                  unexplained, task, plan)
                 except asyncio.CancelledError:
-                    self._abandoned(sink, stream, inst, sent, request)
+                    self._abandoned(sink, plan, inst, sent, request)
                     raise
                 except _Resume as failure:
                     assert isinstance(plan, ResumableStream)
@@ -372,11 +372,14 @@ class Upstream:
             meter(plan.usage)
         return plan
 
-    def _abandoned(self, sink: ResponseSink, stream: bool, inst: Instance, sent: float,
-                   request: RequestView | None) -> None:
-        """The call was cancelled during an attempt on ``inst`` (sent at ``sent``). A non-streamed
-        request's engine worked on it unread: a metering sink is given what it likely generated."""
-        meter: _Meter | None = None if stream else getattr(sink, "meter", None)
+    def _abandoned(self, sink: ResponseSink, plan: ResumableStream | str | None, inst: Instance,
+                   sent: float, request: RequestView | None) -> None:
+        """The call was cancelled during an attempt on ``inst`` (sent at ``sent``). The engine worked on
+        it unread — a non-streamed request, or a stream no count of which was read yet (its client left
+        during the prefill, say): a metering sink is given what it likely generated."""
+        if isinstance(plan, ResumableStream) and plan.counted:
+            return  # the engine's own count stands
+        meter: _Meter | None = getattr(sink, "meter", None)
         if meter is not None:
             counts = _abandoned_usage(inst, self.clock() - sent, request)
             meter(lambda: counts)

@@ -389,6 +389,30 @@ async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_t
     assert 0.6 * generated <= completion <= 1.4 * generated, (completion, generated)
 
 
+async def test_a_stream_its_client_left_during_the_prefill_is_billed_its_prompt(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2: a stream whose client leaves before any token (the engine still prefilling) has no
+    count to read; the engine did take its prompt, so the prompt estimate is billed, not refunded."""
+    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=2500, itl_ms=1)]
+    urls = [s.url for s in sims]
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}])
+    async with routerd(cfg) as rd, aiohttp.ClientSession() as s:
+        start = await _settled_engine_tokens(s, urls)
+        body = {"model": "m", "prompt": "a prompt the engine takes", "max_tokens": 50, "stream": True}
+        with contextlib.suppress(TimeoutError):
+            async with s.post(rd.url + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer sk-web"},
+                              timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                await r.read()
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        end = await _settled_engine_tokens(s, urls)
+    assert end[0] - start[0] > 0  # the engine took the prompt ...
+    assert end[1] == start[1]  # ... and made no token
+    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    assert (requests, errors, completion) == (0, 1, 0)
+    assert prompt > 0
+
+
 async def _settled_engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
     """The engines' token counts once no request runs on them (the aborted ones stopped counting)."""
     deadline = time.monotonic() + 10

@@ -90,9 +90,9 @@ class UsageTap:
 
     def usage(self, streamed: tuple[int, int] | None = None) -> Usage | None:
         """What the engine reported for a 2xx answer; None when it reported nothing. ``streamed``: a
-        stream's count as upstream read it (``ForwardResult.usage``). A non-streamed request abandoned
-        before its answer came (no status) has upstream's estimate, when it gave one."""
-        if self.status == 0 and not self._stream and self._counts is not None:
+        stream's count as upstream read it (``ForwardResult.usage``). A request abandoned before its
+        answer began (no status) has upstream's estimate, when it gave one."""
+        if self.status == 0 and self._counts is not None:
             counts = self._counts()
             return None if counts is None else Usage(*counts)
         if not 200 <= self.status < 300:
