@@ -327,6 +327,18 @@ class Admission:
         for fleet, q in self._fleets.items():
             self._sweep_fleet(fleet, q, now)
 
+    def shed(self, source: Source, error: Callable[[], RouterdError]) -> int:
+        """Fail every waiter of ``source`` with ``error()`` (on drain: HTTP waiters are answered 503
+        rather than cut off when the listener closes); how many were failed."""
+        shed = 0
+        for q in self._fleets.values():
+            for w in [w for line in q.waiting.values() for w in line.heap]:
+                if w.source == source and not w.future.done():
+                    q.rejected_total += 1
+                    w.future.set_exception(error())
+                    shed += 1
+        return shed
+
     def _sweep_fleet(self, fleet: str, q: _FleetQueue, now: float) -> None:
         self._note_readiness(fleet, q, now)
         for w in [w for line in q.waiting.values() for w in line.heap]:

@@ -96,7 +96,14 @@ class UpstreamError(RouterdError):
 
 
 class ShuttingDown(RouterdError):
+    """routerd is draining: another routerd (or this one restarted) takes the request after
+    ``retry_after_s``."""
+
     status, type = 503, "ServiceUnavailableError"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class RateLimitFailed(RouterdError):

@@ -68,7 +68,7 @@ def error_response(err: RouterdError) -> web.Response:
         headers["retry-after-ms"] = str(max(1, math.ceil(err.retry_after_s * 1000)))
     elif isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
-    elif isinstance(err, NoReadyInstance) and err.retry_after_s is not None:  # a fleet starting up
+    elif isinstance(err, NoReadyInstance | ShuttingDown) and err.retry_after_s is not None:  # start-up, drain
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     return web.Response(status=err.status, body=error_json(err.message, err.type, err.status, err.param),
                         content_type="application/json", headers=headers)
