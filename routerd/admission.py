@@ -119,6 +119,7 @@ class _FleetQueue:
 _DEFAULT_SHARE = Share()
 _SLICE_S = 1.0  # run() applies the clock (deadlines, the waiting room) at least twice per this
 _LIMIT_TTL_S = 1.0  # capacities come from scrapes, which do not change the registry's version
+_CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
 
 class Admission:
@@ -269,14 +270,14 @@ class Admission:
                          future=asyncio.get_running_loop().create_future(), source=source,
                          enqueued=now, deadline=deadline)
         if line.top() is None:
-            line.join(q.waiting.values(), now)
+            line.join(q.waiting.values(), now, self._credit(q, line))
             q.waiting[tenant] = line
         heapq.heappush(line.heap, waiter)
         self._count(q, line, source, +1)
         if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
             self._dispatch(fleet, q)
         elif self._preempting:
-            self._preempt_for(q, line)
+            self._preempt_for(q, line, now, self._credit(q, line) / 2 if source == "http" else None)
         timer = self._timer(fleet, q, waiter, now)
         try:
             await waiter.future  # its result, or what sweep decided (deadline, no ready instance)
@@ -387,10 +388,19 @@ class Admission:
             q.queued_queue += delta
             line.queued_queue += delta
 
-    def _preempt_for(self, q: _FleetQueue, line: Line[_Waiter]) -> None:
-        """``line`` waits below its share on a full fleet: abort the most recently started preemptible
-        request of the tenant furthest above its share (its slot comes here once its holder left)."""
-        while (over := victim(q.lines.values(), line, q.limit)) is not None:
+    @staticmethod
+    def _credit(q: _FleetQueue, line: Line[_Waiter]) -> float:
+        """How far behind the waiting tenants (virtual seconds) a tenant starting to wait may stay:
+        ``_CREDIT_S`` seconds of its fair share of the fleet's slots (fairshare's module docstring)."""
+        total = line.weight + sum(other.weight for other in q.lines.values()
+                                  if other is not line and (other.active or other.heap))
+        return _CREDIT_S * q.limit / total
+
+    def _preempt_for(self, q: _FleetQueue, line: Line[_Waiter], now: float, margin: float | None) -> None:
+        """``line`` waits below its share on a full fleet (or, with ``margin``, behind over time): abort
+        the most recently started preemptible request of the tenant furthest above its share (its slot
+        comes here once its holder left)."""
+        while (over := victim(q.lines.values(), line, q.limit, now, margin)) is not None:
             _, abort = over.preemptible.popitem()  # the most recent: the least work lost
             if abort():
                 q.preempted_total += 1
