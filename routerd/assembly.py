@@ -250,13 +250,12 @@ async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> 
     return url
 
 
-def _admin_routes(routerd: Routerd) -> Callable[[web.Application], None] | None:
-    """The admin routes of the fleet manager (none without launched fleets); the key is read per
-    request, so a reload applies."""
-    fleets = routerd.fleets
-    if fleets is None:
-        return None
+def _admin_routes(routerd: Routerd) -> Callable[[web.Application], None]:
+    """The admin write routes — static-only too: a static instance is drained without Ray; what only
+    launched engines have answers 400 without a fleet manager. The key is read per request, so a
+    reload applies."""
     from .ingress.admin import add_admin_routes
 
     http = routerd.http
-    return lambda app: add_admin_routes(app, fleets, lambda: http.cfg.http.admin_api_key)
+    return lambda app: add_admin_routes(app, routerd.fleets, routerd.static_health,
+                                        lambda: http.cfg.http.admin_api_key)

@@ -21,8 +21,9 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -31,6 +32,11 @@ import redis.exceptions
 from . import _aio
 from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
 from .keys import Keys
+
+if TYPE_CHECKING:
+    from .config import Config, RedisConfig
+
+_LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 
 State = Literal["unknown", "queued", "running", "done"]
 
@@ -319,30 +325,69 @@ def submit_main(argv: list[str]) -> int:
     p.add_argument("--wait", action="store_true", help="wait for the result and print it")
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
-    url, stream, model = _resolve(args)
+    from .config import EXIT_CONFIG, ConfigError
+
+    try:
+        target, model = _resolve(args)
+    except ConfigError as e:
+        print("\n".join(["routerd submit: the config is not valid:", *e.problems]), file=sys.stderr)
+        return EXIT_CONFIG
     if not model:
         p.error("--model is required (or --config with a fleet)")
-    return asyncio.run(_submit(args, url, stream, model))
+    return asyncio.run(_submit(args, target, model))
 
 
-def _resolve(args: argparse.Namespace) -> tuple[str, str, str | None]:
-    url, stream, model = args.redis, "routerd:requests", args.model
-    if args.config:
-        from . import config
-
-        cfg = config.load(args.config)
-        stream = cfg.redis.stream
-        model = model or (cfg.fleets[0].model if cfg.fleets else None)
-        if not url:
-            url = cfg.redis.url
-            if url == "embedded":
-                from .redis_server import embedded_url
-
-                url = embedded_url(config.state_dir(cfg) / "redis") or ""
-    return url or "redis://127.0.0.1:6379/0", stream, model
+def _resolve(args: argparse.Namespace) -> tuple[RedisTarget, str | None]:
+    target = redis_target(args.redis, args.config)
+    model = args.model or (target.cfg.fleets[0].model if target.cfg is not None and target.cfg.fleets
+                           else None)
+    return target, model
 
 
-async def _submit(args: argparse.Namespace, url: str, stream: str, model: str) -> int:
+@dataclass(frozen=True, kw_only=True)
+class RedisTarget:
+    """Where a command-line tool finds routerd's Redis, and how it logs in."""
+
+    url: str
+    redis: RedisConfig  # its password, stream names, time-outs and TLS
+    cfg: Config | None = None  # the config it came from, if any
+
+
+def redis_target(url: str, config_path: str | None) -> RedisTarget:
+    """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
+    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the password the
+    config holds (``redis.password``, or ``ROUTERD_REDIS_PASSWORD`` over it), ``$ROUTERD_REDIS_PASSWORD``
+    without a config.
+
+    The config's API keys play no part in reaching Redis, so they are left out before it is checked: a
+    tenant's ``env:`` key whose variable is set only in the daemon's environment does not stop a tool.
+    Raises :class:`routerd.config.ConfigError`."""
+    from . import config
+
+    if not config_path:
+        return RedisTarget(url=url or _LOCAL_REDIS,
+                           redis=config.RedisConfig(password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
+    import tomllib
+    from pathlib import Path
+
+    try:
+        raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise config.ConfigError([f"$: cannot read {config_path}: {e}"]) from e
+    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
+        if isinstance(table, dict):
+            table.pop("api_keys", None)
+    cfg = config.parse(raw)
+    if not url:
+        url = cfg.redis.url
+        if url == "embedded":
+            from .redis_server import embedded_url
+
+            url = embedded_url(config.state_dir(cfg) / "redis") or ""
+    return RedisTarget(url=url or _LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
+
+
+async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> int:
     if args.chat:
         body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
     else:
@@ -350,8 +395,8 @@ async def _submit(args: argparse.Namespace, url: str, stream: str, model: str) -
     body["max_tokens"] = args.max_tokens
     if args.stream:
         body["stream"] = True
-    async with QueueClient.from_url(url, stream=stream,
-                                    password=os.environ.get("ROUTERD_REDIS_PASSWORD")) as q:
+    redis_cfg = target.redis
+    async with QueueClient.from_url(target.url, stream=redis_cfg.stream, password=redis_cfg.password) as q:
         job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms, tenant=args.tenant)
         if not args.wait:
             print(job.id)

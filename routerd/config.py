@@ -20,11 +20,16 @@ from msgspec import Meta
 
 from . import redact
 
-PositiveInt = Annotated[int, Meta(gt=0)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-PositiveFloat = Annotated[float, Meta(gt=0)]
-NonNegFloat = Annotated[float, Meta(ge=0)]
+# Every number has both bounds, so that whatever passes is a value the code can use: a TOML `inf`, a
+# 1e-300 s period (a spinning loop, an overflowing floor()) or an int past 2**64 (msgpack, Redis) would
+# pass a bare `> 0` and fail later, in a request or a loop — or end the daemon (issue 18).
 Fraction = Annotated[float, Meta(ge=0, le=1)]
+Seconds = Annotated[float, Meta(ge=0.001, le=86_400)]  # a timeout or delay: 1 ms .. 1 day
+MaybeSeconds = Annotated[float, Meta(ge=0, le=86_400)]  # the same, where 0 means "none"
+Interval = Annotated[float, Meta(ge=0.01, le=3_600)]  # a loop's period: 10 ms .. 1 hour
+Count = Annotated[int, Meta(ge=1, le=1_000_000)]  # a bound on requests, attempts, slots, ...
+MaybeCount = Annotated[int, Meta(ge=0, le=1_000_000)]  # the same, where 0 means "none"
+Replicas = Annotated[int, Meta(ge=0, le=1024)]
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
 EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h; systemd's RestartPreventExitStatus=78 keys on it.
@@ -34,7 +39,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Process-wide settings: where state lives, how long a drain may take."""
 
     state_dir: str = ".routerd"
-    drain_timeout_s: PositiveFloat = 30.0
+    drain_timeout_s: Seconds = 30.0
     stop_engines_on_exit: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     file_sd_path: str = ""  # "" → <state_dir>/file_sd/engines.json
@@ -45,12 +50,12 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     api_keys: list[str] = []
     admin_api_key: str = ""
-    max_body_bytes: PositiveInt = 16 * 1024 * 1024
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024  # 1 KiB .. 1 GiB
     # Client bounds (routerd/ingress/_connections.py); a reload applies them to new connections/requests.
-    keepalive_timeout_s: PositiveFloat = 75.0  # an idle kept-alive connection is closed after this
-    client_header_timeout_s: PositiveFloat = 10.0  # from connect (or a request's first byte) to full headers
-    client_body_timeout_s: PositiveFloat = 60.0  # from full headers to the full body, else 408
-    client_write_timeout_s: PositiveFloat = 30.0  # a client that reads nothing this long loses its request
+    keepalive_timeout_s: Seconds = 75.0  # an idle kept-alive connection is closed after this
+    client_header_timeout_s: Seconds = 10.0  # from connect (or a request's first byte) to full headers
+    client_body_timeout_s: Seconds = 60.0  # from full headers to the full body, else 408
+    client_write_timeout_s: Seconds = 30.0  # a client that reads nothing this long loses its request
     max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # beyond it: 503 + Retry-After
 
 
@@ -62,28 +67,30 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     dead_stream: str = "routerd:dead"
     consumer: str = ""  # "" → "<hostname>" (stable per machine, so a restart reclaims its own jobs)
     enabled: bool = True
-    read_batch: PositiveInt = 64
-    block_ms: PositiveInt = 1000
-    reclaim_idle_ms: PositiveInt = 30_000
-    reclaim_interval_s: PositiveFloat = 5.0
-    max_deliveries: PositiveInt = 5
-    result_ttl_s: PositiveInt = 86_400
-    usage_retention_days: PositiveInt = 400  # per-day usage counters (routerd usage) expire after this
+    read_batch: Annotated[int, Meta(ge=1, le=10_000)] = 64
+    block_ms: Annotated[int, Meta(ge=1, le=60_000)] = 1000
+    reclaim_idle_ms: Annotated[int, Meta(ge=100, le=86_400_000)] = 30_000  # 0.1 s .. 1 day
+    reclaim_interval_s: Interval = 5.0
+    max_deliveries: Annotated[int, Meta(ge=1, le=1000)] = 5
+    result_ttl_s: Annotated[int, Meta(ge=1, le=31_622_400)] = 86_400  # up to 366 days
+    # per-day usage counters (routerd usage) expire after this
+    usage_retention_days: Annotated[int, Meta(ge=1, le=36_600)] = 400
     # With [[tenants]]: jobs read beyond what the fleets run, so that fair share sees every tenant's
     # waiting work in the one stream (~2 KB of memory each while they wait).
-    read_ahead_jobs: NonNegInt = 1000
-    reply_maxlen: PositiveInt = 10_000
-    op_timeout_s: PositiveFloat = 5.0
+    read_ahead_jobs: MaybeCount = 1000
+    reply_maxlen: Annotated[int, Meta(ge=1, le=1_000_000_000)] = 10_000
+    op_timeout_s: Seconds = 5.0
     ssl_ca_certs: str = ""
 
 
 class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     address: str = ""
     namespace: str = "routerd"
-    num_cpus: NonNegInt = 0  # local head only; 0 → the machine's cores
-    num_gpus: NonNegInt = 0  # local head only; declared GPUs (Ray accepts ones that do not exist)
-    resources: dict[str, float] = {}
-    connect_timeout_s: PositiveFloat = 30.0
+    num_cpus: Annotated[int, Meta(ge=0, le=100_000)] = 0  # local head only; 0 → the machine's cores
+    num_gpus: Annotated[int, Meta(ge=0, le=100_000)] = 0  # local head only; declared GPUs (Ray accepts
+    # ones that do not exist)
+    resources: dict[str, Annotated[float, Meta(ge=0, le=1e9)]] = {}
+    connect_timeout_s: Seconds = 30.0
     # Ask the cluster's autoscaler (ray.autoscaler.sdk.request_resources) for what autoscaled fleets want;
     # off when another program on the cluster owns that request (each call replaces the last).
     request_resources: bool = True
@@ -91,16 +98,16 @@ class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     policy: str = "cache_aware"
-    scrape_interval_s: PositiveFloat = 0.2
-    scrape_timeout_s: PositiveFloat = 1.0
-    stale_after_s: PositiveFloat = 2.0
-    max_attempts: PositiveInt = 3
-    retry_backoff_ms: NonNegInt = 20
-    connect_timeout_s: PositiveFloat = 2.0
-    first_byte_timeout_s: PositiveFloat = 600.0
-    read_timeout_s: PositiveFloat = 600.0
-    circuit_failure_threshold: PositiveInt = 3
-    circuit_cooldown_s: PositiveFloat = 5.0
+    scrape_interval_s: Interval = 0.2
+    scrape_timeout_s: Seconds = 1.0
+    stale_after_s: Seconds = 2.0
+    max_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
+    retry_backoff_ms: Annotated[int, Meta(ge=0, le=60_000)] = 20
+    connect_timeout_s: Seconds = 2.0
+    first_byte_timeout_s: Seconds = 600.0
+    read_timeout_s: Seconds = 600.0
+    circuit_failure_threshold: Count = 3
+    circuit_cooldown_s: Seconds = 5.0
     # A stream whose engine fails after it started is continued on another instance at most this many
     # times (routerd/resume.py); 0: never — it ends with the terminal error event.
     max_resumes: Annotated[int, Meta(ge=0, le=100)] = 3
@@ -118,28 +125,28 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-fleet bounds for the one scheduler that serves both ways in."""
 
-    max_inflight_per_instance: PositiveInt = 256
-    max_queued: NonNegInt = 1024
-    waiting_room_s: NonNegFloat = 5.0
-    aging_s: PositiveFloat = 10.0
+    max_inflight_per_instance: Count = 256
+    max_queued: MaybeCount = 1024
+    waiting_room_s: MaybeSeconds = 5.0
+    aging_s: Seconds = 10.0
     # Requests routerd lets wait inside each engine beyond its capacity (max-num-seqs): a fleet admits
     # Σ over ready instances of min(max_inflight_per_instance, capacity + this). Unset: 0 when
     # [[tenants]] are configured (fair share and priorities are decided here, not in the engine's FIFO
     # queue), else no bound beyond max_inflight_per_instance.
-    engine_queue_per_instance: NonNegInt | None = None
+    engine_queue_per_instance: MaybeCount | None = None
     # With [[tenants]]: a tenant below its share waiting on a full fleet takes a slot back from a
     # non-streamed queue job of the tenant furthest above its share (aborted, run again later).
     preempt_queue_jobs: bool = True
 
 
 class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    heartbeat_interval_s: PositiveFloat = 0.5
-    heartbeat_timeout_s: PositiveFloat = 3.0
-    failure_threshold: PositiveInt = 3
-    progress_timeout_s: PositiveFloat = 10.0
-    restart_backoff_initial_s: PositiveFloat = 1.0
-    restart_backoff_max_s: PositiveFloat = 60.0
-    startup_timeout_s: PositiveFloat = 900.0
+    heartbeat_interval_s: Interval = 0.5
+    heartbeat_timeout_s: Seconds = 3.0
+    failure_threshold: Annotated[int, Meta(ge=1, le=1000)] = 3
+    progress_timeout_s: Seconds = 10.0
+    restart_backoff_initial_s: Seconds = 1.0
+    restart_backoff_max_s: Seconds = 60.0
+    startup_timeout_s: Seconds = 900.0
     warmup: bool = True
 
 
@@ -148,29 +155,30 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     measures (routerd/fleet/autoscale.py says how); ``replicas`` is then only the count a fresh start
     launches."""
 
-    min_replicas: NonNegInt = 0  # 0: an idle fleet stops its last engine and starts one on demand
+    min_replicas: Replicas = 0  # 0: an idle fleet stops its last engine and starts one on demand
     max_replicas: Annotated[int, Meta(ge=1, le=1024)]
-    scale_down_delay_s: PositiveFloat = 300.0  # over-provisioned or idle this long before one replica goes
-    scale_up_delay_s: NonNegFloat = 2.0  # a shortfall must last this long before replicas are added
+    scale_down_delay_s: Seconds = 300.0  # over-provisioned or idle this long before one replica goes
+    scale_up_delay_s: MaybeSeconds = 2.0  # a shortfall must last this long before replicas are added
     target_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.7  # requests per instance / max_num_seqs
-    target_wait_s: PositiveFloat = 1.0  # expected wait for a slot (before the first token) to keep under
+    target_wait_s: Seconds = 1.0  # expected wait for a slot (before the first token) to keep under
     target_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.85  # mean KV-cache use to keep under
-    drain_timeout_s: PositiveFloat = 600.0  # a replica being scaled down may finish its requests this long
+    drain_timeout_s: Seconds = 600.0  # a replica being scaled down may finish its requests this long
 
 
 class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     model: Annotated[str, Meta(min_length=1)]
     engine: str = "sim"  # "vllm" | "sim" | "static" | a launcher plugin's name
-    replicas: NonNegInt = 1
-    tensor_parallel_size: PositiveInt = 1
-    pipeline_parallel_size: PositiveInt = 1
-    num_cpus_per_instance: NonNegFloat = 1.0
-    num_gpus_per_instance: NonNegInt | None = None  # None → tensor × pipeline parallel size
+    replicas: Replicas = 1
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+    num_cpus_per_instance: Annotated[float, Meta(ge=0, le=100_000)] = 1.0
+    # None → tensor × pipeline parallel size
+    num_gpus_per_instance: Annotated[int, Meta(ge=0, le=100_000)] | None = None
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
     urls: list[str] = []
-    max_num_seqs: PositiveInt = 256  # capacity used to normalise load when the engine does not say
+    max_num_seqs: Count = 256  # capacity used to normalise load when the engine does not say
     autoscale: AutoscaleConfig | None = None  # None: a fixed count of ``replicas``
     # Across Ray nodes (routerd/fleet/spread.py): "any" = where Ray finds room; "spread" = one replica
     # per node while nodes without one have room, then doubling up; "strict_spread" = never two on one
@@ -188,11 +196,14 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     name: Name
     api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (tenants/apikeys.py)
     weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0  # share of a saturated fleet's slots
-    requests_per_minute: NonNegInt = 0  # 0 = no limit; shared by every routerd on the same Redis
-    tokens_per_minute: NonNegInt = 0  # prompt + completion tokens; 0 = no limit
-    max_concurrent: NonNegInt = 0  # requests in flight at once (this routerd, all fleets); 0 = no limit
+    # 0 = no limit; shared by every routerd on the same Redis. The bounds keep a bucket's arithmetic in
+    # the integers a double holds exactly (Redis' Lua) and in msgpack's.
+    requests_per_minute: Annotated[int, Meta(ge=0, le=1_000_000_000)] = 0
+    tokens_per_minute: Annotated[int, Meta(ge=0, le=1_000_000_000_000)] = 0  # prompt + completion; 0 = none
+    max_concurrent: MaybeCount = 0  # requests in flight at once (this routerd, all fleets); 0 = no limit
     fleets: list[Name] = []  # the fleets (by name) it may use; empty = all
-    max_priority: int | None = None  # a queue job's `priority` is lowered to this; None = no ceiling
+    # a queue job's `priority` is lowered to this; None = no ceiling
+    max_priority: Annotated[int, Meta(ge=-1_000_000_000, le=1_000_000_000)] | None = None
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -299,9 +310,23 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
             problems.append(f"{where}.autoscale: a static fleet's instances are its urls; it cannot scale")
         if a is not None and a.min_replicas > a.max_replicas:
             problems.append(f"{where}.autoscale.max_replicas: must be >= min_replicas ({a.min_replicas})")
+        problems += _capacity_problems(where, f.engine_args)
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
+    return problems
+
+
+def _capacity_problems(where: str, engine_args: dict[str, Any]) -> list[str]:
+    """The one engine arg routerd reads itself (routing.speed.spec_capacity) has the bounds of
+    ``max_num_seqs``."""
+    problems = []
+    for key in ("max-num-seqs", "max_num_seqs", "--max-num-seqs"):
+        v = engine_args.get(key)
+        if v is not None and not (isinstance(v, int | str) and not isinstance(v, bool)
+                                  and str(v).isdigit() and 1 <= int(v) <= 1_000_000):
+            problems.append(f"{where}.engine_args.{key}: routerd reads it as the engine's capacity: "
+                            f"expected an integer from 1 to 1000000, got {v!r}")
     return problems
 
 

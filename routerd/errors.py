@@ -96,7 +96,19 @@ class UpstreamError(RouterdError):
 
 
 class ShuttingDown(RouterdError):
+    """routerd is draining: another routerd (or this one restarted) takes the request after
+    ``retry_after_s``."""
+
     status, type = 503, "ServiceUnavailableError"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RateLimitFailed(RouterdError):
+    """A request's rate-limit check failed inside routerd (not over the limit, not Redis away): that
+    request fails, logged with the cause; the checks of every other request go on."""
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:

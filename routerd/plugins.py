@@ -82,6 +82,16 @@ class RoutingPolicy(Protocol):
                rng: random.Random) -> Candidate: ...
 
 
+@runtime_checkable
+class ExplainingPolicy(RoutingPolicy, Protocol):
+    """A policy that can also say which of its rules made a choice: ``explain`` returns what ``choose``
+    would, with the rule's name (``"session"``, ``"lowest_ttft"``, …), which the decision records and the
+    request's log line shows. Optional: a policy with ``choose`` alone is logged as ``policy_choice``."""
+
+    def explain(self, request: RequestView, candidates: Sequence[Candidate],
+                rng: random.Random) -> tuple[Candidate, str]: ...
+
+
 class LaunchSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to start one engine; recorded on the actor so adoption can compare specs."""
 

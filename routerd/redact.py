@@ -28,6 +28,9 @@ _QUERY = re.compile(r"(?i)(?P<head>[?&;](?:password|passwd|pass|pwd|secret|token
                     r"|auth)=)[^&;#\s\"'<>]*")
 # an Authorization value: "Bearer <token>" anywhere, "Basic <credentials>" after the header's name
 _CREDENTIAL = re.compile(r"(?P<head>\bBearer\s+|(?i:authorization)\W{0,4}Basic\s+)[A-Za-z0-9._~+/=-]{4,}")
+_QUERY_STRING = re.compile(r"\?[^\s\"'<>#]+")
+# a header line, or one that lacks its colon (aiohttp quotes the line it could not parse)
+_HEADER_LINE = re.compile(r"(?P<head>(?P<name>[A-Za-z0-9_-]+)(?:[ \t]*:[ \t]*|[ \t]+))[^\s\"'<>][^\n\"'<>]*")
 _SECRET_WORDS = frozenset({"password", "passwd", "pwd", "pass", "secret", "token", "credential",
                            "credentials", "authorization", "auth", "apikey", "bearer"})
 _KEY_OWNERS = frozenset({"api", "admin", "private", "access", "secret"})  # api_key, admin_key, …
@@ -59,6 +62,24 @@ def text(value: str) -> str:
     if "Bearer" in value or "Basic" in value:
         value = _CREDENTIAL.sub(rf"\g<head>{MASK}", value)
     return value
+
+
+def request_head(value: str) -> str:
+    """Client input quoted from a request's head (aiohttp's words on a malformed request line or header
+    line), as it may be logged: every query-string value masked whatever its parameter's name (a
+    tenant's key may be configured only as its SHA-256, so the log cannot know its value), and the
+    rest of a header line whose name says it holds a secret (``X-Api-Key: …``); then :func:`text`."""
+    if "?" in value:
+        value = _QUERY_STRING.sub(_mask_query, value)
+    if ":" in value:
+        value = _HEADER_LINE.sub(lambda m: m["head"] + MASK if secret_name(m["name"]) else m[0], value)
+    return text(value)
+
+
+def _mask_query(m: re.Match[str]) -> str:
+    params = re.split(r"([&;])", m[0][1:])
+    return "?" + "".join(p if p in {"&", ";"} or not p else
+                         (p.partition("=")[0] + "=" + MASK if "=" in p else MASK) for p in params)
 
 
 @functools.lru_cache(maxsize=4096)  # every log line asks it of each of its field names, the same few

@@ -333,6 +333,13 @@ class Registry:
                     await self._changed.wait()
         return self._version
 
+    async def wait_idle(self, inst: Instance, timeout_s: float) -> None:
+        """Wait (≤ ``timeout_s``) until ``inst`` has no request in flight: an admin drain's wait."""
+        deadline = self.clock() + timeout_s
+        since = self._version
+        while inst.inflight > 0 and self.clock() < deadline:
+            since = await self.wait_changed(since, timeout=0.1)
+
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 

@@ -68,7 +68,7 @@ async def test_a_conversation_stays_on_the_instance_whose_engine_holds_it(sims: 
         assert line["matched_blocks"] > 0
         assert line["runner_up_matched_blocks"] == 0
         assert line["ttft_est_ms"] < line["runner_up_ttft_est_ms"]
-        assert line["policy"] == "cache_aware"
+        assert (line["policy"], line["rule"]) == ("cache_aware", "lowest_ttft")
     row = next(i for i in status["fleets"]["f"]["instances"] if i["id"] == served[0])
     assert 0.5 < row["predicted_prefix_hit_ratio"] <= 1.0
 
@@ -124,6 +124,9 @@ async def test_a_queue_jobs_session_keeps_it_on_one_instance(redis_server: Redis
         assert line["ttft_est_ms"] >= 0
     affine = sum(bool(line.get("session_affinity")) for line in lines.values())
     assert affine >= 8  # each session's jobs after its first
+    # The line names the rule that chose: a job sent to its session's instance says so.
+    assert sum(line["rule"] == "session" for line in lines.values()) >= 8
+    assert all(line["rule"] != "session" or line.get("session_affinity") for line in lines.values())
 
 
 @pytest.mark.parametrize("policy", ["least_load", "power_of_two", "round_robin"])

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from routerd import config
@@ -190,3 +191,63 @@ def test_ray_address_must_be_host_port(address: str) -> None:
 @pytest.mark.parametrize("address", ["", "127.0.0.1:6379", "ray-head.internal:6379", "[::1]:6379"])
 def test_ray_addresses_that_are_accepted(address: str) -> None:
     assert config.parse({"ray": {"address": address}}, environ={}).ray.address == address
+
+
+def test_a_number_out_of_range_is_refused_with_its_key_path(tmp_path: Path) -> None:
+    """A limit past 2**64 passed check-config and SIGHUP, then ended the daemon at the tenant's first
+    request (issue 18): every number is refused at load, exit 78, with where it is."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        """
+[daemon]
+drain_timeout_s = inf
+
+[admission]
+aging_s = nan
+
+[redis]
+result_ttl_s = 99999999999999999999
+
+[[fleets]]
+name = "a"
+model = "m"
+engine_args = { max-num-seqs = 0 }
+
+[[tenants]]
+name = "t"
+requests_per_minute = 99999999999999999999
+tokens_per_minute = 99999999999999999999
+"""
+    )
+    result = _check(bad)
+    assert result.returncode == 78
+    lines = result.stderr.splitlines()
+    for path, bound in [("$.tenants[0].requests_per_minute", "<= 1000000000"),
+                        ("$.tenants[0].tokens_per_minute", "<= 1000000000000"),
+                        ("$.redis.result_ttl_s", "<= 31622400"), ("$.daemon.drain_timeout_s", "<= 86400"),
+                        ("$.admission.aging_s", ">= 0.001"),
+                        ("$.fleets[0].engine_args.max-num-seqs", "1 to")]:
+        assert any(line.startswith(path + ":") and bound in line for line in lines), (path, lines)
+
+
+def _numbers(typ: msgspec.inspect.Type, path: str) -> list[tuple[str, msgspec.inspect.Type]]:
+    """Every int and float in a config type, with its key path."""
+    if isinstance(typ, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        return [(path, typ)]
+    if isinstance(typ, msgspec.inspect.StructType):
+        return [n for f in typ.fields for n in _numbers(f.type, f"{path}.{f.name}")]
+    if isinstance(typ, msgspec.inspect.UnionType):
+        return [n for t in typ.types for n in _numbers(t, path)]
+    if isinstance(typ, msgspec.inspect.ListType):
+        return _numbers(typ.item_type, path + "[]")
+    if isinstance(typ, msgspec.inspect.DictType):
+        return _numbers(typ.value_type, path + "{}")
+    return []
+
+
+def test_every_number_in_the_config_has_both_bounds() -> None:
+    numbers = _numbers(msgspec.inspect.type_info(config.Config), "$")
+    assert len(numbers) > 60  # the walk found the tree
+    unbounded = [path for path, t in numbers
+                 if (t.ge is None and t.gt is None) or (t.le is None and t.lt is None)]
+    assert unbounded == []

@@ -198,3 +198,65 @@ async def test_second_sigterm_exits_at_once(
     assert code == 0
     assert events[-1] == b"data: [DONE]"
     assert b'"error"' in events[-2]  # the open stream learns it was cut
+
+
+async def test_a_static_only_daemon_drains_and_undrains_a_static_instance(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any) -> None:
+    """No Ray, no fleet manager: a static instance is drained (out of rotation, its stream finishes),
+    stays out while its engine is healthy, and comes back on undrain; what only applies to launched
+    engines is refused with the reason."""
+    sims = [await sim_process(model="m", ttft_ms=10, itl_ms=40) for _ in range(2)]
+    fleet = {"name": "f", "model": "m", "engine": "static", "urls": [s.url for s in sims]}
+    rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[fleet]))
+    admin = f"{rp.url}/admin"
+
+    async def states(s: aiohttp.ClientSession) -> dict[str, str]:
+        async with s.get(f"{admin}/fleets") as r:
+            return {i["id"]: i["state"] for i in (await r.json())["fleets"]["f"]["instances"]}
+
+    async def until(s: aiohttp.ClientSession, want: dict[str, str]) -> None:
+        for _ in range(300):
+            if await states(s) == want:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{await states(s)} never became {want}")
+
+    async with aiohttp.ClientSession() as s:
+        await wait_ready(s, rp.url)
+        await until(s, {"f:static0": "ready", "f:static1": "ready"})
+        async with s.post(f"{admin}/instances/f:static0/drain", json={"timeout_s": 10}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["draining"]["drained"] is True
+        await asyncio.sleep(0.5)  # several rotation passes: a healthy engine is not taken back
+        assert await states(s) == {"f:static0": "draining", "f:static1": "ready"}
+        stream = await open_stream(s, rp.url, "m", 40)  # ≈ 1.6 s, on f:static1: the only one left
+        async with s.post(f"{admin}/instances/f:static1/drain", json={"timeout_s": 30}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["draining"]["drained"] is True  # it waited for the stream
+        events = await stream.finish(5)
+        assert events[-1] == b"data: [DONE]"
+        assert len(events) == 41
+        assert not any(b'"error"' in e for e in events)
+        for path, body, what in [("instances/f:static0/restart", {}, "cannot restart"),
+                                 ("fleets/f/replicas", {"replicas": 3}, "is static"),
+                                 ("instances/f:static0/drain", {"timeout_s": 1e9}, "invalid body")]:
+            async with s.post(f"{admin}/{path}", json=body) as r:
+                assert r.status == 400, path
+                assert what in (await r.json())["error"]["message"], path
+        async with s.delete(f"{admin}/fleets/f/replicas") as r:
+            assert r.status == 400
+        async with s.post(f"{admin}/instances/f:nothing/undrain") as r:
+            assert r.status == 404
+        for i in (0, 1):
+            async with s.post(f"{admin}/instances/f:static{i}/undrain") as r:
+                assert r.status == 200, await r.text()
+        await until(s, {"f:static0": "ready", "f:static1": "ready"})
+        served = set()
+        for _ in range(6):
+            async with s.post(f"{rp.url}/v1/completions",
+                              json={"model": "m", "prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 200
+                served.add(r.headers["X-Routerd-Instance"])
+        assert served <= {"f:static0", "f:static1"}
+    rp.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(rp.wait_exit, 20) == 0

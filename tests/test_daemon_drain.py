@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -203,3 +204,45 @@ async def test_sigterm_under_the_reported_load_exits_0(
         await q.aclose()
     assert code == 0, rp.log()
     assert took <= DRAIN_S + EXIT_MARGIN_S, rp.log()
+
+
+async def test_requests_waiting_for_admission_are_answered_503_when_the_drain_ends(
+        routerd_process: RouterdFactory, routerd_config: Callable[..., dict[str, Any]],
+        sim_process: Any) -> None:
+    """Issue 18.7: a SIGTERM finds HTTP requests waiting for an admission slot of a saturated fleet;
+    when the drain ends each of them is answered 503 with ``Retry-After`` in OpenAI's error shape —
+    not a closed connection — and the daemon exits 0."""
+    sim = await sim_process(model="m", itl_ms=100, ttft_ms=10, max_num_seqs=4)
+    cfg = routerd_config(daemon={"drain_timeout_s": 1.0}, admission={"max_inflight_per_instance": 2},
+                         fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url]}])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    parked_n = 12
+
+    async def parked(session: aiohttp.ClientSession) -> tuple[int, dict[str, str], bytes]:
+        body = {"model": "m", "prompt": "wait for me", "max_tokens": 4}
+        async with session.post(f"{rp.url}/v1/completions", json=body) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def queued(session: aiohttp.ClientSession) -> bool:
+        async with session.get(f"{rp.url}/metrics") as r:
+            text = await r.text()
+        return f'routerd_admission_queued{{fleet="f",source="http"}} {float(parked_n)}' in text
+
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, rp.url)
+        streams = [await open_stream(session, rp.url, "m", 2000) for _ in range(2)]  # every slot
+        waiting = [asyncio.create_task(parked(session)) for _ in range(parked_n)]
+        try:
+            await _until(lambda: queued(session))
+            rp.signal(signal.SIGTERM)
+            answers = await asyncio.wait_for(asyncio.gather(*waiting), DRAIN_S + EXIT_MARGIN_S)
+            ((code, _),) = await _exits([rp], EXIT_MARGIN_S + 10)
+        finally:
+            for t in waiting + [s.task for s in streams]:
+                t.cancel()
+            await asyncio.gather(*waiting, *(s.task for s in streams), return_exceptions=True)
+    assert code == 0
+    for status, headers, body in answers:
+        assert status == 503, body
+        assert int(headers["Retry-After"]) >= 1
+        assert json.loads(body)["error"]["type"] == "ServiceUnavailableError"

@@ -131,7 +131,11 @@ async def test_zero_to_first_request_and_back_to_zero(ray_cluster: RayTestCluste
         async with s.post(f"{e.url}/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
 
-        # An admin pin holds the fleet where it is, idle or not, until it is lifted.
+        # An admin pin holds the fleet where it is, idle or not, until it is lifted; never past the
+        # fleet's max_replicas.
+        async with s.post(f"{e.url}/admin/fleets/z/replicas", json={"replicas": 3}) as r:
+            assert r.status == 400
+            assert "0..2" in (await r.json())["error"]["message"]
         async with s.post(f"{e.url}/admin/fleets/z/replicas", json={"replicas": 1}) as r:
             assert (await r.json())["pinned"] is True
         await asyncio.sleep(cfg.fleets[0].autoscale.scale_down_delay_s * 2)  # type: ignore[union-attr]

@@ -90,3 +90,61 @@ async def test_sim_launcher_command() -> None:
     plan = await SimLauncher().plan(spec, host="127.0.0.1", port=9, workdir="/w")
     assert plan.argv[1:] == ["-m", "routerd", "sim-engine", "--host", "127.0.0.1", "--port", "9",
                              "--model", "sim-m", "--itl-ms", "3"]
+
+
+def _session(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+async def test_make_stop_stops_the_head_and_its_engines_without_waiting_for_ray_s_drain(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray start --block`` drains its node on SIGTERM until the raylet exits or the drain times out,
+    and a node holding a detached actor never drains: ``make stop`` must not wait for that (here the
+    drain is 600 s, so waiting for it means not stopping at all). When the script returns, every process
+    the head started — the detached actor and its engine process too — is gone."""
+    monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "600")  # inherited by the head
+    import subprocess
+    import sys
+
+    import ray
+
+    cfg = RayConfig(num_cpus=2, num_gpus=0, connect_timeout_s=60)
+    state = tmp_path / "state"
+    cluster = await RayCluster.connect(cfg, state)
+    rec = json.loads((state / "ray" / "head.json").read_text())
+    sid = os.getsid(rec["pid"])
+    try:
+        @ray.remote(num_cpus=0)
+        class Holder:  # a detached actor with a child process: what an engine actor is to Ray
+            def __init__(self) -> None:
+                self.child = subprocess.Popen(["sleep", "600"])
+
+            def child_pid(self) -> int:
+                return self.child.pid
+
+        holder = Holder.options(lifetime="detached", name="holder", namespace=cfg.namespace).remote()
+        child = await asyncio.to_thread(ray.get, holder.child_pid.remote(), timeout=60)
+        assert _alive(child)
+        await cluster.close()
+        script = Path(__file__).parent.parent / "scripts" / "stop-local-ray.py"
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(script),
+                                                    str(state / "ray" / "head.json"),
+                                                    stdout=asyncio.subprocess.PIPE)
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 0, out
+        assert not _alive(rec["pid"]), out
+        assert not _alive(child)
+        assert _session(sid) == []
+    finally:
+        for pid in _session(sid):  # only the head's own session: what this test started
+            os.kill(pid, signal.SIGKILL)

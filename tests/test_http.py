@@ -343,6 +343,9 @@ class _Fleets:
         self.calls.append(("drain", instance_id, timeout_s))
         return {"id": instance_id}
 
+    def max_replicas(self, fleet: str) -> tuple[int, str]:
+        return 4, "a test's bound"
+
     async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
         self.calls.append(("replicas", fleet, replicas))
         return {"fleet": fleet, "replicas": replicas}
@@ -357,6 +360,7 @@ async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, Ro
         dp = build(cfg, Registry(), session)
         async with dp.listener as listener, asyncio.TaskGroup() as tg:
             url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
+                                                                    dp.static_health,
                                                                     lambda: dp.http.cfg.http.admin_api_key),
                                        port=0)
             tasks = [tg.create_task(coro) for coro in dp.loops().values()]
@@ -367,9 +371,9 @@ async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, Ro
                     t.cancel()
 
 
-ADMIN_ROUTES = [("GET", "/admin/fleets", None), ("POST", "/admin/instances/f:static0/restart", {}),
-                ("POST", "/admin/instances/f:static0/drain", {"timeout_s": 1}),
-                ("POST", "/admin/fleets/f/replicas", {"replicas": 2})]
+ADMIN_ROUTES = [("GET", "/admin/fleets", None), ("POST", "/admin/instances/g:0/restart", {}),
+                ("POST", "/admin/instances/g:0/drain", {"timeout_s": 1}),
+                ("POST", "/admin/fleets/g/replicas", {"replicas": 2})]
 
 
 def non_loopback_address() -> str | None:

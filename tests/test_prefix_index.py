@@ -230,8 +230,11 @@ def test_session_affinity_is_soft_and_bounded_by_saturation() -> None:
     for i in reg.instances("f"):
         busy(i, 7, clock)
     assert router.pick("f", request=v) is home  # the fleet is as busy: a slot left at home
+    assert router.choose("f", request=v).rule == "session"
     busy(home, 8, clock)
-    assert router.pick("f", request=v) is not home
+    moved = router.choose("f", request=v)
+    assert moved.instance is not home
+    assert moved.rule == "saturation_avoided", moved.log_fields()
 
 
 def test_predicted_hit_ratio_and_the_decision_explained() -> None:
@@ -257,6 +260,25 @@ def test_predicted_hit_ratio_and_the_decision_explained() -> None:
     assert fields["runner_up_matched_blocks"] == 0
     assert fields["ttft_est_ms"] < fields["runner_up_ttft_est_ms"]
     assert fields["wait_est_ms"] == round(chosen.wait_s * 1000, 1)
+    assert (fields["policy"], fields["rule"]) == ("cache_aware", "lowest_ttft")
+
+
+class _FirstId:
+    """A third-party policy with ``choose`` alone (no ``explain``)."""
+
+    name = "first_id"
+
+    def choose(self, request: RequestView, candidates: Any, rng: random.Random) -> Any:
+        return min(candidates, key=lambda c: c.id)
+
+
+def test_a_decision_without_a_choice_or_an_explaining_policy_says_so() -> None:
+    clock = Clock()
+    _reg, router = make(clock, 1)
+    assert router.choose("f", request=chat_view(router, turns(1, 1))).log_fields()["rule"] == "only_candidate"
+    _reg, router = make(clock, 2)
+    router.policy = _FirstId()
+    assert router.choose("f", request=chat_view(router, turns(1, 1))).rule == "policy_choice"
 
 
 def test_what_an_instance_held_is_forgotten_when_it_leaves_rotation_or_restarts() -> None:

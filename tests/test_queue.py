@@ -1,4 +1,4 @@
-"""The queue consumer against a real redis-server, with a fake upstream (the Forwarder Protocol).
+"""The queue consumer against a real redis-server, with a fake upstream (the dispatch's EngineCall Protocol).
 
 What a producer relies on: one result per job id whatever happens, bad messages dead-lettered with a
 reason while the consumer keeps going, deadlines and cancels honoured, streamed chunks in order, and

@@ -117,3 +117,18 @@ def test_the_whole_line_shortcut_masks_what_field_by_field_masks(event: dict[str
     if secrets:
         r.learn(["the-secret-key", "abcd1234"])
     assert r(None, "info", dict(event)) == {k: r.value(k, v) for k, v in event.items()}
+
+
+@pytest.mark.parametrize(("said", "shown"), [
+    ("b'GET /v1/models?key=sk-k1&model=m HTTP/1.1 junk'",
+     "b'GET /v1/models?key=***&model=*** HTTP/1.1 junk'"),
+    ("b'GET /x?sk-bare-k2 HTTP/9'", "b'GET /x?*** HTTP/9'"),
+    ("Invalid header value char:\n\n  b'X-Api-Key: sk-k3\\x01zz'",
+     "Invalid header value char:\n\n  b'X-Api-Key: ***'"),
+    ("Invalid header token:\n\n  b'X-Api-Key sk-k4'", "Invalid header token:\n\n  b'X-Api-Key ***'"),
+    ("b'Authorization: Bearer sk-k5\\x01'", "b'Authorization: ***'"),
+    ("Bad status line: Expected HTTP/, RTSP/ or ICE/:", "Bad status line: Expected HTTP/, RTSP/ or ICE/:"),
+    ("b'Host: example.org'", "b'Host: example.org'"),
+])
+def test_a_request_head_is_shown_without_query_values_or_secret_headers(said: str, shown: str) -> None:
+    assert redact.request_head(said) == shown

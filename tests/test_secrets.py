@@ -249,3 +249,39 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str, timeout: float =
 async def _json(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> Any:
     async with session.get(url, headers=headers) as r:
         return await r.json()
+
+
+async def test_a_key_in_a_malformed_request_head_is_not_logged(
+        routerd_process: RouterdFactory, tmp_path: Path, sim_process: SimProcessFactory) -> None:
+    """A tenant's key configured as its SHA-256 is unknown to the log's redactor: sent in the query of
+    a request line aiohttp cannot parse, or in a secret header's line it cannot parse, it must still
+    not reach the log (the client is answered 400)."""
+    import hashlib
+    import socket
+
+    sim = await sim_process(model="m")
+    key = "sk-plain-tenant-key-W8q1"
+    tenant = {"name": "t", "api_keys": ["sha256:" + hashlib.sha256(key.encode()).hexdigest()]}
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url]}],
+                      tenants=[tenant])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    host, port = rp.url.removeprefix("http://").split(":")
+    heads = [f"GET /v1/models?key={key} HTTP/1.1 junk\r\n\r\n",  # no secret-looking parameter name
+             f"GET /v1/models?api_key={key}&x=1 HTTP/9\r\n\r\n",
+             f"GET /v1 models?{key} HTTP/1.1\r\n\r\n",
+             f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Api-Key: {key}\x01\r\n\r\n",
+             f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\x01z\r\n\r\n",
+             f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Api-Key {key}\r\n\r\n"]
+
+    def send(head: str) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head.encode("latin-1"))
+            return sock.recv(65536)
+
+    for head in heads:
+        assert (await asyncio.to_thread(send, head)).split(b" ", 2)[1] == b"400", head
+    await _wait_log(rp, "bad_http_request", len(heads))
+    log = rp.log_path.read_text(errors="replace")
+    assert key not in log
+    assert key[:12] not in log  # nor a part of it
+    assert "?key=***" in log  # what was sent is still told, its secret masked

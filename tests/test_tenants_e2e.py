@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,12 +20,15 @@ import pytest
 from routerd.assembly import Routerd as Assembled
 from routerd.assembly import running
 from routerd.client import QueueClient
-from routerd.config import Config, parse
+from routerd.config import Config, RedisConfig, parse
 from routerd.ingress.queue import QueueIngress
+from routerd.keys import Keys
+from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.routing.promtext import parse as parse_metrics
 from routerd.tenants.service import Tenancy
-from tests.fixtures.daemon import RouterdFactory
+from routerd.tenants.usage import UsageLedger, day_of, read_days
+from tests.fixtures.daemon import RouterdFactory, to_toml
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -270,7 +275,209 @@ async def test_usage_totals_equal_what_the_engines_reported(
     assert rows["jobs"]["requests"] == 6
 
 
+async def test_usage_and_submit_log_in_with_the_configs_password_whatever_its_keys(tmp_path: Path) -> None:
+    """``routerd usage --config`` (and ``routerd submit --config``) reach a password-protected Redis with
+    the file's ``redis.password``, or ``$ROUTERD_REDIS_PASSWORD`` without a file, and a tenant's ``env:``
+    key whose variable is not set where the tool runs does not matter: keys are not what it reads."""
+    password = "usage-pw-J3k9"
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis", extra_args=("--requirepass", password))
+    server.start()
+    try:
+        cfg = {"redis": {"url": server.url, "password": password},
+               "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": ["http://127.0.0.1:9"]}],
+               "tenants": [{"name": "web", "api_keys": ["env:ROUTERD_TEST_KEY_NOT_SET_HERE"]}]}
+        path = tmp_path / "routerd.toml"
+        path.write_text(to_toml(cfg))
+        writer = redis_client(server.url, RedisConfig(password=password))
+        ledger = UsageLedger(lambda: writer, Keys(), retention_days=1)  # what a routerd on it counted
+        ledger.add("web", "f", requests=3, prompt_tokens=5, completion_tokens=7)
+        assert await ledger.flush()
+        await writer.aclose()
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"ROUTERD_REDIS_PASSWORD", "ROUTERD_REDIS_URL", "ROUTERD_TEST_KEY_NOT_SET_HERE"}}
+
+        async def run(*argv: str, **extra: str) -> str:
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**env, **extra})
+            out, err = await asyncio.wait_for(cli.communicate(), 60)
+            assert cli.returncode == 0, err.decode()
+            return out.decode()
+
+        for argv, extra in [(["--config", str(path)], {}),
+                            (["--redis", server.url], {"ROUTERD_REDIS_PASSWORD": password})]:
+            rows = json.loads(await run("usage", *argv, "--json", **extra))["rows"]
+            assert [(r["tenant"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] \
+                == [("web", 3, 5, 7)], argv
+        cli = await asyncio.create_subprocess_exec(  # --days past the bound is refused (a huge one hung)
+            sys.executable, "-m", "routerd", "usage", "--config", str(path), "--days", "5000",
+            stderr=asyncio.subprocess.PIPE, env=env)
+        _, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 2
+        assert b"--days must be 1..3660" in err
+        job = (await run("submit", "--config", str(path), "hello")).strip()
+        async with QueueClient.from_url(server.url, password=password) as q:
+            entries = await q.redis.xrange("routerd:requests")
+        assert len(entries) == 1
+        assert job.encode() in entries[0][1][b"job"]  # the job it said it wrote
+    finally:
+        server.kill()
+
+
+async def read_events(r: aiohttp.ClientResponse, k: int) -> int:
+    """Read ``k`` events carrying text of a stream (fewer if it ends first); the number read."""
+    n = 0
+    async for line in r.content:
+        if line.startswith(b"data: {") and b'"text"' in line:
+            n += 1
+            if n == k:
+                break
+    return n
+
+
+async def test_streams_ended_early_are_billed_what_the_engine_generated(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2: a stream its client closes after k of n events, and a queue job's stream cut by its
+    deadline, are billed the tokens the engine generated (its own ``vllm:generation_tokens``) — in
+    /metrics, in Redis' usage and in the tenant's token bucket — not 0."""
+    sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20) for _ in range(2)]
+    urls = [s.url for s in sims]
+    # 600 tokens a minute, 10 a second refilled: 8 streams of 40 tokens read leave it far from full.
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"], "tokens_per_minute": 600},
+                                         {"name": "jobs"}])
+    keys = Keys.from_config(cfg.redis)
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
+        start = await engine_tokens(s, urls)
+        began = time.monotonic()
+
+        async def closed_early(i: int) -> int:
+            body = {"model": "m", "prompt": f"cut {i}", "max_tokens": 100, "stream": True}
+            async with s.post(rd.url + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer sk-web"}) as r:
+                assert r.status == 200
+                n = await read_events(r, 40)
+                r.close()  # the client goes away before the end: the engine aborts the request
+            return n
+
+        assert await asyncio.gather(*(closed_early(i) for i in range(8))) == [40] * 8
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        mid = await _settled_engine_tokens(s, urls)
+        web = rd.dp.tenancy.directory.get("web")
+        assert web is not None
+        level = await rd.dp.tenancy.limiter.acquire(web, 0)
+        refilled = 10 * (time.monotonic() - began)
+        job = await q.submit({"model": "m", "prompt": "long job", "max_tokens": 500, "stream": True},
+                             tenant="jobs", deadline_ms=1500)
+        result = await q.wait(job, timeout=30)
+        assert result.status == "error"  # its deadline cut the stream
+        end = await _settled_engine_tokens(s, urls)
+        assert await rd.dp.tenancy.ledger.flush()
+        metrics = (await (await s.get(rd.url + "/metrics")).read()).decode()
+        async with redis_client(redis_server.url, cfg.redis) as client:
+            rows = {r["tenant"]: r for r in await read_days(client, keys, [day_of(time.time())])}
+    engine = {"web": (mid[0] - start[0], mid[1] - start[1]), "jobs": (end[0] - mid[0], end[1] - mid[1])}
+    assert engine["web"][1] >= 8 * 40
+    assert engine["jobs"][1] >= 20
+    for tenant, (prompt, completion) in engine.items():
+        _, _, _, billed_prompt, billed = rd.dp.tenancy.ledger.totals[(tenant, "f")]
+        assert billed_prompt == prompt
+        # The count read last: the engine may have made a token or two more before it saw the abort.
+        assert 0.9 * completion <= billed <= completion, (tenant, billed, completion)
+        assert (rows[tenant]["prompt_tokens"], rows[tenant]["completion_tokens"]) == (billed_prompt, billed)
+        assert f'routerd_tenant_tokens_total{{fleet="f",kind="completion",tenant="{tenant}"}} ' \
+            f'{float(billed)}' in metrics
+    # The bucket was charged what was generated (not only the prompts' estimates), less its refill.
+    left = int(level.headers()["x-ratelimit-remaining-tokens"])
+    assert left <= 600 - sum(rd.dp.tenancy.ledger.totals[("web", "f")][3:]) + refilled + 1, (left, refilled)
+
+
+async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_the_engines_work(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2, a non-streamed request: its client goes away while the engine generates; nobody reads
+    the answer, so routerd bills its best figure — the prompt estimate and the instance's learned
+    decode speed over the time it had the request — which lands near the engine's own count."""
+    sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20)]
+    urls = [s.url for s in sims]
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}])
+    async with routerd(cfg) as rd, aiohttp.ClientSession() as s:
+        for i in range(3):  # the instance shows its decode speed
+            status, _, _ = await post(s, rd.url, {"model": "m", "prompt": f"warm {i}", "max_tokens": 10},
+                                   "sk-web")
+            assert status == 200
+        await wait_until(lambda: all(i.learned.decode_tokens_per_s for i in rd.dp.registry.instances("f")))
+        rd.dp.tenancy.ledger.totals.clear()
+        start = await _settled_engine_tokens(s, urls)
+
+        async def left(i: int) -> None:
+            body = {"model": "m", "prompt": f"left {i}", "max_tokens": 400}
+            try:
+                async with s.post(rd.url + "/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer sk-web"},
+                                  timeout=aiohttp.ClientTimeout(total=1.5)) as r:
+                    await r.read()
+            except TimeoutError:
+                return
+            raise AssertionError("the answer came before the client left")
+
+        results = await asyncio.gather(*(left(i) for i in range(4)), return_exceptions=True)
+        assert not any(isinstance(r, AssertionError) for r in results), results
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        end = await _settled_engine_tokens(s, urls)
+    generated = end[1] - start[1]
+    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    assert (requests, errors) == (0, 4)
+    assert prompt > 0
+    assert generated >= 4 * 40  # 1.5 s of 20 ms tokens each
+    assert 0.6 * generated <= completion <= 1.4 * generated, (completion, generated)
+
+
+async def test_a_stream_its_client_left_during_the_prefill_is_billed_its_prompt(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Issue 18.2: a stream whose client leaves before any token (the engine still prefilling) has no
+    count to read; the engine did take its prompt, so the prompt estimate is billed, not refunded."""
+    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=2500, itl_ms=1)]
+    urls = [s.url for s in sims]
+    cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}])
+    async with routerd(cfg) as rd, aiohttp.ClientSession() as s:
+        start = await _settled_engine_tokens(s, urls)
+        body = {"model": "m", "prompt": "a prompt the engine takes", "max_tokens": 50, "stream": True}
+        with contextlib.suppress(TimeoutError):
+            async with s.post(rd.url + "/v1/completions", json=body,
+                              headers={"Authorization": "Bearer sk-web"},
+                              timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                await r.read()
+        await wait_until(lambda: rd.dp.upstream.active == 0)
+        end = await _settled_engine_tokens(s, urls)
+    assert end[0] - start[0] > 0  # the engine took the prompt ...
+    assert end[1] == start[1]  # ... and made no token
+    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    assert (requests, errors, completion) == (0, 1, 0)
+    assert prompt > 0
+
+
+async def _settled_engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """The engines' token counts once no request runs on them (the aborted ones stopped counting)."""
+    deadline = time.monotonic() + 10
+    while True:
+        counts = await engine_tokens(s, urls)
+        running = 0.0
+        for url in urls:
+            async with s.get(url + "/metrics") as r:
+                running += parse_metrics(await r.text(), 0.0).running
+        if running == 0:
+            return counts
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
 # -- who may send what ------------------------------------------------------------------------------------
+async def listed_models(s: aiohttp.ClientSession, url: str, key: str) -> list[str]:
+    async with s.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200
+        return sorted(m["id"] for m in (await r.json())["data"])
+
+
 async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     m = await sim_process(model="m", ttft_ms=0, itl_ms=0)
@@ -290,6 +497,8 @@ async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         assert (await post(s, rd.url, {"model": "n", "prompt": "x", "max_tokens": 1}, "sk-shared"))[0] == 200
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}, "sk-nobody"))[0] == 401
         assert (await post(s, rd.url, {"model": "m", "prompt": "x", "max_tokens": 1}))[0] == 401
+        assert await listed_models(s, rd.url, "sk-only-f") == ["m"]  # n is a model it may not use
+        assert await listed_models(s, rd.url, "sk-shared") == ["m", "n"]
         unknown = await q.submit({"model": "m", "prompt": "x"}, tenant="nobody")
         barred = await q.submit({"model": "n", "prompt": "x"}, tenant="only-f")
         r1, r2 = await q.wait(unknown, timeout=10), await q.wait(barred, timeout=10)

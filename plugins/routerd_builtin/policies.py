@@ -9,6 +9,10 @@ through the same entry-point group a third-party policy uses.
 Load is *expected wait* (``Candidate.wait_s``: work queued ahead over what that instance gets through,
 learned per instance), so a slow or small instance is not sent as much as a fast one merely because
 their queue-over-capacity figures look alike.
+
+Each also ``explain``s a choice (:class:`~routerd.plugins.ExplainingPolicy`): the same choice with the
+name of the rule that made it, for the request's log line. ``choose`` is ``explain`` without the name, so
+the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -49,7 +53,11 @@ class LeastLoad:
 
     def choose(self, request: RequestView, candidates: Sequence[Candidate],
                rng: random.Random) -> Candidate:
-        return _least(candidates, rng)
+        return self.explain(request, candidates, rng)[0]
+
+    def explain(self, request: RequestView, candidates: Sequence[Candidate],
+                rng: random.Random) -> tuple[Candidate, str]:
+        return _least(candidates, rng), "least_wait"
 
 
 class PowerOfTwo:
@@ -60,10 +68,14 @@ class PowerOfTwo:
 
     def choose(self, request: RequestView, candidates: Sequence[Candidate],
                rng: random.Random) -> Candidate:
+        return self.explain(request, candidates, rng)[0]
+
+    def explain(self, request: RequestView, candidates: Sequence[Candidate],
+                rng: random.Random) -> tuple[Candidate, str]:
         if len(candidates) == 1:
-            return candidates[0]
+            return candidates[0], "only_candidate"
         a, b = rng.sample(list(candidates), 2)
-        return a if _key(a) <= _key(b) else b
+        return (a if _key(a) <= _key(b) else b), "less_wait_of_two"
 
 
 class RoundRobin:
@@ -80,10 +92,14 @@ class RoundRobin:
 
     def choose(self, request: RequestView, candidates: Sequence[Candidate],
                rng: random.Random) -> Candidate:
+        return self.explain(request, candidates, rng)[0]
+
+    def explain(self, request: RequestView, candidates: Sequence[Candidate],
+                rng: random.Random) -> tuple[Candidate, str]:
         ordered = sorted(candidates, key=lambda c: c.id)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
-        return chosen
+        return chosen, "round_robin"
 
 
 class CacheAware:
@@ -105,16 +121,27 @@ class CacheAware:
       :data:`TTFT_BAND_ABS_S`): then the least expected wait, the least load, at random — a small
       saving does not pile requests on one instance, and prompts sharing nothing are placed as
       ``least_load`` places them.
+
+    The rules, as :meth:`explain` names them: ``session`` (the session's instance, not saturated);
+    ``saturation_avoided`` (the session's instance is saturated: the conversation moves);
+    ``prefix_spread`` (an instance holding the prompt's prefix would have had the least estimate but is
+    saturated: the prefix spreads); ``ttft_tie`` (close estimates, the least wait of them);
+    ``lowest_ttft`` (the least estimate, no other close to it).
     """
 
     name = "cache_aware"
 
     def choose(self, request: RequestView, candidates: Sequence[Candidate],
                rng: random.Random) -> Candidate:
+        return self.explain(request, candidates, rng)[0]
+
+    def explain(self, request: RequestView, candidates: Sequence[Candidate],
+                rng: random.Random) -> tuple[Candidate, str]:
+        home = None
         if request.session is not None:
-            for c in candidates:
-                if c.session and not c.saturated:
-                    return c
+            home = next((c for c in candidates if c.session), None)
+            if home is not None and not home.saturated:
+                return home, "session"
         if all(c.saturated for c in candidates) or not any(c.saturated for c in candidates):
             estimates = [c.ttft_s for c in candidates]
         else:  # a saturated instance's cache draws nothing while another has room
@@ -123,4 +150,12 @@ class CacheAware:
         best = min(estimates)
         band = best + max(best * TTFT_BAND_REL, TTFT_BAND_ABS_S)
         near = [c for c, e in zip(candidates, estimates, strict=True) if e <= band]
-        return near[0] if len(near) == 1 else _least(near, rng)
+        if len(near) == 1:
+            chosen, rule = near[0], "lowest_ttft"
+        else:
+            chosen, rule = _least(near, rng), "ttft_tie"
+        if home is not None and chosen is not home:
+            rule = "saturation_avoided"  # the session's instance would have had it but for saturation
+        elif any(e > band and c.ttft_s <= band for c, e in zip(candidates, estimates, strict=True)):
+            rule = "prefix_spread"  # one holding the prefix would have been in the band on its cache
+        return chosen, rule

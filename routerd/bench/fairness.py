@@ -1,7 +1,8 @@
 """``routerd bench fairness``: a batch tenant floods the queue, an interactive tenant trickles over HTTP.
 
 Method. ``--engines`` simulated engines (separate processes, ``--slots`` sequences each, ``--ttft-ms``,
-``--itl-ms``) sit behind a real ``routerd run`` (static fleet, its own process) with a Redis this
+``--itl-ms``, scheduling as vLLM V1 does — a new prefill beside the decodes — unless
+``--no-chunked-prefill``) sit behind a real ``routerd run`` (static fleet, its own process) with a Redis this
 benchmark starts. Each phase starts routerd afresh on an empty Redis:
 
 1. ``alone``: the interactive tenant alone — one streaming chat (``--chat-tokens``) every
@@ -301,14 +302,16 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim("m", max_num_seqs=args.slots, ttft_ms=args.ttft_ms,
-                                                         itl_ms=args.itl_ms, seed=i)
+                                                         itl_ms=args.itl_ms, seed=i,
+                                                         chunked_prefill=args.chunked_prefill)
                                                for i in range(args.engines))))
         async with EmbeddedRedis(Path(procs.tmp.name) / "redis") as redis_url:
-            phases = [await _phase(args, procs, engines, redis_url, "alone", _fair_tenants(), flood=False)]
+            phases = [await _phase(args, procs, engines, redis_url, "alone", _fair_tenants(args),
+                                    flood=False)]
             if not args.skip_baseline:
                 phases.append(await _phase(args, procs, engines, redis_url, "flood, no tenants", None,
                                            flood=True))
-            phases.append(await _phase(args, procs, engines, redis_url, "flood, tenants", _fair_tenants(),
+            phases.append(await _phase(args, procs, engines, redis_url, "flood, tenants", _fair_tenants(args),
                                        flood=True))
             shares = None if args.skip_shares else await _shares(args, procs, engines, redis_url)
     decision = await _decision_cost(args.decisions, 3)
@@ -320,8 +323,9 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "phases": phases, "shares": shares, "decision": decision}
 
 
-def _fair_tenants() -> list[dict[str, Any]]:
-    return [{"name": "batch", "weight": 1.0}, {"name": "interactive", "weight": 1.0, "api_keys": [_KEY]}]
+def _fair_tenants(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [{"name": "batch", "weight": 1.0},
+            {"name": "interactive", "weight": args.interactive_weight, "api_keys": [_KEY]}]
 
 
 def _report(res: dict[str, Any]) -> None:
@@ -366,11 +370,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ttft-ms", type=float, default=100.0)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--jobs", type=int, default=300, help="batch jobs XADDed at the flood's start")
+    p.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines schedule as vLLM V1 does (a prefill beside the decodes, TTFT its "
+                        "own wait); --no-chunked-prefill: a prefill step stalls every decode (V0)")
     p.add_argument("--batch-tokens", type=int, default=64)
     p.add_argument("--length-spread", type=float, default=0.0,
                    help="batch jobs' max_tokens uniform in batch-tokens × (1 ± this)")
     p.add_argument("--chat-tokens", type=int, default=16)
     p.add_argument("--rate", type=float, default=2.0, help="interactive chats per second")
+    p.add_argument("--interactive-weight", type=float, default=1.0,
+                   help="the interactive tenant's weight (the batch tenant's is 1)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of each phase")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds before the shares window")
     p.add_argument("--decisions", type=int, default=200_000, help="admissions timed for the decision cost")

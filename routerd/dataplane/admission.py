@@ -85,6 +85,7 @@ class _Ticket:
 _DEFAULT_SHARE = Share()
 _SLICE_S = 1.0  # run() applies the clock (deadlines, the waiting room) at least twice per this
 _LIMIT_TTL_S = 1.0  # capacities come from scrapes, which do not change the registry's version
+_CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
 
 class Admission:
@@ -228,14 +229,14 @@ class Admission:
                          future=asyncio.get_running_loop().create_future(), source=source,
                          enqueued=now, deadline=deadline)
         if line.top() is None:
-            line.join(q.waiting.values(), now)
+            line.join(q.waiting.values(), now, self._credit(q, line))
             q.waiting[tenant] = line
         heapq.heappush(line.heap, waiter)
         self._registry.queued[fleet] = q.count(line, source, +1)  # the autoscaler's demand
         if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
             self._dispatch(fleet, q)
         elif self._preempting:
-            self._preempt_for(q, line)
+            self._preempt_for(q, line, now, self._credit(q, line) / 2 if source == "http" else None)
         timer = self._timer(fleet, q, waiter, now)
         try:
             await waiter.future  # its result, or what sweep decided (deadline, no ready instance)
@@ -286,6 +287,18 @@ class Admission:
         for fleet, q in self._fleets.items():
             self._sweep_fleet(fleet, q, now)
 
+    def shed(self, source: Source, error: Callable[[], RouterdError]) -> int:
+        """Fail every waiter of ``source`` with ``error()`` (on drain: HTTP waiters are answered 503
+        rather than cut off when the listener closes); how many were failed."""
+        shed = 0
+        for q in self._fleets.values():
+            for w in [w for line in q.waiting.values() for w in line.heap]:
+                if w.source == source and not w.future.done():
+                    q.rejected_total += 1
+                    w.future.set_exception(error())
+                    shed += 1
+        return shed
+
     def _sweep_fleet(self, fleet: str, q: FleetQueue, now: float) -> None:
         self._note_readiness(fleet, q, now)
         for w in [w for line in q.waiting.values() for w in line.heap]:
@@ -322,10 +335,19 @@ class Admission:
     def _retry_after(self, q: FleetQueue) -> float:
         return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
 
-    def _preempt_for(self, q: FleetQueue, line: Line[Waiter]) -> None:
-        """``line`` waits below its share on a full fleet: abort the most recently started preemptible
-        request of the tenant furthest above its share (its slot comes here once its holder left)."""
-        while (over := victim(q.lines.values(), line, q.limit)) is not None:
+    @staticmethod
+    def _credit(q: FleetQueue, line: Line[Waiter]) -> float:
+        """How far behind the waiting tenants (virtual seconds) a tenant starting to wait may stay:
+        ``_CREDIT_S`` seconds of its fair share of the fleet's slots (fairshare's module docstring)."""
+        total = line.weight + sum(other.weight for other in q.lines.values()
+                                  if other is not line and (other.active or other.heap))
+        return _CREDIT_S * q.limit / total
+
+    def _preempt_for(self, q: FleetQueue, line: Line[Waiter], now: float, margin: float | None) -> None:
+        """``line`` waits below its share on a full fleet (or, with ``margin``, behind over time): abort
+        the most recently started preemptible request of the tenant furthest above its share (its slot
+        comes here once its holder left)."""
+        while (over := victim(q.lines.values(), line, q.limit, now, margin)) is not None:
             _, abort = over.preemptible.popitem()  # the most recent: the least work lost
             if abort():
                 q.preempted_total += 1

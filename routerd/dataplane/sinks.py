@@ -40,10 +40,10 @@ class ForwardResult:
     ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
     decision: Decision | None = None  # why its first instance was chosen (for the request's log line)
     resumes: int = 0  # times the stream was continued on another instance after its engine failed
-    # The usage the engine reported (prompt, completion tokens): a non-stream's from its body, a
-    # stream's as the engine counted it (a continued stream's whole generation), whether or not the
-    # client asked for it; None when the engine reported none, for an error answer, and for a stream
-    # that did not end well (billed as a cut stream: README, "Usage").
+    # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
+    # generation), whether or not the client asked for it, as far as it was read — a stream that
+    # did not end well included: its engine generated them; None for a non-stream (its body holds it)
+    # and for a stream whose events carried no count.
     usage: tuple[int, int] | None = None
 
 

@@ -61,6 +61,7 @@ from ..errors import NoReadyInstance, UpstreamError, error_json, error_type, quo
 from ..plugins import RequestView
 from ..registry import Instance
 from ..routing import Router
+from ..routing.speed import PRIOR_PREFILL_S
 from ..telemetry import Telemetry
 from . import relay, resume
 from .engine_http import ConnectError, EnginePool, Response
@@ -72,6 +73,10 @@ _log = log.get("routerd.upstream")
 
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
+
+
+# UsageTap.meter: given a function returning the engine's count (prompt, completion tokens) or None.
+_Meter = Callable[[Callable[[], tuple[int, int] | None]], None]
 
 
 class _Retry(Exception):
@@ -268,7 +273,7 @@ class Upstream:
         last: _Retry | None = None
         unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
         tel = self.telemetry
-        plan = self._plan(endpoint, body) if stream else None  # how a stream is read and resumed
+        plan = self._plan(endpoint, body, sink) if stream else None  # how a stream is read and resumed
         if isinstance(plan, ResumableStream):
             body = plan.engine_body
         self.active += 1
@@ -286,15 +291,19 @@ class Upstream:
                     break
                 inst = decision.instance
                 tried.append(inst.id)
+                sent = self.clock()
                 try:
                     result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
                                                  unexplained, task, plan)
+                except asyncio.CancelledError:
+                    self._abandoned(sink, plan, inst, sent, request)
+                    raise
                 except _Resume as failure:
                     assert isinstance(plan, ResumableStream)
                     result = await self._resume(fleet, endpoint, sink, request_id, task, plan, failure,
                                                 tried, request)
                     result.attempts += attempt
-                    result.usage = plan.usage() if result.ok else None
+                    result.usage = plan.usage()
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
                     tel.count_request(fleet, result.instance, result.status)
@@ -326,10 +335,27 @@ class Upstream:
         finally:
             self.active -= 1
 
-    def _plan(self, endpoint: str, body: bytes) -> ResumableStream | str:
+    def _plan(self, endpoint: str, body: bytes, sink: ResponseSink) -> ResumableStream | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
-        passed through byte for byte (the string: why it is not continued)."""
-        return resume.reader(endpoint, body, resumable=bool(self.cfg.max_resumes))
+        passed through byte for byte (the string: why it is not continued). A sink that meters (a
+        :class:`~routerd.tenants.UsageTap`) is given the reader's count, read however the call ends."""
+        plan = resume.reader(endpoint, body, resumable=bool(self.cfg.max_resumes))
+        meter: _Meter | None = getattr(sink, "meter", None)
+        if meter is not None and isinstance(plan, ResumableStream):
+            meter(plan.usage)
+        return plan
+
+    def _abandoned(self, sink: ResponseSink, plan: ResumableStream | str | None, inst: Instance,
+                   sent: float, request: RequestView | None) -> None:
+        """The call was cancelled during an attempt on ``inst`` (sent at ``sent``). The engine worked on
+        it unread — a non-streamed request, or a stream no count of which was read yet (its client left
+        during the prefill, say): a metering sink is given what it likely generated."""
+        if isinstance(plan, ResumableStream) and plan.counted:
+            return  # the engine's own count stands
+        meter: _Meter | None = getattr(sink, "meter", None)
+        if meter is not None:
+            counts = _abandoned_usage(inst, self.clock() - sent, request)
+            meter(lambda: counts)
 
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
@@ -385,7 +411,7 @@ class Upstream:
             clean = True
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
                                  ttfb_s=ttfb,
-                                 usage=plan.usage() if ok and isinstance(plan, ResumableStream) else None)
+                                 usage=plan.usage() if isinstance(plan, ResumableStream) else None)
         finally:
             lost.close()
             inst.inflight -= 1
@@ -587,6 +613,26 @@ async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
         raise _Retry("error_event", "error event before any token: " + _event_message(first),
                      answered=True)
     return first
+
+
+def _abandoned_usage(inst: Instance, elapsed_s: float,
+                     request: RequestView | None) -> tuple[int, int] | None:
+    """What an engine likely made of a non-streamed request abandoned after ``elapsed_s`` on it (its
+    client went away, a deadline or a drain cancelled it; closing the connection aborted it). Nobody
+    reads its answer, so this is an estimate: the prompt as routing estimated it, and the tokens one
+    sequence of the instance decodes per second (learned from its scrapes) over the time after its
+    prefill, at most ``max_tokens`` — none before the instance has shown its speed."""
+    if request is None:
+        return None
+    learned = inst.learned
+    decode = learned.decode_tokens_per_s
+    prefill = learned.prefill_s if learned.prefill_s is not None else PRIOR_PREFILL_S
+    completion = 0
+    if decode is not None and elapsed_s > prefill:
+        completion = 1 + int((elapsed_s - prefill) * decode)
+        if request.max_tokens is not None:
+            completion = min(completion, request.max_tokens)
+    return request.prompt_tokens, completion
 
 
 def _header_safe(request_id: str) -> str:

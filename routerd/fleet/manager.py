@@ -46,6 +46,9 @@ from .spread import Spreader
 from .supervisor import Supervisor
 
 _logger = log.get("routerd.fleet")
+# The admin replica count's ceiling for a fleet without autoscale bounds: the ceiling the config puts
+# on an autoscaled fleet's max_replicas.
+MAX_REPLICAS = 1024
 
 
 class FleetManager:
@@ -320,7 +323,7 @@ class FleetManager:
         # An autoscaled fleet's scale-down waits for its requests as long as they may reasonably run.
         timeout = fleet.autoscale.drain_timeout_s if fleet is not None and fleet.autoscale is not None \
             else self.cfg.daemon.drain_timeout_s
-        await self._wait_idle(sup.slot.inst, timeout)
+        await self.registry.wait_idle(sup.slot.inst, timeout)
         if sup.task is not None:
             sup.task.cancel()
             await asyncio.gather(sup.task, return_exceptions=True)
@@ -331,12 +334,6 @@ class FleetManager:
         if self.supervisors.get(sup.slot.inst.id) is sup:
             del self.supervisors[sup.slot.inst.id]
         self._wake.set()
-
-    async def _wait_idle(self, inst: Instance, timeout: float) -> None:
-        deadline = self.clock() + timeout
-        since = self.registry.version
-        while inst.inflight > 0 and self.clock() < deadline:
-            since = await self.registry.wait_changed(since, timeout=0.1)
 
     async def _wait_states(self, sups: list[Supervisor], timeout: float) -> None:
         deadline = self.clock() + timeout
@@ -367,8 +364,19 @@ class FleetManager:
         sup = self._supervisor(instance_id)
         sup.drain()
         inst = sup.slot.inst
-        await self._wait_idle(inst, timeout_s)
+        await self.registry.wait_idle(inst, timeout_s)
         return {**inst.status(self.registry.clock()), "drained": inst.inflight == 0}
+
+    def max_replicas(self, fleet: str) -> tuple[int, str]:
+        """The most replicas an admin may ask of a launched fleet, and why: an autoscaled fleet's
+        ``max_replicas`` (the ceiling its operator set on its cost), else :data:`MAX_REPLICAS`.
+        ``KeyError`` for a fleet that is not launched."""
+        fcfg = self.cfg.fleet(fleet)
+        if fcfg is None or fcfg.engine == "static":
+            raise KeyError(fleet)
+        if fcfg.autoscale is not None:
+            return fcfg.autoscale.max_replicas, "its autoscale.max_replicas"
+        return MAX_REPLICAS, "the ceiling of a fleet without autoscale bounds"
 
     async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
         """Admin: change a fleet's replica count at run time (until the config file changes it, or

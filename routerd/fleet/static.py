@@ -14,7 +14,10 @@ There is nothing to restart, so the rules are:
   (``Instance.lose``): a stream gets the terminal error event at once, instead of waiting
   ``read_timeout_s`` on a socket that a hung engine never closes; a request with no byte sent yet is
   retried elsewhere;
-* back into rotation by the first rule once it answers again, with a fresh heartbeat tracker.
+* back into rotation by the first rule once it answers again, with a fresh heartbeat tracker;
+* drained by an admin (``POST /admin/instances/{id}/drain``): out of rotation, what runs on it finishes,
+  and the first rule does not bring it back until ``POST /admin/instances/{id}/undrain`` — routerd
+  cannot restart an engine it did not launch, so undrain is how a static instance returns.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class StaticHealth:
         self.session = session
         self.clock = clock
         self._failed: set[str] = set()  # failed their heartbeats: watched again once back in rotation
+        self._drained: set[str] = set()  # drained by an admin: kept out of rotation until undrained
         self.monitor = HealthMonitor(registry, cfg.health, self._probe, self._on_failed, clock=clock,
                                      rng=rng, watch=self._watched)
 
@@ -74,6 +78,7 @@ class StaticHealth:
             new = wanted.get(inst.id)
             if new is None or new.url != inst.url:
                 self.registry.remove(inst.id)
+                self._drained.discard(inst.id)  # a drain was of that engine, not of a new URL
             else:
                 inst.capacity_hint = new.capacity_hint
                 wanted.pop(inst.id)
@@ -86,6 +91,24 @@ class StaticHealth:
 
     def instances(self) -> list[Instance]:
         return [i for i in self.registry if self.is_static(i)]
+
+    def instance(self, instance_id: str) -> Instance | None:
+        """The static instance of that id, or None (no such instance, or a launched one)."""
+        inst = self.registry.get(instance_id)
+        return inst if inst is not None and self.is_static(inst) else None
+
+    def drain(self, inst: Instance) -> None:
+        """Admin: no new requests (in-flight ones go on) until :meth:`undrain`."""
+        self._drained.add(inst.id)
+        self.registry.set_state(inst, InstanceState.DRAINING, "drained by admin")
+        _log.info("instance_drained", instance=inst.id)
+
+    def undrain(self, inst: Instance) -> None:
+        """Admin: back into rotation by the usual rule (``/health`` answers, a fresh scrape)."""
+        self._drained.discard(inst.id)
+        if inst.state is InstanceState.DRAINING:
+            self.registry.set_state(inst, InstanceState.UNHEALTHY, "undrained by admin: waiting for /health")
+        _log.info("instance_undrained", instance=inst.id)
 
     def _watched(self, inst: Instance) -> bool:
         return inst.state in _WATCHED and inst.id not in self._failed and self.is_static(inst)
@@ -109,6 +132,8 @@ class StaticHealth:
                 excused_until = now + cfg.scrape_interval_s + cfg.scrape_timeout_s
             probes = []
             for inst in self.instances():
+                if inst.id in self._drained:
+                    continue  # an admin took it out: only undrain brings it back
                 snap = inst.snapshot
                 last_ok = snap.scraped_at if snap is not None else None
                 if inst.state is InstanceState.READY:
@@ -134,7 +159,8 @@ class StaticHealth:
                     healthy = resp.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):
             healthy = False
-        if healthy and inst.state is not InstanceState.READY and self.registry.get(inst.id) is inst:
+        if healthy and inst.state is not InstanceState.READY and self.registry.get(inst.id) is inst \
+                and inst.id not in self._drained:  # drained while /health was asked
             self._failed.discard(inst.id)
             self.registry.set_state(inst, InstanceState.READY, "answers /health")
             _log.info("instance_ready", instance=inst.id, url=redact.url(inst.url))

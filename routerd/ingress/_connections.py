@@ -36,7 +36,7 @@ from typing import Any, cast
 from aiohttp import StreamReader, web
 from multidict import CIMultiDictProxy
 
-from .. import log
+from .. import log, redact
 from ..config import HttpConfig
 from ..errors import RouterdError, ShuttingDown, error_json, error_type, quote
 from ..telemetry import Telemetry
@@ -271,7 +271,10 @@ class ClientConnection(web.RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
             text = "internal error in routerd"
         else:
-            text = f"malformed HTTP request: {quote(message or str(exc or HTTPStatus(status).phrase))}"
+            # aiohttp quotes the line it could not parse: a key in its query string or a secret
+            # header's value would be logged whole (a key configured as sha256: is unknown to the log).
+            said = message or str(exc or HTTPStatus(status).phrase)
+            text = f"malformed HTTP request: {quote(redact.request_head(said))}"
             _log.info("bad_http_request", status=status, error=text, remote=self.remote())
         response = http_error(status, text, headers={"X-Request-Id": new_request_id()})
         response.force_close()

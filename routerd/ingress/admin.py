@@ -1,10 +1,12 @@
-"""Admin routes that act on engines: restart or drain one instance, change a fleet's replica count.
+"""Admin routes that act on engines: drain or undrain one instance, restart a launched one, change a
+fleet's replica count.
 
 ``GET /admin/fleets`` (the read side) belongs to the HTTP ingress; these are the write side, added to
-the same application by the daemon with ``add_admin_routes(app, fleet_manager, admin_key)``. Every admin
-route, read or write, goes through :func:`routerd.ingress.auth.check_admin`: with an admin key set, a call
-needs ``Authorization: Bearer <key>``; without one it answers only a loopback peer (the default config
-binds 127.0.0.1), so a misconfigured public listener neither shows nor restarts engines.
+the same application by the daemon with ``add_admin_routes(app, fleet_manager, static, admin_key)`` —
+static-only too (no Ray, no fleet manager). Every admin route, read or write, goes through
+:func:`routerd.ingress.auth.check_admin`: with an admin key set, a call needs
+``Authorization: Bearer <key>``; without one it answers only a loopback peer (the default config binds
+127.0.0.1), so a misconfigured public listener neither shows nor restarts engines.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import msgspec
 from aiohttp import web
 
 from ..errors import BadRequest, NotFound
+from ..fleet.static import STATIC
 from .auth import check_admin
 
 if TYPE_CHECKING:
     from ..fleet import FleetManager
+    from ..fleet.static import StaticHealth
 
-_MAX_REPLICAS = 1024
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
 
 
@@ -46,15 +49,19 @@ async def _body(request: web.Request, typ: type[Any]) -> Any:
 Handler = Callable[[web.Request], Awaitable[Any]]
 
 
-def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
+def add_admin_routes(app: web.Application, fleet_manager: FleetManager | None, static: StaticHealth,
                      admin_key: str | Callable[[], str]) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
-    ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``: an autoscaled fleet is pinned there) and
-    ``DELETE /admin/fleets/{fleet}/replicas`` (back to the autoscaler, or to the file's count). Instance ids
-    look like ``small:0``.
+    ``POST /admin/instances/{id}/undrain`` (a static instance), ``POST /admin/fleets/{fleet}/replicas``
+    (``{"replicas": n}``: an autoscaled fleet is pinned there) and ``DELETE /admin/fleets/{fleet}/replicas``
+    (back to the autoscaler, or to the file's count). Instance ids look like ``small:0`` (launched) or
+    ``small:static0`` (static).
 
-    ``admin_key`` may be a callable so a reload that changes the key applies to these routes too."""
+    ``fleet_manager`` is None when nothing is launched (no Ray): a static instance is still drained and
+    undrained, and what applies only to launched engines answers 400 saying why. ``admin_key`` may be a
+    callable so a reload that changes the key applies to these routes too."""
     key = admin_key if callable(admin_key) else (lambda: admin_key)
+    routes = _Routes(fleet_manager, static)
 
     def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         """Authorize and run; a missing instance or fleet is a :class:`NotFound`. routerd's errors are
@@ -65,27 +72,76 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
             try:
                 return web.json_response(await handler(request))
             except KeyError as e:
-                raise NotFound(f"no launched instance or fleet {e.args[0]!r}") from None
+                raise NotFound(f"no instance or fleet {e.args[0]!r}") from None
         return wrapped
 
-    async def restart(request: web.Request) -> Any:
-        return {"restarting": await fleet_manager.restart_instance(request.match_info["instance"])}
+    app.router.add_post("/admin/instances/{instance}/restart", route(routes.restart))
+    app.router.add_post("/admin/instances/{instance}/drain", route(routes.drain))
+    app.router.add_post("/admin/instances/{instance}/undrain", route(routes.undrain))
+    app.router.add_post("/admin/fleets/{fleet}/replicas", route(routes.replicas))
+    app.router.add_delete("/admin/fleets/{fleet}/replicas", route(routes.unpin))
 
-    async def drain(request: web.Request) -> Any:
+
+class _Routes:
+    """The write routes' handlers: a static instance is the static fleets' monitor's, the rest the fleet
+    manager's. A ``KeyError`` names what was not found."""
+
+    def __init__(self, fleet_manager: FleetManager | None, static: StaticHealth) -> None:
+        self.fleet_manager = fleet_manager
+        self.static = static
+
+    def launched(self, name: str) -> FleetManager:
+        """The fleet manager; with nothing launched, every launched instance or fleet is not found."""
+        if self.fleet_manager is None:
+            raise KeyError(name)
+        return self.fleet_manager
+
+    def not_static_fleet(self, fleet: str) -> None:
+        fcfg = self.static.cfg.fleet(fleet)
+        if fcfg is not None and fcfg.engine == STATIC:
+            raise BadRequest(f"fleet {fleet!r} is static: its instances are its configured urls "
+                             "(change them in the config and reload)")
+
+    async def restart(self, request: web.Request) -> Any:
+        instance = request.match_info["instance"]
+        if self.static.instance(instance) is not None:
+            raise BadRequest(f"instance {instance!r} is static: routerd did not launch its engine and "
+                             "cannot restart it (drain it, then undrain it)")
+        return {"restarting": await self.launched(instance).restart_instance(instance)}
+
+    async def drain(self, request: web.Request) -> Any:
         body: _Drain = await _body(request, _Drain)
-        result = await fleet_manager.drain_instance(request.match_info["instance"], body.timeout_s)
-        return {"draining": result}
+        instance = request.match_info["instance"]
+        inst = self.static.instance(instance)
+        if inst is None:
+            return {"draining": await self.launched(instance).drain_instance(instance, body.timeout_s)}
+        self.static.drain(inst)
+        registry = self.static.registry
+        await registry.wait_idle(inst, body.timeout_s)
+        return {"draining": {**inst.status(registry.clock()), "drained": inst.inflight == 0}}
 
-    async def replicas(request: web.Request) -> Any:
+    async def undrain(self, request: web.Request) -> Any:
+        instance = request.match_info["instance"]
+        inst = self.static.instance(instance)
+        if inst is None:
+            if self.static.registry.get(instance) is None:
+                raise KeyError(instance)
+            raise BadRequest(f"instance {instance!r} is launched: a drained launched instance returns to "
+                             f"rotation with POST /admin/instances/{instance}/restart")
+        self.static.undrain(inst)
+        return {"undrained": inst.status(self.static.registry.clock())}
+
+    async def replicas(self, request: web.Request) -> Any:
         body: _Replicas = await _body(request, _Replicas)
-        if not 0 <= body.replicas <= _MAX_REPLICAS:
-            raise BadRequest(f"replicas must be 0..{_MAX_REPLICAS}", param="replicas")
-        return await fleet_manager.set_replicas(request.match_info["fleet"], body.replicas)
+        fleet = request.match_info["fleet"]
+        self.not_static_fleet(fleet)
+        fm = self.launched(fleet)
+        limit, why = fm.max_replicas(fleet)
+        if not 0 <= body.replicas <= limit:
+            raise BadRequest(f"replicas must be 0..{limit} for fleet {fleet!r} ({why})", param="replicas")
+        return await fm.set_replicas(fleet, body.replicas)
 
-    async def unpin(request: web.Request) -> Any:
-        return await fleet_manager.unset_replicas(request.match_info["fleet"])
-
-    app.router.add_post("/admin/instances/{instance}/restart", route(restart))
-    app.router.add_post("/admin/instances/{instance}/drain", route(drain))
-    app.router.add_post("/admin/fleets/{fleet}/replicas", route(replicas))
-    app.router.add_delete("/admin/fleets/{fleet}/replicas", route(unpin))
+    async def unpin(self, request: web.Request) -> Any:
+        fleet = request.match_info["fleet"]
+        self.not_static_fleet(fleet)
+        return await self.launched(fleet).unset_replicas(fleet)

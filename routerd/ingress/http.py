@@ -61,7 +61,7 @@ def error_response(err: RouterdError) -> web.Response:
         headers["retry-after-ms"] = str(max(1, math.ceil(err.retry_after_s * 1000)))
     elif isinstance(err, Overloaded):
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
-    elif isinstance(err, NoReadyInstance) and err.retry_after_s is not None:  # a fleet starting up
+    elif isinstance(err, NoReadyInstance | ShuttingDown) and err.retry_after_s is not None:  # start-up, drain
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     return web.Response(status=err.status, body=error_json(err.message, err.type, err.status, err.param),
                         content_type="application/json", headers=headers)
@@ -290,9 +290,11 @@ class HttpIngress:
             pass
 
     async def models(self, request: web.Request) -> web.Response:
-        authenticate(request, self.tenancy.directory)  # a refusal is answered by errors_as_json
+        # A refusal is answered by errors_as_json. Only the fleets the caller's tenant may use are
+        # listed: a model it would get 403 for is not one it has.
+        tenant = authenticate(request, self.tenancy.directory)
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
-                 "root": f.model, "parent": None} for f in self.cfg.fleets]
+                 "root": f.model, "parent": None} for f in self.cfg.fleets if tenant.allows(f.name)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     # operations ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from types import TracebackType
 from aiohttp import web
 
 from .. import log
+from ..errors import ShuttingDown
 from ._connections import ClientConnection
 from .http import ExtraRoutes, HttpIngress
 
@@ -37,6 +38,7 @@ _log = log.get("routerd.listener")
 SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): passed descriptors start here
 _HANDOVER_CLOSE_S = 2.0  # at the end of a handover, open connections get this long to be ended cleanly
 _HANDOVER_QUIET_S = 0.25  # ... and idle ones are closed once no request has run on any for this long
+_ANSWER_S = 1.0  # at the end of a drain, requests waiting for admission get this long to be answered 503
 
 
 class SocketActivationError(RuntimeError):
@@ -167,6 +169,7 @@ class HttpListener:
                 await asyncio.sleep(0.05)
             _log.info("http_handed_over", connections=before, left_open=len(server.connections),
                       took_s=round(loop.time() - started, 3))
+        await self._answer_waiting(reason)
         if not self.http.handlers:
             return
         self.http.close_reason = reason
@@ -174,6 +177,23 @@ class HttpListener:
         for task in handlers:
             task.cancel()
         await asyncio.wait(handlers, timeout=3.0)
+
+    async def _answer_waiting(self, reason: str) -> None:
+        """Requests still waiting for an admission slot get 503 + ``Retry-After`` (OpenAI's JSON), and
+        up to ``_ANSWER_S`` to write it, before the handlers left are cancelled: a request never sent
+        to an engine is answered, not cut off by a closed connection."""
+        pending = set(self.http.handlers)
+        shed = self.http.admission.shed("http", lambda: ShuttingDown(reason))
+        if not shed:
+            return
+        answered = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ANSWER_S
+        while answered < shed and pending and loop.time() < deadline:
+            done, pending = await asyncio.wait(pending, timeout=deadline - loop.time(),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            answered += len(done)
+        _log.info("http_waiting_answered", requests=shed, status=ShuttingDown.status)
 
     async def close(self) -> None:
         """Close the runner (and with it every open connection)."""

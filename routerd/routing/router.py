@@ -55,15 +55,18 @@ class Decision:
     :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
     """
 
-    __slots__ = ("chosen", "instance", "policy", "request", "views")
+    __slots__ = ("chosen", "instance", "policy", "request", "rule", "views")
 
     def __init__(self, instance: Instance, chosen: Candidate, views: list[Candidate], request: RequestView,
-                 policy: str) -> None:
+                 policy: str, rule: str) -> None:
         self.instance = instance
         self.chosen = chosen
         self.views = views
         self.request = request
         self.policy = policy
+        # Which of the policy's rules chose (ExplainingPolicy), so that a choice that is not the least
+        # estimate says why: "session", "prefix_spread", …; "only_candidate" when there was no choice.
+        self.rule = rule
 
     def runner_up(self) -> Candidate | None:
         """The best other candidate by estimated TTFT (``None`` when there was no other)."""
@@ -71,10 +74,11 @@ class Decision:
         return min(others, key=lambda v: (v.ttft_s, v.wait_s)) if others else None
 
     def log_fields(self) -> dict[str, Any]:
-        """Why this instance: its matched blocks, expected wait and estimated TTFT, and the runner-up's."""
+        """Why this instance: the rule that chose it, its matched blocks, expected wait and estimated
+        TTFT, and the runner-up's."""
         c, req = self.chosen, self.request
         out: dict[str, Any] = {
-            "policy": self.policy, "prompt_tokens_est": req.prompt_tokens,
+            "policy": self.policy, "rule": self.rule, "prompt_tokens_est": req.prompt_tokens,
             "prompt_blocks": len(req.block_keys), "matched_blocks": c.matched_blocks,
             "cached_tokens_est": round(c.cached_tokens),
             "wait_est_ms": round(c.wait_s * 1000, 1), "ttft_est_ms": round(c.ttft_s * 1000, 1),
@@ -233,15 +237,20 @@ class Router:
             raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
         views = [v for v, _ in pairs]
         if len(pairs) == 1:
-            chosen, inst = pairs[0]
+            (chosen, inst), rule = pairs[0], "only_candidate"
         else:
-            chosen = self.policy.choose(req, views, self.rng)
+            # An ExplainingPolicy names its rule; getattr, not a runtime Protocol check: this is per request.
+            explain = getattr(self.policy, "explain", None)
+            if explain is not None:
+                chosen, rule = explain(req, views, self.rng)
+            else:
+                chosen, rule = self.policy.choose(req, views, self.rng), "policy_choice"
             found = next((i for v, i in pairs if v.id == chosen.id), None)
             if found is None:
                 raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
             inst = found
         self._sent(inst, chosen, req)
-        return Decision(inst, chosen, views, req, self.policy.name)
+        return Decision(inst, chosen, views, req, self.policy.name, rule)
 
     def pick(self, fleet: str, exclude: Collection[str] = (), request: RequestView | None = None) -> Instance:
         """The instance :meth:`choose` decides on."""

@@ -14,6 +14,7 @@ vLLM's names, so routerd's scraper sees the same signals it would from vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import math
 import time
@@ -54,6 +55,7 @@ class Sequence:
     cached_tokens: int = 0
     preemptions: int = 0
     scheduled_at: float | None = None
+    ready_at: float = 0.0  # chunked prefill: no token before this (scheduled + ttft_ms)
     first_token_at: float | None = None
     last_token_at: float | None = None
     # The engine puts the index of each produced token; ``None`` means the engine dropped the request.
@@ -173,21 +175,46 @@ class BatchEngine:
         decoding = [s for s in decoding if s.state is SeqState.RUNNING]
         admitted = self._admit()
         prefill_tokens = sum(s.prompt_tokens + s.generated - s.cached_tokens for s in admitted)
-        step_ms = 0.0
-        if admitted:
-            step_ms += self.cfg.ttft_ms + self.cfg.prefill_ms_per_token * prefill_tokens
-        if decoding:
-            load = len(self.running) / self.cfg.max_num_seqs
-            step_ms += self.cfg.itl_ms * (1.0 + self.cfg.batch_factor * load)
+        idle = False
+        if self.cfg.chunked_prefill:
+            step_ms, idle = self._chunked_step_ms(decoding, prefill_tokens)
+        else:
+            step_ms = 0.0
+            if admitted:
+                step_ms += self.cfg.ttft_ms + self.cfg.prefill_ms_per_token * prefill_tokens
+            if decoding:
+                step_ms += self._decode_ms()
         self._update_gauges()
-        await asyncio.sleep(step_ms * self.faults.slow_factor / 1000.0)
+        if idle:  # nothing to compute until a first token is due: a new request is scheduled at once
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), step_ms * self.faults.slow_factor / 1000.0)
+        else:
+            await asyncio.sleep(step_ms * self.faults.slow_factor / 1000.0)
         await self.faults.wait_unhung()  # a hang set mid-step holds the step's output back too
         now = self.clock()
         for seq in [*decoding, *admitted]:
-            if seq.state is SeqState.RUNNING:  # may have been aborted while we slept
+            if seq.state is SeqState.RUNNING and seq.ready_at <= now:  # may have been aborted meanwhile
                 self._emit(seq, now)
         self.metrics.iteration_tokens.observe(prefill_tokens + len(decoding))
         self._update_gauges()
+
+    def _decode_ms(self) -> float:
+        load = len(self.running) / self.cfg.max_num_seqs
+        return self.cfg.itl_ms * (1.0 + self.cfg.batch_factor * load)
+
+    def _chunked_step_ms(self, running: list[Sequence], prefill_tokens: int) -> tuple[float, bool]:
+        """One V1 step: the decodes of the requests past their first-token latency and the new
+        prompts' tokens in one forward pass; with nothing to compute, the wait (``True``) until the
+        first request's ``ttft_ms`` is up."""
+        now = self.clock()
+        step_ms = self.cfg.prefill_ms_per_token * prefill_tokens
+        if any(s.ready_at <= now for s in running):
+            return step_ms + self._decode_ms(), False
+        if step_ms > 0.0:
+            return step_ms, False
+        pending = [s.ready_at for s in self.running]
+        return (max(0.0, (min(pending) - now) * 1000.0) if pending else 0.0), True
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.cfg.block_size)
@@ -207,6 +234,8 @@ class BatchEngine:
             if seq.scheduled_at is None:
                 seq.scheduled_at = now
                 self.metrics.queue_time.observe(now - seq.arrival)
+                if self.cfg.chunked_prefill:
+                    seq.ready_at = now + self.cfg.ttft_ms / 1000.0
             self._prefix_lookup(seq)
             self.running.append(seq)
             admitted.append(seq)

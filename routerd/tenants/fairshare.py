@@ -8,18 +8,26 @@ every tenant is backlogged each one's slot occupancy tends to its weight's share
 the integral corrects the rounding of whole slots), and a slot that one tenant does not use goes to
 whoever waits (work-conserving).
 
-A tenant that had no waiting work must not come back with credit for the time it was away (it would
-then take every slot until it caught up), nor with a debt from an earlier burst that starves it: when
-a line starts waiting its virtual time is moved into the range of the lines already waiting
-(:meth:`Line.join`) — the classic start-time rule of fair queueing. Ties go to the tenant holding
-fewer slots for its weight, then to the one served least recently.
+A tenant that had no waiting work must not come back with unbounded credit for the time it was away
+(it would then take every slot until it caught up), nor with a debt from an earlier burst that starves
+it: when a line starts waiting its virtual time is moved into the range of the lines already waiting
+(:meth:`Line.join`) — the start-time rule of fair queueing — except for a bounded *credit*: it may stay
+up to ``credit`` behind the least of them (a few seconds of its share, as a scheduler lets a task that
+slept keep a little of its lag). Without that credit an interactive tenant that holds fewer slots than
+its share, and so empties its line between requests, was put level with a flood on every request and
+had to wait its turn for a slot like the flood's next job. Ties go to the tenant holding fewer slots
+for its weight, then to the one served least recently.
 
 Slots free up only as requests end, so a tenant arriving at a fleet that another tenant fills waits
 for the next one to end — on average a job's length over the number of slots, at worst a whole job.
 Admission may therefore take a slot back (:func:`victim`): when a tenant below its share waits on a
 full fleet, the most recently started *preemptible* request of the tenant furthest above its share is
 aborted and runs again later (admission only offers requests whose output nobody has seen yet — a
-queue job not streamed — and each at most a few times).
+queue job not streamed — and each at most a few times). A latency-sensitive request (HTTP) may also
+take one back when its tenant holds its share of slots *now* but is behind *over time* — its virtual
+time more than ``margin`` below the holder's: a chat tenant using less than its share on average still
+bursts past it, and without this its burst waited for a flood's job to end. Batch work never takes a
+slot back this way, so two floods do not abort each other's jobs over the usual gap of a job or two.
 
 Cost per decision: one pass over the tenants *waiting* in that fleet (usually one to three).
 """
@@ -93,13 +101,14 @@ class Line(Generic[W]):
         self.since = now
         self.active -= 1
 
-    def join(self, waiting: Iterable[Line[W]], now: float) -> None:
-        """The line starts waiting: bring its virtual time within that of the lines already waiting."""
+    def join(self, waiting: Iterable[Line[W]], now: float, credit: float = 0.0) -> None:
+        """The line starts waiting: bring its virtual time within that of the lines already waiting,
+        keeping at most ``credit`` (virtual seconds) of what it is behind the least of them."""
         times = [line.vtime(now) for line in waiting if line is not self]
         if not times:
             return
         own = self.vtime(now)
-        target = min(max(own, min(times)), max(times))
+        target = min(max(own, min(times) - credit), max(times))
         self.bonus += (target - own) * self.weight
 
     def top(self) -> W | None:
@@ -123,18 +132,35 @@ def pick(waiting: Iterable[Line[W]], now: float, capped: Callable[[str], bool]) 
     return best
 
 
-def victim(lines: Iterable[Line[W]], waiting: Line[W], slots: int) -> Line[W] | None:
+def victim(lines: Iterable[Line[W]], waiting: Line[W], slots: int, now: float = 0.0,
+           margin: float | None = None) -> Line[W] | None:
     """The line to take a preemptible slot from so that ``waiting`` (a line with a waiter, on a fleet
     of ``slots`` all held) gets its share now; None when it holds its share already, or no line holds
-    a preemptible slot and more than its share even after giving one up."""
+    a preemptible slot and more than its share even after giving one up.
+
+    With ``margin`` (virtual seconds; latency-sensitive waiters only) a line holding its share now may
+    still take a slot from the line furthest ahead in virtual time, if that one is more than ``margin``
+    ahead of it: the waiting tenant used less than its share over time."""
     demand = [line for line in lines if line.active or line.top() is not None]
     total = sum(line.weight for line in demand)
-    if total <= 0 or waiting.active >= slots * waiting.weight / total:
+    if total <= 0:
         return None
     best: Line[W] | None = None
+    if waiting.active < slots * waiting.weight / total:
+        for line in demand:
+            if line is waiting or not line.preemptible or line.active - 1 < slots * line.weight / total:
+                continue
+            if best is None or line.active / line.weight > best.active / best.weight:
+                best = line
+        return best
+    if margin is None:
+        return None
+    behind = waiting.vtime(now) + margin
+    ahead = 0.0
     for line in demand:
-        if line is waiting or not line.preemptible or line.active - 1 < slots * line.weight / total:
+        if line is waiting or not line.preemptible:
             continue
-        if best is None or line.active / line.weight > best.active / best.weight:
-            best = line
+        vt = line.vtime(now)
+        if vt > behind and (best is None or vt > ahead):
+            best, ahead = line, vt
     return best

@@ -17,41 +17,26 @@ from typing import Any
 import msgspec
 
 from .. import redact
+from ..client import RedisTarget, redis_target
 from ..keys import Keys
 from .usage import COUNTERS, day_of, read_days
 
 _COLUMNS = ["day", "tenant", "fleet", *COUNTERS, "total_tokens"]
+_MAX_DAYS = 3660  # ten years of per-day counters
 
 
 def _days(n: int, now: float) -> list[str]:
     return sorted({day_of(now - i * 86_400) for i in range(n)})
 
 
-async def _read(url: str, stream: str, password: str | None, days: list[str]) -> list[dict[str, Any]]:
-    import redis.asyncio as aioredis
+async def _read(target: RedisTarget, days: list[str]) -> list[dict[str, Any]]:
+    from ..redis_server import redis_client
 
-    client: Any = aioredis.Redis.from_url(url, password=password or None, socket_timeout=10,
-                                          socket_connect_timeout=5)
+    client: Any = redis_client(target.url, target.redis, block_ms=0)  # password and TLS as the daemon's
     try:
-        return await read_days(client, Keys(stream=stream), days)
+        return await read_days(client, Keys(stream=target.redis.stream), days)
     finally:
         await client.aclose()
-
-
-def _resolve(args: argparse.Namespace) -> tuple[str, str]:
-    url, stream = args.redis, "routerd:requests"
-    if args.config:
-        from .. import config
-
-        cfg = config.load(args.config)
-        stream = cfg.redis.stream
-        if not url:
-            url = cfg.redis.url
-            if url == "embedded":
-                from ..redis_server import embedded_url
-
-                url = embedded_url(config.state_dir(cfg) / "redis") or ""
-    return url or "redis://127.0.0.1:6379/0", stream
 
 
 def main(argv: list[str]) -> int:
@@ -59,22 +44,28 @@ def main(argv: list[str]) -> int:
                                 "tokens the engines reported) per UTC day, from routerd's Redis.")
     p.add_argument("--redis", default=os.environ.get("ROUTERD_REDIS_URL", ""),
                    help="Redis URL (default: $ROUTERD_REDIS_URL, else the config's, else localhost)")
-    p.add_argument("--config", help="read the Redis URL and stream namespace from this config")
+    p.add_argument("--config", help="read the Redis URL, password and stream namespace from this config")
     p.add_argument("--tenant", help="only this tenant")
     p.add_argument("--fleet", help="only this fleet")
     p.add_argument("--days", type=int, default=7, help="the last N UTC days, today included (default 7)")
     p.add_argument("--json", action="store_true", help="print JSON: {days, rows, totals}")
     args = p.parse_args(argv)
-    if args.days < 1:
-        p.error("--days must be at least 1")
-    url, stream = _resolve(args)
+    if not 1 <= args.days <= _MAX_DAYS:  # a day is a key to read: a huge N would only hang
+        p.error(f"--days must be 1..{_MAX_DAYS}")
+    from ..config import EXIT_CONFIG, ConfigError
+
+    try:
+        target = redis_target(args.redis, args.config)
+    except ConfigError as e:
+        print("\n".join(["routerd usage: the config is not valid:", *e.problems]), file=sys.stderr)
+        return EXIT_CONFIG
     days = _days(args.days, time.time())
     import redis.exceptions
 
     try:
-        rows = asyncio.run(_read(url, stream, os.environ.get("ROUTERD_REDIS_PASSWORD"), days))
+        rows = asyncio.run(_read(target, days))
     except (redis.exceptions.RedisError, OSError, TimeoutError) as e:
-        print(f"routerd usage: cannot read Redis at {redact.url(url)}: {e}", file=sys.stderr)
+        print(f"routerd usage: cannot read Redis at {redact.url(target.url)}: {e}", file=sys.stderr)
         return 1
     rows = [r for r in rows if (not args.tenant or r["tenant"] == args.tenant)
             and (not args.fleet or r["fleet"] == args.fleet)]

@@ -152,17 +152,18 @@ class Tenancy:
         """The request ended: count it and correct its charge by what the engine reported.
 
         ``status``: the engine's answer (0: none reached the client); ``ok``: it ended well. With the
-        engine's usage the tokens are corrected to its count. A 2xx without one (a stream cut, an
-        engine that does not report) keeps the estimate: the engine did work, how much is unknown.
-        An error answer gives the tokens back; a request no engine answered (routerd's failure, or
-        one it refused) is given back whole."""
+        engine's usage the tokens are corrected to its count — also for a stream that ended early (its
+        client gone, cut by routerd or its engine: the count read so far is what the engine generated,
+        and the request counts as an error). A 2xx without one (an engine that does not report) keeps
+        the estimate: the engine did work, how much is unknown. An error answer gives the tokens back;
+        a request no engine answered (routerd's failure, or one it refused) is given back whole."""
         if charge is None or charge.settled:
             return
         charge.settled = True
         t, fleet = charge.tenant, charge.fleet
         if usage is not None:
-            self.ledger.add(t.name, fleet, requests=1, prompt_tokens=usage.prompt_tokens,
-                            completion_tokens=usage.completion_tokens)
+            self.ledger.add(t.name, fleet, requests=1 if ok else 0, errors=0 if ok else 1,
+                            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
             self.limiter.settle(t, 0, usage.total - charge.estimate)
         elif 200 <= status < 300:
             self.ledger.add(t.name, fleet, requests=1 if ok else 0, errors=0 if ok else 1)
@@ -229,8 +230,10 @@ class _Collector:
             queued.add_metric([tenant, fleet], s["queued"])
             slot_seconds.add_metric([tenant, fleet], s["slot_seconds"])
         yield from (requests, tokens, active, queued, slot_seconds)
-        yield CounterMetricFamily("routerd_tenant_ratelimit_redis_errors", "Rate-limit batches Redis did "
-                                  "not answer (this routerd then enforced the limits alone for a second)",
+        yield CounterMetricFamily("routerd_tenant_ratelimit_redis_errors", "Rate-limit calls Redis did not "
+                                  "answer or answered with an error, a tenant's unusable bucket included "
+                                  "(this routerd then decided alone: see the log)",
                                   value=self._limiter.redis_errors)
         yield CounterMetricFamily("routerd_tenant_usage_flush_errors", "Failed writes of usage to Redis "
-                                  "(kept and written with the next)", value=self._ledger.flush_errors)
+                                  "(kept and written with the next; increments Redis refused are dropped, "
+                                  "logged)", value=self._ledger.flush_errors)

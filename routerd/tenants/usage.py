@@ -85,11 +85,17 @@ class UsageLedger:
                     await self.flush()
 
     async def flush(self) -> bool:
-        """Write the pending increments; on failure keep them for the next try. True if written."""
+        """Write the pending increments; when Redis did not take them, keep them for the next try.
+        True if written.
+
+        An increment Redis *refuses* (a field that is not an integer, a key of another type, a sum past
+        2**63) is dropped and logged: it would be refused again every time, and the commands beside it
+        in the pipeline were applied — keeping the batch added those again at every retry."""
         if not self._pending or self._client is None:
             return True
         batch, self._pending = self._pending, {}
         ttl = self.retention_days * 86_400
+        fields: list[tuple[str, str]] = []  # (key, field) of each command; field "" for an EXPIRE
         try:
             async with asyncio.timeout(self._op_timeout):
                 pipe = self._client().pipeline(transaction=False)
@@ -98,15 +104,26 @@ class UsageLedger:
                     for name, d in zip(COUNTERS, deltas, strict=True):
                         if d:
                             pipe.hincrby(key, f"{tenant}|{fleet}|{name}", d)
+                            fields.append((key, f"{tenant}|{fleet}|{name}"))
                     pipe.expire(key, ttl)
-                await pipe.execute()
+                    fields.append((key, ""))
+                replies = await pipe.execute(raise_on_error=False)
         except _REDIS_ERRORS as e:
             for where, deltas in batch.items():  # added to what came meanwhile
                 pending = self._pending.setdefault(where, [0] * len(COUNTERS))
                 for i, d in enumerate(deltas):
                     pending[i] += d
             self.flush_errors += 1
-            _log.warning("usage_flush_failed", error=repr(e), pending=len(self._pending))
+            # redis-py's repr() of its errors drops the message ("server:ResponseError")
+            _log.warning("usage_flush_failed", error=f"{type(e).__name__}: {e}", pending=len(self._pending))
+            return False
+        refused = [(key, field, reply) for (key, field), reply in zip(fields, replies, strict=True)
+                   if isinstance(reply, redis.exceptions.RedisError)]
+        if refused:
+            self.flush_errors += 1
+            key, field, reply = refused[0]
+            _log.error("usage_write_refused", key=key, field=field or None, refused=len(refused),
+                       error=f"{type(reply).__name__}: {reply}", reason="these increments are dropped")
             return False
         return True
 
