@@ -1,6 +1,6 @@
 """Node loss on a real multi-node Ray cluster on this machine, and the placement rules behind it.
 
-The cluster (routerd/bench/ray_nodes.py) is a head without GPUs plus worker nodes with declared GPUs,
+The cluster (routerd_bench/ray_nodes.py) is a head without GPUs plus worker nodes with declared GPUs,
 each its own ``ray start``; a node is lost by SIGKILL of its raylet. The pure parts — what a placement
 group must avoid (routerd/fleet/spread.py) and when a node counts as lost (routerd/fleet/nodes.py) —
 are tested without Ray first.
@@ -20,14 +20,14 @@ import aiohttp
 import pytest
 
 from routerd import config
-from routerd.bench.failover import Load
-from routerd.bench.in_process import Running, running_routerd
-from routerd.bench.ray_nodes import LocalRayCluster
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config
 from routerd.fleet.nodes import NodeInfo, NodeTracker
 from routerd.fleet.spread import Where, crowded, where
 from routerd.registry import Instance, InstanceState, Registry
+from routerd_bench.in_process import Running, running_routerd
+from routerd_bench.load import Load
+from routerd_bench.ray_nodes import LocalRayCluster
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet import SIM_ARGS

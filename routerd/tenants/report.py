@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from .. import redact
+from .._table import print_table
 from ..keys import Keys
 from .usage import COUNTERS, day_of, read_days
 
@@ -82,8 +83,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(msgspec.json.encode({"days": days, "rows": rows, "totals": totals}).decode())
         return 0
-    from ..bench._common import print_table
-
     print_table(f"usage {days[0]} .. {days[-1]} (UTC)", _COLUMNS,
                 [[r[c] for c in _COLUMNS] for r in rows] + [["total", "", "", *totals.values()]])
     return 0
