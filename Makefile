@@ -38,6 +38,7 @@ stop:
 
 lint: venv
 	$(BIN)/ruff check routerd routerd_bench plugins tests scripts
+	$(BIN)/lint-imports  # the layer contract in pyproject.toml
 
 typecheck: venv
 	$(BIN)/mypy --strict routerd routerd_bench plugins

@@ -341,7 +341,7 @@ class Daemon:
             self.notifier.ready(f"reload rejected: {problems[0]}")
             return False
         if self.redactor is not None:  # before anything logs a value of the new config
-            self.redactor.learn(redact.config_secrets(new))
+            self.redactor.learn(config_mod.secret_values(new))
         for section, key in _RESTART_ONLY:
             old_v, new_v = getattr(getattr(self.cfg, section), key), getattr(getattr(new, section), key)
             if old_v != new_v:
@@ -411,7 +411,7 @@ def main(argv: list[str]) -> int:
         return config_mod.EXIT_CONFIG
     redactor = log.setup(cfg.daemon.log_level,
                          json=None if args.log_format == "auto" else args.log_format == "json",
-                         secrets=redact.config_secrets(cfg))
+                         secrets=config_mod.secret_values(cfg))
     try:
         import uvloop
 

@@ -22,7 +22,8 @@ import pytest
 from routerd import config
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config
-from routerd.fleet.nodes import NodeInfo, NodeTracker
+from routerd.fleet.nodes import NodeTracker
+from routerd.fleet.ray_cluster import NodeInfo
 from routerd.fleet.spread import Where, crowded, where
 from routerd.registry import Instance, InstanceState, Registry
 from routerd_bench.in_process import Running, running_routerd

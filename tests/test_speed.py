@@ -1,4 +1,4 @@
-"""Learned capacity and speed (routerd.routing.speed), fed synthetic snapshots on a clock the test owns.
+"""Learned capacity and speed (routerd.speed), fed synthetic snapshots on a clock the test owns.
 
 Each snapshot is what an engine's ``/metrics`` would show: cumulative counters and finished-request
 histogram sums that only grow, except across a restart.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from routerd import speed
 from routerd.registry import Instance, LoadSnapshot
-from routerd.routing import speed
-from routerd.routing.speed import DecayedRatio, Learned, spec_capacity
+from routerd.speed import DecayedRatio, Learned, spec_capacity
 
 TAU = speed.TIME_CONSTANT_S
 

@@ -24,28 +24,16 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import log
 from ..config import HealthConfig
 from .health import probe_deadline
-from .ray_cluster import RayCluster
+from .ray_cluster import NodeInfo, RayCluster
 
 _logger = log.get("routerd.nodes")
 
 TABLE_REFRESH_S = 2.0  # Ray's node table is read this often (and when a watched node is not in it)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """One Ray node as its GCS lists it."""
-
-    node_id: str  # hex, as in the ``ray.io/node-id`` label
-    host: str
-    port: int  # the raylet's node manager port
-    alive: bool  # per Ray's GCS
-    resources: dict[str, float] = field(default_factory=dict)
 
 
 class NodeTracker:

@@ -10,16 +10,13 @@ binds 127.0.0.1), so a misconfigured public listener neither shows nor restarts 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from aiohttp import web
 
 from ..errors import BadRequest, NotFound
 from .auth import check_admin
-
-if TYPE_CHECKING:
-    from ..fleet import FleetManager
 
 _MAX_REPLICAS = 1024
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
@@ -46,7 +43,21 @@ async def _body(request: web.Request, typ: type[Any]) -> Any:
 Handler = Callable[[web.Request], Awaitable[Any]]
 
 
-def add_admin_routes(app: web.Application, fleet_manager: FleetManager,
+class FleetControl(Protocol):
+    """What these routes ask of fleet control (:class:`routerd.fleet.FleetManager` is it): the ingress
+    depends on this, not on the fleet package, so a data plane needs no fleet code to be built. Each
+    raises KeyError for an unknown instance or fleet."""
+
+    async def restart_instance(self, instance_id: str) -> dict[str, Any]: ...
+
+    async def drain_instance(self, instance_id: str, timeout_s: float) -> dict[str, Any]: ...
+
+    async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]: ...
+
+    async def unset_replicas(self, fleet: str) -> dict[str, Any]: ...
+
+
+def add_admin_routes(app: web.Application, fleet_manager: FleetControl,
                      admin_key: str | Callable[[], str]) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
     ``POST /admin/fleets/{fleet}/replicas`` (``{"replicas": n}``: an autoscaled fleet is pinned there) and

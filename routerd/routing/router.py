@@ -41,10 +41,10 @@ from ..config import RoutingConfig
 from ..errors import NoReadyInstance
 from ..plugins import Candidate, RequestView, RoutingPolicy
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
+from ..speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 from .breaker import CircuitBreaker
 from .prefix_index import PrefixIndex, Sessions
 from .request import RequestViews
-from .speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 
 SWEEP_EVERY = 1024  # decisions between two sweeps of what is kept for instances no longer registered
 

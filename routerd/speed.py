@@ -43,10 +43,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..registry import LoadSnapshot
+from .snapshot import LoadSnapshot
 
 TIME_CONSTANT_S = 30.0  # τ of every learned figure, in busy seconds
 PLATEAU_SCRAPES = 3  # running count unchanged this many scrapes in a row while requests wait
