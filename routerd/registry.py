@@ -122,12 +122,6 @@ class Instance:
             return math.ceil(learned.max_running), "learned"
         return self.capacity_hint, "config"
 
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Computed (uncached) prompt tokens per second of one request's prefill here: learned, else a
-        prior (:data:`routerd.speed.PRIOR_PREFILL_TOKENS_PER_S`)."""
-        return self.learned.prefill_rate()
-
     def expected_wait_s(self, queue: float | None = None, capacity: int | None = None) -> float:
         """Seconds a request sent now would wait before its own prefill starts: the work queued ahead
         of it over what the instance gets through (:meth:`routerd.speed.Learned.wait_s`).

@@ -199,10 +199,6 @@ class Learned:
     def prefix_hit_ratio(self) -> float | None:
         return self._prefix.value
 
-    def prefill_rate(self) -> float:
-        """:attr:`prefill_tokens_per_s`, or the prior before the instance has shown it."""
-        return self.prefill_tokens_per_s or PRIOR_PREFILL_TOKENS_PER_S
-
     def wait_s(self, queue: float, unstarted: float, slots: int, snap: LoadSnapshot | None = None) -> float:
         """Seconds a new request would wait before its own prefill starts.
 

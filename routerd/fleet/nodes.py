@@ -24,7 +24,6 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 from .. import log
 from ..config import HealthConfig
@@ -110,13 +109,6 @@ class NodeWatch:
 
     def avoid(self) -> frozenset[str]:
         return self.tracker.avoid()
-
-    def status(self) -> list[dict[str, Any]]:
-        """Every node of the cluster with routerd's view of it (for status and logs)."""
-        t = self.tracker
-        return [{"node_id": n.node_id, "host": n.host, "alive": n.alive and n.node_id not in t.lost,
-                 "lost": t.lost.get(n.node_id) or None, "resources": n.resources}
-                for n in sorted(t.table.values(), key=lambda n: n.node_id)]
 
     async def run(self) -> None:
         """Probe and read the node table until cancelled; a failed round is logged, not fatal."""
