@@ -32,8 +32,9 @@ did), and idle time carries no information: it neither pulls a figure toward zer
 Restarts: a cumulative series going down means the engine restarted behind the same URL (a static
 fleet): the learner re-baselines and keeps what it learned (most likely the same hardware and model),
 but the next capacity plateau replaces the learned capacity instead of only raising it (the engine may
-have come back with other flags). An instance routerd restarts gets a new registry ``Instance`` (a new
-generation), hence a fresh :class:`Learned`.
+have come back with other flags). :attr:`Learned.resets` counts them, and is the one place such a
+restart is detected: the router reads it to forget its model of the engine's prefix cache. An instance
+routerd restarts gets a new registry ``Instance`` (a new generation), hence a fresh :class:`Learned`.
 
 Pure: no I/O, no clock of its own — time is the snapshots' ``scraped_at``, so tests feed synthetic
 snapshots and control time completely.
