@@ -66,7 +66,7 @@ from .registry import Instance
 from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
 from .resume import ResumableStream
 from .routing import Decision, Router
-from .routing.speed import PRIOR_PREFILL_S
+from .speed import PRIOR_PREFILL_S
 from .telemetry import Telemetry
 
 _log = log.get("routerd.upstream")

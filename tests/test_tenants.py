@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from routerd import redact, resume
+from routerd import config, redact, resume
 from routerd.admission import Admission
 from routerd.config import AdmissionConfig, ConfigError, parse
 from routerd.errors import Overloaded
@@ -58,7 +58,7 @@ def test_tenant_keys_in_every_form_map_to_their_tenant() -> None:
     assert not chat.allows("g")
     # The loader resolved env:CHAT_KEY, and the log filter learns it like every other key.
     redactor = redact.Redactor()
-    redactor.learn(redact.config_secrets(cfg))
+    redactor.learn(config.secret_values(cfg))
     line = redactor.value("error", "client sent sk-from-the-environment, then sk-batch-plain")
     assert line == "client sent ***, then ***"
 

@@ -34,19 +34,21 @@ import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 
-from .. import log
-from .._net import free_port
-from ..client import QueueClient
-from ..config import Config, load, parse
-from ..ingress.queue import QueueIngress
-from ..redis_server import EmbeddedRedis, redis_client
-from ..registry import Registry
+from routerd import log
+from routerd._net import free_port
+from routerd.client import QueueClient
+from routerd.config import Config, load, parse
+from routerd.ingress.queue import QueueIngress
+from routerd.redis_server import EmbeddedRedis, redis_client
+from routerd.registry import Registry
 
 
 @contextlib.asynccontextmanager
 async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> AsyncIterator[QueueIngress]:
     """The data plane (static fleets: scraped, health-checked, routed) plus the queue consumer."""
-    from ..dataplane import running_dataplane  # the data plane pulls in aiohttp's server side; only here
+    from routerd.dataplane import (
+        running_dataplane,  # the data plane pulls in aiohttp's server side; only here
+    )
 
     registry = Registry()
     async with running_dataplane(cfg, registry, redis_url=url) as dp:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..dataplane import DataPlane
-    from ..fleet import FleetManager, RayCluster
-    from ..registry import Registry
+    from routerd.config import Config
+    from routerd.dataplane import DataPlane
+    from routerd.fleet import FleetManager, RayCluster
+    from routerd.registry import Registry
 
 
 @dataclass
@@ -39,14 +39,14 @@ async def running_routerd(cfg: Config, *, redis_url: str | None = None,
                           admin: bool = False) -> AsyncIterator[Running]:
     """routerd for ``cfg`` with its loops running; ``redis_url`` adds the queue consumer, ``admin`` the
     admin routes (without a key: loopback only)."""
-    from .. import config as config_mod
-    from ..dataplane import build_dataplane
-    from ..fleet import FleetManager, RayCluster
-    from ..ingress.admin import add_admin_routes
-    from ..ingress.listener import HttpListener
-    from ..ingress.queue import QueueIngress
-    from ..registry import Registry
-    from ..upstream import make_session
+    from routerd import config as config_mod
+    from routerd.dataplane import build_dataplane
+    from routerd.fleet import FleetManager, RayCluster
+    from routerd.ingress.admin import add_admin_routes
+    from routerd.ingress.listener import HttpListener
+    from routerd.ingress.queue import QueueIngress
+    from routerd.registry import Registry
+    from routerd.upstream import make_session
 
     cluster = await RayCluster.connect(cfg.ray, config_mod.state_dir(cfg))
     registry = Registry()
