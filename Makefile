@@ -37,10 +37,11 @@ stop:
 	@$(PY) scripts/stop-local-ray.py .routerd/ray/head.json
 
 lint: venv
-	$(BIN)/ruff check routerd plugins tests scripts
+	$(BIN)/ruff check routerd routerd_bench plugins tests scripts
+	$(BIN)/lint-imports  # the layer contract in pyproject.toml
 
 typecheck: venv
-	$(BIN)/mypy --strict routerd plugins
+	$(BIN)/mypy --strict routerd routerd_bench plugins
 
 pytest: venv system-deps
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -21,7 +21,6 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,9 +33,7 @@ from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encod
 from .keys import Keys
 
 if TYPE_CHECKING:
-    from .config import Config, RedisConfig
-
-_LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+    from .redis_server import RedisTarget
 
 State = Literal["unknown", "queued", "running", "done"]
 
@@ -338,53 +335,12 @@ def submit_main(argv: list[str]) -> int:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[RedisTarget, str | None]:
+    from .redis_server import redis_target
+
     target = redis_target(args.redis, args.config)
     model = args.model or (target.cfg.fleets[0].model if target.cfg is not None and target.cfg.fleets
                            else None)
     return target, model
-
-
-@dataclass(frozen=True, kw_only=True)
-class RedisTarget:
-    """Where a command-line tool finds routerd's Redis, and how it logs in."""
-
-    url: str
-    redis: RedisConfig  # its password, stream names, time-outs and TLS
-    cfg: Config | None = None  # the config it came from, if any
-
-
-def redis_target(url: str, config_path: str | None) -> RedisTarget:
-    """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
-    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the password the
-    config holds (``redis.password``, or ``ROUTERD_REDIS_PASSWORD`` over it), ``$ROUTERD_REDIS_PASSWORD``
-    without a config.
-
-    The config's API keys play no part in reaching Redis, so they are left out before it is checked: a
-    tenant's ``env:`` key whose variable is set only in the daemon's environment does not stop a tool.
-    Raises :class:`routerd.config.ConfigError`."""
-    from . import config
-
-    if not config_path:
-        return RedisTarget(url=url or _LOCAL_REDIS,
-                           redis=config.RedisConfig(password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
-    import tomllib
-    from pathlib import Path
-
-    try:
-        raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise config.ConfigError([f"$: cannot read {config_path}: {e}"]) from e
-    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
-        if isinstance(table, dict):
-            table.pop("api_keys", None)
-    cfg = config.parse(raw)
-    if not url:
-        url = cfg.redis.url
-        if url == "embedded":
-            from .redis_server import embedded_url
-
-            url = embedded_url(config.state_dir(cfg) / "redis") or ""
-    return RedisTarget(url=url or _LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
 
 
 async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> int:

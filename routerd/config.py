@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
@@ -194,7 +195,7 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     name: Name
-    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (tenants/apikeys.py)
+    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (routerd/apikeys.py)
     weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0  # share of a saturated fleet's slots
     # 0 = no limit; shared by every routerd on the same Redis. The bounds keep a bucket's arithmetic in
     # the integers a double holds exactly (Redis' Lua) and in msgpack's.
@@ -318,7 +319,7 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
 
 
 def _capacity_problems(where: str, engine_args: dict[str, Any]) -> list[str]:
-    """The one engine arg routerd reads itself (routing.speed.spec_capacity) has the bounds of
+    """The one engine arg routerd reads itself (routerd.speed.spec_capacity) has the bounds of
     ``max_num_seqs``."""
     problems = []
     for key in ("max-num-seqs", "max_num_seqs", "--max-num-seqs"):
@@ -369,7 +370,7 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
 
 def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
     """``env:VAR`` API keys replaced by their values (read once, at load); every key form checked."""
-    from .tenants.apikeys import KeyFormError, key_digest, resolve_env
+    from .apikeys import KeyFormError, key_digest, resolve_env
 
     problems: list[str] = []
 
@@ -393,7 +394,7 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
 
 def _tenant_problems(cfg: Config) -> list[str]:
     """Tenant names unique, their fleets configured, no key given to two tenants."""
-    from .tenants.apikeys import KeyFormError, key_digest
+    from .apikeys import KeyFormError, key_digest
 
     problems: list[str] = []
     names: dict[str, int] = {}
@@ -480,3 +481,23 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
 
 def state_dir(cfg: Config) -> Path:
     return Path(cfg.daemon.state_dir).expanduser().resolve()
+
+
+def secret_values(cfg: Config) -> list[str]:
+    """Every secret value ``cfg`` holds, for :meth:`routerd.redact.Redactor.learn`. Here, beside the
+    schema, so a new secret key is listed where it is declared (and the redactor needs no config)."""
+    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
+             _userinfo_password(cfg.redis.url) or ""]
+    found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
+    for fleet in cfg.fleets:
+        found += [_userinfo_password(u) or "" for u in fleet.urls]
+        found += [v for k, v in fleet.env.items() if redact.secret_name(k)]
+        found += [str(v) for k, v in fleet.engine_args.items() if redact.secret_name(k)]
+    return [s for s in found if s]
+
+
+def _userinfo_password(value: str) -> str | None:
+    try:
+        return urlsplit(value).password
+    except ValueError:
+        return None

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
-import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +26,7 @@ from .config import Config
 from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
+from .stop_deadline import StopDeadline
 
 if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
     from .assembly import Routerd
@@ -48,38 +47,6 @@ _STOP_GRACE_S = 30.0  # past drain_timeout_s: closing streams, ending tasks, clo
 _ENGINES_STOP_S = 90.0  # more, with daemon.stop_engines_on_exit (each engine gets a graceful stop)
 _FORCED_STOP_S = 3.0  # after a second TERM/INT
 _TASKS_STOP_S = 15.0  # for the long-running tasks to end once cancelled (the queue's take up to 7 s)
-
-
-class StopDeadline:
-    """The hard bound on stopping: once armed, the process exits when it fires, whatever is stuck.
-
-    Every step of the stop is bounded on its own; this is the backstop for what no step can bound
-    from inside the event loop: a task that ignores (or lost) its cancellation keeps the TaskGroup,
-    and then ``asyncio.run``'s own clean-up, waiting forever. It logs every unfinished task and where
-    it waits, then exits 1 — a stop that needed it is a bug to report, not a clean stop.
-    """
-
-    def __init__(self, exit_fn: Callable[[int], object] = os._exit) -> None:
-        self._exit = exit_fn
-        self._handle: asyncio.TimerHandle | None = None
-
-    def arm(self, delay_s: float, reason: str) -> None:
-        """Fire ``delay_s`` seconds from now, unless already due sooner."""
-        loop = asyncio.get_running_loop()
-        when = loop.time() + delay_s
-        if self._handle is not None:
-            if self._handle.when() <= when:
-                return
-            self._handle.cancel()
-        self._handle = loop.call_at(when, self.fire, reason)
-
-    def fire(self, reason: str) -> None:
-        tasks = sorted(_aio.where(t) for t in asyncio.all_tasks() if not t.done())
-        _logger.error("stop_forced", reason=reason, unfinished=len(tasks), tasks=tasks[:50])
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
-                stream.flush()
-        self._exit(1)
 
 
 class Daemon:
@@ -262,7 +229,7 @@ class Daemon:
             self.notifier.ready(f"reload rejected: {problems[0]}")
             return False
         if self.redactor is not None:  # before anything logs a value of the new config
-            self.redactor.learn(redact.config_secrets(new))
+            self.redactor.learn(config_mod.secret_values(new))
         for section, key in _RESTART_ONLY:
             old_v, new_v = getattr(getattr(self.cfg, section), key), getattr(getattr(new, section), key)
             if old_v != new_v:
@@ -325,7 +292,7 @@ def main(argv: list[str]) -> int:
         return config_mod.EXIT_CONFIG
     redactor = log.setup(cfg.daemon.log_level,
                          json=None if args.log_format == "auto" else args.log_format == "json",
-                         secrets=redact.config_secrets(cfg))
+                         secrets=config_mod.secret_values(cfg))
     try:
         import uvloop
 

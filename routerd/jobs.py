@@ -121,7 +121,6 @@ _msgpack_any = msgspec.msgpack.Decoder()
 json_encode = msgspec.json.Encoder().encode
 _result_view = msgspec.json.Decoder(ResultView)
 _chunk_view = msgspec.json.Decoder(ChunkView)
-_attempt = msgspec.json.Decoder(Attempt)
 msgpack_encode = msgspec.msgpack.Encoder().encode
 
 
@@ -288,20 +287,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def encode_result(result: Result) -> bytes:
-    return json_encode(result)
-
-
 def decode_result(raw: bytes) -> ResultView:
     return _result_view.decode(raw)
 
 
 def decode_chunk(raw: bytes) -> ChunkView:
     return _chunk_view.decode(raw)
-
-
-def decode_attempt(raw: bytes) -> Attempt:
-    return _attempt.decode(raw)
 
 
 def error_result(job_id: str, message: str, type_: str, code: int, *, instance: str = "",

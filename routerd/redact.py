@@ -14,11 +14,8 @@ import enum
 import functools
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
-
-if TYPE_CHECKING:  # config imports this module: its error messages quote URLs redacted
-    from .config import Config
 
 MASK = "***"
 MIN_SECRET_CHARS = 4  # shorter values would mask unrelated text everywhere; no real key is this short
@@ -125,30 +122,11 @@ def argv(args: list[str]) -> list[str]:
     return out
 
 
-def _userinfo_password(value: str) -> str | None:
-    try:
-        return urlsplit(value).password
-    except ValueError:
-        return None
-
-
-def config_secrets(cfg: Config) -> list[str]:
-    """Every secret value ``cfg`` holds, for :meth:`Redactor.learn`."""
-    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
-             _userinfo_password(cfg.redis.url) or ""]
-    found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
-    for fleet in cfg.fleets:
-        found += [_userinfo_password(u) or "" for u in fleet.urls]
-        found += [v for k, v in fleet.env.items() if secret_name(k)]
-        found += [str(v) for k, v in fleet.engine_args.items() if secret_name(k)]
-    return [s for s in found if s]
-
-
 class Redactor:
     """The structlog processor: no secret leaves in a log event, whatever field or text carries it.
 
-    ``learn`` adds the config's secret values (at start-up and on every reload; values are never
-    forgotten, so a line about the previous config is masked too).
+    ``learn`` adds the config's secret values (:func:`routerd.config.secret_values`; at start-up and on
+    every reload; values are never forgotten, so a line about the previous config is masked too).
     """
 
     def __init__(self) -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,11 +27,12 @@ import redis.exceptions
 from . import log
 from ._aio import wait_for
 from ._net import free_port
-from .config import RedisConfig
+from .config import Config, RedisConfig
 
 _log = log.get("routerd.redis")
 _PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"  # where the command-line tools look without a URL or config
 
 
 def embedded_url(directory: str | Path) -> str | None:
@@ -58,6 +60,47 @@ def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> 
         kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
     client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
     return client
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedisTarget:
+    """Where a command-line tool finds routerd's Redis, and how it logs in."""
+
+    url: str
+    redis: RedisConfig  # its password, stream names, time-outs and TLS
+    cfg: Config | None = None  # the config it came from, if any
+
+
+def redis_target(url: str, config_path: str | None) -> RedisTarget:
+    """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
+    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the password the
+    config holds (``redis.password``, or ``ROUTERD_REDIS_PASSWORD`` over it), ``$ROUTERD_REDIS_PASSWORD``
+    without a config.
+
+    The config's API keys play no part in reaching Redis, so they are left out before it is checked: a
+    tenant's ``env:`` key whose variable is set only in the daemon's environment does not stop a tool.
+    Raises :class:`routerd.config.ConfigError`."""
+    from . import config
+
+    if not config_path:
+        return RedisTarget(url=url or LOCAL_REDIS,
+                           redis=config.RedisConfig(password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
+    import tomllib
+    from pathlib import Path
+
+    try:
+        raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise config.ConfigError([f"$: cannot read {config_path}: {e}"]) from e
+    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
+        if isinstance(table, dict):
+            table.pop("api_keys", None)
+    cfg = config.parse(raw)
+    if not url:
+        url = cfg.redis.url
+        if url == "embedded":
+            url = embedded_url(config.state_dir(cfg) / "redis") or ""
+    return RedisTarget(url=url or LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
 
 
 def _die_with_parent() -> None:  # runs in the forked child before exec

@@ -1,7 +1,7 @@
 """The instances of each fleet and everything known about them: the one piece of shared state.
 
 Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
-the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.routing.speed`);
+the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`);
 the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields. The router
 reads, and writes only ``predicted_prefix_hit_ratio``. Everything runs on one event loop, so plain
 attributes are enough; what needs care is that a reader never sees an instance in rotation that is not
@@ -17,14 +17,11 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import Any
 
 from . import redact
-
-if TYPE_CHECKING:
-    from .routing.speed import Learned
+from .snapshot import LoadSnapshot as LoadSnapshot  # re-exported: what the registry stores per instance
+from .speed import Learned
 
 
 class InstanceState(enum.StrEnum):
@@ -44,46 +41,6 @@ class CircuitState(enum.StrEnum):
     CLOSED = "closed"  # in rotation
     OPEN = "open"  # failed ``circuit_failure_threshold`` times in a row: out until the cool-down ends
     HALF_OPEN = "half_open"  # cool-down over: one trial request at a time decides
-
-
-class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    """What one ``/metrics`` scrape said, reduced to what routing and health need.
-
-    Counters are cumulative as the engine reports them; the health monitor compares two snapshots.
-    """
-
-    scraped_at: float  # monotonic seconds
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0  # fraction 0..1 (vllm:kv_cache_usage_perc, or gpu_cache_usage_perc < 0.12)
-    capacity: int | None = None  # max_num_seqs when the engine reveals it
-    generation_tokens: float = 0.0
-    prompt_tokens: float = 0.0
-    preemptions: float = 0.0
-    requests_finished: float = 0.0
-    prefix_cache_queries: float = 0.0
-    prefix_cache_hits: float = 0.0
-    num_gpu_blocks: int | None = None
-    block_size: int | None = None
-    # Sums and counts of the finished-request histograms, from which routing learns each instance's
-    # speed (routerd.routing.speed): seconds running (inference = prefill + decode), in prefill and
-    # in decode; the generated tokens of the same requests; their computed (uncached) prompt tokens,
-    # None when the engine does not export vllm:request_prefill_kv_computed_tokens.
-    running_seconds_sum: float = 0.0
-    running_seconds_count: float = 0.0
-    prefill_seconds_sum: float = 0.0
-    prefill_seconds_count: float = 0.0
-    decode_seconds_sum: float = 0.0
-    decode_seconds_count: float = 0.0
-    finished_generation_tokens: float = 0.0
-    prefill_computed_tokens: float | None = None
-
-
-def _new_learned() -> Learned:
-    # Imported here, not at the top: routerd.routing's package imports the registry.
-    from .routing.speed import Learned
-
-    return Learned()
 
 
 @dataclass
@@ -107,7 +64,7 @@ class Instance:
     resources: dict[str, Any] = field(default_factory=dict)
     # scraper
     snapshot: LoadSnapshot | None = None
-    learned: Learned = field(default_factory=_new_learned, repr=False, compare=False)
+    learned: Learned = field(default_factory=Learned, repr=False, compare=False)
     inflight_at_scrape: int = 0
     scrape_error: str = ""
     scrape_errors_total: int = 0
@@ -165,15 +122,9 @@ class Instance:
             return math.ceil(learned.max_running), "learned"
         return self.capacity_hint, "config"
 
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Computed (uncached) prompt tokens per second of one request's prefill here: learned, else a
-        prior (:data:`routerd.routing.speed.PRIOR_PREFILL_TOKENS_PER_S`)."""
-        return self.learned.prefill_rate()
-
     def expected_wait_s(self, queue: float | None = None, capacity: int | None = None) -> float:
         """Seconds a request sent now would wait before its own prefill starts: the work queued ahead
-        of it over what the instance gets through (:meth:`routerd.routing.speed.Learned.wait_s`).
+        of it over what the instance gets through (:meth:`routerd.speed.Learned.wait_s`).
 
         The queue is :meth:`estimated_queue` (the scrape plus routerd's in-flight delta since); what is
         not yet prefilled is the scrape's waiting plus what routerd sent since. A caller that has just

@@ -90,7 +90,7 @@ class _RegistryCollector(Collector):
 
 
 class _LearnedFamilies:
-    """What routing has learned of each instance (:mod:`routerd.routing.speed`): capacity and its
+    """What routing has learned of each instance (:mod:`routerd.speed`): capacity and its
     source, expected wait, speeds, and the prefix-cache hit ratio the engine reports beside the one
     routing predicts. A figure not learned yet has no sample (routing uses a prior meanwhile)."""
 

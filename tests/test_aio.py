@@ -12,8 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from routerd import _aio
-from routerd.daemon import StopDeadline
 from routerd.ingress.queue.store import BatchWriter
+from routerd.stop_deadline import StopDeadline
 from tests.fixtures.redis_server import RedisServer
 
 

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from routerd.bench import workloads as wl
-from routerd.bench._common import timed_request
+from routerd_bench import workloads as wl
+from routerd_bench._common import timed_request
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
 EMPTY = b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null}]}\n\n'

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 import structlog
 
-from routerd.bench.queue import queue_path, wait_ready
 from routerd.client import QueueClient
 from routerd.config import parse
+from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import parse_metrics

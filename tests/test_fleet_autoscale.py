@@ -25,12 +25,12 @@ import msgspec
 import pytest
 
 from routerd.assembly import Routerd
-from routerd.bench.failover import Load
-from routerd.bench.in_process import running_routerd
 from routerd.config import Config
 from routerd.fleet import FleetManager, RayCluster
 from routerd.fleet.actor import group_members
 from routerd.registry import InstanceState, Registry
+from routerd_bench.in_process import running_routerd
+from routerd_bench.load import Load
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import make_cfg
 

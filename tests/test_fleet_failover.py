@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from routerd.bench.failover import Load
 from routerd.fleet.actor import group_members
 from routerd.registry import Instance, InstanceState
+from routerd_bench.load import Load
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import SIM_ARGS, Running, make_cfg, running
 

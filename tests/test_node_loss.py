@@ -1,6 +1,6 @@
 """Node loss on a real multi-node Ray cluster on this machine, and the placement rules behind it.
 
-The cluster (routerd/bench/ray_nodes.py) is a head without GPUs plus worker nodes with declared GPUs,
+The cluster (routerd_bench/ray_nodes.py) is a head without GPUs plus worker nodes with declared GPUs,
 each its own ``ray start``; a node is lost by SIGKILL of its raylet. The pure parts — what a placement
 group must avoid (routerd/fleet/spread.py) and when a node counts as lost (routerd/fleet/nodes.py) —
 are tested without Ray first.
@@ -20,14 +20,15 @@ import aiohttp
 import pytest
 
 from routerd import config
-from routerd.bench.failover import Load
-from routerd.bench.in_process import Running, running_routerd
-from routerd.bench.ray_nodes import LocalRayCluster
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config
-from routerd.fleet.nodes import NodeInfo, NodeTracker
+from routerd.fleet.nodes import NodeTracker
+from routerd.fleet.ray_cluster import NodeInfo
 from routerd.fleet.spread import Where, crowded, where
 from routerd.registry import Instance, InstanceState, Registry
+from routerd_bench.in_process import Running, running_routerd
+from routerd_bench.load import Load
+from routerd_bench.ray_nodes import LocalRayCluster
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet import SIM_ARGS
@@ -230,8 +231,7 @@ async def test_a_lost_node_moves_spread_replicas_and_strict_ones_wait_for_a_new_
             bound = h.heartbeat_timeout_s + h.heartbeat_interval_s * 1.2 + 1.0  # +1 s: 2 busy cores
             assert took <= bound, f"out of rotation {took:.2f}s after the node loss (bound {bound:.2f}s)"
             await r.wait(lambda: r.fm.nodes.gone(w2), bound, "the node watch calling the node lost")
-            lost = [n for n in r.fm.nodes.status() if n["node_id"] == w2]
-            assert lost[0]["lost"], lost  # with why, for status and logs
+            assert r.fm.nodes.tracker.lost[w2], r.fm.nodes.tracker.lost  # with why, for the log
 
             sp, ss = on_w2["sp"], on_w2["ss"]
             # spread: relaunched on the remaining node, which has a GPU free
@@ -265,7 +265,7 @@ async def test_a_lost_node_moves_spread_replicas_and_strict_ones_wait_for_a_new_
             await producer
         results = await q.wait_many(jobs, timeout=120)
         print("node loss: out of rotation", round(took, 2), "s; spread replica back", round(relaunched_s, 2),
-              "s;", lost[0]["lost"],
+              "s;", r.fm.nodes.tracker.lost[w2],
               "; http", [(ld.ok, ld.failed_before_stream, ld.failed_mid_stream) for ld in loads],
               "; jobs", len(jobs))
         assert all(ld.failed_before_stream == 0 for ld in loads), [ld.errors for ld in loads]

@@ -294,11 +294,41 @@ def test_what_an_instance_held_is_forgotten_when_it_leaves_rotation_or_restarts(
 
     b = router.pick("f", request=view)
     clock.t += 1
-    b.snapshot = LoadSnapshot(scraped_at=clock.t, prompt_tokens=5000.0, num_gpu_blocks=4096, block_size=16)
+    scrape(b, clock.t, prompt_tokens=5000.0)
     router.pick("f", request=view)
     assert router.index.match(b, view.block_keys) == len(view.block_keys)
     clock.t += 1  # the same URL now counts from 0: the engine restarted and its cache is empty
-    b.snapshot = LoadSnapshot(scraped_at=clock.t, prompt_tokens=10.0, num_gpu_blocks=4096, block_size=16)
+    scrape(b, clock.t, prompt_tokens=10.0)
+    b.inflight = 8  # (so the next request goes to the other instance and b's forgetting shows)
+    router.pick("f", request=view)
+    assert router.index.match(b, view.block_keys) == 0
+
+
+def scrape(i: Instance, at: float, prompt_tokens: float, finished: float = 0.0) -> None:
+    """What the scraper does with a new snapshot: store it, then learn from it (routerd.speed)."""
+    i.snapshot = LoadSnapshot(scraped_at=at, prompt_tokens=prompt_tokens, requests_finished=finished,
+                              num_gpu_blocks=4096, block_size=16)
+    i.learned.observe(i.snapshot)
+
+
+def test_a_restart_between_two_requests_is_seen_though_the_counter_climbed_back() -> None:
+    """The engine restarted at a scrape no request came after, and by the next request its prompt
+    counter is above where the router last saw it: the restart is still seen (the speed learner saw
+    every scrape), so what the index says it held is forgotten, not trusted."""
+    clock = Clock()
+    reg, router = make(clock, 2)
+    view = chat_view(router, turns(2, 1))
+    b = router.pick("f", request=view)
+    a = next(i for i in reg.instances("f") if i is not b)
+    clock.t += 1
+    scrape(b, clock.t, prompt_tokens=100.0, finished=40.0)
+    router.pick("f", request=view)
+    assert router.index.match(b, view.block_keys) == len(view.block_keys)
+    clock.t += 1
+    scrape(b, clock.t, prompt_tokens=5.0, finished=1.0)  # restarted; no request comes now
+    clock.t += 1
+    scrape(b, clock.t, prompt_tokens=900.0, finished=3.0)  # busy since: more prompt tokens than before
+    scrape(a, clock.t, prompt_tokens=0.0)  # (fresh too, so it may be chosen)
     b.inflight = 8  # (so the next request goes to the other instance and b's forgetting shows)
     router.pick("f", request=view)
     assert router.index.match(b, view.block_keys) == 0

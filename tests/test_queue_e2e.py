@@ -22,11 +22,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from routerd.bench.queue import queue_path, start_engines, wait_http, wait_ready
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config, parse
 from routerd.ingress.queue import QueueIngress
 from routerd.sim.tokens import expected_text
+from routerd_bench.queue import queue_path, start_engines, wait_http, wait_ready
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from routerd import redact
+from routerd import config, redact
 from routerd.config import parse
 
 
@@ -58,7 +58,7 @@ def test_config_secrets_lists_every_secret_value() -> None:
              "engine_args": {"api-key": "engine-api-key", "max-num-seqs": 8}},
         ],
     }, environ={})
-    assert sorted(redact.config_secrets(cfg)) == sorted([
+    assert sorted(config.secret_values(cfg)) == sorted([
         "client-key-1", "client-key-2", "the-admin-key", "url-redis-pw", "cfg-redis-pw", "engine-pw",
         "hf-token-value", "engine-api-key"])
 

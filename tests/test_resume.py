@@ -21,11 +21,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from routerd.bench.queue import queue_path, wait_ready
 from routerd.client import QueueClient
 from routerd.config import parse
 from routerd.dataplane import resume, resume_stream
 from routerd.sim.tokens import expected_text
+from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcess, SimProcessFactory

@@ -1,7 +1,7 @@
 """Socket activation: routerd serves on the socket systemd passes (LISTEN_FDS), and a restart under load
 refuses no connection and fails no request, because the socket outlives the process.
 
-The restart test plays systemd's part with :class:`routerd.bench.restart.SocketHolder` (bind once, pass
+The restart test plays systemd's part with :class:`routerd_bench.restart.SocketHolder` (bind once, pass
 fd 3 to each ``routerd run``) — the same pieces ``routerd bench failover`` measures with; the first
 test uses systemd's own ``systemd-socket-activate`` to check the protocol against the real thing.
 """
@@ -23,9 +23,9 @@ import pytest
 
 from routerd._net import free_port
 from routerd.assembly import running
-from routerd.bench.restart import SocketHolder, child_env, restart_under_load
 from routerd.ingress.listener import systemd_sockets
 from routerd.registry import Registry
+from routerd_bench.restart import SocketHolder, child_env, restart_under_load
 from tests.fixtures.daemon import base_config, to_toml
 from tests.fixtures.dataplane import SimFactory, plane_config
 from tests.fixtures.ray_cluster import eventually

@@ -1,4 +1,4 @@
-"""Learned capacity and speed (routerd.routing.speed), fed synthetic snapshots on a clock the test owns.
+"""Learned capacity and speed (routerd.speed), fed synthetic snapshots on a clock the test owns.
 
 Each snapshot is what an engine's ``/metrics`` would show: cumulative counters and finished-request
 histogram sums that only grow, except across a restart.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from routerd import speed
 from routerd.registry import Instance, LoadSnapshot
-from routerd.routing import speed
-from routerd.routing.speed import DecayedRatio, Learned, spec_capacity
+from routerd.speed import DecayedRatio, Learned, spec_capacity
 
 TAU = speed.TIME_CONSTANT_S
 
@@ -243,7 +243,7 @@ def test_a_small_slow_instance_waits_longer_than_a_busy_fast_one() -> None:
 
 def test_priors_before_anything_is_learned() -> None:
     inst = Instance(id="f:0", fleet="f", url="http://x", capacity_hint=4)
-    assert inst.prefill_tokens_per_s == speed.PRIOR_PREFILL_TOKENS_PER_S
+    assert inst.learned.prefill_tokens_per_s is None  # the router prices a prefill at the prior then
     inst.inflight = 5  # no scrape yet: routerd's own count is the queue
     assert inst.expected_wait_s() == pytest.approx(2 * speed.PRIOR_RUNNING_S / 4)
     assert inst.status(0.0)["decode_tokens_per_s"] is None  # shown as not known, not as the prior

@@ -11,17 +11,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from routerd import redact
+from routerd import config, redact
 from routerd.config import AdmissionConfig, ConfigError, parse
 from routerd.dataplane import resume
 from routerd.dataplane.admission import Admission
+from routerd.dataplane.usage import UsageTap, usage_of
 from routerd.errors import Overloaded
 from routerd.ingress.validate import read_head
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 from routerd.routing.request import RequestViews
-from routerd.tenants import Directory, Usage, UsageTap, inspect
+from routerd.tenants import Directory, inspect
 from routerd.tenants.fairshare import Share
 from routerd.tenants.service import Tenancy
+from routerd.tenants.usage import Usage
 
 
 class Clock:
@@ -59,7 +61,7 @@ def test_tenant_keys_in_every_form_map_to_their_tenant() -> None:
     assert not chat.allows("g")
     # The loader resolved env:CHAT_KEY, and the log filter learns it like every other key.
     redactor = redact.Redactor()
-    redactor.learn(redact.config_secrets(cfg))
+    redactor.learn(config.secret_values(cfg))
     line = redactor.value("error", "client sent sk-from-the-environment, then sk-batch-plain")
     assert line == "client sent ***, then ***"
 
@@ -432,7 +434,7 @@ async def test_a_stream_not_continued_is_read_for_its_usage_as_the_client_asked_
               + _event({"id": "x", "choices": [], "usage": final, "system_fingerprint": "fp"})
               + b"data: [DONE]\n\n")
     client = Collect()
-    tap = UsageTap(client, stream=True, headers={"x-ratelimit-limit-requests": "9"})
+    tap = UsageTap(client, headers={"x-ratelimit-limit-requests": "9"})
     await tap.start(200, {"Content-Type": "text/event-stream"})
     for i in range(0, len(engine), 7):  # cut anywhere, even inside an event
         await tap.write(rs.feed(engine[i:i + 7]))
@@ -449,21 +451,22 @@ async def test_a_stream_not_continued_is_read_for_its_usage_as_the_client_asked_
 async def test_usage_is_read_from_a_body_and_taken_from_upstream_for_a_stream() -> None:
     body = msgspec.json.encode({"choices": [{"text": "\"usage\": {\"prompt_tokens\": 99}"}],
                                 "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
-    tap = UsageTap(Collect(), stream=False)
+    assert usage_of(body) == (3, 4)  # what upstream reads of the body it holds, text not mistaken
+    tap = UsageTap(Collect())
     await tap.start(200, {})
     await tap.write(body)
-    assert tap.usage() == (3, 4)
+    assert tap.usage(usage_of(body)) == (3, 4)
     stream = _event({"choices": [{"text": "a"}]}) + b"data: [DONE]\n\n"
-    tap = UsageTap(client := Collect(), stream=True)
+    tap = UsageTap(client := Collect())
     await tap.start(200, {})
     await tap.write(stream)
     assert tap.usage((8, 1)) == (8, 1)
     assert tap.usage() is None  # nothing counted: the estimate stands
     assert client.data == stream
-    failed = UsageTap(Collect(), stream=False)
+    failed = UsageTap(Collect())
     await failed.start(400, {})
     await failed.write(body)
-    assert failed.usage() is None  # an error answer bills nothing
+    assert failed.usage(usage_of(body)) is None  # an error answer bills nothing
 
 
 def test_settling_corrects_the_estimate_and_refunds_what_no_engine_did() -> None:

@@ -26,15 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RouterdError
-from ..ingress.validate import ChatHead, CompletionHead
+from ..openai import ChatHead, CompletionHead
 from ..plugins import RequestView
 from ..routing import RequestViews
 from ..telemetry import Telemetry
-from ..tenants import RequestFacts, Tenant, UsageTap, inspect
+from ..tenants import RequestFacts, Tenant, inspect
 from ..tenants.service import Charge, Tenancy
 from .admission import Admission
 from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
+from .usage import UsageTap
 
 __all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request"]
 
@@ -169,7 +170,7 @@ class Dispatch:
         except RouterdError as e:  # refused here: the engine call counts only what it was given
             self._telemetry.count_request(req.fleet, "", e.status)
             raise
-        tap = UsageTap(sink, stream=req.stream, headers=charge.grant.headers())
+        tap = UsageTap(sink, headers=charge.grant.headers())
         result: ForwardResult | None = None
         deadline = req.deadline
         waited = self._clock()

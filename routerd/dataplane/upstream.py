@@ -61,22 +61,19 @@ from ..errors import NoReadyInstance, UpstreamError, error_json, error_type, quo
 from ..plugins import RequestView
 from ..registry import Instance
 from ..routing import Router
-from ..routing.speed import PRIOR_PREFILL_S
+from ..speed import PRIOR_PREFILL_S
 from ..telemetry import Telemetry
 from . import relay, resume
 from .engine_http import ConnectError, EnginePool, Response
 from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
 from .resume import ResumableStream
 from .sinks import ForwardResult, ResponseSink
+from .usage import UsageTap, usage_of
 
 _log = log.get("routerd.upstream")
 
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
-
-
-# UsageTap.meter: given a function returning the engine's count (prompt, completion tokens) or None.
-_Meter = Callable[[Callable[[], tuple[int, int] | None]], None]
 
 
 class _Retry(Exception):
@@ -337,25 +334,23 @@ class Upstream:
 
     def _plan(self, endpoint: str, body: bytes, sink: ResponseSink) -> ResumableStream | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
-        passed through byte for byte (the string: why it is not continued). A sink that meters (a
-        :class:`~routerd.tenants.UsageTap`) is given the reader's count, read however the call ends."""
+        passed through byte for byte (the string: why it is not continued). The dispatch's usage tap
+        is given the reader's count, read however the call ends."""
         plan = resume.reader(endpoint, body, resumable=bool(self.cfg.max_resumes))
-        meter: _Meter | None = getattr(sink, "meter", None)
-        if meter is not None and isinstance(plan, ResumableStream):
-            meter(plan.usage)
+        if isinstance(sink, UsageTap) and isinstance(plan, ResumableStream):
+            sink.meter(plan.usage)
         return plan
 
     def _abandoned(self, sink: ResponseSink, plan: ResumableStream | str | None, inst: Instance,
                    sent: float, request: RequestView | None) -> None:
         """The call was cancelled during an attempt on ``inst`` (sent at ``sent``). The engine worked on
         it unread — a non-streamed request, or a stream no count of which was read yet (its client left
-        during the prefill, say): a metering sink is given what it likely generated."""
+        during the prefill, say): the dispatch's usage tap is given what it likely generated."""
         if isinstance(plan, ResumableStream) and plan.counted:
             return  # the engine's own count stands
-        meter: _Meter | None = getattr(sink, "meter", None)
-        if meter is not None:
+        if isinstance(sink, UsageTap):
             counts = _abandoned_usage(inst, self.clock() - sent, request)
-            meter(lambda: counts)
+            sink.meter(lambda: counts)
 
     async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
@@ -409,9 +404,11 @@ class Upstream:
                 ok = 200 <= resp.status < 300
                 error = None if ok else _error_message(first, resp.status)
             clean = True
+            # the count: a stream's reader's, or what a non-streamed answer's body (held here) says
+            usage = plan.usage() if isinstance(plan, ResumableStream) else \
+                usage_of(first) if ok and not stream else None
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
-                                 ttfb_s=ttfb,
-                                 usage=plan.usage() if isinstance(plan, ResumableStream) else None)
+                                 ttfb_s=ttfb, usage=usage)
         finally:
             lost.close()
             inst.inflight -= 1

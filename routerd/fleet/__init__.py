@@ -17,8 +17,8 @@ from .engine import EngineOps, Placement
 from .health import ActorProbe, HealthMonitor, HealthTracker, ProbeResult, in_rotation
 from .manager import FleetManager
 from .naming import actor_name, bundle_for, spec_for
-from .nodes import NodeInfo, NodeWatch
-from .ray_cluster import LocalHead, RayCluster, RayConnectError
+from .nodes import NodeWatch
+from .ray_cluster import LocalHead, NodeInfo, RayCluster, RayConnectError
 from .spread import Spreader, Where
 from .static import STATIC, StaticHealth, static_instances
 from .supervisor import Slot, Supervisor

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .. import log
 from ..config import Config, FleetConfig
 from ..registry import Instance, InstanceState, Registry
-from ..routing.speed import spec_capacity
+from ..speed import spec_capacity
 from .autoscale import Decision, ScalingPolicy, Signals
 from .naming import bundle_for, spec_for
 from .ray_cluster import RayCluster

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from .. import config as config_mod
 from .. import log
@@ -36,8 +35,9 @@ from .._aio import wait_for
 from ..config import Config, FleetConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
+from .adopt import adopt
 from .autoscaler import Autoscaler, FleetCollector
-from .engine import EngineOps, Placement, ProbeAnswer
+from .engine import EngineOps, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
 from .naming import NAME_RE, bundle_for, instance_id, spec_for
 from .nodes import NodeWatch
@@ -147,37 +147,18 @@ class FleetManager:
             await self._wait_states(adopted, timeout=10.0)
 
     async def _adopt(self, name: str, fleet: str, index: int) -> bool:
-        actor = await self.cluster.get_actor(name)
-        if actor is None:
-            return False
-        try:
-            info = await self.ops.actor_info(actor, timeout=5.0)
-        except Exception as e:  # noqa: BLE001  # an actor that cannot answer is replaced, not adopted
-            _logger.warning("adopt_unresponsive", actor=name, error=repr(e))
-            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=False)
-            return False
-        try:
-            recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
-        except (KeyError, AttributeError, msgspec.DecodeError) as e:  # another routerd version's record
-            _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
-            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
-            return False
-        desired = self._desired_spec(fleet, index, adopting=True)
-        if desired is None:  # its fleet is gone, or it is beyond the replica count
-            _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
-            await self.ops.dispose(actor, self.ops.pg_name(fleet, index), stop=True)
-            return False
+        """Adopt the engine running as actor ``name``, or stop it (routerd/fleet/adopt.py)."""
         fcfg = self.cfg.fleet(fleet)
-        assert fcfg is not None
-        # A changed spec is adopted as it runs and marked stale: it keeps serving until the rolling
-        # replacement in _reconcile swaps it, one instance at a time, for one with the new spec.
-        sup = self._new_supervisor(fcfg, recorded)
-        pg = await self.ops.find_pg(fleet, index)
-        sup.adopt(Placement(actor=actor, pg=pg, bundle=bundle_for(recorded)), info, stale=desired != recorded)
-        _logger.info("adopted", instance=sup.slot.inst.id, pid=info["pid"], url=info["url"],
-                     alive=info["alive"], stale=sup.slot.stale)
-        self._spawn_supervisor(sup)
-        return True
+
+        def supervisor(spec: LaunchSpec) -> Supervisor:
+            assert fcfg is not None  # else nothing is desired at this index: adopt() stops the engine
+            return self._new_supervisor(fcfg, spec)
+
+        sup = await adopt(name, fleet, index, self.cluster, self.ops,
+                          desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor)
+        if sup is not None:
+            self._spawn_supervisor(sup)
+        return sup is not None
 
     async def run(self) -> None:
         """The control loop: health monitor, reconcile each second or when woken; failed steps are logged."""

@@ -24,28 +24,15 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from .. import log
 from ..config import HealthConfig
 from .health import probe_deadline
-from .ray_cluster import RayCluster
+from .ray_cluster import NodeInfo, RayCluster
 
 _logger = log.get("routerd.nodes")
 
 TABLE_REFRESH_S = 2.0  # Ray's node table is read this often (and when a watched node is not in it)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """One Ray node as its GCS lists it."""
-
-    node_id: str  # hex, as in the ``ray.io/node-id`` label
-    host: str
-    port: int  # the raylet's node manager port
-    alive: bool  # per Ray's GCS
-    resources: dict[str, float] = field(default_factory=dict)
 
 
 class NodeTracker:
@@ -122,13 +109,6 @@ class NodeWatch:
 
     def avoid(self) -> frozenset[str]:
         return self.tracker.avoid()
-
-    def status(self) -> list[dict[str, Any]]:
-        """Every node of the cluster with routerd's view of it (for status and logs)."""
-        t = self.tracker
-        return [{"node_id": n.node_id, "host": n.host, "alive": n.alive and n.node_id not in t.lost,
-                 "lost": t.lost.get(n.node_id) or None, "resources": n.resources}
-                for n in sorted(t.table.values(), key=lambda n: n.node_id)]
 
     async def run(self) -> None:
         """Probe and read the node table until cancelled; a failed round is logged, not fatal."""

@@ -27,16 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import log
 from .._aio import wait_for
 from .._net import free_port
 from ..config import RayConfig
-
-if TYPE_CHECKING:
-    from .nodes import NodeInfo
 
 _logger = log.get("routerd.raycluster")
 
@@ -145,6 +143,17 @@ class LocalHead:
         _logger.info("ray_head_started", address=f"{host}:{port}", pid=pid, temp_dir=str(self.temp_dir),
                      num_cpus=num_cpus, num_gpus=self.cfg.num_gpus, log=str(self.log_file))
         return f"{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One Ray node as its GCS lists it (:meth:`RayCluster.nodes`; watched by :mod:`routerd.fleet.nodes`)."""
+
+    node_id: str  # hex, as in the ``ray.io/node-id`` label
+    host: str
+    port: int  # the raylet's node manager port
+    alive: bool  # per Ray's GCS
+    resources: dict[str, float] = field(default_factory=dict)
 
 
 class RayCluster:
@@ -288,10 +297,8 @@ class RayCluster:
         return node
 
     async def nodes(self) -> list[NodeInfo]:
-        """Ray's node table as :class:`routerd.fleet.nodes.NodeInfo` (dead nodes included)."""
+        """Ray's node table (dead nodes included)."""
         import ray
-
-        from .nodes import NodeInfo
 
         def read() -> list[NodeInfo]:
             return [NodeInfo(node_id=str(n["NodeID"]), host=str(n["NodeManagerAddress"]),

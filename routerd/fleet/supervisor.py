@@ -26,7 +26,7 @@ from .. import log
 from ..config import HealthConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
-from ..routing.speed import spec_capacity
+from ..speed import spec_capacity
 from . import naming
 from .engine import EngineOps, Placement, ProbeAnswer
 from .health import ProbeResult

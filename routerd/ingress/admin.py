@@ -12,18 +12,15 @@ static-only too (no Ray, no fleet manager). Every admin route, read or write, go
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from aiohttp import web
 
+from ..config import Config
 from ..errors import BadRequest, NotFound
-from ..fleet.static import STATIC
+from ..registry import Instance, Registry
 from .auth import check_admin
-
-if TYPE_CHECKING:
-    from ..fleet import FleetManager
-    from ..fleet.static import StaticHealth
 
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
 
@@ -49,7 +46,36 @@ async def _body(request: web.Request, typ: type[Any]) -> Any:
 Handler = Callable[[web.Request], Awaitable[Any]]
 
 
-def add_admin_routes(app: web.Application, fleet_manager: FleetManager | None, static: StaticHealth,
+class FleetControl(Protocol):
+    """What these routes ask of fleet control (:class:`routerd.fleet.FleetManager` is it): the ingress
+    depends on this, not on the fleet package, so a data plane needs no fleet code to be built. Each
+    raises KeyError for an unknown instance or fleet."""
+
+    async def restart_instance(self, instance_id: str) -> dict[str, Any]: ...
+
+    async def drain_instance(self, instance_id: str, timeout_s: float) -> dict[str, Any]: ...
+
+    async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]: ...
+
+    async def unset_replicas(self, fleet: str) -> dict[str, Any]: ...
+
+    def max_replicas(self, fleet: str) -> tuple[int, str]: ...
+
+
+class StaticControl(Protocol):
+    """What these routes ask of the static fleets' monitor (:class:`routerd.fleet.StaticHealth`)."""
+
+    cfg: Config
+    registry: Registry
+
+    def instance(self, instance_id: str) -> Instance | None: ...
+
+    def drain(self, inst: Instance) -> None: ...
+
+    def undrain(self, inst: Instance) -> None: ...
+
+
+def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, static: StaticControl,
                      admin_key: str | Callable[[], str]) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
     ``POST /admin/instances/{id}/undrain`` (a static instance), ``POST /admin/fleets/{fleet}/replicas``
@@ -86,11 +112,11 @@ class _Routes:
     """The write routes' handlers: a static instance is the static fleets' monitor's, the rest the fleet
     manager's. A ``KeyError`` names what was not found."""
 
-    def __init__(self, fleet_manager: FleetManager | None, static: StaticHealth) -> None:
+    def __init__(self, fleet_manager: FleetControl | None, static: StaticControl) -> None:
         self.fleet_manager = fleet_manager
         self.static = static
 
-    def launched(self, name: str) -> FleetManager:
+    def launched(self, name: str) -> FleetControl:
         """The fleet manager; with nothing launched, every launched instance or fleet is not found."""
         if self.fleet_manager is None:
             raise KeyError(name)
@@ -98,7 +124,7 @@ class _Routes:
 
     def not_static_fleet(self, fleet: str) -> None:
         fcfg = self.static.cfg.fleet(fleet)
-        if fcfg is not None and fcfg.engine == STATIC:
+        if fcfg is not None and fcfg.engine == "static":
             raise BadRequest(f"fleet {fleet!r} is static: its instances are its configured urls "
                              "(change them in the config and reload)")
 

@@ -13,57 +13,13 @@ validate.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
 import msgspec
-from msgspec import Meta
 
 from ..errors import BadRequest
+from ..openai import HEAD_DECODERS as _DECODERS
+from ..openai import ChatHead, ChatMessage, CompletionHead
 
 __all__ = ["ChatHead", "ChatMessage", "CompletionHead", "read_head"]
-
-_Model = Annotated[str, Meta(min_length=1)]
-
-
-class CompletionHead(msgspec.Struct):
-    """What routerd reads of a completion body. Fields typed ``Any`` are not checked (the engine
-    does): routing reads them when they have the type it can use (``routerd.routing.request``)."""
-
-    model: _Model
-    prompt: Any  # a non-empty string or array (checked); what is in the array, the engine checks
-    stream: bool | None = None
-    max_tokens: Any = None
-    user: Any = None
-
-
-class ChatMessage(msgspec.Struct):
-    """A chat message: an object (checked), its fields as sent (the engine checks them). Decoded here,
-    once, because routing renders them (``routerd.routing.request``): a second pass over a long
-    conversation would cost as much as this one."""
-
-    role: Any = None
-    content: Any = None
-    name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-
-
-class ChatHead(msgspec.Struct):
-    """What routerd reads of a chat body (see :class:`CompletionHead`)."""
-
-    model: _Model
-    messages: list[ChatMessage]
-    stream: bool | None = None
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    user: Any = None
-
-
-_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    "/v1/completions": msgspec.json.Decoder(CompletionHead),
-    "/v1/chat/completions": msgspec.json.Decoder(ChatHead),
-}
-
 
 def read_head(endpoint: str, body: bytes) -> CompletionHead | ChatHead:
     """The checked head of an OpenAI request body for ``endpoint`` — the one check both ways in make,

@@ -9,7 +9,7 @@ everything that is not a wanted family by a dict lookup on the name, and parses 
 Names are matched by *family*: a counter ``vllm:X`` is exposed as ``vllm:X_total`` (prometheus_client)
 but older or hand-written exporters send ``vllm:X``; both count, and ``_created`` samples are ignored.
 Of the histograms only the ``_sum`` and ``_count`` of the finished-request ones are read: the
-deltas routing learns each instance's speed from (:mod:`routerd.routing.speed`).
+deltas routing learns each instance's speed from (:mod:`routerd.speed`).
 Both current and pre-0.12 names are understood (``kv_cache_usage_perc`` / ``gpu_cache_usage_perc``,
 ``prefix_cache_*`` / ``gpu_prefix_cache_*``); the current name wins when both appear. Samples are summed
 over the ``engine`` label (a data-parallel server exports one series per engine); KV usage is averaged.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..registry import LoadSnapshot
+from ..snapshot import LoadSnapshot
 
 # family name → snapshot field. Old names map to a separate key so the new one can win.
 _FAMILIES: dict[str, str] = {

@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 
 from ..config import RoutingConfig
-from ..ingress.validate import ChatHead, ChatMessage, CompletionHead
+from ..openai import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
 
 __all__ = ["BYTES_PER_TOKEN", "RequestView", "RequestViews", "TokenRatio", "block_keys", "render_chat"]

@@ -41,10 +41,10 @@ from ..config import RoutingConfig
 from ..errors import NoReadyInstance
 from ..plugins import Candidate, RequestView, RoutingPolicy
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
+from ..speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 from .breaker import CircuitBreaker
 from .prefix_index import PrefixIndex, Sessions
 from .request import RequestViews
-from .speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 
 SWEEP_EVERY = 1024  # decisions between two sweeps of what is kept for instances no longer registered
 
@@ -98,7 +98,7 @@ class _Track:
     the counters the fleet's tokens per byte are learned from."""
 
     __slots__ = ("at", "bytes_at_snap", "figures", "figures_of", "generation", "ids", "ids_at_snap", "nbytes",
-                 "predicted", "snap_at", "snap_tokens")
+                 "predicted", "resets", "snap_at", "snap_tokens")
 
     def __init__(self, generation: int, now: float) -> None:
         self.generation = generation
@@ -108,6 +108,7 @@ class _Track:
         self.ids = 0  # tokens sent as token ids (exact: not part of the ratio)
         self.snap_at: float | None = None  # scraped_at of the last snapshot looked at
         self.snap_tokens = 0.0
+        self.resets = 0  # the engine restarts routerd.speed had seen at that snapshot (Learned.resets)
         self.bytes_at_snap = 0
         # The instance's load figures (queue, capacity, expected wait, learned prefill speed or 0, whether
         # the capacity is more than the config's guess) and the state they were read from: they change
@@ -290,15 +291,17 @@ class Router:
 
     def _observe(self, inst: Instance, track: _Track, scraped_at: float, prompt_tokens: float) -> None:
         """A new scrape of ``inst``: the prompt tokens it counted since the last one teach the fleet's
-        tokens per byte; a counter that went down means the engine restarted (its cache is gone)."""
+        tokens per byte. An engine restart since (its cache is gone) is the one :mod:`routerd.speed`
+        saw — it looks at every scrape and every counter, the router only at those it routes after."""
+        resets = inst.learned.resets
         if track.snap_at is not None:
-            counted = prompt_tokens - track.snap_tokens
-            if counted < 0:
+            if resets != track.resets:
                 self.index.forget(inst.id)
             else:
+                counted = prompt_tokens - track.snap_tokens
                 self.views.ratio(inst.fleet).add(counted - (track.ids - track.ids_at_snap),
                                                  float(track.nbytes - track.bytes_at_snap))
-        track.snap_at, track.snap_tokens = scraped_at, prompt_tokens
+        track.snap_at, track.snap_tokens, track.resets = scraped_at, prompt_tokens, resets
         track.bytes_at_snap, track.ids_at_snap = track.nbytes, track.ids
 
     def _forget(self, instance_id: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..apikeys import digest, key_digest
 from ..config import Config, TenantConfig
-from .apikeys import digest, key_digest
 
 __all__ = ["DEFAULT", "Directory", "Tenant"]
 

@@ -17,8 +17,9 @@ from typing import Any
 import msgspec
 
 from .. import redact
-from ..client import RedisTarget, redis_target
+from .._table import print_table
 from ..keys import Keys
+from ..redis_server import RedisTarget, redis_target
 from .usage import COUNTERS, day_of, read_days
 
 _COLUMNS = ["day", "tenant", "fleet", *COUNTERS, "total_tokens"]
@@ -73,8 +74,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(msgspec.json.encode({"days": days, "rows": rows, "totals": totals}).decode())
         return 0
-    from ..bench._common import print_table
-
     print_table(f"usage {days[0]} .. {days[-1]} (UTC)", _COLUMNS,
                 [[r[c] for c in _COLUMNS] for r in rows] + [["total", "", "", *totals.values()]])
     return 0

@@ -4,7 +4,7 @@ Both ways in use it the same way around the engine call::
 
     charge = await tenancy.charge(tenant, fleet, facts)       # HTTP: RateLimited (429) when over
     charge = await tenancy.wait_for_quota(tenant, fleet, facts, deadline)  # queue: waits instead
-    ... admission ticket, upstream.forward(..., sink=UsageTap(...)) ...
+    ... admission ticket, upstream.forward(..., sink=UsageTap(...)) ...  # routerd/dataplane/dispatch.py
     tenancy.settle(charge, tap.usage(), status=tap.status, ok=...)  # usage counted, tokens corrected
 
 It owns one Redis client (rate-limit scripts and usage writes), opened lazily and closed when
@@ -32,8 +32,7 @@ from .body import RequestFacts
 from .directory import Directory, Tenant
 from .fairshare import Share
 from .ratelimit import UNLIMITED, Grant, RateLimiter
-from .tap import Usage
-from .usage import COUNTERS, UsageLedger
+from .usage import COUNTERS, Usage, UsageLedger
 
 __all__ = ["Charge", "Tenancy"]
 

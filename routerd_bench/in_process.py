@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from ..assembly import Routerd
-    from ..config import Config
-    from ..fleet import FleetManager, RayCluster
-    from ..registry import Registry
+    from routerd.assembly import Routerd
+    from routerd.config import Config
+    from routerd.fleet import FleetManager, RayCluster
+    from routerd.registry import Registry
 
 
 @dataclass
@@ -38,8 +38,8 @@ class Running:
 async def running_routerd(cfg: Config, *, redis_url: str | None = None) -> AsyncIterator[Running]:
     """routerd for ``cfg`` (launched fleets) with its loops running; ``redis_url`` adds the queue
     consumer. The admin routes are on, without a key: loopback only."""
-    from ..assembly import running
-    from ..registry import Registry
+    from routerd.assembly import running
+    from routerd.registry import Registry
 
     redis = msgspec.structs.replace(cfg.redis, enabled=redis_url is not None, url=redis_url or cfg.redis.url)
     async with running(msgspec.structs.replace(cfg, redis=redis), Registry()) as routerd:

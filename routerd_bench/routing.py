@@ -2,7 +2,7 @@
 
 Method (``docs/benchmarks.md`` has the figures):
 
-* **Workloads** (:mod:`routerd.bench.workloads`): ``heterogeneous`` (unequal instances, capacities not
+* **Workloads** (:mod:`routerd_bench.workloads`): ``heterogeneous`` (unequal instances, capacities not
   configured), ``multiturn`` (agent-like conversations on prefix-caching engines with a prefill cost),
   ``shared-prefix`` (a few long system prompts, skewed popularity), ``random`` (nothing shared).
 * **Load.** Each instance kind's capacity is measured first (or given, ``--capacity-rps``): one fresh
@@ -24,7 +24,7 @@ Method (``docs/benchmarks.md`` has the figures):
   requests (the engines' ``vllm:request_success`` deltas, so it is the same measure for every router);
   failures; and what routerd learned of each instance (``/admin/fleets``) at the end.
 * **Decision cost**: routerd's routing decision per request at 8k-token prompts, timed in-process
-  (:mod:`routerd.bench.decision`).
+  (:mod:`routerd_bench.decision`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import Any
 
 import aiohttp
 
-from ..config import RoutingConfig
+from routerd.config import RoutingConfig
+
 from . import workloads as wl
 from ._common import Processes, Timing, find_vllm_router, print_table, summary, timed_request, write_json
 

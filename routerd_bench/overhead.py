@@ -47,7 +47,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from .._net import free_port
+from routerd._net import free_port
+
 from ._common import (
     Processes,
     Timing,
@@ -172,7 +173,7 @@ def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str
     spec.write_text(json.dumps({"config": cfg, "capacities": {}}))
     out = Path(procs.tmp.name) / "callgrind.out"
     proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                             f"--callgrind-out-file={out}", sys.executable, "-m", "routerd.bench._common",
+                             f"--callgrind-out-file={out}", sys.executable, "-m", "routerd_bench._common",
                              "plane", str(spec), "--log-level", log_level],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.procs.append(proc)

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from ..sim.tokens import count_prompt_tokens, expected_text, render_chat
+from routerd.sim.tokens import count_prompt_tokens, expected_text, render_chat
 
 MODEL = "bench"
 CHAT = "/v1/chat/completions"

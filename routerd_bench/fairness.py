@@ -44,7 +44,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from .._net import free_port
+from routerd._net import free_port
+
 from ._common import Processes, print_table, stop_process, summary, timed_request, wait_http, write_json
 
 _KEY = "sk-interactive"
@@ -73,7 +74,7 @@ class Routerd:
         path = Path(procs.tmp.name) / f"routerd-{cfg['http']['port']}.json"
         path.write_text(json.dumps(cfg))
         self.url = f"http://127.0.0.1:{cfg['http']['port']}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "routerd.bench.fairness", "serve", str(path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "routerd_bench.fairness", "serve", str(path)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.procs.append(self.proc)
 
@@ -139,7 +140,7 @@ async def _trickle(s: aiohttp.ClientSession, url: str, args: argparse.Namespace,
 async def _flood(redis_url: str, n: int, args: argparse.Namespace, tenants: list[str | None]) -> None:
     """XADD ``n`` jobs per tenant, the tenants' interleaved (producers writing at once); their lengths
     ``--batch-tokens`` ± ``--length-spread`` (seeded)."""
-    from ..client import QueueClient
+    from routerd.client import QueueClient
 
     rng = random.Random(args.seed)
     spread = args.batch_tokens * args.length_spread
@@ -260,10 +261,10 @@ def _mean(xs: list[float]) -> float:
 async def _decision_cost(n: int, tenants: int) -> dict[str, float]:
     """CPU µs per admitted request: 4 × slots workers of ``tenants`` tenants loop through tickets of a
     fleet of ``slots`` (so every release hands the slot to a waiter), against a bare semaphore."""
-    from ..config import AdmissionConfig
-    from ..dataplane.admission import Admission
-    from ..registry import Instance, InstanceState, LoadSnapshot, Registry
-    from ..tenants.fairshare import Share
+    from routerd.config import AdmissionConfig
+    from routerd.dataplane.admission import Admission
+    from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
+    from routerd.tenants.fairshare import Share
 
     slots = 64
     registry = Registry()
@@ -297,7 +298,7 @@ async def _decision_cost(n: int, tenants: int) -> dict[str, float]:
 
 # -- the benchmark ----------------------------------------------------------------------------------------
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ..redis_server import EmbeddedRedis
+    from routerd.redis_server import EmbeddedRedis
 
     load_before = os.getloadavg()
     with Processes() as procs:
@@ -347,10 +348,10 @@ def _report(res: dict[str, Any]) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    """``python -m routerd.bench.fairness serve SPEC.json``: ``routerd run`` on a config given as JSON."""
-    from .. import log
-    from ..config import parse
-    from ..daemon import Daemon
+    """``python -m routerd_bench.fairness serve SPEC.json``: ``routerd run`` on a config given as JSON."""
+    from routerd import log
+    from routerd.config import parse
+    from routerd.daemon import Daemon
 
     path = Path(argv[0])
     cfg = parse(json.loads(path.read_text()), environ={})

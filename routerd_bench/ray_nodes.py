@@ -1,4 +1,5 @@
-"""A Ray cluster of several nodes on this machine, for the node-loss round and the node-loss tests.
+"""Ray clusters on this machine: several nodes for the node-loss round and the node-loss tests, and the
+one-node head the failover and autoscale benchmarks run on by default.
 
 Each node is its own ``ray start --block`` (the head with ``--head``, the others joining it with
 ``--address``), with its own declared CPUs, GPUs and a custom resource named after it, so placement
@@ -14,6 +15,7 @@ machine looks like to the rest of the cluster, except that its TCP peers see res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,9 +26,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .._net import free_port
-from ..fleet.ray_cluster import ray_binary, ray_env
+from routerd._net import free_port
+from routerd.fleet.ray_cluster import ray_binary, ray_env
+
+from ._common import stop_process
 
 _HOST = "127.0.0.1"
 
@@ -138,3 +143,20 @@ def _port_open(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def own_head() -> Any:
+    """A throwaway one-node ``ray start --head --block`` (4 declared GPUs), stopped by SIGTERM at the end
+    (failover and autoscale run on it unless given ``--ray-address``)."""
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
+    argv = [ray_binary(), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
+            "--num-cpus", "8", "--num-gpus", "4", "--include-dashboard=false",
+            "--dashboard-agent-listen-port=0", "--ray-client-server-port", str(free_port()),
+            "--temp-dir", tmp, "--disable-usage-stats"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ray_env())
+    try:
+        yield f"127.0.0.1:{port}", tmp
+    finally:
+        stop_process(proc, 30.0)

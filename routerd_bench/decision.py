@@ -30,10 +30,10 @@ from typing import Any
 
 import msgspec
 
-from ..config import RoutingConfig
-from ..ingress.validate import read_head
-from ..registry import Instance, InstanceState, LoadSnapshot, Registry
-from ..routing import Router
+from routerd.config import RoutingConfig
+from routerd.ingress.validate import read_head
+from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
+from routerd.routing import Router
 
 CHAT = "/v1/chat/completions"
 _WORDS = ("route", "the", "request", "engine", "cache", "token", "prefix", "block", "queue", "model",

@@ -49,7 +49,8 @@ from typing import Any
 
 import aiohttp
 
-from .._net import free_port
+from routerd._net import free_port
+
 from ._common import Timing, quantile, timed_request, write_json
 
 FLEET = "auto"
@@ -446,7 +447,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default="")
     args = ap.parse_args(argv)
-    from .failover import _own_head
+    from .ray_nodes import own_head
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -454,7 +455,7 @@ def main(argv: list[str]) -> int:
         if args.ray_address:
             result = asyncio.run(run(args, args.ray_address, Path(tmp)))
         else:
-            with _own_head() as (address, _):
+            with own_head() as (address, _):
                 result = asyncio.run(run(args, address, Path(tmp)))
     _print(result, args)
     write_json(args.json_path, result)

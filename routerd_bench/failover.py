@@ -10,9 +10,9 @@ actors, and routerd's data plane, all on this machine; then:
    engine held are resumed on the other instance (routerd/resume.py): each client checks its stream is
    the whole generation, exactly (the simulated engine's text is known), and times the resume gap it
    saw — from the last event before the signal to the first after;
-3. ``--node-rounds`` node losses on a multi-node cluster of their own (routerd/bench/node_loss.py) and
+3. ``--node-rounds`` node losses on a multi-node cluster of their own (routerd_bench/node_loss.py) and
    ``--restarts`` restarts of ``routerd run`` under ``--restart-rate`` requests/s, socket-activated and,
-   once, binding its own port (routerd/bench/restart.py).
+   once, binding its own port (routerd_bench/restart.py).
 
 Targets (issue #4): SIGKILL → out ≤ 2 s; SIGSTOP → out ≤ heartbeat_timeout_s + one interval; zero failed
 requests that had not started streaming; no false restart at 95 % load. Issue #12: no stream cut (none
@@ -25,128 +25,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from ._common import stop_process
 from .in_process import running_routerd
-
-
-@dataclass
-class Load:
-    """Closed-loop clients (plain or streaming); a failure is "before stream" unless a chunk had reached
-    the client first — only those may end in an error event. The failover test uses it too.
-
-    A stream that ends well but is not the whole generation (a token lost or repeated across a resume)
-    counts in ``wrong_text``; ``resume_gaps`` are the client-side gaps across :meth:`fault` of the
-    streams the faulted instance was serving, ``fault_ttfts`` the time to first token of streams sent
-    in the second after it left rotation (:meth:`out`) — what a new request waited for its first token
-    on the instances left, when the resumed streams went there too."""
-
-    url: str
-    model: str
-    max_tokens: int = 24
-    ok: int = 0
-    failed_before_stream: int = 0
-    failed_mid_stream: int = 0
-    wrong_text: int = 0
-    errors: list[str] = field(default_factory=list)
-    resume_gaps: list[float] = field(default_factory=list)
-    fault_ttfts: list[float] = field(default_factory=list)
-    _fault: tuple[str, float] = ("", 0.0)
-    _out_at: float = -1.0
-
-    def fault(self, instance: str) -> None:
-        """``instance`` is being killed or stopped now."""
-        self._fault = (instance, time.monotonic())
-
-    def out(self) -> None:
-        """The faulted instance left rotation now."""
-        self._out_at = time.monotonic()
-
-    async def client(self, session: aiohttp.ClientSession, stop: asyncio.Event, stream: bool) -> None:
-        from routerd.sim.tokens import expected_text
-
-        body = {"model": self.model, "prompt": "benchmark", "max_tokens": self.max_tokens, "stream": stream}
-        want = expected_text(0, "benchmark", self.max_tokens)
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                async with session.post(f"{self.url}/v1/completions", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=60)) as resp:
-                    if resp.status != 200:
-                        self._fail(f"{resp.status}: {(await resp.text())[:120]}")
-                        continue
-                    if not stream:
-                        text = (await resp.json())["choices"][0]["text"]
-                        self.ok += text == want
-                        self.wrong_text += text != want
-                        continue
-                    await self._stream(resp, want, sent)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                self._fail(repr(e))
-
-    async def _stream(self, resp: aiohttp.ClientResponse, want: str, sent: float) -> None:
-        instance = resp.headers.get("X-Routerd-Instance", "")
-        chunks, error, text, last = 0, False, [], 0.0
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.monotonic()
-            faulted, at = self._fault
-            if chunks and faulted == instance and last < at <= now:
-                self.resume_gaps.append(now - last)
-            if not chunks and 0.0 <= sent - self._out_at < 1.0:
-                self.fault_ttfts.append(now - sent)
-            last = now
-            error = error or b'"error"' in line
-            if not error:
-                chunks += 1
-                text.append(json.loads(line[6:])["choices"][0]["text"])
-        if not error:
-            self.ok += "".join(text) == want
-            self.wrong_text += "".join(text) != want
-        elif chunks:
-            self.failed_mid_stream += 1
-        else:
-            self._fail("error before first chunk")
-
-    def _fail(self, why: str) -> None:
-        self.failed_before_stream += 1
-        if len(self.errors) < 10:
-            self.errors.append(why)
-
-
-@contextlib.contextmanager
-def _own_head() -> Any:
-    """A throwaway ``ray start --head --block`` (4 declared GPUs) torn down by SIGTERM at the end."""
-    from routerd._net import free_port
-    from routerd.fleet.ray_cluster import ray_binary, ray_env
-
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    argv = [ray_binary(), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
-            "--num-cpus", "8", "--num-gpus", "4", "--include-dashboard=false",
-            "--dashboard-agent-listen-port=0", "--ray-client-server-port", str(free_port()),
-            "--temp-dir", tmp, "--disable-usage-stats"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ray_env())
-    try:
-        yield f"127.0.0.1:{port}", tmp
-    finally:
-        stop_process(proc, 30.0)
+from .load import Load
+from .ray_nodes import own_head
 
 
 async def _wait(cond: Any, timeout: float, step: float = 0.01) -> float:
@@ -274,8 +168,8 @@ def _fmt(xs: list[float]) -> str:
 
 
 def _node_and_restart_rounds(args: argparse.Namespace, address: str, state: str) -> dict[str, Any]:
-    """Issue #12's node-loss rounds (routerd/bench/node_loss.py, on a cluster of their own) and restart
-    rounds (routerd/bench/restart.py, ``routerd run`` processes over engines on ``address``)."""
+    """Issue #12's node-loss rounds (routerd_bench/node_loss.py, on a cluster of their own) and restart
+    rounds (routerd_bench/restart.py, ``routerd run`` processes over engines on ``address``)."""
     from .node_loss import node_loss_rounds
     from .restart import restart_rounds
 
@@ -320,7 +214,7 @@ def main(argv: list[str]) -> int:
             result = asyncio.run(run(args, args.ray_address, state))
             result.update(_node_and_restart_rounds(args, args.ray_address, state))
         else:
-            with _own_head() as (address, _):
+            with own_head() as (address, _):
                 result = asyncio.run(run(args, address, state))
                 result.update(_node_and_restart_rounds(args, address, state))
     t = result["total"]

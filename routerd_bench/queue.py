@@ -34,22 +34,22 @@ import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 
-from .. import log
-from .._net import free_port
-from ..client import QueueClient
-from ..config import Config, load, parse
-from ..redis_server import EmbeddedRedis
-from ..registry import Registry
+from routerd import log
+from routerd._net import free_port
+from routerd.client import QueueClient
+from routerd.config import Config, load, parse
+from routerd.redis_server import EmbeddedRedis
+from routerd.registry import Registry
 
 if TYPE_CHECKING:
-    from ..assembly import Routerd
+    from routerd.assembly import Routerd
 
 
 @contextlib.asynccontextmanager
 async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> AsyncIterator[Routerd]:
     """routerd with the queue consumer on ``url`` (static fleets: scraped, health-checked, routed), its
     loops running but the consumer's: the caller runs ``routerd.queue.run()`` when it is ready."""
-    from ..assembly import running  # the data plane pulls in aiohttp's server side; only here
+    from routerd.assembly import running  # the data plane pulls in aiohttp's server side; only here
 
     redis = msgspec.structs.replace(cfg.redis, enabled=True, url=url, consumer=consumer or cfg.redis.consumer)
     async with running(msgspec.structs.replace(cfg, redis=redis), Registry(), consume=False) as routerd:

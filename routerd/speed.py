@@ -32,8 +32,9 @@ did), and idle time carries no information: it neither pulls a figure toward zer
 Restarts: a cumulative series going down means the engine restarted behind the same URL (a static
 fleet): the learner re-baselines and keeps what it learned (most likely the same hardware and model),
 but the next capacity plateau replaces the learned capacity instead of only raising it (the engine may
-have come back with other flags). An instance routerd restarts gets a new registry ``Instance`` (a new
-generation), hence a fresh :class:`Learned`.
+have come back with other flags). :attr:`Learned.resets` counts them, and is the one place such a
+restart is detected: the router reads it to forget its model of the engine's prefix cache. An instance
+routerd restarts gets a new registry ``Instance`` (a new generation), hence a fresh :class:`Learned`.
 
 Pure: no I/O, no clock of its own — time is the snapshots' ``scraped_at``, so tests feed synthetic
 snapshots and control time completely.
@@ -43,10 +44,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..registry import LoadSnapshot
+from .snapshot import LoadSnapshot
 
 TIME_CONSTANT_S = 30.0  # τ of every learned figure, in busy seconds
 PLATEAU_SCRAPES = 3  # running count unchanged this many scrapes in a row while requests wait
@@ -199,10 +199,6 @@ class Learned:
     @property
     def prefix_hit_ratio(self) -> float | None:
         return self._prefix.value
-
-    def prefill_rate(self) -> float:
-        """:attr:`prefill_tokens_per_s`, or the prior before the instance has shown it."""
-        return self.prefill_tokens_per_s or PRIOR_PREFILL_TOKENS_PER_S
 
     def wait_s(self, queue: float, unstarted: float, slots: int, snap: LoadSnapshot | None = None) -> float:
         """Seconds a new request would wait before its own prefill starts.

@@ -1,6 +1,6 @@
 """The node-loss round of ``routerd bench failover``: a Ray node holding an engine dies under load.
 
-A multi-node Ray cluster on this machine (routerd/bench/ray_nodes.py: a head without GPUs, two worker
+A multi-node Ray cluster on this machine (routerd_bench/ray_nodes.py: a head without GPUs, two worker
 nodes with 2 declared GPUs each), a fleet of 2 one-GPU simulated engines with ``placement = "spread"``
 (one per worker node), HTTP clients (half of them streaming) and a producer on the Redis queue. Each
 round SIGKILLs the raylet of the node holding one replica and measures: the time until that instance
@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from .failover import Load
 from .in_process import Running, running_routerd
+from .load import Load
 from .ray_nodes import LocalRayCluster
 
 

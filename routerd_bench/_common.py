@@ -1,7 +1,7 @@
 """Shared pieces of the data-plane benchmarks: processes, one timed request, statistics, tables.
 
 Engines and routerd each run in their own process (``routerd sim-engine …`` and
-``python -m routerd.bench._common plane …``), so routerd's event loop competes with nothing of the
+``python -m routerd_bench._common plane …``), so routerd's event loop competes with nothing of the
 benchmark's own: the load generator's client work is not counted as routerd's latency, and routerd's
 CPU time can be read from ``/proc`` to express its capacity per core.
 """
@@ -27,8 +27,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from .._net import free_port
-from ..config import Config
+from routerd._net import free_port
+from routerd._table import print_table as print_table  # the benchmarks print with the runtime's table
+from routerd.config import Config
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -46,22 +47,6 @@ def summary(xs: Sequence[float], scale: float = 1000.0) -> dict[str, float]:
     return {"n": len(xs), "mean": round(sum(xs) / len(xs) * scale, 3),
             "p50": round(quantile(xs, 0.5) * scale, 3), "p90": round(quantile(xs, 0.9) * scale, 3),
             "p99": round(quantile(xs, 0.99) * scale, 3), "max": round(max(xs) * scale, 3)}
-
-
-def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    print(f"\n{title}")
-    for n, row in enumerate(cells):
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.2f}"
-    return str(v)
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:
@@ -150,7 +135,7 @@ class Processes:
         cfg = {**cfg, "http": {**cfg.get("http", {}), "host": "127.0.0.1", "port": port}}
         path = Path(self.tmp.name) / f"plane-{port}.json"
         path.write_text(json.dumps({"config": cfg, "capacities": capacities or {}}))
-        proc = self._spawn([sys.executable, "-m", "routerd.bench._common", "plane", str(path),
+        proc = self._spawn([sys.executable, "-m", "routerd_bench._common", "plane", str(path),
                             "--log-level", log_level])
         return f"http://127.0.0.1:{port}", proc
 
@@ -263,8 +248,8 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
 
 # the data-plane process ---------------------------------------------------------------------
 async def _serve_plane(spec: dict[str, Any]) -> None:
-    from ..assembly import running
-    from ..registry import Registry
+    from routerd.assembly import running
+    from routerd.registry import Registry
 
     cfg = msgspec.convert(spec["config"], Config)
     registry = Registry()
@@ -281,13 +266,13 @@ async def _serve_plane(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m routerd.bench._common")
+    parser = argparse.ArgumentParser(prog="python -m routerd_bench._common")
     sub = parser.add_subparsers(dest="cmd", required=True)
     plane = sub.add_parser("plane", help="run a data plane from a benchmark's JSON spec")
     plane.add_argument("spec")
     plane.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    from .. import log
+    from routerd import log
 
     log.setup(args.log_level, json=True)
     import uvloop

@@ -1,5 +1,10 @@
-"""``routerd bench {overhead,routing,queue,failover,fairness}``:
+"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness}``:
 each prints a table and writes JSON with --json.
+
+A package beside ``routerd``, not inside it: the benchmarks drive routerd from outside (and assemble it
+in-process where they must inspect it), and nothing in the runtime imports them — only the
+``routerd bench`` command, lazily. The tests take their shared harness (loads, assemblies, clusters)
+from here too.
 
 Each benchmark is a module here with ``main(argv: list[str]) -> int``; they are imported on demand so
 one benchmark's dependencies do not slow another's start.
@@ -26,6 +31,6 @@ def main(argv: list[str]) -> int:
         for name, text in BENCHMARKS.items():
             print(f"  {name:<10} {text}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"routerd.bench.{argv[0]}")
+    module = importlib.import_module(f"routerd_bench.{argv[0]}")
     code: int = module.main(argv[1:])
     return code

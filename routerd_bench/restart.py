@@ -205,7 +205,7 @@ async def restart_rounds(address: str, state_dir: str, *, rate_per_s: float, res
     ``address`` (adopted again by each new process), restarted ``restarts`` times under ``rate_per_s``
     with the socket held as ``routerd.socket`` holds it; with ``control`` once more binding its own
     port, for the refusals socket activation avoids."""
-    from .._net import free_port
+    from routerd._net import free_port
 
     out: dict[str, Any] = {}
     runs: list[tuple[str, SocketHolder | None]] = [("socket_activated", SocketHolder())]
