@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,11 +113,6 @@ class Dispatch:
         self._wall = wall
         self.quota_waiting = 0  # requests waiting for their tenant's rate limit (they hold no slot)
 
-    def view(self, req: Request) -> RequestView:
-        """What routing knows of the request: its prompt's blocks, session, priority."""
-        return self._views.build(req.fleet, req.endpoint, req.head, session=req.session,
-                                 priority=req.priority)
-
     async def run(self, req: Request, sink: Callable[[], ResponseSink],
                   line: dict[str, Any]) -> ForwardResult:
         """Charge, admit and forward ``req``; ``sink()`` gives the sink of each run (a preempted one
@@ -125,88 +120,85 @@ class Dispatch:
         long it waited for a slot, and (returned or raised) how it ended.
 
         Raises the :class:`RouterdError` of a refusal (rate limit, admission) or of the engine call;
-        the usage is settled however it ends."""
+        the usage is settled however it ends. One coroutine for the whole sequence: this is every
+        request's path, and each coroutine more costs it."""
         if self._tenancy.directory.configured:
             line["tenant"] = req.tenant.name
-        view = self.view(req)
+        view = self._views.build(req.fleet, req.endpoint, req.head, session=req.session,
+                                 priority=req.priority)
         facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
-        runs = 0
+        forwarded = False  # refusals before the engine call are counted here, the rest by upstream
         try:
             while True:
-                preempt = _Preempt() if req.preemptible and runs < MAX_PREEMPTIONS else None
-                runs += 1
+                forwarded = False
+                preempt = _Preempt() if req.preemptible and req.preempted < MAX_PREEMPTIONS else None
+                if req.waits_for_quota:
+                    charge = await self._wait_for_quota(req, facts)
+                else:
+                    charge = await self._tenancy.charge(req.tenant, req.fleet, facts)  # RateLimited: 429
+                tap = UsageTap(sink(), headers=charge.grant.headers())
+                result: ForwardResult | None = None
+                waited = self._clock()
                 try:
-                    return await self._once(req, view, facts, sink(), preempt, line)
+                    async with self._admission.ticket(req.fleet, priority=req.priority,
+                                                      deadline=_monotonic(req.deadline, self._wall),
+                                                      source=req.source, tenant=req.tenant.name,
+                                                      preempt=preempt):
+                        line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
+                        forwarded = True
+                        result = await self._forward(req, view, facts.body, tap, preempt)
                 except asyncio.CancelledError:
                     if preempt is None or not preempt.absorbed():
                         raise
-                    req.preempted += 1
+                    req.preempted += 1  # taken back for a tenant below its share: it runs again
+                    continue
+                finally:
+                    if preempt is not None and preempt.fired:
+                        self._tenancy.withdraw(charge)  # the run that ends it is what counts
+                    self._tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
+                                         status=tap.status, ok=result is not None and result.ok)
+                line.update(outcome_fields(result))
+                return result
         except RouterdError as e:
             line["status"], line["error"] = e.status, e.message
             if "attempts" in e.data:
                 line["attempts"] = e.data["attempts"]
-            raise
-
-    async def _charge(self, req: Request, facts: RequestFacts) -> Charge:
-        """The tenant charged for the request: refused (:class:`RateLimited`) over its limit, or
-        waiting for its quota until the deadline (:class:`DeadlineExceeded`) if ``waits_for_quota``."""
-        tenant = req.tenant
-        if not req.waits_for_quota:
-            return await self._tenancy.charge(tenant, req.fleet, facts)
-        limited = int(tenant.limited)  # only a tenant with a limit can wait for it
-        self.quota_waiting += limited
-        try:
-            return await self._tenancy.wait_for_quota(tenant, req.fleet, facts, req.deadline)
-        finally:
-            self.quota_waiting -= limited
-
-    async def _once(self, req: Request, view: RequestView, facts: RequestFacts, sink: ResponseSink,
-                    preempt: _Preempt | None, line: dict[str, Any]) -> ForwardResult:
-        """One run: the charge, a slot, the engine call within the deadline; the charge settled (or,
-        preempted, withdrawn: the next run is what counts) however it ends."""
-        forwarded = False
-        try:
-            charge = await self._charge(req, facts)
-        except RouterdError as e:  # refused here: the engine call counts only what it was given
-            self._telemetry.count_request(req.fleet, "", e.status)
-            raise
-        tap = UsageTap(sink, headers=charge.grant.headers())
-        result: ForwardResult | None = None
-        deadline = req.deadline
-        waited = self._clock()
-        try:
-            async with self._admission.ticket(req.fleet, priority=req.priority,
-                                              deadline=_monotonic(deadline, self._wall), source=req.source,
-                                              tenant=req.tenant.name, preempt=preempt):
-                line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # time queued here
-                forwarded = True
-                if preempt is not None:
-                    preempt.arm()
-                try:
-                    if deadline is None:
-                        result = await self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
-                                                            stream=req.stream, request_id=req.id,
-                                                            request=view)
-                    else:
-                        async with asyncio.timeout(deadline - self._wall()):
-                            result = await self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
-                                                                stream=req.stream, request_id=req.id,
-                                                                request=view)
-                finally:
-                    if preempt is not None:
-                        preempt.disarm()
-        except RouterdError as e:
             if not forwarded:
                 self._telemetry.count_request(req.fleet, "", e.status)
             raise
+
+    def _forward(self, req: Request, view: RequestView, body: bytes, tap: UsageTap,
+                 preempt: _Preempt | None) -> Coroutine[Any, Any, ForwardResult]:
+        """The engine call, bounded by the request's deadline and preemptible while it runs (the
+        common case — neither — is the engine call's own coroutine, not one more around it)."""
+        call = self._engine.forward(req.fleet, req.endpoint, body, tap, stream=req.stream,
+                                    request_id=req.id, request=view)
+        if req.deadline is None and preempt is None:
+            return call
+        return self._bounded(call, req.deadline, preempt)
+
+    async def _bounded(self, call: Coroutine[Any, Any, ForwardResult], deadline: float | None,
+                       preempt: _Preempt | None) -> ForwardResult:
+        if preempt is not None:
+            preempt.arm()
+        try:
+            if deadline is None:
+                return await call
+            async with asyncio.timeout(deadline - self._wall()):
+                return await call
         finally:
-            if preempt is not None and preempt.fired:
-                self._tenancy.withdraw(charge)
-            self._tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
-                                 status=tap.status, ok=result is not None and result.ok)
-        assert result is not None  # the engine call returned
-        line.update(outcome_fields(result))
-        return result
+            if preempt is not None:
+                preempt.disarm()
+
+    async def _wait_for_quota(self, req: Request, facts: RequestFacts) -> Charge:
+        """A queue job's charge: over its tenant's limit it waits, until its deadline
+        (:class:`DeadlineExceeded`), counted in :attr:`quota_waiting`."""
+        limited = int(req.tenant.limited)  # only a tenant with a limit can wait for it
+        self.quota_waiting += limited
+        try:
+            return await self._tenancy.wait_for_quota(req.tenant, req.fleet, facts, req.deadline)
+        finally:
+            self.quota_waiting -= limited
 
 
 def outcome_fields(result: ForwardResult) -> dict[str, Any]:

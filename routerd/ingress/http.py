@@ -42,6 +42,7 @@ from ..errors import (
 from ..registry import InstanceState, Registry
 from ..routing import Router
 from ..telemetry import CONTENT_TYPE, Metrics, Telemetry
+from ..tenants import Tenant
 from ..tenants.service import Tenancy
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
@@ -230,7 +231,9 @@ class HttpIngress:
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
         try:
-            req = await self._read(request, endpoint, request_id, fields)
+            tenant = self._caller(request, fields)
+            body = await self._read_body(request)
+            req = self._request(request, endpoint, request_id, tenant, body, fields)
         except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
             self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
@@ -243,9 +246,9 @@ class HttpIngress:
         await sink.response.write_eof()
         return sink.response
 
-    async def _read(self, request: web.Request, endpoint: str, request_id: str,
-                    fields: dict[str, Any]) -> Request:
-        """The HTTP request as the dispatch takes it: its key's tenant, its body, its fleet."""
+    def _caller(self, request: web.Request, fields: dict[str, Any]) -> Tenant:
+        """Whose request this is, before its body is read: not while draining, a valid key, a body
+        that may fit."""
         if self.draining and not self.handover:
             raise ShuttingDown("routerd is shutting down")
         tenant = authenticate(request, self.tenancy.directory)
@@ -253,7 +256,11 @@ class HttpIngress:
             fields["tenant"] = tenant.name
         if (request.content_length or 0) > self.cfg.http.max_body_bytes:
             raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
-        body = await self._read_body(request)
+        return tenant
+
+    def _request(self, request: web.Request, endpoint: str, request_id: str, tenant: Tenant, body: bytes,
+                 fields: dict[str, Any]) -> Request:
+        """The HTTP request as the dispatch takes it: its body checked, its fleet one the tenant may use."""
         head = read_head(endpoint, body)
         model, stream = head.model, bool(head.stream)
         fields["model"], fields["stream"] = quote(model), stream
