@@ -31,7 +31,9 @@ from ...jobs import (
     clip,
     decode_job,
     error_result,
+    is_json,
     json_encode,
+    not_json,
     now_ms,
     salvage,
 )
@@ -191,10 +193,11 @@ class JobRunner:
             await self._dead(running, raw or b"", e.reason, e.job_id, e.reply_to, code=400)
             return None
         self._held.name(running, job.id)
-        problem, code, reply_to = _body_problem(running, job), 400, job.reply_to
+        problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
         fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
-        if problem is None and job.reply_to in (r.stream, r.dead_stream):
-            problem, reply_to = f"reply_to {job.reply_to!r} is one of routerd's own streams", ""
+        owned = self._keys.reserved(job.reply_to)
+        if problem is None and owned is not None:  # a result there would break what routerd keeps in it
+            problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is routerd's own key: {owned}", ""
         if problem is None and fleet is None:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
@@ -400,6 +403,8 @@ class JobRunner:
         is known (sent to ``reply_to`` too unless that is empty)."""
         running.finishing = True
         _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
+        if reply_to and self._keys.reserved(reply_to) is not None:
+            reply_to = ""  # an invalid job's salvaged reply_to is checked here: nothing writes there
         result = None
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
@@ -409,13 +414,16 @@ class JobRunner:
         self._stats["dead"] += 1
 
 
-def _body_problem(running: Running, job: Job) -> str | None:
+def _body_problem(running: Running, job: Job, *, msgpack: bool) -> str | None:
     """What is wrong with the job's OpenAI body — the HTTP ingress's check, on the JSON bytes the
     engine would be sent (kept in ``running.body``) — or None."""
     try:
         running.body = json_encode(job.body)
     except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
         return clip(f"body: cannot be sent as JSON: {e}")
+    changed = not_json(job.body) if msgpack else None  # or carry it changed: bytes as base64 text
+    if changed is not None:
+        return f"{changed} (the engine would not be sent what the job holds)"
     try:
         running.head = read_head(job.endpoint, running.body)  # kept: each delivery's routing reads it
     except BadRequest as e:
