@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from routerd.client import QueueClient
@@ -161,6 +162,93 @@ async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
     assert expired.status == "error"
     assert expired.error is not None
     assert "over its rate limit" in expired.error["message"]
+
+
+def queue_config(redis_url: str, urls: list[str], tenants: list[dict[str, Any]]) -> Config:
+    """:func:`config` with a small read batch (so a limited tenant's room holds 8 jobs), a read-ahead of
+    32 and a short keep-alive period (so set-aside jobs are kept fresh several times during a test)."""
+    cfg = config(redis_url, urls, tenants)
+    raw = msgspec.to_builtins(cfg)
+    raw["redis"].update(read_batch=8, read_ahead_jobs=32, reclaim_idle_ms=1500, reclaim_interval_s=0.3)
+    return parse(raw, environ={})
+
+
+async def test_a_rate_limited_tenants_backlog_does_not_stop_the_queue_for_others(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """400 jobs of a tenant allowed 3 a minute, then 10 of another: the consumer used to stop reading
+    once 8 × slots of the first waited for quota, and the second's jobs got no result for hours. Now
+    the first's wait in a room of ``read_batch`` and the rest are set aside, pending in Redis: the
+    second's are read and served, memory stays bounded, and set-aside jobs still get their deadline's
+    error and their producer's cancel, once, with no delivery counted."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    cfg = queue_config(redis_server.url, [sim.url], [{"name": "slow", "requests_per_minute": 3},
+                                                     {"name": "fast"}])
+    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        slow = await q.submit_many([body] * 200, tenant="slow")
+        expiring = [await q.submit(body, tenant="slow", deadline_ms=2500) for _ in range(3)]
+        cancelled = await q.submit(body, tenant="slow")
+        slow += await q.submit_many([body] * 200, tenant="slow")
+        fast = await q.submit_many([body] * 10, tenant="fast")
+        most_held = 0
+
+        async def watch() -> None:
+            nonlocal most_held
+            while True:
+                most_held = max(most_held, rd.queue.held)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await wait_until(lambda: rd.queue.stats["set_aside"] >= 300)
+            await q.cancel(cancelled)
+            results = await q.wait_many(fast, timeout=20)
+            late = [await q.wait(j, timeout=20) for j in expiring]
+            gone = await q.wait(cancelled, timeout=20)
+            await asyncio.sleep(2 * 1.5)  # two keep-alive periods: nobody reclaims what is set aside
+            pending = await q.redis.xpending_range("routerd:requests", "routerd", min="-", max="+",
+                                                   count=1000)
+        finally:
+            watcher.cancel()
+        held, parked = rd.queue.held, dict(rd.queue._held.parked_by)
+        aside, served = rd.queue._held.set_aside, rd.served("slow")
+        stats = dict(rd.queue.stats)
+    assert [r.status for r in results.values()] == ["ok"] * 10
+    assert served == 3  # the bucket's minute: the rest wait
+    for r in late:
+        assert r.error is not None
+        assert "over its rate limit" in r.error["message"]
+    assert gone.error is not None
+    assert gone.error["code"] == 499
+    assert parked == {"slow": 8}  # its room
+    left = 404 - 3 - 3 - 1  # served, past their deadline, cancelled
+    assert (held, aside) == (8, left - 8)  # the room here; the rest set aside, pending in Redis
+    # what the fleet runs (4) read twice over, or a read batch, + the read-ahead + the room + the 4 jobs
+    # brought back for their result (deadline passed, cancelled): not the backlog
+    assert most_held <= max(2 * 4, 8) + 32 + 8 + 4
+    assert len(pending) == left  # one delivery each: set aside and kept fresh, never claimed again
+    assert {p["times_delivered"] for p in pending} == {1}
+    assert (stats["reclaimed"], stats["redelivered"], stats["dead"]) == (0, 0, 0)
+
+
+async def test_a_reload_lifting_a_limit_reaches_the_jobs_waiting_for_it(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Each waiting job held the ``Tenant`` it was read under: after a reload lifted the limit they
+    still drained at one per 5 s. Waiters and set-aside jobs now see the current config at once."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    tenants: list[dict[str, Any]] = [{"name": "slow", "requests_per_minute": 2}]
+    cfg = queue_config(redis_server.url, [sim.url], tenants)
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 40, tenant="slow")
+        await wait_until(lambda: rd.served("slow") == 2 and rd.queue._held.parked == 8
+                         and rd.queue._held.set_aside == 30)
+        lifted = msgspec.to_builtins(cfg)
+        lifted["tenants"][0]["requests_per_minute"] = 0
+        new = parse(lifted, environ={})
+        rd.dp.apply(new)
+        rd.queue.update_config(new)
+        results = await q.wait_many(jobs, timeout=4)  # well within one 5 s look at the bucket
+    assert [r.status for r in results.values()] == ["ok"] * 40
 
 
 # -- fair share -----------------------------------------------------------------------------------------

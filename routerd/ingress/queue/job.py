@@ -40,7 +40,7 @@ from ...jobs import (
 from ...keys import Keys
 from ...plugins import RequestView
 from ...routing import Decision
-from ...tenants import RequestFacts, Tenant, UsageTap, inspect
+from ...tenants import RequestFacts, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
 from ...upstream import ResponseSink, Upstream
 from ..validate import read_head
@@ -88,6 +88,15 @@ class _Dead(Exception):
     def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
         super().__init__(reason)
         self.reason, self.reply_usable = reason, reply_usable
+
+
+class _SetAside(Exception):
+    """Its tenant is over its rate limit and its room here is full: set the job aside (see
+    :mod:`.held`); it comes back when there is room, when its deadline passes or when cancelled."""
+
+    def __init__(self, tenant: str, deadline: float | None) -> None:
+        super().__init__(tenant)
+        self.tenant, self.deadline = tenant, deadline
 
 
 class _Preempt:
@@ -155,6 +164,10 @@ class JobRunner:
             job, fleet = valid
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
+            except _SetAside as e:  # before release (finally): the entry stays this consumer's
+                self._held.put_aside(running, e.tenant, e.deadline)
+                self._stats["set_aside"] += 1
+                self._store.writer.send("HSET", self._keys.status(job.id), "state", "queued")
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -264,12 +277,10 @@ class JobRunner:
             self._stats["cancelled"] += 1
             return error_result(job.id, "the job was cancelled", "CancelledError", 499)
         self._held.admitted(running)
-        # A tenant removed by a reload while its job waited: the job still runs, as the default's.
-        tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
         view = self._view(job, fleet, running)
         facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
         try:
-            return await self._run(running, job, fleet, tenant, facts, view, deadline, mono_deadline)
+            return await self._run(running, job, fleet, facts, view, deadline, mono_deadline)
         except DeadlineExceeded as e:
             self._stats["expired"] += 1
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
@@ -278,17 +289,24 @@ class JobRunner:
             return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
                                 504, attempts=running.delivery)
 
-    async def _run(self, running: Running, job: Job, fleet: str, tenant: Tenant, facts: RequestFacts,
+    async def _run(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
                    view: RequestView | None, deadline: float | None, mono_deadline: float | None) -> Result:
         """The tenant's quota, a slot, the engine call — again when admission takes the slot back for
         a tenant below its share (a non-streamed job: nobody has seen its output), at most
-        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption."""
-        runs = 0
+        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption.
+
+        Over its limit a job waits, not failing — here while its tenant's room has space (``read_batch``
+        jobs), else set aside (:class:`_SetAside`). The tenant is the current config's (a reload
+        reaches waiting jobs; one removed by a reload: the default's)."""
+        room = self._cfg().redis.read_batch
         while True:
-            with self._held.waiting_for_quota(tenant.limited):  # over its limit it waits, not failing
-                charge = await self._tenancy.wait_for_quota(tenant, fleet, facts, deadline)
-            preempt = _Preempt() if not job.stream and runs < _MAX_PREEMPTIONS else None
-            runs += 1
+            with self._held.waiting_for_quota(running, job.tenant):
+                charge = await self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline, may_wait=(
+                    lambda _: self._held.may_wait(job.tenant, room)))
+            if charge is None:
+                raise _SetAside(job.tenant, deadline)
+            tenant = charge.tenant
+            preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
             try:
                 async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
                                                   deadline=mono_deadline, source="queue",
@@ -300,6 +318,7 @@ class JobRunner:
             except asyncio.CancelledError:
                 if preempt is None or not preempt.absorbed():
                     raise
+                running.preempted += 1
                 self._stats["preempted"] += 1
 
     async def _forward(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
