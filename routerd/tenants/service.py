@@ -64,7 +64,7 @@ class Tenancy:
         keys = Keys.from_config(cfg.redis)
         client = self._client if redis_url else None
         self.directory = Directory(cfg)
-        self._reloaded = asyncio.Event()  # set (and replaced) by each reload: waiters look again
+        self._look_again = asyncio.Event()  # set (and replaced) by look_again(): waiters wake
         self.limiter = RateLimiter(client, keys, clock=clock)
         self.ledger = UsageLedger(client, keys, retention_days=cfg.redis.usage_retention_days,
                                   op_timeout_s=cfg.redis.op_timeout_s, wall=wall)
@@ -79,8 +79,13 @@ class Tenancy:
         for quota look again at once, under the new limits."""
         self.directory = Directory(cfg)
         self.ledger.retention_days = cfg.redis.usage_retention_days
-        self._reloaded.set()
-        self._reloaded = asyncio.Event()
+        self.look_again()
+
+    def look_again(self) -> None:
+        """Queue jobs waiting for quota look at their tenant's bucket (and ``may_wait``) again now:
+        after a reload, or when a drain sets them aside."""
+        self._look_again.set()
+        self._look_again = asyncio.Event()
 
     async def run(self) -> None:
         """Batch rate-limit checks to Redis and write usage there, until cancelled; then close."""
@@ -131,7 +136,7 @@ class Tenancy:
         counts as ``rate_limited``, once — not once per look at the bucket."""
         while True:
             tenant = self.tenant(name) or self.directory.default
-            reloaded = self._reloaded
+            woken = self._look_again
             grant = await self._grant(tenant, facts)
             if grant.allowed:
                 return Charge(tenant, fleet, facts.prompt_tokens, grant)
@@ -144,7 +149,7 @@ class Tenancy:
                 return None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
-                    await reloaded.wait()
+                    await woken.wait()
 
     async def _grant(self, tenant: Tenant, facts: RequestFacts) -> Grant:
         return await self.limiter.acquire(tenant, facts.prompt_tokens) if tenant.limited else UNLIMITED

@@ -113,8 +113,12 @@ class QueueIngress:
             self.tenancy.update_config(cfg)
 
     def stop_intake(self) -> None:
-        """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`)."""
+        """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`),
+        but those waiting for their tenant's quota are set aside at once: they stay pending, their
+        delivery given back, for the next start (or another consumer) to run."""
         self._intake = False
+        self._held.closing = True
+        self.tenancy.look_again()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no job is held here; False if some still are after ``timeout`` seconds."""
@@ -268,19 +272,25 @@ class QueueIngress:
         back = self._held.due(room=r.read_batch, limit=r.read_batch)
         if not back:
             return 0
+        client: Any = self.client()
         try:
             async with _aio.timeout(r.op_timeout_s):
-                pipe = self.client().pipeline(transaction=False)
+                pipe = client.pipeline(transaction=False)
                 for a in back:
-                    pipe.xrange(r.stream, a.entry_id, a.entry_id, count=1)
-                rows = await pipe.execute()
+                    pipe.xpending_range(r.stream, r.group, min=a.entry_id, max=a.entry_id, count=1,
+                                        consumername=self.consumer)
+                ours = [a for a, rows in zip(back, await pipe.execute(), strict=True) if rows]
+                # Claimed (not JUSTID): the delivery given back when it was set aside counts again.
+                claimed = await client.xclaim(r.stream, r.group, self.consumer, 0,
+                                              [a.entry_id for a in ours]) if ours else []
         except BaseException:
             self._held.restore(back)
             raise
-        for a, found in zip(back, rows, strict=True):
-            if found:
-                self._spawn(a.entry_id, found[0][1], a.delivery, preempted=a.preempted)
-            else:  # deleted from the stream meanwhile: nothing to run (reclaim clears its pending entry)
+        found = {as_str(e): f for e, f in claimed if f is not None}
+        for a in back:
+            if a.entry_id in found:
+                self._spawn(a.entry_id, found[a.entry_id], a.delivery, preempted=a.preempted)
+            else:  # another consumer took it over, or it was deleted: not ours to run
                 self._held.gone(a.entry_id)
         return len(back)
 

@@ -6,13 +6,13 @@ a read never asks for more than the fleets can take (see ``QueueIngress._want``)
 jobs waiting for their tenant's rate limit: they hold no slot and must not stop other tenants' jobs
 from being read, so the read bound leaves them out.
 
-A rate-limited tenant may have more jobs queued than its quota lets run for hours. At most
-``room`` of them wait here per tenant (:meth:`Held.may_wait`); the others are *set aside*: their task
-ends, their entry stays pending in Redis under this consumer (kept fresh by keep-alive like a held one,
-so nobody takes it over, and its delivery count unchanged) and only a small :class:`Aside` record stays
-here — the stream goes on being read for the other tenants. A set-aside job comes back (read again from
-the stream) when its tenant's room has space, when its deadline passes (for its error result), or
-when its producer cancels it.
+A rate-limited tenant may have more jobs queued than its quota lets run for hours. At most ``read_batch``
+of them wait here per tenant (:meth:`Held.quota_room`); the others are *set aside*: their task ends,
+their entry stays pending in Redis under this consumer (kept fresh by keep-alive like a held one, so
+nobody takes it over; its delivery given back, see ``JobStore.set_aside``) and only a small
+:class:`Aside` record stays here — the stream goes on being read for the other tenants. A set-aside job
+comes back (claimed again) when its tenant's room has space, when its deadline passes (for its error
+result), or when its producer cancels it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,7 @@ class Held:
         self.idle = asyncio.Event()
         self.idle.set()
         self.wake = asyncio.Event()  # a tenant's room has space, or a set-aside job is due
+        self.closing = False  # intake stopped: jobs waiting for quota are set aside
 
     def __len__(self) -> int:
         return len(self.by_entry)
@@ -107,25 +108,35 @@ class Held:
             self.unadmitted -= 1
 
     @contextlib.contextmanager
-    def waiting_for_quota(self, running: Running, tenant: str) -> Iterator[None]:
-        """Around a job's wait for its tenant's rate limit."""
-        self.gone(running.entry_id)
-        self.parked += 1
-        self.parked_by[tenant] += 1
-        try:
-            yield
-        finally:
-            self.parked -= 1
-            self.parked_by[tenant] -= 1
-            if self.parked_by[tenant] <= 0:
-                del self.parked_by[tenant]
-            if tenant in self.aside:
-                self.wake.set()  # room for one of its set-aside jobs
+    def quota_room(self, running: Running, tenant: str, size: int) -> Iterator[Callable[[object], bool]]:
+        """Around a job's look at its tenant's rate limit: gives the ``may_wait`` of
+        ``Tenancy.wait_for_quota``, which lets it into its tenant's room (``size`` jobs) if there is
+        space — counted ``parked`` from then on — else says it is to be set aside."""
+        entered = False
 
-    def may_wait(self, tenant: str, room: int) -> bool:
-        """Whether a job of ``tenant`` over its limit waits here (its room of ``room`` has space,
-        itself counted) or is set aside."""
-        return self.parked_by[tenant] <= room
+        def may_wait(_: object) -> bool:
+            nonlocal entered
+            if self.closing:  # a drain: set aside, its delivery given back, rather than held up
+                return False
+            if not entered:
+                if self.parked_by[tenant] >= size:
+                    return False
+                entered = True
+                self.parked += 1
+                self.parked_by[tenant] += 1
+            return True
+
+        try:
+            yield may_wait
+        finally:
+            self.gone(running.entry_id)
+            if entered:
+                self.parked -= 1
+                self.parked_by[tenant] -= 1
+                if self.parked_by[tenant] <= 0:
+                    del self.parked_by[tenant]
+                if tenant in self.aside:
+                    self.wake.set()  # room for one of its set-aside jobs
 
     @property
     def set_aside(self) -> int:

@@ -165,9 +165,9 @@ class JobRunner:
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
             except _SetAside as e:  # before release (finally): the entry stays this consumer's
+                await self._store.set_aside(running.entry_id, job.id, running.delivery)
                 self._held.put_aside(running, e.tenant, e.deadline)
                 self._stats["set_aside"] += 1
-                self._store.writer.send("HSET", self._keys.status(job.id), "state", "queued")
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -300,9 +300,9 @@ class JobRunner:
         reaches waiting jobs; one removed by a reload: the default's)."""
         room = self._cfg().redis.read_batch
         while True:
-            with self._held.waiting_for_quota(running, job.tenant):
-                charge = await self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline, may_wait=(
-                    lambda _: self._held.may_wait(job.tenant, room)))
+            with self._held.quota_room(running, job.tenant, room) as may_wait:
+                charge = await self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline,
+                                                            may_wait=may_wait)
             if charge is None:
                 raise _SetAside(job.tenant, deadline)
             tenant = charge.tenant
