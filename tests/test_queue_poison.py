@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
@@ -174,7 +175,13 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
     names = {attr: name for attr, name in _every_key(keys, "victim").items() if attr != "reply"}
     before = {name: await redis_async.type(name) for name in names.values()}
     q = QueueClient(redis_async)
-    jobs = {attr: await q.submit(BODY, reply_to=name, job_id=f"own-{attr}") for attr, name in names.items()}
+    with pytest.raises(ValueError, match="routerd's own key"):
+        await q.submit(BODY, reply_to=keys.ratelimit("default"))  # the client refuses it; raw XADD:
+    jobs = {}
+    for attr, name in names.items():
+        raw = msgspec.json.encode({"id": f"own-{attr}", "endpoint": "/v1/completions", "body": BODY,
+                                   "reply_to": name})
+        jobs[attr] = (f"own-{attr}", (await redis_async.xadd("routerd:requests", {"job": raw})).decode())
     bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
     await bench.start()
     try:
@@ -185,9 +192,9 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
         await bench.stop()
     assert bench.upstream.calls == {good.id: 1}
     dead = {d["entry"]: d for d in (fields(f) for _, f in await redis_async.xrange("routerd:dead"))}
-    for attr, job in jobs.items():
-        assert "routerd's own key" in dead[job.entry]["reason"], attr
-        stored = await q.result(job.id)
+    for attr, (job_id, entry) in jobs.items():
+        assert "routerd's own key" in dead[entry]["reason"], attr
+        stored = await q.result(job_id)
         assert stored is not None, attr
         assert stored.error is not None
         assert stored.error["code"] == 400
