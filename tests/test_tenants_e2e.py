@@ -278,6 +278,27 @@ async def test_a_reload_lifting_a_limit_reaches_the_jobs_waiting_for_it(
     assert [r.status for r in results.values()] == ["ok"] * 40
 
 
+async def test_a_reload_taking_a_fleet_from_a_tenant_reaches_its_waiting_jobs(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """The fleet check was made once, when the job was read: a job waiting for quota ran on a fleet a
+    reload had taken from its tenant. It is checked again with the quota, under the current config."""
+    m = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    n = await sim_process(model="n", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    raw = msgspec.to_builtins(queue_config(redis_server.url, [m.url],
+                                           [{"name": "slow", "requests_per_minute": 1}]))
+    raw["fleets"].append({"name": "g", "model": "n", "engine": "static", "urls": [n.url], "max_num_seqs": 4})
+    async with routerd(parse(raw, environ={})) as rd, QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 3, tenant="slow")
+        await wait_until(lambda: rd.served("slow") == 1 and rd.queue._held.parked == 2)
+        raw["tenants"][0] |= {"requests_per_minute": 0, "fleets": ["g"]}
+        new = parse(raw, environ={})
+        rd.dp.apply(new)
+        rd.queue.update_config(new)
+        results = await q.wait_many(jobs, timeout=10)
+    codes = sorted(200 if r.status == "ok" else r.error["code"] for r in results.values())  # type: ignore[index]
+    assert codes == [200, 403, 403]
+
+
 # -- fair share -----------------------------------------------------------------------------------------
 async def test_a_queue_flood_does_not_hold_up_an_interactive_tenant(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:

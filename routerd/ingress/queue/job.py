@@ -85,9 +85,9 @@ class _Retry(Exception):
 class _Dead(Exception):
     """This job cannot succeed on any delivery (say its ``reply_to`` is not a stream): dead-letter it."""
 
-    def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
+    def __init__(self, reason: str, *, reply_usable: bool = True, code: int = 400) -> None:
         super().__init__(reason)
-        self.reason, self.reply_usable = reason, reply_usable
+        self.reason, self.reply_usable, self.code = reason, reply_usable, code
 
 
 class _SetAside(Exception):
@@ -246,7 +246,7 @@ class JobRunner:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
                 await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
-                                 code=400)
+                                 code=e.code)
                 return
             else:
                 await self._finish(running, job, result)
@@ -306,6 +306,9 @@ class JobRunner:
             if charge is None:
                 raise _SetAside(job.tenant, deadline)
             tenant = charge.tenant
+            if not tenant.allows(fleet):  # a reload took the fleet from its tenant while it waited
+                self._tenancy.withdraw(charge)
+                raise _Dead(f"tenant {tenant.name!r} may not use fleet {fleet!r}", code=403)
             preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
             try:
                 async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
