@@ -233,6 +233,29 @@ async def test_a_rate_limited_tenants_backlog_does_not_stop_the_queue_for_others
     assert (stats["reclaimed"], stats["redelivered"], stats["dead"]) == (0, 0, 0)
 
 
+async def test_a_tenant_at_its_max_concurrent_does_not_stop_the_queue_for_others(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """The same stall through another door: 200 jobs of a tenant allowed one at a time filled the read
+    bound waiting for its one slot while the fleet's other three stood idle, and the other tenant's
+    jobs behind them were not read until those 200 had run (~20 s here). Beyond a room of
+    ``read_batch`` waiting, its jobs are set aside too."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=10)
+    cfg = queue_config(redis_server.url, [sim.url], [{"name": "one", "max_concurrent": 1}, {"name": "other"}])
+    body = {"model": "m", "prompt": "x", "max_tokens": 10}
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        await q.submit_many([body] * 200, tenant="one")
+        other = await q.submit_many([body] * 10, tenant="other")
+        results = await q.wait_many(other, timeout=8)
+        most_waiting = 0
+        for _ in range(50):  # a moment's samples: as one gets its slot the next comes back
+            most_waiting = max(most_waiting, rd.queue._held.slot_by["one"])
+            await asyncio.sleep(0.01)
+        aside, served = rd.queue._held.set_aside, rd.served("one")
+    assert [r.status for r in results.values()] == ["ok"] * 10
+    assert most_waiting == 8  # its room, never more
+    assert aside >= 200 - served - 8 - 1 - 8  # the rest set aside (but the one running, some on their way)
+
+
 async def test_a_backlog_waiting_for_quota_outlives_restarts_beyond_max_deliveries(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     """A set-aside job — and one waiting in its tenant's room, set aside by the drain — gives its

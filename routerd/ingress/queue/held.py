@@ -71,6 +71,7 @@ class Held:
         self.unadmitted = 0
         self.parked = 0
         self.parked_by: Counter[str] = Counter()  # tenant → its jobs waiting here for quota
+        self.slot_by: Counter[str] = Counter()  # tenant → its jobs waiting for an admission slot
         self.aside: dict[str, dict[str, Aside]] = {}  # tenant → entry id → set aside, oldest first
         self.aside_entries: dict[str, Aside] = {}
         self.aside_jobs: dict[str, Aside] = {}  # job id → set aside (a producer's cancel finds it)
@@ -138,6 +139,29 @@ class Held:
                 if tenant in self.aside:
                     self.wake.set()  # room for one of its set-aside jobs
 
+    @contextlib.contextmanager
+    def slot_room(self, tenant: str) -> Iterator[Callable[[], None]]:
+        """Around a job's wait for an admission slot: counted in its tenant's ``slot_by`` until the
+        ``granted`` it gives is called (or it ends). A tenant at its ``max_concurrent`` with a room's
+        worth of jobs waiting has the next set aside (``QueueIngress``'s reads go on)."""
+        self.slot_by[tenant] += 1
+        waiting = True
+
+        def granted() -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self.slot_by[tenant] -= 1
+                if self.slot_by[tenant] <= 0:
+                    del self.slot_by[tenant]
+                if tenant in self.aside:
+                    self.wake.set()  # room for one of its set-aside jobs
+
+        try:
+            yield granted
+        finally:
+            granted()
+
     @property
     def set_aside(self) -> int:
         return len(self.aside_entries)
@@ -176,7 +200,7 @@ class Held:
                 if a.deadline > now or not take(a):  # not due, or due and left for the next call
                     self._next_deadline = min(self._next_deadline, a.deadline)
         for tenant, entries in self.aside.items():
-            space = room - self.parked_by[tenant] - self._returning_by[tenant]
+            space = room - self.parked_by[tenant] - self.slot_by[tenant] - self._returning_by[tenant]
             for a in itertools.islice(entries.values(), max(0, space)):
                 take(a)
         for a in picked.values():

@@ -309,20 +309,32 @@ class JobRunner:
             if not tenant.allows(fleet):  # a reload took the fleet from its tenant while it waited
                 self._tenancy.withdraw(charge)
                 raise _Dead(f"tenant {tenant.name!r} may not use fleet {fleet!r}", code=403)
+            if self._admission.capped(tenant.name) and self._held.slot_by[job.tenant] >= room:
+                self._tenancy.withdraw(charge)  # at its max_concurrent, a room's worth waiting already
+                raise _SetAside(job.tenant, deadline)
             preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
             try:
-                async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
-                                                  deadline=mono_deadline, source="queue",
-                                                  tenant=tenant.name, preempt=preempt):
-                    if deadline is None:
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
-                    async with asyncio.timeout(deadline - time.time()):
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
+                with self._held.slot_room(job.tenant) as granted:
+                    async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
+                                                      deadline=mono_deadline, source="queue",
+                                                      tenant=tenant.name, preempt=preempt):
+                        granted()
+                        return await self._forward_by(running, job, fleet, facts, view, charge, preempt,
+                                                      deadline)
             except asyncio.CancelledError:
                 if preempt is None or not preempt.absorbed():
                     raise
                 running.preempted += 1
                 self._stats["preempted"] += 1
+
+    async def _forward_by(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
+                          view: RequestView | None, charge: Charge, preempt: _Preempt | None,
+                          deadline: float | None) -> Result:
+        """:meth:`_forward`, ended at the job's deadline."""
+        if deadline is None:
+            return await self._forward(running, job, fleet, facts, view, charge, preempt)
+        async with asyncio.timeout(deadline - time.time()):
+            return await self._forward(running, job, fleet, facts, view, charge, preempt)
 
     async def _forward(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
                        view: RequestView | None, charge: Charge, preempt: _Preempt | None = None) -> Result:
