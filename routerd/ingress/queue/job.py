@@ -91,8 +91,9 @@ class _Dead(Exception):
 
 
 class _SetAside(Exception):
-    """Its tenant is over its rate limit and its room here is full: set the job aside (see
-    :mod:`.held`); it comes back when there is room, when its deadline passes or when cancelled."""
+    """Its tenant is over its rate limit (or at its ``max_concurrent``) and its room here is full, or a
+    drain began: set the job aside (see :mod:`.held`); it comes back when there is room, when its
+    deadline passes or when cancelled."""
 
     def __init__(self, tenant: str, deadline: float | None) -> None:
         super().__init__(tenant)
