@@ -31,14 +31,16 @@ from ...jobs import (
     clip,
     decode_job,
     error_result,
+    is_json,
     json_encode,
+    not_json,
     now_ms,
     salvage,
 )
 from ...keys import Keys
 from ...plugins import RequestView
 from ...routing import Decision
-from ...tenants import RequestFacts, Tenant, UsageTap, inspect
+from ...tenants import RequestFacts, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
 from ...upstream import ResponseSink, Upstream
 from ..validate import read_head
@@ -83,9 +85,19 @@ class _Retry(Exception):
 class _Dead(Exception):
     """This job cannot succeed on any delivery (say its ``reply_to`` is not a stream): dead-letter it."""
 
-    def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
+    def __init__(self, reason: str, *, reply_usable: bool = True, code: int = 400) -> None:
         super().__init__(reason)
-        self.reason, self.reply_usable = reason, reply_usable
+        self.reason, self.reply_usable, self.code = reason, reply_usable, code
+
+
+class _SetAside(Exception):
+    """Its tenant is over its rate limit (or at its ``max_concurrent``) and its room here is full, or a
+    drain began: set the job aside (see :mod:`.held`); it comes back when there is room, when its
+    deadline passes or when cancelled."""
+
+    def __init__(self, tenant: str, deadline: float | None) -> None:
+        super().__init__(tenant)
+        self.tenant, self.deadline = tenant, deadline
 
 
 class _Preempt:
@@ -153,6 +165,10 @@ class JobRunner:
             job, fleet = valid
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
+            except _SetAside as e:  # before release (finally): the entry stays this consumer's
+                await self._store.set_aside(running.entry_id, job.id, running.delivery)
+                self._held.put_aside(running, e.tenant, e.deadline)
+                self._stats["set_aside"] += 1
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -191,10 +207,11 @@ class JobRunner:
             await self._dead(running, raw or b"", e.reason, e.job_id, e.reply_to, code=400)
             return None
         self._held.name(running, job.id)
-        problem, code, reply_to = _body_problem(running, job), 400, job.reply_to
+        problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
         fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
-        if problem is None and job.reply_to in (r.stream, r.dead_stream):
-            problem, reply_to = f"reply_to {job.reply_to!r} is one of routerd's own streams", ""
+        owned = self._keys.reserved(job.reply_to)
+        if problem is None and owned is not None:  # a result there would break what routerd keeps in it
+            problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is routerd's own key: {owned}", ""
         if problem is None and fleet is None:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
@@ -230,7 +247,7 @@ class JobRunner:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
                 await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
-                                 code=400)
+                                 code=e.code)
                 return
             else:
                 await self._finish(running, job, result)
@@ -261,12 +278,10 @@ class JobRunner:
             self._stats["cancelled"] += 1
             return error_result(job.id, "the job was cancelled", "CancelledError", 499)
         self._held.admitted(running)
-        # A tenant removed by a reload while its job waited: the job still runs, as the default's.
-        tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
         view = self._view(job, fleet, running)
         facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
         try:
-            return await self._run(running, job, fleet, tenant, facts, view, deadline, mono_deadline)
+            return await self._run(running, job, fleet, facts, view, deadline, mono_deadline)
         except DeadlineExceeded as e:
             self._stats["expired"] += 1
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
@@ -275,29 +290,52 @@ class JobRunner:
             return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
                                 504, attempts=running.delivery)
 
-    async def _run(self, running: Running, job: Job, fleet: str, tenant: Tenant, facts: RequestFacts,
+    async def _run(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
                    view: RequestView | None, deadline: float | None, mono_deadline: float | None) -> Result:
         """The tenant's quota, a slot, the engine call — again when admission takes the slot back for
         a tenant below its share (a non-streamed job: nobody has seen its output), at most
-        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption."""
-        runs = 0
+        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption.
+
+        Over its limit a job waits, not failing — here while its tenant's room has space (``read_batch``
+        jobs), else set aside (:class:`_SetAside`). The tenant is the current config's (a reload
+        reaches waiting jobs; one removed by a reload: the default's)."""
+        room = self._cfg().redis.read_batch
         while True:
-            with self._held.waiting_for_quota(tenant.limited):  # over its limit it waits, not failing
-                charge = await self._tenancy.wait_for_quota(tenant, fleet, facts, deadline)
-            preempt = _Preempt() if not job.stream and runs < _MAX_PREEMPTIONS else None
-            runs += 1
+            with self._held.quota_room(running, job.tenant, room) as may_wait:
+                charge = await self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline,
+                                                            may_wait=may_wait)
+            if charge is None:
+                raise _SetAside(job.tenant, deadline)
+            tenant = charge.tenant
+            if not tenant.allows(fleet):  # a reload took the fleet from its tenant while it waited
+                self._tenancy.withdraw(charge)
+                raise _Dead(f"tenant {tenant.name!r} may not use fleet {fleet!r}", code=403)
+            if self._admission.capped(tenant.name) and self._held.slot_by[job.tenant] >= room:
+                self._tenancy.withdraw(charge)  # at its max_concurrent, a room's worth waiting already
+                raise _SetAside(job.tenant, deadline)
+            preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
             try:
-                async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
-                                                  deadline=mono_deadline, source="queue",
-                                                  tenant=tenant.name, preempt=preempt):
-                    if deadline is None:
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
-                    async with asyncio.timeout(deadline - time.time()):
-                        return await self._forward(running, job, fleet, facts, view, charge, preempt)
+                with self._held.slot_room(job.tenant) as granted:
+                    async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
+                                                      deadline=mono_deadline, source="queue",
+                                                      tenant=tenant.name, preempt=preempt):
+                        granted()
+                        return await self._forward_by(running, job, fleet, facts, view, charge, preempt,
+                                                      deadline)
             except asyncio.CancelledError:
                 if preempt is None or not preempt.absorbed():
                     raise
+                running.preempted += 1
                 self._stats["preempted"] += 1
+
+    async def _forward_by(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
+                          view: RequestView | None, charge: Charge, preempt: _Preempt | None,
+                          deadline: float | None) -> Result:
+        """:meth:`_forward`, ended at the job's deadline."""
+        if deadline is None:
+            return await self._forward(running, job, fleet, facts, view, charge, preempt)
+        async with asyncio.timeout(deadline - time.time()):
+            return await self._forward(running, job, fleet, facts, view, charge, preempt)
 
     async def _forward(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
                        view: RequestView | None, charge: Charge, preempt: _Preempt | None = None) -> Result:
@@ -400,6 +438,8 @@ class JobRunner:
         is known (sent to ``reply_to`` too unless that is empty)."""
         running.finishing = True
         _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
+        if reply_to and self._keys.reserved(reply_to) is not None:
+            reply_to = ""  # an invalid job's salvaged reply_to is checked here: nothing writes there
         result = None
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
@@ -409,13 +449,16 @@ class JobRunner:
         self._stats["dead"] += 1
 
 
-def _body_problem(running: Running, job: Job) -> str | None:
+def _body_problem(running: Running, job: Job, *, msgpack: bool) -> str | None:
     """What is wrong with the job's OpenAI body — the HTTP ingress's check, on the JSON bytes the
     engine would be sent (kept in ``running.body``) — or None."""
     try:
         running.body = json_encode(job.body)
     except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
         return clip(f"body: cannot be sent as JSON: {e}")
+    changed = not_json(job.body) if msgpack else None  # or carry it changed: bytes as base64 text
+    if changed is not None:
+        return f"{changed} (the engine would not be sent what the job holds)"
     try:
         running.head = read_head(job.endpoint, running.body)  # kept: each delivery's routing reads it
     except BadRequest as e:
