@@ -87,6 +87,9 @@ class QueueClient:
              tenant: str | None = None, session: str | None = None) -> tuple[str, str, dict[str, Any]]:
         job_id = job_id or uuid.uuid4().hex
         reply_to = reply_to or self.keys.reply(job_id)
+        owned = self.keys.reserved(reply_to)
+        if owned is not None:  # routerd would dead-letter it: say so before it is sent
+            raise ValueError(f"reply_to {reply_to!r} is routerd's own key: {owned}")
         if endpoint is None:
             endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         job = {"id": job_id, "endpoint": endpoint, "body": dict(body), "reply_to": reply_to,

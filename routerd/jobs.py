@@ -10,6 +10,7 @@ never starts with that byte), so producers need no flag.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -141,8 +142,9 @@ def decode_job(raw: bytes) -> Job:
     except msgspec.ValidationError as e:
         job_id, reply_to = salvage(raw)
         raise InvalidJob(clip(f"invalid job: {e}"), job_id, reply_to) from None
-    except msgspec.DecodeError as e:
-        raise InvalidJob(clip(f"not valid {kind}: {e}")) from None
+    except msgspec.DecodeError as e:  # a syntax error (``NaN``, say) may come after a readable id
+        job_id, reply_to = salvage(raw)
+        raise InvalidJob(clip(f"not valid {kind}: {e}"), job_id, reply_to) from None
     except UnicodeDecodeError as e:
         job_id, reply_to = salvage(raw)
         raise InvalidJob(f"not valid {kind}: a string holds bytes that are not UTF-8 ({e.reason})",
@@ -154,6 +156,32 @@ def decode_job(raw: bytes) -> Job:
         job_id, reply_to = salvage(raw)
         raise InvalidJob(clip(f"not valid {kind}: {type(e).__name__}: {e}"), job_id, reply_to) from None
     return job
+
+
+def not_json(body: dict[str, Any]) -> str | None:
+    """Where a decoded msgpack body holds a value JSON would carry as something else — ``bytes`` (JSON
+    would send it base64-encoded, as a string the engine then reads as the prompt), a timestamp (an
+    RFC 3339 string), a float that is not finite (``null``), a map key that is not a string — as
+    ``body.messages[0].content: bytes``; None when the body goes to the engine as it was sent.
+    Iterative: the decoder's own depth bound is the only one."""
+    todo: list[tuple[str, Any]] = [("body", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    return f"{path}: a key of type {type(k).__name__} ({clip(repr(k), 50)})"
+                todo.append((f"{path}.{k}", v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return f"{clip(path, 200)}: {value!r} is not a JSON number"
+        elif isinstance(value, bytes | bytearray | memoryview):
+            return f"{clip(path, 200)}: msgpack bin (bytes) where text must be a msgpack str"
+        elif value is not None and not isinstance(value, str | int):
+            return f"{clip(path, 200)}: a {type(value).__name__} is not a JSON value"
+    return None
 
 
 class _Ids(msgspec.Struct):

@@ -4,6 +4,12 @@ The request stream, consumer group and dead-letter stream come from ``[redis]`` 
 per-job key is derived from a namespace — the request stream's name up to its last ``:`` (``routerd``
 for ``routerd:requests``) — so two routerd deployments with different stream names can share one
 Redis without seeing each other's jobs. The client computes the same names from the same stream name.
+
+Every name derived here is ``<ns>:<family>:<suffix>`` (built by ``Keys._key``), so one prefix rule,
+:meth:`Keys.reserved`, covers every key routerd owns — a key added later included: a producer's
+``reply_to`` must not name one (a stream created over the rate-limit buckets or a day's usage would break
+them for every routerd). The one family a producer's client owns is ``reply:<id>``, its default reply
+stream.
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from .config import RedisConfig
 def namespace_of(stream: str) -> str:
     """``routerd:requests`` → ``routerd``; a stream name without ``:`` is its own namespace."""
     return stream.rsplit(":", 1)[0] if ":" in stream else stream
+
+
+# Families under the namespace that belong to the producers' client, not to routerd.
+CLIENT_FAMILIES = ("reply",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,37 +44,55 @@ class Keys:
     def ns(self) -> str:
         return namespace_of(self.stream)
 
+    def _key(self, family: str, suffix: str) -> str:
+        return f"{self.ns}:{family}:{suffix}"
+
+    def reserved(self, name: str) -> str | None:
+        """Why ``name`` is a key routerd owns (so no producer may name it, as ``reply_to`` say), or
+        None: the request and dead-letter streams, and everything under the namespace but the client's
+        own families."""
+        if name == self.stream:
+            return "the request stream"
+        if name == self.dead:
+            return "the dead-letter stream"
+        if name != self.ns and not name.startswith(f"{self.ns}:"):
+            return None
+        family = name[len(self.ns) + 1:].split(":", 1)[0]
+        if family in CLIENT_FAMILIES and name.startswith(self._key(family, "")):
+            return None
+        return f"a key under routerd's namespace {self.ns!r}" + (f" ({family}:…)" if family else "")
+
     def done(self, job_id: str) -> str:
         """The idempotency record: exists once the job's one result is stored; holds that result."""
-        return f"{self.ns}:done:{job_id}"
+        return self._key("done", job_id)
 
     def status(self, job_id: str) -> str:
         """Hash: state (queued | running | done), consumer, instance, entry, updated_ms."""
-        return f"{self.ns}:job:{job_id}"
+        return self._key("job", job_id)
 
     def cancel(self, job_id: str) -> str:
         """Set by a producer to cancel a job; checked before dispatch (the channel covers the run)."""
-        return f"{self.ns}:cancel:{job_id}"
+        return self._key("cancel", job_id)
 
     def history(self, job_id: str) -> str:
         """List of failed attempts (JSON), copied into the dead-letter entry if the job ends there."""
-        return f"{self.ns}:history:{job_id}"
+        return self._key("history", job_id)
 
     def chunks(self, job_id: str) -> str:
         """The last (run, seq) of a streamed job's chunks written, so none is written twice."""
-        return f"{self.ns}:chunks:{job_id}"
+        return self._key("chunks", job_id)
 
     def reply(self, job_id: str) -> str:
         """The client's default reply stream for one job."""
-        return f"{self.ns}:reply:{job_id}"
+        return self._key("reply", job_id)
 
     def ratelimit(self, tenant: str) -> str:
         """Hash: a tenant's request and token buckets (routerd/tenants/ratelimit.py)."""
-        return f"{self.ns}:ratelimit:{tenant}"
+        return self._key("ratelimit", tenant)
 
     def usage(self, day: str) -> str:
         """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
-        return f"{self.ns}:usage:{day}"
+        return self._key("usage", day)
 
     @property
     def cancel_channel(self) -> str:

@@ -11,9 +11,11 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
+from routerd.keys import Keys
 from tests.fixtures.redis_server import (
     FakeForwardResult,
     FakeUpstream,
@@ -69,7 +71,27 @@ POISON: list[tuple[str, bytes, str | None, str | None, str]] = [
         "body": {**BODY, "x": msgspec.msgpack.Ext(1, b"ab")}}), "p9", "r9", "cannot be sent as JSON"),
     ("reply_to is the request stream", msgspec.json.encode({
         "id": "p10", "endpoint": "/v1/completions", "body": BODY, "reply_to": "routerd:requests"}),
-     "p10", None, "routerd's own streams"),
+     "p10", None, "routerd's own key: the request stream"),
+    # Python's json.dumps writes NaN; the id and reply_to before it are readable, so it gets its result
+    ("json NaN after the id", b'{"id":"p11","reply_to":"r11","endpoint":"/v1/completions",'
+     b'"body":{"model":"m","prompt":"hi","temperature":NaN}}', "p11", "r11", "not valid JSON"),
+    # msgpack bin used to reach the engine base64-encoded, as the prompt, and come back "ok"
+    ("msgpack bytes prompt", msgspec.msgpack.encode({
+        "id": "p12", "endpoint": "/v1/completions", "reply_to": "r12",
+        "body": {"model": "m", "prompt": b"hello"}}), "p12", "r12", "body.prompt: msgpack bin (bytes)"),
+    ("msgpack bytes content", msgspec.msgpack.encode({
+        "id": "p13", "endpoint": "/v1/chat/completions", "reply_to": "r13",
+        "body": {"model": "m", "messages": [{"role": "user", "content": b"hi"}]}}), "p13", "r13",
+     "body.messages[0].content: msgpack bin (bytes)"),
+    ("msgpack NaN", msgspec.msgpack.encode({
+        "id": "p14", "endpoint": "/v1/completions", "reply_to": "r14",
+        "body": {**BODY, "temperature": float("nan")}}), "p14", "r14", "body.temperature: nan"),
+    ("msgpack int key", msgspec.msgpack.encode({
+        "id": "p15", "endpoint": "/v1/completions", "reply_to": "r15",
+        "body": {**BODY, "logit_bias": {50256: -100}}}), "p15", "r15", "body.logit_bias: a key of type int"),
+    ("invalid job, reply_to routerd's", msgspec.json.encode({
+        "id": "p16", "endpoint": "/v1/completions", "body": "hi", "reply_to": "routerd:usage:2099-01-01"}),
+     "p16", None, "Expected `object`"),
 ]
 
 
@@ -111,6 +133,76 @@ async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(
     assert set(bench.upstream.calls) == {j.id for j in good}  # no poison reached an engine
     assert await redis_async.xlen("routerd:requests") == 0  # nothing left to redeliver
     assert bench.ingress.stats["dead"] == len(entries)
+
+
+def _every_key(keys: Keys, job_id: str = "x1") -> dict[str, str]:
+    """Every name :class:`Keys` gives, found by looking at the class: a key family added later is
+    covered without touching this test."""
+    names = {}
+    for attr in dir(Keys):
+        if attr.startswith("_") or attr in ("from_config", "reserved", "group"):  # group: not a key
+            continue
+        value = getattr(keys, attr)
+        value = value(job_id) if callable(value) else value
+        assert isinstance(value, str), attr
+        names[attr] = value
+    assert {"done", "status", "ratelimit", "usage", "dead", "stream"} <= set(names)
+    return names
+
+
+def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() -> None:
+    for keys in (Keys(), Keys(stream="acme:jobs:in", dead="acme-dead"), Keys(stream="solo", dead="x")):
+        for attr, name in _every_key(keys).items():
+            why = keys.reserved(name)
+            if attr == "reply":
+                assert why is None, name
+            else:
+                assert why is not None, (attr, name)
+        assert keys.reserved(keys.usage("2026-01-01") + ":more") is not None
+        assert keys.reserved(keys.ns + "x:done:1") is None  # another namespace
+    assert Keys().reserved("elsewhere") is None
+    assert Keys().reserved("routerd") is not None  # the namespace itself
+
+
+async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    """``reply_to: routerd:ratelimit:<tenant>`` turned the bucket into a stream (every rate-limit call
+    then failed WRONGTYPE, for every routerd). Every key family is refused; each job is dead-lettered
+    with the reason and its error result is stored, and nothing is written to the key it named."""
+    keys = Keys()
+    await redis_async.hset(keys.ratelimit("default"), mapping={"r": "5", "t": "0", "ts": "1"})
+    await redis_async.hset(keys.usage("2026-01-01"), "default|f|requests", "3")
+    names = {attr: name for attr, name in _every_key(keys, "victim").items() if attr != "reply"}
+    before = {name: await redis_async.type(name) for name in names.values()}
+    q = QueueClient(redis_async)
+    with pytest.raises(ValueError, match="routerd's own key"):
+        await q.submit(BODY, reply_to=keys.ratelimit("default"))  # the client refuses it; raw XADD:
+    jobs = {}
+    for attr, name in names.items():
+        raw = msgspec.json.encode({"id": f"own-{attr}", "endpoint": "/v1/completions", "body": BODY,
+                                   "reply_to": name})
+        jobs[attr] = (f"own-{attr}", (await redis_async.xadd("routerd:requests", {"job": raw})).decode())
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    await bench.start()
+    try:
+        good = await q.submit(BODY)
+        assert (await q.wait(good, timeout=10)).status == "ok"
+        await until(lambda: _xlen(redis_async, "routerd:dead", len(jobs)))
+    finally:
+        await bench.stop()
+    assert bench.upstream.calls == {good.id: 1}
+    dead = {d["entry"]: d for d in (fields(f) for _, f in await redis_async.xrange("routerd:dead"))}
+    for attr, (job_id, entry) in jobs.items():
+        assert "routerd's own key" in dead[entry]["reason"], attr
+        stored = await q.result(job_id)
+        assert stored is not None, attr
+        assert stored.error is not None
+        assert stored.error["code"] == 400
+    for attr, name in names.items():
+        if attr in ("stream", "dead"):
+            continue  # streams, which the queue itself writes
+        assert await redis_async.type(name) == before[name], (attr, name)
+    assert await redis_async.hget(keys.ratelimit("default"), "r") == b"5"
 
 
 async def test_reply_to_that_is_not_a_stream_is_refused_before_the_engine(

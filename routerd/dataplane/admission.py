@@ -353,6 +353,11 @@ class Admission:
                 q.preempted_total += 1
                 return
 
+    def capped(self, tenant: str) -> bool:
+        """Whether ``tenant``'s next request would wait for its ``max_concurrent`` (the queue then sets
+        the job aside rather than hold it, once enough of its jobs wait)."""
+        return self._capped(tenant)
+
     def _capped(self, tenant: str) -> bool:
         """Whether ``tenant`` holds its ``max_concurrent`` slots already (all fleets)."""
         cap = self._share(tenant).max_concurrent

@@ -6,8 +6,10 @@ The HTTP ingress and the queue differ only in how they read a request into a :cl
 where its response goes (a :class:`~routerd.dataplane.sinks.ResponseSink`); everything between is
 :meth:`Dispatch.run`. Where they differ in policy, the request says so, not the caller's code path:
 
-* over its tenant's rate limit, a request that ``waits_for_quota`` (a queue job) waits until its
-  deadline; any other is refused (:class:`RateLimited`, HTTP 429);
+* over its tenant's rate limit, a request with waiting ``rooms`` (a queue job) waits until its
+  deadline — in its tenant's room while that has space, else it is set aside (:class:`SetAside`) —
+  and its tenant is looked up again when it gets its quota (a reload reaches waiting jobs); any
+  other is refused (:class:`RateLimited`, HTTP 429);
 * a ``preemptible`` request (a non-streamed queue job: nobody has seen its output) may have its slot
   taken back by admission for a tenant below its share; it then runs again, at most
   ``MAX_PREEMPTIONS`` times, so it is never starved by preemption;
@@ -22,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ..errors import RouterdError
+from ..errors import PermissionDenied, RouterdError
 from ..openai import ChatHead, CompletionHead
 from ..plugins import RequestView
 from ..routing import RequestViews
@@ -37,7 +40,7 @@ from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
 from .usage import UsageTap
 
-__all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request"]
+__all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request", "Rooms", "SetAside"]
 
 MAX_PREEMPTIONS = 3  # a request's slot is taken back at most this many times, then it runs to its end
 
@@ -57,9 +60,32 @@ class Request:
     priority: int = 0
     deadline: float | None = None  # epoch seconds: the slot and the whole engine call end by then
     session: str | None = None  # routing's session key; None: the body's ``user``
-    waits_for_quota: bool = False  # over the tenant's rate limit: wait (until the deadline), not 429
+    rooms: Rooms | None = None  # where it may wait for its quota and a slot; None: refused over its limit
     preemptible: bool = False
     preempted: int = 0  # runs whose slot admission took back (each ran again), set by the dispatch
+
+
+class Rooms(Protocol):
+    """Where a queue job waits (:class:`routerd.ingress.queue.held.Held`): its tenant's room for jobs
+    over their rate limit, and for jobs waiting for a slot."""
+
+    def quota(self) -> AbstractContextManager[Callable[[Tenant], bool]]:
+        """Around the wait for quota: ``may_wait(tenant)`` says whether it may wait here (else it is
+        set aside)."""
+        ...
+
+    def slot_room_full(self) -> bool:
+        """A room's worth of its tenant's jobs wait for a slot already."""
+        ...
+
+    def slot(self) -> AbstractContextManager[Callable[[], None]]:
+        """Around the wait for a slot: ``granted()`` once the slot is held."""
+        ...
+
+
+class SetAside(Exception):  # not an error: the request waits elsewhere
+    """The request is over its tenant's limit (or at its ``max_concurrent``) and its tenant's room is
+    full, or a drain began: it is to wait elsewhere (a queue job: pending in Redis) and come back."""
 
 
 class _Preempt:
@@ -111,7 +137,6 @@ class Dispatch:
         self._telemetry = telemetry
         self._clock = clock
         self._wall = wall
-        self.quota_waiting = 0  # requests waiting for their tenant's rate limit (they hold no slot)
 
     async def run(self, req: Request, sink: Callable[[], ResponseSink],
                   line: dict[str, Any]) -> ForwardResult:
@@ -132,21 +157,26 @@ class Dispatch:
             while True:
                 forwarded = False
                 preempt = _Preempt() if req.preemptible and req.preempted < MAX_PREEMPTIONS else None
-                if req.waits_for_quota:
-                    charge = await self._wait_for_quota(req, facts)
-                else:
+                rooms = req.rooms
+                if rooms is None:
                     charge = await self._tenancy.charge(req.tenant, req.fleet, facts)  # RateLimited: 429
+                    priority = req.priority
+                else:
+                    charge = await self._wait_for_quota(req, rooms, facts)
+                    priority = req.tenant.priority(req.priority)  # the tenant's ceiling (max_priority)
                 tap = UsageTap(sink(), headers=charge.grant.headers())
                 result: ForwardResult | None = None
                 waited = self._clock()
                 try:
-                    async with self._admission.ticket(req.fleet, priority=req.priority,
-                                                      deadline=_monotonic(req.deadline, self._wall),
-                                                      source=req.source, tenant=req.tenant.name,
-                                                      preempt=preempt):
-                        line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
-                        forwarded = True
-                        result = await self._forward(req, view, facts.body, tap, preempt)
+                    with rooms.slot() if rooms is not None else _NO_ROOM as granted:
+                        async with self._admission.ticket(req.fleet, priority=priority,
+                                                          deadline=_monotonic(req.deadline, self._wall),
+                                                          source=req.source, tenant=req.tenant.name,
+                                                          preempt=preempt):
+                            granted()
+                            line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
+                            forwarded = True
+                            result = await self._forward(req, view, facts.body, tap, preempt)
                 except asyncio.CancelledError:
                     if preempt is None or not preempt.absorbed():
                         raise
@@ -190,15 +220,26 @@ class Dispatch:
             if preempt is not None:
                 preempt.disarm()
 
-    async def _wait_for_quota(self, req: Request, facts: RequestFacts) -> Charge:
-        """A queue job's charge: over its tenant's limit it waits, until its deadline
-        (:class:`DeadlineExceeded`), counted in :attr:`quota_waiting`."""
-        limited = int(req.tenant.limited)  # only a tenant with a limit can wait for it
-        self.quota_waiting += limited
+    async def _wait_for_quota(self, req: Request, rooms: Rooms, facts: RequestFacts) -> Charge:
+        """A queue job's charge: over its tenant's limit it waits in its tenant's room, until its
+        deadline (:class:`DeadlineExceeded`), or is set aside (:class:`SetAside`). Its tenant is the
+        current config's when it gets its quota: one a reload took the fleet from is refused
+        (:class:`PermissionDenied`), one removed by a reload is the default's."""
+        with rooms.quota() as may_wait:
+            charge = await self._tenancy.wait_for_quota(req.tenant.name, req.fleet, facts, req.deadline,
+                                                        may_wait=may_wait)
+        if charge is None:
+            raise SetAside(req.tenant.name)
+        req.tenant = tenant = charge.tenant
         try:
-            return await self._tenancy.wait_for_quota(req.tenant, req.fleet, facts, req.deadline)
-        finally:
-            self.quota_waiting -= limited
+            self._tenancy.check_fleet(tenant, req.fleet)  # a reload took the fleet while it waited
+        except PermissionDenied:
+            self._tenancy.withdraw(charge)
+            raise
+        if self._admission.capped(tenant.name) and rooms.slot_room_full():
+            self._tenancy.withdraw(charge)  # at its max_concurrent, a room's worth waiting already
+            raise SetAside(tenant.name)
+        return charge
 
 
 def outcome_fields(result: ForwardResult) -> dict[str, Any]:
@@ -213,6 +254,13 @@ def outcome_fields(result: ForwardResult) -> dict[str, Any]:
     if result.decision is not None:
         fields.update(result.decision.log_fields())
     return fields
+
+
+def _granted() -> None:
+    pass
+
+
+_NO_ROOM: AbstractContextManager[Callable[[], None]] = nullcontext(_granted)  # an HTTP request's slot wait
 
 
 def _monotonic(deadline: float | None, wall: Callable[[], float]) -> float | None:

@@ -3,7 +3,7 @@
 Both ways in use it the same way around the engine call::
 
     charge = await tenancy.charge(tenant, fleet, facts)       # HTTP: RateLimited (429) when over
-    charge = await tenancy.wait_for_quota(tenant, fleet, facts, deadline)  # queue: waits instead
+    charge = await tenancy.wait_for_quota(name, fleet, facts, deadline)  # queue: waits instead
     ... admission ticket, upstream.forward(..., sink=UsageTap(...)) ...  # routerd/dataplane/dispatch.py
     tenancy.settle(charge, tap.usage(), status=tap.status, ok=...)  # usage counted, tokens corrected
 
@@ -63,6 +63,7 @@ class Tenancy:
         keys = Keys.from_config(cfg.redis)
         client = self._client if redis_url else None
         self.directory = Directory(cfg)
+        self._look_again = asyncio.Event()  # set (and replaced) by look_again(): waiters wake
         self.limiter = RateLimiter(client, keys, clock=clock)
         self.ledger = UsageLedger(client, keys, retention_days=cfg.redis.usage_retention_days,
                                   op_timeout_s=cfg.redis.op_timeout_s, wall=wall)
@@ -73,9 +74,17 @@ class Tenancy:
         return self._redis
 
     def update_config(self, cfg: Config) -> None:
-        """Reload: tenants, keys and limits (buckets in Redis keep their levels)."""
+        """Reload: tenants, keys and limits (buckets in Redis keep their levels); queue jobs waiting
+        for quota look again at once, under the new limits."""
         self.directory = Directory(cfg)
         self.ledger.retention_days = cfg.redis.usage_retention_days
+        self.look_again()
+
+    def look_again(self) -> None:
+        """Queue jobs waiting for quota look at their tenant's bucket (and ``may_wait``) again now:
+        after a reload, or when a drain sets them aside."""
+        self._look_again.set()
+        self._look_again = asyncio.Event()
 
     async def run(self) -> None:
         """Batch rate-limit checks to Redis and write usage there, until cancelled; then close."""
@@ -126,14 +135,20 @@ class Tenancy:
                               retry_after_s=grant.retry_after_s, headers=grant.headers())
         return Charge(tenant, fleet, facts.prompt_tokens, grant)
 
-    async def wait_for_quota(self, tenant: Tenant, fleet: str, facts: RequestFacts,
-                             deadline_epoch_s: float | None) -> Charge:
-        """Charge one request (a queue job), waiting while the tenant is over a limit; raises
-        :class:`DeadlineExceeded` when the quota would come after the job's deadline.
+    async def wait_for_quota(self, name: str, fleet: str, facts: RequestFacts,
+                             deadline_epoch_s: float | None, *,
+                             may_wait: Callable[[Tenant], bool] | None = None) -> Charge | None:
+        """Charge one request (a queue job) of the tenant ``name``, waiting while it is over a limit;
+        raises :class:`DeadlineExceeded` when the quota would come after the job's deadline. None when
+        it is over a limit and ``may_wait`` says it may not wait here (the queue then sets it aside).
 
-        A job that waits is not refused: only one whose deadline comes first counts as ``rate_limited``,
-        once — not once per look at the bucket."""
+        The tenant is looked up by name at every check, and a reload wakes every waiter: a job that
+        waits sees the limits of the current config, not those it was read under (a tenant removed by a
+        reload: the default's). A job that waits is not refused: only one whose deadline comes first
+        counts as ``rate_limited``, once — not once per look at the bucket."""
         while True:
+            tenant = self.tenant(name) or self.directory.default
+            woken = self._look_again
             grant = await self._grant(tenant, facts)
             if grant.allowed:
                 return Charge(tenant, fleet, facts.prompt_tokens, grant)
@@ -142,7 +157,11 @@ class Tenancy:
                 self.ledger.add(tenant.name, fleet, rate_limited=1)
                 raise DeadlineExceeded("the job's deadline passed while its tenant "
                                        f"{tenant.name!r} was over its rate limit")
-            await asyncio.sleep(wait)
+            if may_wait is not None and not may_wait(tenant):
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await woken.wait()
 
     async def _grant(self, tenant: Tenant, facts: RequestFacts) -> Grant:
         return await self.limiter.acquire(tenant, facts.prompt_tokens) if tenant.limited else UNLIMITED

@@ -24,9 +24,12 @@ _log = log.get("routerd.queue")
 
 
 def cancel_local(held: Held, job_id: str) -> bool:
-    """Cancel job ``job_id`` if it is held here (waiting for admission or running)."""
+    """Cancel job ``job_id`` if it is held here (waiting for admission or running) or set aside here
+    (it comes back for its result)."""
     running = held.by_job.get(job_id)
-    if running is None or running.finishing or running.task is None or running.cancel_requested:
+    if running is None:
+        return held.cancel_aside(job_id)
+    if running.finishing or running.task is None or running.cancel_requested:
         return False
     running.cancel_requested = True
     running.task.cancel()

@@ -8,7 +8,10 @@ most what the fleets' admission can take now, so the backlog stays in Redis and 
 not grow with it.
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
-that stores its result (:mod:`.store`). Redis outages pause reading (backoff, reconnect); finished
+that stores its result (:mod:`.store`). A job whose tenant is over its rate limit holds no slot, and
+beyond a room of ``read_batch`` per tenant it is set aside — pending in Redis, a small record here —
+and brought back by :meth:`QueueIngress._aside_loop`, so one limited tenant's backlog never stops the
+reading of the others' work (see :mod:`.held`). Redis outages pause reading (backoff, reconnect); finished
 results wait in the writer and are stored when Redis returns.
 """
 
@@ -41,7 +44,9 @@ from .store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
 _HELD_PER_SLOT = 2
-_PARKED_PER_SLOT = 8  # jobs waiting for their tenant's rate limit, per admission slot
+# Jobs set aside (over their tenant's rate limit, pending in Redis) this consumer keeps a record of,
+# ~0.5 KB each: beyond it, reading stops until some come back.
+_ASIDE_MAX_JOBS = 50_000
 
 
 class QueueIngress:
@@ -52,7 +57,6 @@ class QueueIngress:
                  rng: random.Random | None = None) -> None:
         self._cfg = cfg
         self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
-        self._dispatch = dispatch
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
@@ -69,7 +73,7 @@ class QueueIngress:
         self._next_reclaim = 0.0
         self.paused = False
         self.stats = {"read": 0, "done": 0, "dead": 0, "redelivered": 0, "reclaimed": 0,
-                      "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0}
+                      "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0, "set_aside": 0}
         # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
         self.depth: dict[str, int] = {}
         self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
@@ -104,8 +108,12 @@ class QueueIngress:
         self._cfg = cfg
 
     def stop_intake(self) -> None:
-        """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`)."""
+        """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`),
+        but those waiting for their tenant's quota are set aside at once: they stay pending, their
+        delivery given back, for the next start (or another consumer) to run."""
         self._intake = False
+        self._held.closing = True
+        self.tenancy.look_again()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no job is held here; False if some still are after ``timeout`` seconds."""
@@ -133,7 +141,8 @@ class QueueIngress:
                                              rng=self._rng)
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
                            tg.create_task(cancels, name="queue-cancels"),
-                           tg.create_task(self._depth_loop(), name="queue-depth")]
+                           tg.create_task(self._depth_loop(), name="queue-depth"),
+                           tg.create_task(self._aside_loop(), name="queue-aside")]
                 await self._read_loop()
                 await self._drain_held()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
@@ -227,10 +236,59 @@ class QueueIngress:
         # tenants whose jobs it has read, and a stream is read in order.
         free += ahead
         bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) + ahead if limit else 0
-        parked = self._dispatch.quota_waiting  # waiting for their tenant's rate limit: no slot held
-        if parked >= max(_PARKED_PER_SLOT * limit, self._cfg.redis.read_batch):
+        parked = self._held.parked  # waiting for their tenant's rate limit: they hold no slot
+        if self._held.set_aside >= _ASIDE_MAX_JOBS:
             return 0
         return max(0, min(self._cfg.redis.read_batch, free, bound - (self.held - parked)))
+
+    async def _aside_loop(self) -> None:
+        """Bring set-aside jobs back (read again from the stream, same delivery) when their tenant's
+        room has space, their deadline has passed or their producer cancelled them."""
+        backoff = 0.1
+        while True:
+            wait = min(max(self._held.next_deadline - time.time(), 0.01), 1.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._held.wake.wait()
+            self._held.wake.clear()
+            try:
+                while self._intake and await self._bring_back():
+                    pass
+                backoff = 0.1
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                await asyncio.sleep(backoff * (0.5 + self._rng.random()))  # the read loop reports it
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # noqa: BLE001 — loop boundary: the jobs stay set aside, tried again
+                _log.exception("queue_aside_failed")
+                await asyncio.sleep(1.0)
+
+    async def _bring_back(self) -> int:
+        """One batch of due set-aside jobs spawned again; how many were due."""
+        r = self._cfg.redis
+        back = self._held.due(room=r.read_batch, limit=r.read_batch)
+        if not back:
+            return 0
+        client: Any = self.client()
+        try:
+            async with _aio.timeout(r.op_timeout_s):
+                pipe = client.pipeline(transaction=False)
+                for a in back:
+                    pipe.xpending_range(r.stream, r.group, min=a.entry_id, max=a.entry_id, count=1,
+                                        consumername=self.consumer)
+                ours = [a for a, rows in zip(back, await pipe.execute(), strict=True) if rows]
+                # Claimed (not JUSTID): the delivery given back when it was set aside counts again.
+                claimed = await client.xclaim(r.stream, r.group, self.consumer, 0,
+                                              [a.entry_id for a in ours]) if ours else []
+        except BaseException:
+            self._held.restore(back)
+            raise
+        found = {as_str(e): f for e, f in claimed if f is not None}
+        for a in back:
+            if a.entry_id in found:
+                self._spawn(a.entry_id, found[a.entry_id], a.delivery, preempted=a.preempted)
+            else:  # another consumer took it over, or it was deleted: not ours to run
+                self._held.gone(a.entry_id)
+        return len(back)
 
     async def _read_once(self) -> None:
         r = self._cfg.redis
@@ -268,11 +326,11 @@ class QueueIngress:
                 raise
         self._group_ready = True
 
-    def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int) -> None:
+    def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int, *, preempted: int = 0) -> None:
         """Hold the entry and run it as a job in a task this consumer owns."""
         raw = fields.get(b"job", fields.get("job"))
         raw = raw.encode() if isinstance(raw, str) else raw
-        running = Running(entry_id, delivery=delivery, touched=time.monotonic())
+        running = Running(entry_id, delivery=delivery, touched=time.monotonic(), preempted=preempted)
         self._held.add(running)
         task = asyncio.create_task(self._jobs.run(running, raw), name=f"job-{entry_id}")
         running.task = task

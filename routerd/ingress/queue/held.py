@@ -2,13 +2,28 @@
 
 The consumer adds a job when it reads it, the job's task releases it in ``finally``; reclaim, keep-alive
 and the cancel listener only look. ``unadmitted`` counts jobs read but not yet counted by admission, so
-a read never asks for more than the fleets can take (see ``QueueIngress._want``; the jobs waiting for
-their tenant's rate limit are counted by the dispatch, ``Dispatch.quota_waiting``).
+a read never asks for more than the fleets can take (see ``QueueIngress._want``). ``parked`` counts
+jobs waiting for their tenant's rate limit: they hold no slot and must not stop other tenants' jobs
+from being read, so the read bound leaves them out.
+
+A rate-limited tenant may have more jobs queued than its quota lets run for hours. At most ``read_batch``
+of them wait here per tenant (:meth:`Held.quota_room`); the others are *set aside*: their task ends,
+their entry stays pending in Redis under this consumer (kept fresh by keep-alive like a held one, so
+nobody takes it over; its delivery given back, see ``JobStore.set_aside``) and only a small
+:class:`Aside` record stays here — the stream goes on being read for the other tenants. A set-aside job
+comes back (claimed again) when its tenant's room has space, when its deadline passes (for its error
+result), or when its producer cancels it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +45,21 @@ class Running:
     body: bytes = b""  # the job's body as sent to the engine, encoded once
     # its checked head (validate.read_head), decoded once for every delivery's routing
     head: CompletionHead | ChatHead | None = None
+    preempted: int = 0  # times its slot was taken back (kept while it is set aside)
+
+
+@dataclass(slots=True)
+class Aside:
+    """A job set aside while its tenant is over its rate limit: pending in Redis, not held here."""
+
+    entry_id: str
+    job_id: str
+    tenant: str
+    delivery: int
+    deadline: float | None  # Unix seconds: it comes back then, for its error result
+    preempted: int
+    touched: float  # monotonic time of its last XCLAIM (keep-alive)
+    due: bool = False  # cancelled by its producer: it comes back now
 
 
 class Held:
@@ -39,14 +69,28 @@ class Held:
         self.by_entry: dict[str, Running] = {}
         self.by_job: dict[str, Running] = {}
         self.unadmitted = 0
+        self.parked = 0
+        self.parked_by: Counter[str] = Counter()  # tenant → its jobs waiting here for quota
+        self.slot_by: Counter[str] = Counter()  # tenant → its jobs waiting for an admission slot
+        self.aside: dict[str, dict[str, Aside]] = {}  # tenant → entry id → set aside, oldest first
+        self.aside_entries: dict[str, Aside] = {}
+        self.aside_jobs: dict[str, Aside] = {}  # job id → set aside (a producer's cancel finds it)
+        self._cancelled: dict[str, Aside] = {}
+        self._returning: dict[str, str] = {}  # entry id → tenant: brought back, not yet waiting
+        self._returning_by: Counter[str] = Counter()
+        self._next_deadline = math.inf  # no set-aside job's deadline comes before this
+        self.set_aside_total = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.wake = asyncio.Event()  # a tenant's room has space, or a set-aside job is due
+        self.closing = False  # intake stopped: jobs waiting for quota are set aside
 
     def __len__(self) -> int:
         return len(self.by_entry)
 
     def __contains__(self, entry_id: object) -> bool:
-        return entry_id in self.by_entry
+        """Held or set aside: either way this consumer owns the entry (no reclaim takes it again)."""
+        return entry_id in self.by_entry or entry_id in self.aside_entries
 
     def add(self, running: Running) -> None:
         self.by_entry[running.entry_id] = running
@@ -64,7 +108,155 @@ class Held:
             running.unadmitted = False
             self.unadmitted -= 1
 
+    @contextlib.contextmanager
+    def quota_room(self, running: Running, tenant: str, size: int) -> Iterator[Callable[[object], bool]]:
+        """Around a job's look at its tenant's rate limit: gives the ``may_wait`` of
+        ``Tenancy.wait_for_quota``, which lets it into its tenant's room (``size`` jobs) if there is
+        space — counted ``parked`` from then on — else says it is to be set aside."""
+        entered = False
+
+        def may_wait(_: object) -> bool:
+            nonlocal entered
+            if self.closing:  # a drain: set aside, its delivery given back, rather than held up
+                return False
+            if not entered:
+                if self.parked_by[tenant] >= size:
+                    return False
+                entered = True
+                self.parked += 1
+                self.parked_by[tenant] += 1
+            return True
+
+        try:
+            yield may_wait
+        finally:
+            self.gone(running.entry_id)
+            if entered:
+                self.parked -= 1
+                self.parked_by[tenant] -= 1
+                if self.parked_by[tenant] <= 0:
+                    del self.parked_by[tenant]
+                if tenant in self.aside:
+                    self.wake.set()  # room for one of its set-aside jobs
+
+    @contextlib.contextmanager
+    def slot_room(self, tenant: str) -> Iterator[Callable[[], None]]:
+        """Around a job's wait for an admission slot: counted in its tenant's ``slot_by`` until the
+        ``granted`` it gives is called (or it ends). A tenant at its ``max_concurrent`` with a room's
+        worth of jobs waiting has the next set aside (``QueueIngress``'s reads go on)."""
+        self.slot_by[tenant] += 1
+        waiting = True
+
+        def granted() -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self.slot_by[tenant] -= 1
+                if self.slot_by[tenant] <= 0:
+                    del self.slot_by[tenant]
+                if tenant in self.aside:
+                    self.wake.set()  # room for one of its set-aside jobs
+
+        try:
+            yield granted
+        finally:
+            granted()
+
+    @property
+    def set_aside(self) -> int:
+        return len(self.aside_entries)
+
+    def put_aside(self, running: Running, tenant: str, deadline: float | None) -> None:
+        """Set ``running`` aside (its task ends next and releases it; the entry stays pending)."""
+        a = Aside(running.entry_id, running.job_id, tenant, running.delivery, deadline, running.preempted,
+                  running.touched)
+        self.aside.setdefault(tenant, {})[a.entry_id] = a
+        self.aside_entries[a.entry_id] = a
+        self.aside_jobs[a.job_id] = a
+        if deadline is not None:
+            self._next_deadline = min(self._next_deadline, deadline)
+        self.set_aside_total += 1
+
+    def due(self, room: int, limit: int, now: float | None = None) -> list[Aside]:
+        """Up to ``limit`` set-aside jobs to bring back now, forgotten here (the caller holds them
+        again): those cancelled, those past their deadline, then the oldest of each tenant whose room
+        has space."""
+        picked: dict[str, Aside] = {}
+
+        def take(a: Aside) -> bool:
+            if len(picked) >= limit:
+                return False
+            picked[a.entry_id] = a
+            return True
+
+        for a in list(self._cancelled.values()):
+            take(a)
+        now = time.time() if now is None else now
+        if now >= self._next_deadline:  # a scan only when some deadline has come
+            self._next_deadline = math.inf
+            for a in self.aside_entries.values():
+                if a.deadline is None or a.entry_id in picked:
+                    continue
+                if a.deadline > now or not take(a):  # not due, or due and left for the next call
+                    self._next_deadline = min(self._next_deadline, a.deadline)
+        for tenant, entries in self.aside.items():
+            space = room - self.parked_by[tenant] - self.slot_by[tenant] - self._returning_by[tenant]
+            for a in itertools.islice(entries.values(), max(0, space)):
+                take(a)
+        for a in picked.values():
+            self._forget(a)
+            self._returning[a.entry_id] = a.tenant  # counted in its tenant's room until it waits there
+            self._returning_by[a.tenant] += 1
+        return list(picked.values())
+
+    @property
+    def next_deadline(self) -> float:
+        """The earliest deadline (Unix seconds) of a set-aside job not yet brought back; inf if none."""
+        return self._next_deadline
+
+    def restore(self, back: list[Aside]) -> None:
+        """Set aside again what :meth:`due` gave and could not be brought back (Redis did not answer)."""
+        for a in back:
+            self.gone(a.entry_id)
+            self.aside.setdefault(a.tenant, {})[a.entry_id] = a
+            self.aside_entries[a.entry_id] = a
+            self.aside_jobs.setdefault(a.job_id, a)
+            if a.due:
+                self._cancelled[a.entry_id] = a
+            if a.deadline is not None:
+                self._next_deadline = min(self._next_deadline, a.deadline)
+
+    def gone(self, entry_id: str) -> None:
+        """A job brought back is no longer on its way (it waits, ended, or was not found)."""
+        tenant = self._returning.pop(entry_id, None)
+        if tenant is not None:
+            self._returning_by[tenant] -= 1
+            if self._returning_by[tenant] <= 0:
+                del self._returning_by[tenant]
+
+
+    def cancel_aside(self, job_id: str) -> bool:
+        """A producer cancelled a set-aside job: it comes back at once to get its result."""
+        a = self.aside_jobs.get(job_id)
+        if a is None or a.due:
+            return False
+        a.due = True
+        self._cancelled[a.entry_id] = a
+        self.wake.set()
+        return True
+
+    def _forget(self, a: Aside) -> None:
+        entries = self.aside.get(a.tenant, {})
+        entries.pop(a.entry_id, None)
+        if not entries:
+            self.aside.pop(a.tenant, None)
+        self.aside_entries.pop(a.entry_id, None)
+        self._cancelled.pop(a.entry_id, None)
+        if self.aside_jobs.get(a.job_id) is a:
+            del self.aside_jobs[a.job_id]
+
     def release(self, running: Running) -> None:
+        self.gone(running.entry_id)
         self.admitted(running)
         self.by_entry.pop(running.entry_id, None)
         if self.by_job.get(running.job_id) is running:

@@ -15,14 +15,15 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ...config import Config
-from ...dataplane.dispatch import Dispatch, Request
-from ...errors import BadRequest, DeadlineExceeded, RouterdError, error_type
+from ...dataplane.dispatch import Dispatch, Request, SetAside
+from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
 from ...jobs import (
     Attempt,
     InvalidJob,
@@ -31,7 +32,9 @@ from ...jobs import (
     clip,
     decode_job,
     error_result,
+    is_json,
     json_encode,
+    not_json,
     now_ms,
     salvage,
 )
@@ -57,9 +60,37 @@ class _Retry(Exception):
 class _Dead(Exception):
     """This job cannot succeed on any delivery (say its ``reply_to`` is not a stream): dead-letter it."""
 
-    def __init__(self, reason: str, *, reply_usable: bool = True) -> None:
+    def __init__(self, reason: str, *, reply_usable: bool = True, code: int = 400) -> None:
         super().__init__(reason)
-        self.reason, self.reply_usable = reason, reply_usable
+        self.reason, self.reply_usable, self.code = reason, reply_usable, code
+
+
+class _SetAside(Exception):
+    """Its tenant is over its rate limit (or at its ``max_concurrent``) and its room here is full, or a
+    drain began: set the job aside (see :mod:`.held`); it comes back when there is room, when its
+    deadline passes or when cancelled."""
+
+    def __init__(self, tenant: str, deadline: float | None) -> None:
+        super().__init__(tenant)
+        self.tenant, self.deadline = tenant, deadline
+
+
+class _Rooms:
+    """:class:`routerd.dataplane.dispatch.Rooms` of one job: its tenant's rooms among the held jobs."""
+
+    __slots__ = ("_held", "_running", "_size", "_tenant")
+
+    def __init__(self, held: Held, running: Running, tenant: str, size: int) -> None:
+        self._held, self._running, self._tenant, self._size = held, running, tenant, size
+
+    def quota(self) -> AbstractContextManager[Callable[[object], bool]]:
+        return self._held.quota_room(self._running, self._tenant, self._size)
+
+    def slot_room_full(self) -> bool:
+        return self._held.slot_by[self._tenant] >= self._size
+
+    def slot(self) -> AbstractContextManager[Callable[[], None]]:
+        return self._held.slot_room(self._tenant)
 
 
 class JobRunner:
@@ -87,6 +118,10 @@ class JobRunner:
             job, fleet = valid
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
+            except _SetAside as e:  # before release (finally): the entry stays this consumer's
+                await self._store.set_aside(running.entry_id, job.id, running.delivery)
+                self._held.put_aside(running, e.tenant, e.deadline)
+                self._stats["set_aside"] += 1
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -125,10 +160,11 @@ class JobRunner:
             await self._dead(running, raw or b"", e.reason, e.job_id, e.reply_to, code=400)
             return None
         self._held.name(running, job.id)
-        problem, code, reply_to = _body_problem(running, job), 400, job.reply_to
+        problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
         fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
-        if problem is None and job.reply_to in (r.stream, r.dead_stream):
-            problem, reply_to = f"reply_to {job.reply_to!r} is one of routerd's own streams", ""
+        owned = self._keys.reserved(job.reply_to)
+        if problem is None and owned is not None:  # a result there would break what routerd keeps in it
+            problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is routerd's own key: {owned}", ""
         if problem is None and fleet is None:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
@@ -157,7 +193,7 @@ class JobRunner:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
                 await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
-                                 code=400)
+                                 code=e.code)
                 return
             else:
                 await self._finish(running, job, result)
@@ -187,13 +223,17 @@ class JobRunner:
             self._stats["cancelled"] += 1
             return error_result(job.id, "the job was cancelled", "CancelledError", 499)
         self._held.admitted(running)
-        # A tenant removed by a reload while its job waited: the job still runs, as the default's.
+        # The tenant is looked up again when the job gets its quota (a reload reaches waiting jobs); one
+        # removed by a reload: the default's.
         tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
         head = running.head if running.head is not None else read_head(job.endpoint, running.body)
+        # Over its limit it waits, not failing — here while its tenant's room has space (read_batch
+        # jobs), else set aside.
+        rooms = _Rooms(self._held, running, job.tenant, self._cfg().redis.read_batch)
         req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=head, stream=job.stream,
-                      id=job.id, tenant=tenant, source="queue", priority=tenant.priority(job.priority),
-                      deadline=deadline, session=job.session, waits_for_quota=True,
-                      preemptible=not job.stream)
+                      id=job.id, tenant=tenant, source="queue", priority=job.priority, deadline=deadline,
+                      session=job.session, rooms=rooms, preemptible=not job.stream,
+                      preempted=running.preempted)
         try:
             return await self._run(running, job, req)
         except DeadlineExceeded as e:
@@ -220,8 +260,13 @@ class JobRunner:
 
         line: dict[str, Any] = {}
         started = time.monotonic()
+        preempted = req.preempted  # across deliveries: a job is preempted at most MAX_PREEMPTIONS times
         try:
             out = await self._dispatch.run(req, sink, line)
+        except SetAside as e:
+            raise _SetAside(job.tenant, req.deadline) from e
+        except PermissionDenied as e:  # a reload took the fleet from its tenant while it waited
+            raise _Dead(e.message, code=403) from None
         except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
             reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
             if e.permanent:
@@ -235,7 +280,8 @@ class JobRunner:
             self._log_done(running, job, req.fleet, started, line)
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery)
         finally:
-            self._stats["preempted"] += req.preempted
+            self._stats["preempted"] += req.preempted - preempted
+            running.preempted = req.preempted
         last = sinks[-1]
         mid_stream_failure = isinstance(last, StreamSink) and last.status == 200 and (
             last.failed or not out.ok)
@@ -292,6 +338,8 @@ class JobRunner:
         is known (sent to ``reply_to`` too unless that is empty)."""
         running.finishing = True
         _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
+        if reply_to and self._keys.reserved(reply_to) is not None:
+            reply_to = ""  # an invalid job's salvaged reply_to is checked here: nothing writes there
         result = None
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
@@ -301,13 +349,16 @@ class JobRunner:
         self._stats["dead"] += 1
 
 
-def _body_problem(running: Running, job: Job) -> str | None:
+def _body_problem(running: Running, job: Job, *, msgpack: bool) -> str | None:
     """What is wrong with the job's OpenAI body — the HTTP ingress's check, on the JSON bytes the
     engine would be sent (kept in ``running.body``) — or None."""
     try:
         running.body = json_encode(job.body)
     except (TypeError, ValueError, RecursionError) as e:  # msgpack can carry what JSON cannot
         return clip(f"body: cannot be sent as JSON: {e}")
+    changed = not_json(job.body) if msgpack else None  # or carry it changed: bytes as base64 text
+    if changed is not None:
+        return f"{changed} (the engine would not be sent what the job holds)"
     try:
         running.head = read_head(job.endpoint, running.body)  # kept: each delivery's routing reads it
     except BadRequest as e:

@@ -16,9 +16,10 @@ import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ...config import RedisConfig
-from .held import Held, as_str
+from .held import Aside, Held, Running, as_str
 
 _log = log.get("routerd.queue")
+_KEEP_ALIVE_PAGE = 1000  # entry ids per XCLAIM JUSTID
 
 
 class Spawn(Protocol):
@@ -102,14 +103,16 @@ class Reclaimer:
         """Reset the idle time of jobs running here so no consumer's XAUTOCLAIM takes them over."""
         r = self._cfg()
         cutoff = time.monotonic() - r.reclaim_idle_ms / 3000
-        stale = [e for e, j in self._held.by_entry.items() if j.touched < cutoff]
-        if stale:
+        jobs: list[Running | Aside] = [*self._held.by_entry.values(), *self._held.aside_entries.values()]
+        stale = [j for j in jobs if j.touched < cutoff]
+        for page in range(0, len(stale), _KEEP_ALIVE_PAGE):
+            some = stale[page:page + _KEEP_ALIVE_PAGE]
             async with _aio.timeout(r.op_timeout_s):
-                await client.xclaim(r.stream, r.group, self._consumer, 0, stale, justid=True)
+                await client.xclaim(r.stream, r.group, self._consumer, 0, [j.entry_id for j in some],
+                                    justid=True)
             now = time.monotonic()
-            for e in stale:
-                if e in self._held.by_entry:
-                    self._held.by_entry[e].touched = now
+            for j in some:
+                j.touched = now
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

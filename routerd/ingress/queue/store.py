@@ -19,6 +19,7 @@ given in KEYS, so Redis Cluster is not supported (one Redis, or Sentinel).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -290,6 +291,7 @@ class JobStore:
         self.keys = keys
         self.consumer = consumer
         self._cfg = cfg
+        self._client = client
         self.writer = BatchWriter(client, op_timeout_s=cfg().op_timeout_s, rng=rng, common={
             "begin": lambda: [consumer, str(now_ms()), str(cfg().result_ttl_s)],
             "finish": self._finish_common,
@@ -312,6 +314,19 @@ class JobStore:
     def chunk(self, reply_to: str, job_id: str, run: int, seq: int, chunk: bytes) -> asyncio.Future[Any]:
         """Queue one stream chunk (written once even if its batch is resent)."""
         return self.writer.step("chunk", [reply_to, self.keys.chunks(job_id), run, seq, chunk])
+
+    async def set_aside(self, entry_id: str, job_id: str, delivery: int) -> None:
+        """The job is set aside, not run (see :mod:`.held`): its delivery is given back in Redis
+        (``XCLAIM … RETRYCOUNT``, the count before it was read), so the claim that brings it back — or a
+        restart's recovery, or another consumer's takeover — counts this delivery again, once: a
+        backlog waiting for quota across restarts is never dead-lettered for ``max_deliveries``."""
+        r = self._cfg()
+        self.writer.send("HSET", self.keys.status(job_id), "state", "queued")
+        # Redis away (or the group deleted): the delivery stays counted, the job is set aside all the same.
+        with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
+            async with _aio.timeout(r.op_timeout_s):
+                await self._client().xclaim(r.stream, r.group, self.consumer, 0, [entry_id],
+                                            retrycount=max(0, delivery - 1), justid=True)
 
     async def record_failure(self, job_id: str, attempt: Attempt) -> None:
         """Append a failed attempt to the job's history (copied into a dead-letter entry later)."""
