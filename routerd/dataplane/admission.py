@@ -85,7 +85,6 @@ class _Ticket:
 _DEFAULT_SHARE = Share()
 _SLICE_S = 1.0  # run() applies the clock (deadlines, the waiting room) at least twice per this
 _LIMIT_TTL_S = 1.0  # capacities come from scrapes, which do not change the registry's version
-_CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
 
 class Admission:
@@ -229,14 +228,14 @@ class Admission:
                          future=asyncio.get_running_loop().create_future(), source=source,
                          enqueued=now, deadline=deadline)
         if line.top() is None:
-            line.join(q.waiting.values(), now, self._credit(q, line))
+            line.join(q.waiting.values(), now, q.credit(line))
             q.waiting[tenant] = line
         heapq.heappush(line.heap, waiter)
         self._registry.queued[fleet] = q.count(line, source, +1)  # the autoscaler's demand
         if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
             self._dispatch(fleet, q)
         elif self._preempting:
-            self._preempt_for(q, line, now, self._credit(q, line) / 2 if source == "http" else None)
+            self._preempt_for(q, line, now, q.credit(line) / 2 if source == "http" else None)
         timer = self._timer(fleet, q, waiter, now)
         try:
             await waiter.future  # its result, or what sweep decided (deadline, no ready instance)
@@ -262,7 +261,7 @@ class Admission:
         if q.unready_since is not None:
             raise self._no_ready(fleet)
         raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
-                         f"{q.queued_http} waiting)", retry_after_s=self._retry_after(q))
+                         f"{q.queued_http} waiting)", retry_after_s=q.retry_after())
 
     def _timer(self, fleet: str, q: FleetQueue, w: Waiter, now: float) -> asyncio.TimerHandle | None:
         """A wake-up for this waiter's deadline or waiting room, when it has one; anything else that
@@ -290,30 +289,11 @@ class Admission:
     def shed(self, source: Source, error: Callable[[], RouterdError]) -> int:
         """Fail every waiter of ``source`` with ``error()`` (on drain: HTTP waiters are answered 503
         rather than cut off when the listener closes); how many were failed."""
-        shed = 0
-        for q in self._fleets.values():
-            for w in [w for line in q.waiting.values() for w in line.heap]:
-                if w.source == source and not w.future.done():
-                    q.rejected_total += 1
-                    w.future.set_exception(error())
-                    shed += 1
-        return shed
+        return sum(q.shed(source, error) for q in self._fleets.values())
 
     def _sweep_fleet(self, fleet: str, q: FleetQueue, now: float) -> None:
         self._note_readiness(fleet, q, now)
-        for w in [w for line in q.waiting.values() for w in line.heap]:
-            if w.future.done():
-                continue
-            err: RouterdError | None = None
-            if w.deadline is not None and w.deadline <= now:
-                err = q.expired()
-            elif (w.source == "http" and q.unready_since is not None
-                  and now - max(q.unready_since, w.enqueued) >= self._cfg.waiting_room_s):
-                q.rejected_total += 1
-                err = self._no_ready(fleet)
-            if err is not None:
-                w.future.set_exception(err)
-        q.prune()
+        q.sweep(now, self._cfg.waiting_room_s, lambda: self._no_ready(fleet))
 
     def _note_readiness(self, fleet: str, q: FleetQueue, now: float) -> None:
         self._slots(fleet, q, now)
@@ -331,17 +311,6 @@ class Admission:
             return NoReadyInstance(f"fleet {fleet!r} has no ready instance")
         return NoReadyInstance(f"fleet {fleet!r} is starting an instance (expected ready in {eta:.0f}s)",
                                retry_after_s=max(1.0, eta))
-
-    def _retry_after(self, q: FleetQueue) -> float:
-        return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
-
-    @staticmethod
-    def _credit(q: FleetQueue, line: Line[Waiter]) -> float:
-        """How far behind the waiting tenants (virtual seconds) a tenant starting to wait may stay:
-        ``_CREDIT_S`` seconds of its fair share of the fleet's slots (fairshare's module docstring)."""
-        total = line.weight + sum(other.weight for other in q.lines.values()
-                                  if other is not line and (other.active or other.heap))
-        return _CREDIT_S * q.limit / total
 
     def _preempt_for(self, q: FleetQueue, line: Line[Waiter], now: float, margin: float | None) -> None:
         """``line`` waits below its share on a full fleet (or, with ``margin``, behind over time): abort

@@ -8,14 +8,16 @@ that read only that state.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import DeadlineExceeded
+from ..errors import DeadlineExceeded, RouterdError
 from ..tenants.fairshare import Line
 
 __all__ = ["FleetQueue", "Source", "Waiter"]
+
+_CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
 Source = Literal["http", "queue"]
 
@@ -64,6 +66,44 @@ class FleetQueue:
             self.queued_queue += delta
             line.queued_queue += delta
         return self.queued_http + self.queued_queue
+
+    def credit(self, line: Line[Waiter]) -> float:
+        """How far behind the waiting tenants (virtual seconds) a tenant starting to wait may stay:
+        ``_CREDIT_S`` seconds of its fair share of the fleet's slots (fairshare's module docstring)."""
+        total = line.weight + sum(other.weight for other in self.lines.values()
+                                  if other is not line and (other.active or other.heap))
+        return _CREDIT_S * self.limit / total
+
+    def retry_after(self) -> float:
+        """An HTTP request refused for a full waiting room: when to try again."""
+        return max(1.0, min(30.0, self.queued_http / max(self.active, 1)))
+
+    def shed(self, source: Source, error: Callable[[], RouterdError]) -> int:
+        """Fail every waiter of ``source`` with ``error()``; how many were failed."""
+        shed = 0
+        for w in [w for line in self.waiting.values() for w in line.heap]:
+            if w.source == source and not w.future.done():
+                self.rejected_total += 1
+                w.future.set_exception(error())
+                shed += 1
+        return shed
+
+    def sweep(self, now: float, waiting_room_s: float, no_ready: Callable[[], RouterdError]) -> None:
+        """Fail the waiters whose deadline passed, and the HTTP ones past the waiting room of a fleet
+        with no ready instance (``no_ready()``)."""
+        for w in [w for line in self.waiting.values() for w in line.heap]:
+            if w.future.done():
+                continue
+            err: RouterdError | None = None
+            if w.deadline is not None and w.deadline <= now:
+                err = self.expired()
+            elif (w.source == "http" and self.unready_since is not None
+                  and now - max(self.unready_since, w.enqueued) >= waiting_room_s):
+                self.rejected_total += 1
+                err = no_ready()
+            if err is not None:
+                w.future.set_exception(err)
+        self.prune()
 
     def expired(self) -> DeadlineExceeded:
         """A waiter (or an arrival) whose deadline passed before a slot: counted, never given one."""
