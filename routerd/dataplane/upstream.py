@@ -1,19 +1,15 @@
-"""The call to the engine: timeouts, failover before the first byte, circuit breaker, SSE passthrough.
+"""The engine call: where a request is routed, failover before the first byte, mid-stream resume.
 
 One request's life here:
 
-1. the router picks an instance; its ``inflight`` goes up *before* anything is awaited (so the next
-   pick already sees it) and down in ``finally`` on every path — success, failure, cancellation;
-2. the request is sent with connect and read timeouts, and the response's first byte must arrive
-   within ``first_byte_timeout_s``. For a stream "first byte" means the first SSE chunk, so an engine
-   that answers 200 and then dies (or sends an error event first) is still retried;
-3. until the first byte goes to the :class:`ResponseSink` every failure — connect error, timeout,
-   5xx/503, an empty body, a leading ``data: {"error"`` event — is retried on another instance
-   (at most ``max_attempts``, jittered exponential backoff); 4xx answers are the client's problem and
-   are passed through (in OpenAI's error shape: an engine answer in another shape, such as FastAPI's
-   ``{"detail": …}``, is rewrapped);
-4. after the first byte a stream is not retried but *resumed* (:mod:`routerd.dataplane.resume`): when its
-   engine fails — connection dropped, read timeout, the instance declared lost, closed without
+1. the router picks an instance (``Router.choose``: the policy over the registry, the decision kept
+   for the request's log line) and one attempt runs on it (:mod:`routerd.dataplane.attempt`: timeouts,
+   the first byte, the relay, what a failure costs the instance);
+2. until the first byte goes to the :class:`~routerd.dataplane.sinks.ResponseSink` every failure —
+   connect error, timeout, 5xx/503, an empty body, a leading ``data: {"error"`` event — is retried on
+   another instance (at most ``max_attempts``, jittered exponential backoff);
+3. after the first byte a stream is not retried but *resumed* (:mod:`routerd.dataplane.resume`): when
+   its engine fails — connection dropped, read timeout, the instance declared lost, closed without
    ``[DONE]``, an error event with a 5xx code — the generation is continued on another instance and
    the client's stream goes on as one stream, at most ``max_resumes`` times (a queue job's deadline
    bounds its whole engine call, resumes included). A stream that cannot be continued
@@ -21,186 +17,41 @@ One request's life here:
    routerd's terminal ``data: {"error": …}`` + ``data: [DONE]``, or the engine's own error event when
    it blamed the request (4xx code). Either way the result says ``ok=False``. A non-streamed request
    shows nothing before it completes, so one whose engine dies mid-generation is simply retried from
-   the start (step 3).
+   the start (step 2).
 
-What the circuit breaker is charged with: a failure only the instance can be blamed for — no
-connection, a timeout, a stream that broke or came back empty — counts at once. An *answer* that says
-the request failed (a 5xx, an error event before any token) may be the request's own doing: a body
-that crashes every engine the same way would otherwise be retried on each instance and open every
-circuit after ``circuit_failure_threshold`` such requests, and one client would take the fleet out.
-So an answered failure counts against its instance only once another instance has served the very
-same request (2xx): then the instance, not the request, was at fault. A request that no instance
-served charges nobody, nor does an error event the engine sends after the first byte (nothing can be
-retried then to tell); an engine that is down in earnest is still caught by the failures above and
-by the health monitor.
-
-An instance whose heartbeats fail (``Instance.lose``) ends what runs on it at once: a hung engine never
-closes its sockets, so nothing else would before ``read_timeout_s`` (see :class:`_LostWatch`).
-
-The HTTP itself is :mod:`routerd.dataplane.engine_http`: keep-alive connections per engine, one write per
-request. Cancelling ``forward`` (the client went away) closes the upstream connection, which is what
-makes vLLM abort the request. Exceptions raised by the sink (the client's socket is gone) propagate the same
-way and do not count against the engine.
+The HTTP itself is :mod:`routerd.dataplane.engine_http`: keep-alive connections per engine, one write
+per request. Cancelling ``forward`` (the client went away) closes the upstream connection, which is
+what makes vLLM abort the request. Exceptions raised by the sink (the client's socket is gone)
+propagate the same way and do not count against the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
-import urllib.parse
 from collections.abc import Callable
 
 import aiohttp
-import msgspec
 
 from .. import log
 from ..config import RoutingConfig
-from ..errors import NoReadyInstance, UpstreamError, error_json, error_type, quote, sse_error_event
+from ..errors import NoReadyInstance, UpstreamError
 from ..plugins import RequestView
 from ..registry import Instance
 from ..routing import Router
 from ..speed import PRIOR_PREFILL_S
 from ..telemetry import Telemetry
-from . import relay, resume
-from .engine_http import ConnectError, EnginePool, Response
-from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
+from . import resume
+from .attempt import Attempts, Retry, StreamFailed
+from .engine_http import EnginePool
 from .resume import ResumableStream
 from .sinks import ForwardResult, ResponseSink
-from .usage import UsageTap, usage_of
+from .usage import UsageTap
+
+__all__ = ["Upstream", "make_session"]
 
 _log = log.get("routerd.upstream")
-
-_MAX_ID_CHARS = 256
-_SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
-
-
-class _Retry(Exception):
-    """An attempt failed before any byte reached the sink: try another instance.
-
-    ``answered``: the engine answered that the request failed (a 5xx, an error event) — possibly the
-    request's fault, so the breaker is charged only if another instance then serves it."""
-
-    def __init__(self, reason: str, message: str, status: int | None = None, *,
-                 answered: bool = False) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.status = status
-        self.answered = answered
-
-
-class _Resume(Exception):
-    """A stream failed after bytes reached the sink and may be continued elsewhere (``reason`` is the
-    ``routerd_resumes_total`` label)."""
-
-    def __init__(self, reason: str, message: str, instance: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.instance = instance
-        self.ttfb_s = 0.0
-
-
-class _Deadline:
-    """``asyncio.timeout(delay)`` for a task and loop already known: the same cancel-then-uncancel
-    semantics (a cancellation from outside arriving as well is not swallowed), without the two
-    ``get_running_loop()`` lookups per use — each a ``getpid()`` syscall on Python 3.11."""
-
-    __slots__ = ("_cancelling", "_expired", "_handle", "_task")
-
-    def __init__(self, task: asyncio.Task[object], loop: asyncio.AbstractEventLoop, delay: float) -> None:
-        self._task = task
-        self._cancelling = task.cancelling()
-        self._expired = False
-        self._handle = loop.call_later(delay, self._expire)
-
-    def _expire(self) -> None:
-        self._expired = True
-        self._task.cancel()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
-        self._handle.cancel()
-        if self._expired and self._task.uncancel() <= self._cancelling \
-                and exc_type is asyncio.CancelledError:
-            raise TimeoutError from exc
-
-
-class _LostWatch:
-    """Ends one engine call when its instance is declared lost: a hung engine never closes its socket.
-
-    Before the response came back (nothing sent to the sink) the call is cancelled and retried
-    elsewhere — cancelled the way ``asyncio.timeout`` does it, so a cancellation from outside (the
-    client went away) arriving as well is not swallowed. Once a response is being read, its body
-    stream fails with :class:`InstanceLost`: the stream is resumed elsewhere, or ended with the terminal
-    error event when it cannot be.
-    """
-
-    def __init__(self, inst: Instance, task: asyncio.Task[object]) -> None:
-        self._task = task
-        self._cancelling = task.cancelling()
-        self.reason = ""
-        self.resp: Response | None = None
-        self._cancelled = False  # our cancel() is not undone yet
-        self._unwatch = inst.watch_lost(self._fire)
-
-    def _fire(self, reason: str) -> None:
-        self.reason = reason
-        if self.resp is None:
-            self._cancelled = True
-            self._task.cancel()
-        else:
-            self.resp.set_exception(InstanceLost(reason))
-
-    def absorbed(self) -> bool:
-        """After a CancelledError: True if the cancellation was this watch's alone (it is undone)."""
-        if not self._cancelled:
-            return False
-        self._cancelled = False
-        return self._task.uncancel() <= self._cancelling
-
-    def close(self) -> None:
-        self._unwatch()
-        if self._cancelled:  # delivered, but turned into another error on the way: undo it anyway
-            self._cancelled = False
-            self._task.uncancel()
-
-
-def _error_doc(body: bytes) -> object:
-    try:
-        return msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        return None
-
-
-def _error_message(body: bytes, status: int) -> str:
-    """The engine's error message — vLLM's nested shape (≥0.10.1), its flat one (before), FastAPI's
-    ``{"detail": …}`` — quoted: engines echo client input in their messages (a model name, a value)."""
-    doc = _error_doc(body)
-    if doc is None:
-        return quote(body[:1000].decode(errors="replace")) or f"HTTP {status}"
-    if isinstance(doc, dict):
-        err = doc.get("error", doc)
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return quote(err["message"])
-        if isinstance(err, str):
-            return quote(err)
-        if isinstance(doc.get("detail"), str):
-            return quote(doc["detail"])
-    return f"HTTP {status}"
-
-
-def _openai_error_body(body: bytes, status: int) -> bytes:
-    """``body`` when it is already OpenAI's ``{"error": {…}}``, else that shape with its message."""
-    doc = _error_doc(body)
-    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
-        return body
-    return error_json(_error_message(body, status), error_type(status), status)
 
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
@@ -234,10 +85,11 @@ class Upstream:
         self.rng = rng or random.Random()
         self.clock = clock
         self.active = 0  # forward() calls in progress (drain waits on this)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._attempts = Attempts(self.pool, router, cfg, telemetry, clock)
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
+        self._attempts.cfg = cfg
         self.pool.configure(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s)
 
     async def run(self) -> None:
@@ -264,10 +116,8 @@ class Upstream:
         started = self.clock()
         task = asyncio.current_task()
         assert task is not None
-        if self._loop is None:
-            self._loop = task.get_loop()
         tried: list[str] = []
-        last: _Retry | None = None
+        last: Retry | None = None
         unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
         tel = self.telemetry
         plan = self._plan(endpoint, body, sink) if stream else None  # how a stream is read and resumed
@@ -290,12 +140,12 @@ class Upstream:
                 tried.append(inst.id)
                 sent = self.clock()
                 try:
-                    result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
-                                                 unexplained, task, plan)
+                    result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
+                                                          started, unexplained, task, plan)
                 except asyncio.CancelledError:
                     self._abandoned(sink, plan, inst, sent, request)
                     raise
-                except _Resume as failure:
+                except StreamFailed as failure:
                     assert isinstance(plan, ResumableStream)
                     result = await self._resume(fleet, endpoint, sink, request_id, task, plan, failure,
                                                 tried, request)
@@ -306,7 +156,7 @@ class Upstream:
                     tel.count_request(fleet, result.instance, result.status)
                     tel.observe_ttfb(fleet, failure.ttfb_s)
                     return result
-                except _Retry as e:
+                except Retry as e:
                     last = e
                     if e.answered:
                         unexplained.append(inst)
@@ -352,166 +202,9 @@ class Upstream:
             counts = _abandoned_usage(inst, self.clock() - sent, request)
             sink.meter(lambda: counts)
 
-    async def _attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
-                       stream: bool, request_id: str, started: float,
-                       unexplained: list[Instance], task: asyncio.Task[object],
-                       plan: ResumableStream | str | None = None) -> ForwardResult:
-        breaker = self.router.breaker
-        inst.inflight += 1
-        breaker.begin(inst)
-        resp: Response | None = None
-        clean = False
-        lost = _LostWatch(inst, task)
-        try:
-            try:
-                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id, task)
-            except asyncio.CancelledError:
-                if not lost.absorbed():
-                    raise
-                raise _Retry("instance_lost", lost.reason) from None
-            lost.resp = resp
-            if isinstance(plan, ResumableStream) and plan.started:  # a continuation of a client's stream
-                ok, error = await self._continued(inst, resp, sink, first, plan)
-                clean = True
-                return ForwardResult(instance=inst.id, attempts=1, status=200, ok=ok, error=error)
-            headers = {"Content-Type": resp.headers.get("content-type", "application/json"),
-                       "X-Routerd-Instance": inst.id}
-            if 200 <= resp.status < 300:
-                for failed in unexplained:  # this request can be served: their failures were theirs
-                    self._failed(failed)
-                unexplained.clear()
-            elif resp.status >= 400:
-                first = _openai_error_body(first, resp.status)
-                headers["Content-Type"] = "application/json"
-            if not stream or not 200 <= resp.status < 300:
-                headers["Content-Length"] = str(len(first))
-            await sink.start(resp.status, headers)
-            ttfb = self.clock() - started
-            sse = headers["Content-Type"].startswith("text/event-stream")
-            if isinstance(plan, ResumableStream) and 200 <= resp.status < 300 and sse:
-                plan.started = True
-                try:
-                    ok, error = await self._continued(inst, resp, sink, first, plan)
-                except _Resume as e:
-                    e.ttfb_s = ttfb
-                    raise
-            elif stream and 200 <= resp.status < 300:
-                await sink.write(first)
-                ending = await relay.passthrough(resp, sink, first, sse)
-                ok, error = await self._passed(inst, sink, ending, sse, plan if isinstance(plan, str) else "")
-            else:
-                await sink.write(first)
-                ok = 200 <= resp.status < 300
-                error = None if ok else _error_message(first, resp.status)
-            clean = True
-            # the count: a stream's reader's, or what a non-streamed answer's body (held here) says
-            usage = plan.usage() if isinstance(plan, ResumableStream) else \
-                usage_of(first) if ok and not stream else None
-            return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
-                                 ttfb_s=ttfb, usage=usage)
-        finally:
-            lost.close()
-            inst.inflight -= 1
-            breaker.end(inst)
-            if resp is not None:
-                if clean:
-                    resp.release()
-                else:
-                    resp.close()  # drop the connection: the engine sees the disconnect and aborts
-
-    async def _first_byte(self, inst: Instance, endpoint: str, body: bytes, stream: bool,
-                          request_id: str, task: asyncio.Task[object]) -> tuple[Response, bytes]:
-        """Send the request and read up to the first byte the client may see; raise _Retry on failure."""
-        breaker = self.router.breaker
-        resp: Response | None = None
-        assert self._loop is not None
-        try:
-            with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
-                resp = await self.pool.post(
-                    inst.url + endpoint, body,
-                    {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
-                     "Accept": "*/*", "Accept-Encoding": "identity"})
-                first = await _first_chunk(resp, stream)
-            if first is None:
-                # Non-streaming (or an error answer): the whole body is the first byte. Its read is
-                # bounded by the socket read timeout, not the first-byte one (headers came; the body
-                # is flowing).
-                first = await resp.read()
-            breaker.success(inst)
-            return resp, first
-        except BaseException as e:
-            if resp is not None:
-                resp.close()
-            if isinstance(e, _Retry):
-                retry = e
-            elif isinstance(e, TimeoutError):
-                retry = _Retry("timeout", f"no first byte from {inst.id} in time")
-            elif isinstance(e, NET_ERRORS):
-                reason = "connect" if isinstance(e, ConnectError) else "disconnect"
-                retry = _Retry(reason, f"{type(e).__name__}: {e}")
-            else:
-                raise
-            if not retry.answered:
-                self._failed(inst)
-            if retry is e:
-                raise
-            raise retry from e
-
-    async def _passed(self, inst: Instance, sink: ResponseSink, ending: relay.Ending, sse: bool,
-                      why: str) -> tuple[bool, str | None]:
-        """What a stream relayed byte for byte (not continued elsewhere: ``why``, the NOT_CONTINUABLE key
-        or "disabled") ended with; a failed SSE stream gets routerd's terminal error event."""
-        tel = self.telemetry
-        if ending.engine_error:
-            # Counted, not charged to the breaker: an engine that says a stream failed is alive, and
-            # the failure may be the request's (nothing can be retried after the first byte to tell).
-            # An engine that died sends this too, but then /health fails and the health monitor acts.
-            tel.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()
-            tel.streams_cut.labels(inst.fleet, "engine_error").inc()
-            return False, ending.message
-        if not ending.failure:
-            return True, None
-        self._failed(inst, "stream_broken")
-        tel.streams_cut.labels(inst.fleet, "disabled" if why == "disabled" else "not_continuable").inc()
-        message = ending.message
-        if why in resume.NOT_CONTINUABLE:
-            message += f"; not continued elsewhere: {resume.NOT_CONTINUABLE[why]}"
-        if sse:
-            await sink.write(sse_error_event(message, "UpstreamError", 502))
-        return False, message
-
-    async def _continued(self, inst: Instance, resp: Response, sink: ResponseSink, first: bytes,
-                         rs: ResumableStream) -> tuple[bool, str | None]:
-        """Relay a continuable stream (a first attempt's or a continuation's) event by event; raise
-        :class:`_Resume` when its engine fails. An engine that refuses a continuation (4xx: it does not
-        know ``continue_final_message``, say) ends the stream: another would refuse it too."""
-        tel = self.telemetry
-        if not 200 <= resp.status < 300:
-            message = f"{inst.id} refused to continue the stream: {_error_message(first, resp.status)}"
-            tel.streams_cut.labels(inst.fleet, "refused").inc()
-            await sink.write(rs.cut(message))
-            return False, message
-        def gap(seconds: float) -> None:  # once per resume: not worth a cached label child
-            tel.resume_gap_seconds.labels(inst.fleet).observe(seconds)
-
-        ending = await relay.by_event(resp, sink, first, rs, self.clock, gap)
-        if ending.failure == "error_event" and rs.fixed:  # not continued: the client gets it, as in _passed
-            await sink.write(rs.pass_error())
-            ending = relay.Ending(engine_error=True, message=ending.message)
-        if ending.engine_error or ending.failure == "error_event":
-            tel.upstream_failures.labels(inst.fleet, inst.id, "error_event").inc()  # as in _passed
-        if ending.engine_error:
-            tel.streams_cut.labels(inst.fleet, "engine_error").inc()
-            return False, ending.message
-        if ending.failure:
-            if ending.failure != "error_event":
-                self._failed(inst, "stream_broken")
-            raise _Resume(ending.failure, ending.message, inst.id)
-        return True, None
-
     async def _resume(self, fleet: str, endpoint: str, sink: ResponseSink, request_id: str,
-                      task: asyncio.Task[object], rs: ResumableStream, failure: _Resume, tried: list[str],
-                      request: RequestView | None) -> ForwardResult:
+                      task: asyncio.Task[object], rs: ResumableStream, failure: StreamFailed,
+                      tried: list[str], request: RequestView | None) -> ForwardResult:
         """Continue a stream whose engine failed after its first byte on other instances — never one
         it failed on — until it completes, or ``max_resumes`` continuations failed, or it cannot be
         continued (then it ends with the terminal error event)."""
@@ -551,11 +244,11 @@ class Upstream:
             _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
                       reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
             try:
-                result = await self._attempt(inst, endpoint, rs.continuation(), sink, True, request_id,
-                                             0.0, [], task, rs)
-            except _Retry as e:  # the continuation failed before any event of it reached the client
-                failure = _Resume(e.reason, e.message, inst.id)
-            except _Resume as e:
+                result = await self._attempts.attempt(inst, endpoint, rs.continuation(), sink, True,
+                                                      request_id, 0.0, [], task, rs)
+            except Retry as e:  # the continuation failed before any event of it reached the client
+                failure = StreamFailed(e.reason, e.message, inst.id)
+            except StreamFailed as e:
                 failure = e
             else:
                 result.attempts = result.resumes = resumes
@@ -566,14 +259,10 @@ class Upstream:
             rs.gap_from = rs.gap_from or rs.wrote_at or self.clock()
 
     async def _not_continued(self, fleet: str, sink: ResponseSink, rs: ResumableStream,
-                             failure: _Resume) -> ForwardResult:
-        """End a stream read only for its usage (:func:`resume.meter`) whose engine failed, as
-        :meth:`_passed` ends one relayed byte for byte: with routerd's terminal error event."""
-        why = rs.fixed
-        self.telemetry.streams_cut.labels(fleet, "disabled" if why == "disabled" else "not_continuable").inc()
-        message = failure.message
-        if why in resume.NOT_CONTINUABLE:
-            message += f"; not continued elsewhere: {resume.NOT_CONTINUABLE[why]}"
+                             failure: StreamFailed) -> ForwardResult:
+        """End a stream read only for its usage (:func:`resume.meter`) whose engine failed, as an
+        attempt ends one relayed byte for byte (``Attempts.cut``): with routerd's terminal error event."""
+        message = self._attempts.cut(fleet, rs.fixed, failure.message)
         await sink.write(rs.cut(message))
         return ForwardResult(instance=failure.instance, attempts=0, status=200, ok=False, error=message)
 
@@ -585,31 +274,6 @@ class Upstream:
         if key:
             return resume.NOT_CONTINUABLE[key], "not_continuable"
         return "", ""
-
-    def _failed(self, inst: Instance, reason: str | None = None) -> None:
-        if reason is not None:
-            self.telemetry.upstream_failures.labels(inst.fleet, inst.id, reason).inc()
-        if self.router.breaker.failure(inst):
-            self.telemetry.circuit_opened.labels(inst.fleet, inst.id).inc()
-            _log.warning("circuit_opened", instance=inst.id, failures=inst.consecutive_failures,
-                         cooldown_s=self.cfg.circuit_cooldown_s)
-
-
-async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
-    """A stream's first chunk (``None`` for a non-stream or a 4xx: the caller reads the whole body);
-    raises :class:`_Retry` for a 5xx answer, an empty stream or an error event before any token."""
-    if resp.status >= 500:
-        msg = _error_message(await resp.read(), resp.status)
-        raise _Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status, answered=True)
-    if not stream or not 200 <= resp.status < 300:
-        return None
-    first = await resp.readany()
-    if not first:
-        raise _Retry("empty", "the engine closed the stream before sending anything")
-    if first.startswith(ERROR_MARK):
-        raise _Retry("error_event", "error event before any token: " + _event_message(first),
-                     answered=True)
-    return first
 
 
 def _abandoned_usage(inst: Instance, elapsed_s: float,
@@ -630,16 +294,3 @@ def _abandoned_usage(inst: Instance, elapsed_s: float,
         if request.max_tokens is not None:
             completion = min(completion, request.max_tokens)
     return request.prompt_tokens, completion
-
-
-def _header_safe(request_id: str) -> str:
-    """The request id as an ``X-Request-Id`` value: a queue job's id may hold characters no header may
-    (a newline would end the header: the client refuses to send it), so those are percent-encoded."""
-    if _SAFE_ID.fullmatch(request_id):
-        return request_id
-    return urllib.parse.quote(request_id, safe="")[:_MAX_ID_CHARS] or "-"
-
-
-def _event_message(chunk: bytes) -> str:
-    line = chunk.split(b"\n", 1)[0][len(b"data: "):]
-    return _error_message(line, 500)
