@@ -129,7 +129,7 @@ class JobRunner:
                     raise
                 task.uncancel()
                 self._stats["cancelled"] += 1
-                await self._finish(running, job, error_result(
+                await self._acknowledge(running, job, error_result(
                     job.id, "the job was cancelled", "CancelledError", 499, attempts=running.delivery))
         except asyncio.CancelledError:
             raise
@@ -196,7 +196,7 @@ class JobRunner:
                                  code=e.code)
                 return
             else:
-                await self._finish(running, job, result)
+                await self._acknowledge(running, job, result)
                 return
             await asyncio.sleep(backoff * (0.5 + self._rng.random()))
             backoff = min(backoff * 2, 10.0)
@@ -326,9 +326,10 @@ class JobRunner:
         running.touched = time.monotonic()
         return counts.get(running.entry_id, running.delivery + 1)
 
-    async def _finish(self, running: Running, job: Job, result: Result | None) -> None:
+    async def _acknowledge(self, running: Running, job: Job, result: Result | None) -> None:
+        """The job's one result stored and its entry acknowledged (``XACK``), in one step."""
         running.finishing = True
-        await self._store.finish(running.entry_id, job.id, job.reply_to, result,
+        await self._store.acknowledge(running.entry_id, job.id, job.reply_to, result,
                                  delivery=running.delivery)
         self._stats["done"] += 1
 
@@ -344,7 +345,7 @@ class JobRunner:
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
-        await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
+        await self._store.acknowledge(running.entry_id, job_id or "", reply_to or "", result,
                                  delivery=running.delivery, dead_reason=reason, raw=raw)
         self._stats["dead"] += 1
 
