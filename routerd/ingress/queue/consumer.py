@@ -9,8 +9,8 @@ not grow with it.
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
 that stores its result (``JobStore.acknowledge``, :mod:`.store`). A job whose tenant is over its rate
-limit holds no slot, and
-beyond a room of ``read_batch`` per tenant it is set aside — pending in Redis, a small record here —
+limit holds no slot, and beyond a room of ``read_batch`` per tenant it is set aside — pending in
+Redis, a small record here —
 and brought back by :meth:`QueueIngress._aside_loop`, so one limited tenant's backlog never stops the
 reading of the others' work (see :mod:`.held`). Redis outages pause reading (backoff, reconnect); finished
 results wait in the writer and are stored when Redis returns.
