@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -167,16 +167,15 @@ class Dispatch:
                 tap = UsageTap(sink(), headers=charge.grant.headers())
                 result: ForwardResult | None = None
                 waited = self._clock()
+                deadline = None if req.deadline is None else \
+                    time.monotonic() + (req.deadline - self._wall())  # admission's clock
+                ticket = self._admission.ticket(req.fleet, priority=priority, deadline=deadline,
+                                                source=req.source, tenant=req.tenant.name, preempt=preempt)
                 try:
-                    with rooms.slot() if rooms is not None else _NO_ROOM as granted:
-                        async with self._admission.ticket(req.fleet, priority=priority,
-                                                          deadline=_monotonic(req.deadline, self._wall),
-                                                          source=req.source, tenant=req.tenant.name,
-                                                          preempt=preempt):
-                            granted()
-                            line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
-                            forwarded = True
-                            result = await self._forward(req, view, facts.body, tap, preempt)
+                    async with ticket if rooms is None else _InRoom(rooms.slot(), ticket):
+                        line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
+                        forwarded = True
+                        result = await self._forward(req, view, facts.body, tap, preempt)
                 except asyncio.CancelledError:
                     if preempt is None or not preempt.absorbed():
                         raise
@@ -187,7 +186,7 @@ class Dispatch:
                         self._tenancy.withdraw(charge)  # the run that ends it is what counts
                     self._tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
                                          status=tap.status, ok=result is not None and result.ok)
-                line.update(outcome_fields(result))
+                note_outcome(line, result)
                 return result
         except RouterdError as e:
             line["status"], line["error"] = e.status, e.message
@@ -242,27 +241,40 @@ class Dispatch:
         return charge
 
 
-def outcome_fields(result: ForwardResult) -> dict[str, Any]:
+def note_outcome(line: dict[str, Any], result: ForwardResult) -> None:
     """What the request's log line says of how the engine call ended: where, after how many attempts
     and resumes, how soon, and why that instance (matched blocks, wait and TTFT of the best two)."""
-    fields: dict[str, Any] = {"status": result.status, "instance": result.instance,
-                              "attempts": result.attempts, "ttfb_ms": round(result.ttfb_s * 1000, 2)}
+    line["status"], line["instance"], line["attempts"] = result.status, result.instance, result.attempts
+    line["ttfb_ms"] = round(result.ttfb_s * 1000, 2)
     if result.resumes:
-        fields["resumes"] = result.resumes
+        line["resumes"] = result.resumes
     if result.error:
-        fields["error"] = result.error
+        line["error"] = result.error
     if result.decision is not None:
-        fields.update(result.decision.log_fields())
-    return fields
+        line.update(result.decision.log_fields())
 
 
-def _granted() -> None:
-    pass
+class _InRoom:
+    """An admission ticket waited for in a queue job's slot room (``Rooms.slot``): counted there until
+    the slot is held. (An HTTP request takes the ticket alone.)"""
 
+    __slots__ = ("_room", "_ticket")
 
-_NO_ROOM: AbstractContextManager[Callable[[], None]] = nullcontext(_granted)  # an HTTP request's slot wait
+    def __init__(self, room: AbstractContextManager[Callable[[], None]],
+                 ticket: AbstractAsyncContextManager[None]) -> None:
+        self._room, self._ticket = room, ticket
 
+    async def __aenter__(self) -> None:
+        granted = self._room.__enter__()
+        try:
+            await self._ticket.__aenter__()
+        except BaseException:
+            self._room.__exit__(None, None, None)
+            raise
+        granted()
 
-def _monotonic(deadline: float | None, wall: Callable[[], float]) -> float | None:
-    """An epoch deadline on the monotonic clock admission keeps."""
-    return None if deadline is None else time.monotonic() + (deadline - wall())
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            await self._ticket.__aexit__(*exc)
+        finally:
+            self._room.__exit__(None, None, None)
