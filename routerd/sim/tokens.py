@@ -62,6 +62,12 @@ def prompt_words(prompt: str | Sequence[int]) -> list[str]:
     return [str(t) for t in prompt]
 
 
+def token_ids(words: Sequence[str]) -> list[int]:
+    """The sim's token ids: each word's CRC-32. A pure function of the word, so a router can compute the
+    ids — and from them the block keys the sim's KV-cache events carry — exactly as the sim does."""
+    return [zlib.crc32(w.encode()) for w in words]
+
+
 def count_prompt_tokens(prompt: str | Sequence[int]) -> int:
     """At least 1: vLLM prepends BOS, so even an empty prompt costs a token."""
     return max(1, len(prompt_words(prompt)))
