@@ -28,6 +28,7 @@ class EngineCacheView:
     def __init__(self, capacity_blocks: int | None = None) -> None:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[int, int] = OrderedDict()
+        self.block_size = 0  # tokens per block, as the engine's BlockStored events state it
         self.overflow = 0
         self.resets = 0
         self.last_reset_reason = ""
@@ -45,6 +46,7 @@ class EngineCacheView:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 if ev.medium in _DEVICE_MEDIA:
+                    self.block_size = ev.block_size
                     self._store(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 if ev.medium in _DEVICE_MEDIA:

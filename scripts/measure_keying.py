@@ -1,0 +1,84 @@
+"""What keying a long prompt costs: the request's wait and the event loop's, for an ~8k-token chat.
+
+    .venv/bin/python scripts/measure_keying.py [--model-dir DIR] [--tokens 8192] [--block-size 16] [-n 200]
+
+Without ``--model-dir`` the sim's keyer is measured. Prints the time one keying takes (tokenize +
+vLLM's sha256 block chain: what the request waits) and, while keyings run back to back through
+:func:`routerd.routing.engine_keys.keys_for`, the longest stretches the event loop could not run
+anything else (how late a 1 ms timer fires): inline for comparison, then as routerd does it (a thread above
+``INLINE_MAX``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from routerd.ingress.validate import ChatHead, ChatMessage
+from routerd.routing import engine_keys, kv_hash
+from routerd.sim.tokens import VOCAB
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000.0
+
+
+async def _loop_lateness(work: asyncio.Future[None]) -> list[float]:
+    """How late a 1 ms timer fires while ``work`` runs: what any other request on the loop waits."""
+    late: list[float] = []
+    while not work.done():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.001)
+        late.append(max(0.0, time.perf_counter() - t0 - 0.001))
+    return late
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("-n", type=int, default=200)
+    args = ap.parse_args()
+    keyer = engine_keys.load_keyer("vllm", args.model_dir) if args.model_dir else engine_keys.SimKeyer()
+    assert keyer is not None, "no tokenizer there (or tokenizers/jinja2 not installed)"
+    words = [VOCAB[i % len(VOCAB)] for i in range(args.tokens * 2)]
+    text = " ".join(words)
+    ids = keyer.token_ids(ChatHead(model="m", messages=[ChatMessage(role="user", content=text)])) or []
+    # Cut the text to about the wanted token count.
+    text = " ".join(words[: int(len(words) * args.tokens / max(1, len(ids)))])
+    head = ChatHead(model="m", messages=[ChatMessage(role="system", content="You are careful."),
+                                         ChatMessage(role="user", content=text)])
+    root = kv_hash.none_hash(None)
+    n_tokens = len(keyer.token_ids(head) or [])
+    once = []
+    for _ in range(args.n):
+        t0 = time.perf_counter()
+        engine_keys.keys(keyer, head, args.block_size, root)
+        once.append(time.perf_counter() - t0)
+
+    async def run(inline: bool) -> None:
+        for _ in range(args.n):
+            if inline:
+                engine_keys.keys(keyer, head, args.block_size, root)
+                await asyncio.sleep(0)
+            else:
+                await engine_keys.keys_for(keyer, head, args.block_size, root)
+
+    print(f"prompt: {n_tokens} tokens, {len(text)} chars, block size {args.block_size}, n={args.n}, "
+          f"keyer {type(keyer).__name__}")
+    print(f"one keying (the request's wait): p50 {_pct(once, 0.5):.2f} ms  p99 {_pct(once, 0.99):.2f} ms  "
+          f"mean {statistics.fmean(once) * 1000:.2f} ms")
+    for inline in (True, False):
+        work = asyncio.ensure_future(run(inline))
+        late = await _loop_lateness(work)
+        await work
+        print(f"a 1 ms timer's lateness, {'inline' if inline else 'keys_for (thread)'}: "
+              f"p50 {_pct(late, 0.5):.3f} ms  p99 {_pct(late, 0.99):.3f} ms  max {max(late) * 1000:.3f} ms")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
