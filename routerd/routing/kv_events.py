@@ -444,7 +444,7 @@ class KvEventSubscriber:
                         break
                     out.append((seq, frames[3], frames[2]))
         except (TimeoutError, DecodeError) as e:
-            _log.info("kv_event_replay_failed", engine=self.name, start=start, error=repr(e))
+            _log.debug("kv_event_replay_failed", engine=self.name, start=start, error=repr(e))
             self._close_dealer()
             return None
         self.stats.last_heard = self._clock()

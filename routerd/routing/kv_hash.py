@@ -25,7 +25,10 @@ import pickle
 from collections.abc import Sequence
 
 HASH_ALGO = "sha256"
-DEFAULT_SEED = "vllm-none-hash"
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset (sha256)
+# The PYTHONHASHSEED routerd starts its engines with (Python wants an integer there): the first block's
+# parent is then sha256 of this string, the same on every engine routerd launches.
+LAUNCH_SEED = "0"
 _MASK64 = (1 << 64) - 1
 
 

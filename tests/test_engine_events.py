@@ -1,0 +1,155 @@
+"""One KV-event subscription per ready engine, found through ``GET /kv_event_sources``: routerd's
+launchers make engines publish, the registry says which are up, and each view follows its engine —
+through a restart on new ports — on real sim-engine processes started from the launcher's own plan."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from routerd_builtin.launchers import SimLauncher, VllmLauncher
+
+from routerd.plugins import LaunchSpec
+from routerd.registry import Instance, InstanceState, Registry
+from routerd.routing import kv_hash
+from routerd.routing.engine_events import EngineEvents, connect_endpoint
+from routerd.routing.kv_events import ViewHealth
+from routerd.sim.tokens import token_ids
+from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.sim import REPO, SimEngineFactory, _wait_healthy
+
+ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+
+
+def _keys(prompt: str) -> list[int]:
+    return kv_hash.block_keys(token_ids(prompt.split()), 16, ROOT)
+
+
+async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys() -> None:
+    spec = LaunchSpec(fleet="f", index=0, model="m", engine="vllm", engine_args={"model": "/m"})
+    plan = await VllmLauncher().plan(spec, host="127.0.0.1", port=8000, workdir="/w")
+    argv = plan.argv
+    cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert cfg["enable_kv_cache_events"] is True
+    assert cfg["publisher"] == "zmq"
+    assert cfg["endpoint"].startswith("tcp://*:")  # vLLM binds only wildcards (else it connects)
+    assert cfg["replay_endpoint"].startswith("tcp://*:")
+    assert cfg["endpoint"] != cfg["replay_endpoint"]
+    assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256"
+    assert plan.env["PYTHONHASHSEED"] == kv_hash.LAUNCH_SEED
+    off = await VllmLauncher().plan(
+        LaunchSpec(fleet="f", index=0, model="m", engine="vllm", engine_args={"kv-events": False}),
+        host="127.0.0.1", port=8000, workdir="/w")
+    assert "--kv-events-config" not in off.argv
+    assert "PYTHONHASHSEED" not in off.env
+    own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:7000"}'
+    mine = await VllmLauncher().plan(
+        LaunchSpec(fleet="f", index=0, model="m", engine="vllm", engine_args={"kv-events-config": own}),
+        host="127.0.0.1", port=8000, workdir="/w")
+    assert mine.argv.count("--kv-events-config") == 1
+    assert mine.argv[mine.argv.index("--kv-events-config") + 1] == own
+
+
+def test_a_wildcard_endpoint_is_the_engines_own_host() -> None:
+    assert connect_endpoint("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert connect_endpoint("tcp://0.0.0.0:5557", "http://[::1]:8000") == "tcp://[::1]:5557"
+    assert connect_endpoint("tcp://127.0.0.1:5", "http://h:1") == "tcp://127.0.0.1:5"
+
+
+def _popen(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, **env})
+
+
+class Launched:
+    """A sim-engine process started from SimLauncher's plan, as the engine actor would start it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    async def start(self, port: int) -> None:
+        spec = LaunchSpec(fleet="f", index=0, model="m", engine="sim",
+                          engine_args={"kv-events": True, "ttft-ms": 1, "itl-ms": 1})
+        plan = await SimLauncher().plan(spec, host="127.0.0.1", port=port, workdir=str(self.tmp))
+        self.proc = await asyncio.to_thread(_popen, plan.argv, plan.env, self.tmp / f"sim-{port}.log")
+        self.url = f"http://127.0.0.1:{port}"
+        assert await _wait_healthy(self.proc, self.url, 30.0)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+async def launched(tmp_path: Path) -> AsyncIterator[Launched]:
+    eng = Launched(tmp_path)
+    yield eng
+    await asyncio.to_thread(eng.stop)
+
+
+async def _send(url: str, prompt: str) -> None:
+    async with aiohttp.ClientSession() as s, \
+            s.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+        assert r.status == 200
+
+
+async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(launched: Launched) -> None:
+    from routerd._net import free_port
+
+    port = free_port()
+    await launched.start(port)
+    registry = Registry()
+    inst = registry.add(Instance(id="f:0", fleet="f", url=launched.url, state=InstanceState.STARTING))
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
+        task = asyncio.create_task(events.run(interval_s=0.1))
+        try:
+            assert events.match("f:0", [1]) is None  # not ready: not subscribed
+            registry.set_state(inst, InstanceState.READY)
+            assert await eventually(lambda: events.status("f:0")["cache_view"] == "events", 15)
+            first = "the router sends a request to the engine " * 6
+            await _send(launched.url, first)
+            keys = _keys(first)
+            assert await eventually(lambda: events.match("f:0", keys) == len(keys), 15)
+            assert events.block_size("f:0") == 16
+            # The engine restarts (new event ports, chosen by the launcher again); the fleet manager
+            # counts a new generation.
+            await asyncio.to_thread(launched.stop)
+            await launched.start(port)
+            inst.generation += 1
+            registry.notify()
+            second = "many users and each replica answers a batch " * 6
+            await _send(launched.url, second)
+            assert await eventually(lambda: events.match("f:0", _keys(second)) == len(_keys(second)), 15)
+            assert events.match("f:0", keys) == 0  # the old engine's blocks are gone with it
+            rank = events.status("f:0")["event_ranks"][0]
+            assert rank["health"] == ViewHealth.COMPLETE.value
+            registry.remove("f:0")
+            assert await eventually(lambda: events.status("f:0")["cache_view"] == "model", 5)
+        finally:
+            task.cancel()
+            await asyncio.wait([task])
+    assert events.views("f:0") == []
+
+
+async def test_an_engine_without_events_stays_on_the_model(sim_engine: SimEngineFactory) -> None:
+    eng = await sim_engine()
+    registry = Registry()
+    registry.add(Instance(id="f:0", fleet="f", url=eng.url, state=InstanceState.READY))
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None)
+        await events.reconcile()
+        status = events.status("f:0")
+        await events.aclose()
+    assert status == {"cache_view": "model", "events_error": "the engine publishes no KV events"}
+    assert events.match("f:0", [1, 2]) is None
