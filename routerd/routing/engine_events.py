@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from .. import log
+from ..config import FleetConfig
 from ..registry import InstanceState, Registry
+from . import kv_hash
 from .engine_cache import EngineCacheView
+from .engine_keys import EngineKeyer, load_keyer
 from .kv_events import KvEventSubscriber, ViewHealth
+
+if TYPE_CHECKING:
+    from ..telemetry import Telemetry
+    from .router import Router
 
 _log = log.get("routerd.routing.engine_events")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
@@ -96,6 +103,21 @@ class EngineEvents:
                 best = n if best is None else max(best, n)
         return best
 
+    def speculate(self, instance_id: str, keys: Sequence[int]) -> None:
+        """A request was sent there: its blocks count as held until the engine says (one rank only — of
+        several, which one takes it is the engine's choice)."""
+        views = self.views(instance_id)
+        if len(views) == 1 and views[0][0].health is not ViewHealth.STALE:
+            views[0][1].speculate(keys)
+
+    def fleet_block_size(self, fleet: str) -> int | None:
+        """The block size a fleet's engines state in their events (the first one that has)."""
+        for inst in self.registry.instances(fleet):
+            size = self.block_size(inst.id)
+            if size:
+                return size
+        return None
+
     def block_size(self, instance_id: str) -> int | None:
         """The engine's block size as its events state it (None before its first BlockStored)."""
         sizes = [v.block_size for _, v in self.views(instance_id) if v.block_size]
@@ -156,6 +178,7 @@ class EngineEvents:
                 e = self._engines[iid] = _Engine(generation=inst.generation, url=inst.url)
             if not e.ranks and now >= e.next_try:
                 await self._discover(iid, e, inst.snapshot.num_gpu_blocks if inst.snapshot else None)
+            inst.cache_view = self.status(iid)
 
     async def _discover(self, iid: str, e: _Engine, capacity: int | None) -> None:
         e.next_try = self.clock() + self.retry_s
@@ -204,3 +227,89 @@ class EngineEvents:
     async def aclose(self) -> None:
         for iid in list(self._engines):
             await self._drop(iid)
+
+
+def _arg(args: dict[str, Any], name: str, default: Any = None) -> Any:
+    return args.get(name, args.get(name.replace("-", "_"), default))
+
+
+def fleet_keyers(fleets: Sequence[FleetConfig]) -> dict[str, tuple[EngineKeyer, int | None, bytes]]:
+    """How each fleet's engines key their blocks, for fleets routerd launches with KV events on (see
+    ``routerd_builtin.launchers.kv_events``): the sim's tokens, or the vLLM model directory's own
+    tokenizer (none there, or ``routerd[kv]`` not installed: the fleet keeps the request-side model).
+    The block size is ``engine_args.block-size`` when set, else what the engines' events state."""
+    out: dict[str, tuple[EngineKeyer, int | None, bytes]] = {}
+    root = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+    for f in fleets:
+        args = f.engine_args
+        on = _arg(args, "kv-events", f.engine == "vllm")
+        if f.engine not in ("sim", "vllm") or not on:
+            continue
+        keyer = load_keyer(f.engine, str(_arg(args, "model", f.model)))
+        if keyer is None:
+            _log.info("kv_events_no_tokenizer", fleet=f.name, model=_arg(args, "model", f.model))
+            continue
+        size = _arg(args, "block-size")
+        out[f.name] = (keyer, int(size) if size else (16 if f.engine == "sim" else None), root)
+    return out
+
+
+class EngineEventsCollector:
+    """``routerd_kv_events_*``: each engine rank's event stream and view, read at collection time."""
+
+    def __init__(self, events: EngineEvents) -> None:
+        self.events = events
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["fleet", "instance", "rank"]
+        counters = {name: CounterMetricFamily(f"routerd_kv_events_{name}", text, labels=labels)
+                    for name, text in (
+            ("batches", "KV-event batches applied to the engine's view, in seq order (replayed ones too)"),
+            ("events", "KV events applied (BlockStored, BlockRemoved, AllBlocksCleared)"),
+            ("skipped", "KV events not understood (an unknown kind or shape) and skipped"),
+            ("undecodable", "KV-event messages or batches that could not be read at all"),
+            ("gaps", "Seq gaps seen in the live stream (missed batches)"),
+            ("gaps_unrecovered", "Gaps the replay buffer no longer held: the view was emptied and rebuilt"),
+            ("replayed_batches", "Batches applied from the replay socket (gaps, late subscription, probes)"),
+            ("restarts", "Engine restarts seen in the stream (seq went back): the view was rebuilt"),
+        )}
+        health = GaugeMetricFamily("routerd_kv_events_view", "1 for the view's state: complete, partial "
+                                   "(history missing, used), stale (not used: routing models the cache)",
+                                   labels=[*labels, "health"])
+        blocks = GaugeMetricFamily("routerd_kv_events_view_blocks", "Blocks the engine holds by its events",
+                                   labels=labels)
+        lag = GaugeMetricFamily("routerd_kv_events_heard_seconds", "Seconds since the engine's publisher "
+                                "last answered (a batch or a replay probe)", labels=labels)
+        now = self.events.clock()
+        for inst in self.events.registry:
+            for sub, view in self.events.views(inst.id):
+                lv = [inst.fleet, inst.id, sub.name.rsplit("/", 1)[-1]]
+                s = sub.stats
+                for name, value in (("batches", s.batches), ("events", s.events),
+                                    ("skipped", s.skipped_events), ("undecodable", s.undecodable),
+                                    ("gaps", s.gaps),
+                                    ("gaps_unrecovered", s.unrecovered_gaps),
+                                    ("replayed_batches", s.replayed_batches), ("restarts", s.restarts)):
+                    counters[name].add_metric(lv, value)
+                for h in ViewHealth:
+                    health.add_metric([*lv, h.value], 1.0 if sub.health is h else 0.0)
+                blocks.add_metric(lv, len(view))
+                if s.last_heard is not None:
+                    lag.add_metric(lv, now - s.last_heard)
+        yield from counters.values()
+        yield from (health, blocks, lag)
+
+
+def attach(router: Router, telemetry: Telemetry, registry: Registry, session: aiohttp.ClientSession,
+           keyers: dict[str, tuple[EngineKeyer, int | None, bytes]]) -> EngineEvents:
+    """Subscriptions for ``keyers``' fleets, and routing told to use them: the request views get their
+    engine keys, the router scores by the engines' views, ``/metrics`` shows the streams. The caller
+    runs the returned object's :meth:`EngineEvents.run` (and so owns it)."""
+    events = EngineEvents(registry, session, fleets=list(keyers))
+    router.engine_cache = events
+    router.views.keyers = keyers
+    router.views.learned_block_size = events.fleet_block_size
+    telemetry.prom.register(EngineEventsCollector(events))
+    return events

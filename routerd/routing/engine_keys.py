@@ -20,6 +20,7 @@ pays only the hand-off (``scripts/measure_keying.py`` measures both).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,20 +146,25 @@ def prompt_size(head: CompletionHead | ChatHead) -> int:
     return len(p) if isinstance(p, str | list) else 0
 
 
-def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
-         root: bytes) -> tuple[int, ...]:
-    """The request's block keys as the engine will announce them (empty when it cannot be keyed)."""
+def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+         hittable: bool = False) -> tuple[int, ...]:
+    """The request's block keys as the engine will announce them (empty when it cannot be keyed).
+
+    ``hittable``: only the blocks a cache hit can cover — vLLM computes a prompt's last token whatever
+    it holds, so of a prompt of *n* tokens at most ⌊(n−1)/block⌋ blocks are ever served from cache."""
     try:
         ids = keyer.token_ids(head)
     except (ValueError, TypeError, LookupError):  # a template refusing the messages: the engine will too
         return ()
+    if ids and hittable:
+        ids = ids[:-1]
     return tuple(kv_hash.block_keys(ids, block_size, root)) if ids else ()
 
 
 async def keys_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
-                   root: bytes) -> tuple[int, ...]:
+                   root: bytes, *, hittable: bool = False) -> tuple[int, ...]:
     """:func:`keys`, in a thread when the prompt is long (the request waits as long either way; the loop
-    does not)."""
+    waits less — see the module docstring for what that buys under the GIL)."""
     if prompt_size(head) <= INLINE_MAX:
-        return keys(keyer, head, block_size, root)
-    return await asyncio.to_thread(keys, keyer, head, block_size, root)
+        return keys(keyer, head, block_size, root, hittable=hittable)
+    return await asyncio.to_thread(functools.partial(keys, hittable=hittable), keyer, head, block_size, root)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from operator import xor
 from typing import Any
@@ -48,6 +48,7 @@ import msgspec
 from ..config import RoutingConfig
 from ..ingress.validate import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
+from . import engine_keys
 
 __all__ = ["BYTES_PER_TOKEN", "RequestView", "RequestViews", "TokenRatio", "block_keys", "render_chat"]
 
@@ -151,6 +152,10 @@ class RequestViews:
 
     def __init__(self, cfg: RoutingConfig) -> None:
         self.ratios: dict[str, TokenRatio] = {}
+        # fleet → how its engines key blocks (keyer, block size if configured, first parent); and the
+        # block size the engines' own events state, for a fleet whose config does not say
+        self.keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] = {}
+        self.learned_block_size: Callable[[str], int | None] = lambda fleet: None
         self.configure(cfg)
 
     def configure(self, cfg: RoutingConfig) -> None:
@@ -213,6 +218,19 @@ class RequestViews:
                            prompt_bytes=nbytes, max_tokens=max_tokens,
                            block_keys=block_keys(self._cut(data, n)) if n else (),
                            block_tokens=self.block_bytes * ratio, session=session, priority=priority)
+
+    async def with_engine_keys(self, view: RequestView, head: CompletionHead | ChatHead) -> RequestView:
+        """``view`` with the block keys its fleet's engines will compute (see
+        :mod:`routerd.routing.engine_keys`), when the fleet has a keyer and a known block size."""
+        keyer = self.keyers.get(view.fleet)
+        if keyer is None:
+            return view
+        tokenizer, block_size, root = keyer
+        block_size = block_size or self.learned_block_size(view.fleet)
+        if not block_size:
+            return view
+        keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
+        return msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
 
     def _ids_view(self, fleet: str, endpoint: str, prompt: list[Any], max_tokens: int | None,
                   session: str | None, priority: int) -> RequestView:
