@@ -34,7 +34,9 @@ def hits(engine: Any) -> float:
 async def subscribed(sims: SimFactory, dataplane: PlaneFactory
                      ) -> AsyncIterator[tuple[RunningPlane, list[Any], EngineEvents]]:
     # 32 blocks of 16 tokens each: six conversations of four turns do not fit in two engines (evictions).
-    engines = [await sims(kv_events_config=KV, num_gpu_blocks=32, max_model_len=512, max_num_seqs=4)
+    # A step that admits requests takes 50 ms: a burst is routed before any engine announces its blocks.
+    engines = [await sims(kv_events_config=KV, num_gpu_blocks=32, max_model_len=512, max_num_seqs=8,
+                          ttft_ms=50)
                for _ in range(2)]
     plane = await dataplane([e.url for e in engines])
     # The in-process sims seed their block hashes from this process's PYTHONHASHSEED (as vLLM does).
@@ -96,6 +98,35 @@ async def test_predicted_hits_are_the_engines_own_request_by_request(
         assert metrics["routerd_kv_events_events_total"].value(instance=row["id"]) > 0
         assert metrics["routerd_kv_events_gaps_total"].value(instance=row["id"]) == 0
         assert metrics["routerd_kv_events_view"].value(instance=row["id"], health="complete") == 1
+
+
+async def test_a_burst_sharing_a_new_prefix_sees_it_held_where_the_first_went(
+        subscribed: tuple[RunningPlane, list[Any], EngineEvents]) -> None:
+    """Three requests sharing a prefix no engine holds, sent at once — all routed before any engine
+    announces a block (a step takes 50 ms): the first one's blocks count as held where it went
+    (speculatively, until the engine's BlockStored), so the others are scored with that prefix there —
+    and go there unless its wait outweighs the prefill saved (cache_aware's trade-off)."""
+    plane, _, _ = subscribed
+    shared = " ".join(_words(99, t) for t in range(5))  # 300 words: most of the prompt
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+
+            async def send(n: int) -> None:
+                body = {"model": "m", "max_tokens": 2, "messages": [
+                    {"role": "system", "content": shared}, {"role": "user", "content": str(n)}]}
+                async with http.post(plane.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+
+            await asyncio.gather(*(send(n) for n in range(3)))
+    first, *later = [e for e in logs if e["event"] == "request"]
+    assert first["matched_blocks"] == 0
+    assert first["runner_up_matched_blocks"] == 0
+    assert len(later) == 2
+    for line in later:
+        assert line["cache_view"] == "events"
+        same = line["instance"] == first["instance"]
+        there = line["matched_blocks"] if same else line["runner_up_matched_blocks"]
+        assert there == 300 // 16  # the shared system prompt's blocks, before the engine stored them
 
 
 async def test_a_stale_view_falls_back_to_the_model(

@@ -65,6 +65,8 @@ class EngineCacheView:
         return set(self._blocks)
 
     def apply(self, batch: EventBatch) -> None:
+        """One batch, in order; the capacity bound is checked after the whole batch (an engine may
+        announce a store before the removal that made room for it)."""
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 if ev.medium in _DEVICE_MEDIA:
@@ -76,6 +78,7 @@ class EngineCacheView:
             elif isinstance(ev, AllBlocksCleared):
                 self._blocks.clear()
                 self._speculative.clear()
+        self._bound()
 
     def reset(self, reason: str) -> None:
         """Forget everything: the engine restarted, or the event history broke."""
@@ -120,7 +123,9 @@ class EngineCacheView:
             blocks[k] = blocks.get(k, 0) + 1
             blocks.move_to_end(k)
             spec.pop(k, None)
-        cap = self.capacity_blocks
+
+    def _bound(self) -> None:
+        blocks, cap = self._blocks, self.capacity_blocks
         if cap is not None:
             while len(blocks) > cap:
                 blocks.popitem(last=False)

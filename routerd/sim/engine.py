@@ -292,8 +292,12 @@ class BatchEngine:
         m.prompt_tokens.inc(seq.prompt_tokens)
 
     def _record_kv(self, seq: Sequence, stored: list[int], evicted: list[int]) -> None:
-        """BlockStored per run of consecutive new blocks (parent = the block before), then BlockRemoved."""
+        """BlockRemoved for what the new blocks displaced, then BlockStored per run of consecutive new
+        blocks (parent = the block before) — vLLM's order: a cached block is evicted when its memory is
+        allocated again, before the new content is cached there."""
         bs, hashes = self.cfg.block_size, seq.block_hashes
+        if evicted:
+            self._kv_events.append(BlockRemoved(block_hashes=tuple(evicted), medium="GPU"))
         run: list[int] = []
         for i in [*stored, -1]:
             if run and (i != run[-1] + 1):
@@ -306,8 +310,6 @@ class BatchEngine:
                 run = []
             if i >= 0:
                 run.append(i)
-        if evicted:
-            self._kv_events.append(BlockRemoved(block_hashes=tuple(evicted), medium="GPU"))
 
     def _emit(self, seq: Sequence, now: float) -> None:
         m = self.metrics
