@@ -10,6 +10,7 @@ import os
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -22,7 +23,7 @@ from routerd.routing.engine_events import EngineEvents, connect_endpoint
 from routerd.routing.kv_events import ViewHealth
 from routerd.sim.tokens import token_ids
 from tests.fixtures.ray_cluster import eventually
-from tests.fixtures.sim import REPO, SimEngineFactory, _wait_healthy
+from tests.fixtures.sim import REPO, SimEngineFactory, SimProcessFactory, _wait_healthy
 
 ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
 
@@ -153,3 +154,39 @@ async def test_an_engine_without_events_stays_on_the_model(sim_engine: SimEngine
         await events.aclose()
     assert status == {"cache_view": "model", "events_error": "the engine publishes no KV events"}
     assert events.match("f:0", [1, 2]) is None
+
+
+async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
+        routerd_process: Any, routerd_config: Any, sim_process: SimProcessFactory) -> None:
+    """The whole way through ``routerd run``: a static fleet of sim engines that publish (they say where
+    on ``/kv_event_sources``), keyed as the sim keys, seeded as they are."""
+    kv = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
+                     "replay_endpoint": "tcp://127.0.0.1:0"})
+    sim = await sim_process(model="m", kv_events_config=kv)
+    args: dict[str, Any] = {"kv-events": True, "tokenizer": "sim"}
+    if os.environ.get("PYTHONHASHSEED"):  # the sim process inherits it, as a static engine's own setting
+        args["hash-seed"] = os.environ["PYTHONHASHSEED"]
+    fleet = {"name": "f", "model": "m", "engine": "static", "urls": [sim.url], "engine_args": args}
+    rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[fleet]))
+    prompt = "the router sends a request to the engine " * 8
+    async with aiohttp.ClientSession() as s:
+        async def view() -> dict[str, Any]:
+            async with s.get(f"{rp.url}/admin/fleets") as r:
+                return (await r.json())["fleets"]["f"]["instances"][0]["cache_view"] or {}
+
+        for _ in range(200):
+            if (await view()).get("cache_view") == "events":
+                break
+            await asyncio.sleep(0.1)
+        assert (await view())["cache_view"] == "events"
+        for _ in range(2):
+            async with s.post(f"{rp.url}/v1/completions", json={"model": "m", "prompt": prompt,
+                                                              "max_tokens": 2}) as r:
+                assert r.status == 200
+        async with s.get(f"{rp.url}/metrics") as r:
+            text = await r.text()
+    assert 'routerd_kv_events_view{fleet="f",health="complete",instance="f:static0",rank="0"} 1.0' in text
+    lines = [json.loads(line) for line in rp.log_path.read_text().splitlines() if line.startswith("{")]
+    requests = [e for e in lines if e.get("event") == "request"]
+    assert [e["cache_view"] for e in requests] == ["events", "events"]
+    assert requests[1]["matched_blocks"] == (len(prompt.split()) - 1) // 16  # the engine holds them

@@ -234,23 +234,35 @@ def _arg(args: dict[str, Any], name: str, default: Any = None) -> Any:
 
 
 def fleet_keyers(fleets: Sequence[FleetConfig]) -> dict[str, tuple[EngineKeyer, int | None, bytes]]:
-    """How each fleet's engines key their blocks, for fleets routerd launches with KV events on (see
-    ``routerd_builtin.launchers.kv_events``): the sim's tokens, or the vLLM model directory's own
-    tokenizer (none there, or ``routerd[kv]`` not installed: the fleet keeps the request-side model).
-    The block size is ``engine_args.block-size`` when set, else what the engines' events state."""
+    """How each fleet's engines key their blocks, for the fleets whose engines publish KV events:
+
+    - launched with them on (``routerd_builtin.launchers.kv_events``): the sim's tokens, or the vLLM
+      model directory's own tokenizer, seeded as routerd seeds them;
+    - a static fleet that says so: ``engine_args.kv-events = true``, ``engine_args.tokenizer`` (a model
+      directory, or ``"sim"``) and ``engine_args.hash-seed`` (the engines' ``PYTHONHASHSEED``; unset:
+      vLLM's own default for sha256).
+
+    No tokenizer there (or ``routerd[kv]`` not installed): the fleet keeps the request-side model. The
+    block size is ``engine_args.block-size`` when set, else what the engines' events state."""
     out: dict[str, tuple[EngineKeyer, int | None, bytes]] = {}
-    root = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
     for f in fleets:
         args = f.engine_args
         on = _arg(args, "kv-events", f.engine == "vllm")
-        if f.engine not in ("sim", "vllm") or not on:
+        if f.engine not in ("sim", "vllm", "static") or not on:
             continue
-        keyer = load_keyer(f.engine, str(_arg(args, "model", f.model)))
+        engine, source = f.engine, str(_arg(args, "model", f.model))
+        root = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+        if engine == "static":
+            source = str(_arg(args, "tokenizer", ""))
+            engine = "sim" if source == "sim" else "vllm"
+            seed = _arg(args, "hash-seed")
+            root = kv_hash.none_hash(None if seed is None else str(seed))
+        keyer = load_keyer(engine, source)
         if keyer is None:
-            _log.info("kv_events_no_tokenizer", fleet=f.name, model=_arg(args, "model", f.model))
+            _log.info("kv_events_no_tokenizer", fleet=f.name, tokenizer=source)
             continue
         size = _arg(args, "block-size")
-        out[f.name] = (keyer, int(size) if size else (16 if f.engine == "sim" else None), root)
+        out[f.name] = (keyer, int(size) if size else (16 if engine == "sim" else None), root)
     return out
 
 
