@@ -190,3 +190,27 @@ async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
     requests = [e for e in lines if e.get("event") == "request"]
     assert [e["cache_view"] for e in requests] == ["events", "events"]
     assert requests[1]["matched_blocks"] == (len(prompt.split()) - 1) // 16  # the engine holds them
+
+
+def test_which_fleets_are_keyed(tmp_path: Path) -> None:
+    from routerd.config import FleetConfig
+    from routerd.routing.engine_events import fleet_keyers
+    from routerd.routing.engine_keys import SimKeyer
+
+    fleets = [
+        FleetConfig(name="sim-off", model="m", engine="sim"),
+        FleetConfig(name="sim-on", model="m", engine="sim",
+                    engine_args={"kv-events": True, "block-size": 32}),
+        FleetConfig(name="vllm-no-tokenizer", model="m", engine="vllm", engine_args={"model": str(tmp_path)}),
+        FleetConfig(name="vllm-off", model="m", engine="vllm", engine_args={"kv-events": False}),
+        FleetConfig(name="static", model="m", engine="static", urls=["http://127.0.0.1:1"],
+                    engine_args={"kv-events": True, "tokenizer": "sim", "hash-seed": 7}),
+        FleetConfig(name="static-off", model="m", engine="static", urls=["http://127.0.0.1:1"]),
+    ]
+    keyers = fleet_keyers(fleets)
+    assert sorted(keyers) == ["sim-on", "static"]
+    keyer, size, root = keyers["sim-on"]
+    assert isinstance(keyer, SimKeyer)
+    assert size == 32
+    assert root == kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+    assert keyers["static"][1:] == (16, kv_hash.none_hash("7"))
