@@ -84,3 +84,20 @@ def test_the_hf_keyer_tokenizes_as_transformers_renders_for_vllm(vllm_bin: Path,
     assert isinstance(keyer, engine_keys.HfKeyer)
     assert keyer.token_ids(_chat()) == chat_ids
     assert keyer.token_ids(CompletionHead(model="m", prompt=prompt)) == prompt_ids
+
+
+def test_a_template_that_fails_on_the_messages_leaves_the_request_unkeyed(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }}{{ no_such.thing }}{% endfor %}"}))
+    keyer = engine_keys.load_keyer("vllm", str(tmp_path))
+    assert keyer is not None
+    head = ChatHead(model="m", messages=[ChatMessage(role="user", content="hello " * 64)])
+    assert engine_keys.keys(keyer, head, 16, ROOT) == ()  # the template fails: no crash, no keys
+    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="hello " * 64), 16, ROOT) != ()

@@ -104,10 +104,17 @@ class HfKeyer:
         self.template = env.from_string(template) if isinstance(template, str) else None
 
     def render(self, messages: Sequence[ChatMessage]) -> str | None:
+        """The chat as the template renders it; None when there is no template or it fails on these
+        messages (the engine will answer that request itself; routing just cannot key it)."""
+        import jinja2
+
         if self.template is None:
             return None
-        return str(self.template.render(messages=_message_dicts(messages), add_generation_prompt=True,
-                                        **self.special))
+        try:
+            return str(self.template.render(messages=_message_dicts(messages), add_generation_prompt=True,
+                                            **self.special))
+        except jinja2.TemplateError:
+            return None
 
     def token_ids(self, head: CompletionHead | ChatHead) -> list[int] | None:
         if isinstance(head, ChatHead):
