@@ -228,13 +228,14 @@ class Daemon:
     def _engine_events(self, plane: DataPlane, session: aiohttp.ClientSession) -> EngineEvents | None:
         """The engines' own cache views for routing, for the fleets whose engines publish KV events and
         whose tokens routerd can compute (:func:`routerd.routing.engine_events.fleet_keyers`)."""
-        from .routing.engine_events import attach, fleet_keyers
+        from .routing.engine_events import attach, fleet_keyers, static_sources
 
         keyers = fleet_keyers(self.cfg.fleets)
         if not keyers:
             return None
         _logger.info("kv_events_routing", fleets=sorted(keyers))
-        return attach(plane.router, plane.telemetry, self.registry, session, keyers)
+        return attach(plane.router, plane.telemetry, self.registry, session, keyers,
+                      static_sources(self.cfg.fleets))
 
     async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
         """Redis reachable, or embedded and started: sets ``redis_url`` (empty with [redis] disabled)."""

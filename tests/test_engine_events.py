@@ -214,3 +214,35 @@ def test_which_fleets_are_keyed(tmp_path: Path) -> None:
     assert size == 32
     assert root == kv_hash.none_hash(kv_hash.LAUNCH_SEED)
     assert keyers["static"][1:] == (16, kv_hash.none_hash("7"))
+
+
+async def test_a_static_fleet_can_name_each_urls_publisher(sim_engine: SimEngineFactory) -> None:
+    """``engine_args.kv-event-sources``, one per URL: used instead of asking the engine (here the URL's
+    engine publishes nothing itself; the named publisher is another's)."""
+    from routerd.config import FleetConfig
+    from routerd.routing.engine_events import static_sources
+
+    quiet = await sim_engine()
+    publishing = await sim_engine(kv_events_config=json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}))
+    assert publishing.kv_events is not None
+    src = {"endpoint": publishing.kv_events.endpoint, "replay_endpoint": publishing.kv_events.replay_endpoint}
+    fleet = FleetConfig(name="f", model="m", engine="static", urls=[quiet.url + "/"],
+                        engine_args={"kv-event-sources": [src]})
+    sources = static_sources([fleet])
+    assert sources == {quiet.url: src}
+    registry = Registry()
+    registry.add(Instance(id="f:static0", fleet="f", url=quiet.url, state=InstanceState.READY))
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None, sources=sources, probe_interval_s=0.2)
+        task = asyncio.create_task(events.run(interval_s=0.1))
+        try:
+            assert await eventually(lambda: events.status("f:static0")["cache_view"] == "events", 10)
+            prompt = "the router sends a request to the engine " * 6
+            await _send(publishing.url, prompt)
+            root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+            keys = kv_hash.block_keys(token_ids(prompt.split()), 16, root)
+            assert await eventually(lambda: events.match("f:static0", keys) == len(keys), 10)
+        finally:
+            task.cancel()
+            await asyncio.wait([task])

@@ -76,11 +76,14 @@ class EngineEvents:
     """The subscriptions of every ready instance in ``registry`` (see the module docstring)."""
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession, *, fleets: Sequence[str] | None,
+                 sources: dict[str, dict[str, Any]] | None = None,
                  discover_timeout_s: float = 2.0, retry_s: float = 30.0, probe_interval_s: float = 2.0,
                  replay_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.session = session
         self.fleets = None if fleets is None else set(fleets)
+        # engine URL → its publisher, as configured (a static fleet's): used instead of asking the engine
+        self.sources = sources or {}
         self.discover_timeout_s = discover_timeout_s
         self.retry_s = retry_s
         self.probe_interval_s = probe_interval_s
@@ -182,6 +185,10 @@ class EngineEvents:
 
     async def _discover(self, iid: str, e: _Engine, capacity: int | None) -> None:
         e.next_try = self.clock() + self.retry_s
+        configured = self.sources.get(e.url)
+        if configured is not None:
+            self._subscribe(iid, e, {"0": configured}, capacity)
+            return
         try:
             async with asyncio.timeout(self.discover_timeout_s), \
                     self.session.get(f"{e.url}/kv_event_sources") as r:
@@ -195,6 +202,9 @@ class EngineEvents:
         if not isinstance(sources, dict) or not sources:
             e.error = "the engine publishes no KV events"
             return
+        self._subscribe(iid, e, sources, capacity)
+
+    def _subscribe(self, iid: str, e: _Engine, sources: dict[str, Any], capacity: int | None) -> None:
         for rank, src in sources.items():
             if not isinstance(src, dict) or not isinstance(src.get("endpoint"), str):
                 continue
@@ -231,6 +241,21 @@ class EngineEvents:
 
 def _arg(args: dict[str, Any], name: str, default: Any = None) -> Any:
     return args.get(name, args.get(name.replace("-", "_"), default))
+
+
+def static_sources(fleets: Sequence[FleetConfig]) -> dict[str, dict[str, Any]]:
+    """The publishers static fleets name for their URLs: ``engine_args.kv-event-sources``, one table per
+    URL in ``urls`` order (``endpoint``, ``replay_endpoint``, ``topic``) — for engines that do not
+    answer ``GET /kv_event_sources`` (older vLLM) or publish somewhere their URL's host is not."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in fleets:
+        listed = _arg(f.engine_args, "kv-event-sources")
+        if f.engine != "static" or not isinstance(listed, list):
+            continue
+        for url, src in zip(f.urls, listed, strict=False):
+            if isinstance(src, dict) and isinstance(src.get("endpoint"), str):
+                out[url.rstrip("/")] = src
+    return out
 
 
 def fleet_keyers(fleets: Sequence[FleetConfig]) -> dict[str, tuple[EngineKeyer, int | None, bytes]]:
@@ -315,11 +340,12 @@ class EngineEventsCollector:
 
 
 def attach(router: Router, telemetry: Telemetry, registry: Registry, session: aiohttp.ClientSession,
-           keyers: dict[str, tuple[EngineKeyer, int | None, bytes]]) -> EngineEvents:
+           keyers: dict[str, tuple[EngineKeyer, int | None, bytes]],
+           sources: dict[str, dict[str, Any]] | None = None) -> EngineEvents:
     """Subscriptions for ``keyers``' fleets, and routing told to use them: the request views get their
     engine keys, the router scores by the engines' views, ``/metrics`` shows the streams. The caller
     runs the returned object's :meth:`EngineEvents.run` (and so owns it)."""
-    events = EngineEvents(registry, session, fleets=list(keyers))
+    events = EngineEvents(registry, session, fleets=list(keyers), sources=sources)
     router.engine_cache = events
     router.views.keyers = keyers
     router.views.learned_block_size = events.fleet_block_size
