@@ -72,6 +72,10 @@ async def main() -> None:
           f"keyer {type(keyer).__name__}")
     print(f"one keying (the request's wait): p50 {_pct(once, 0.5):.2f} ms  p99 {_pct(once, 0.99):.2f} ms  "
           f"mean {statistics.fmean(once) * 1000:.2f} ms")
+    idle = asyncio.ensure_future(asyncio.sleep(sum(once)))
+    late = await _loop_lateness(idle)
+    print(f"a 1 ms timer's lateness, nothing else running (the machine's floor): "
+          f"p50 {_pct(late, 0.5):.3f} ms  p99 {_pct(late, 0.99):.3f} ms  max {max(late) * 1000:.3f} ms")
     for inline in (True, False):
         work = asyncio.ensure_future(run(inline))
         late = await _loop_lateness(work)

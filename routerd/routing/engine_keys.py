@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -121,11 +122,16 @@ class HfKeyer:
             text = self.render(head.messages)
             if text is None:
                 return None
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, add_special_tokens=False)
         prompt = _single_prompt(head.prompt)
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+            return self._encode(prompt, add_special_tokens=True)
         return prompt
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: it lets go of the GIL while the Rust tokenizer works, so keying in a
+        # thread leaves the event loop free for all but the hashing
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def _raise(message: str) -> None:
@@ -154,7 +160,7 @@ def prompt_size(head: CompletionHead | ChatHead) -> int:
 
 
 def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-         hittable: bool = False) -> tuple[int, ...]:
+         hittable: bool = False, pause: Callable[[], None] | None = None) -> tuple[int, ...]:
     """The request's block keys as the engine will announce them (empty when it cannot be keyed).
 
     ``hittable``: only the blocks a cache hit can cover — vLLM computes a prompt's last token whatever
@@ -165,7 +171,7 @@ def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, r
         return ()
     if ids and hittable:
         ids = ids[:-1]
-    return tuple(kv_hash.block_keys(ids, block_size, root)) if ids else ()
+    return tuple(kv_hash.block_keys(ids, block_size, root, pause=pause)) if ids else ()
 
 
 async def keys_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
@@ -174,4 +180,9 @@ async def keys_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_si
     waits less — see the module docstring for what that buys under the GIL)."""
     if prompt_size(head) <= INLINE_MAX:
         return keys(keyer, head, block_size, root, hittable=hittable)
-    return await asyncio.to_thread(functools.partial(keys, hittable=hittable), keyer, head, block_size, root)
+    work = functools.partial(keys, hittable=hittable, pause=_yield_gil)
+    return await asyncio.to_thread(work, keyer, head, block_size, root)
+
+
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: the event loop's thread runs if it was waiting for it

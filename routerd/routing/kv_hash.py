@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 HASH_ALGO = "sha256"
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset (sha256)
@@ -41,14 +41,20 @@ def none_hash(seed: str | None) -> bytes:
     return _sha256(DEFAULT_SEED if seed is None else seed)
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Full digests of every *full* block of ``token_ids``, chained from ``root`` (:func:`none_hash`)."""
+def block_digests(token_ids: Sequence[int], block_size: int, root: bytes, *,
+                  pause: Callable[[], None] | None = None) -> list[bytes]:
+    """Full digests of every *full* block of ``token_ids``, chained from ``root`` (:func:`none_hash`).
+
+    ``pause`` is called every 32 blocks: in a thread, ``time.sleep(0)`` there hands the GIL back, so a
+    long prompt's hashing does not hold the event loop's thread off for a whole switch interval."""
     out: list[bytes] = []
     parent = root
     ids = list(token_ids)
-    for start in range(0, len(ids) - block_size + 1, block_size):
+    for n, start in enumerate(range(0, len(ids) - block_size + 1, block_size), 1):
         parent = _sha256((parent, tuple(ids[start:start + block_size]), None))
         out.append(parent)
+        if pause is not None and n % 32 == 0:
+            pause()
     return out
 
 
@@ -59,6 +65,7 @@ def external(block_hash: bytes | int) -> int:
     return int.from_bytes(block_hash, "big") & _MASK64
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, root: bytes) -> list[int]:
+def block_keys(token_ids: Sequence[int], block_size: int, root: bytes, *,
+               pause: Callable[[], None] | None = None) -> list[int]:
     """The event keys of the full blocks of ``token_ids``: what the engine will announce storing."""
-    return [external(d) for d in block_digests(token_ids, block_size, root)]
+    return [external(d) for d in block_digests(token_ids, block_size, root, pause=pause)]
