@@ -101,3 +101,23 @@ def test_a_template_that_fails_on_the_messages_leaves_the_request_unkeyed(tmp_pa
     head = ChatHead(model="m", messages=[ChatMessage(role="user", content="hello " * 64)])
     assert engine_keys.keys(keyer, head, 16, ROOT) == ()  # the template fails: no crash, no keys
     assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="hello " * 64), 16, ROOT) != ()
+
+
+async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
+    """The estimate from bytes (1 token per 4) would make a prompt of one-letter words half as long as
+    the engine counts it — and an exact cache hit larger than the prompt."""
+    from routerd.config import RoutingConfig
+    from routerd.routing.request import RequestViews
+
+    views = RequestViews(RoutingConfig())
+    views.keyers["f"] = (engine_keys.SimKeyer(), 16, ROOT)
+    head = CompletionHead(model="m", prompt="a " * 100)
+    plain = views.build("f", "/v1/completions", head)
+    assert plain.prompt_tokens == 50
+    keyed = await views.with_engine_keys(plain, head)
+    assert len(keyed.engine_keys) == 99 // 16
+    assert keyed.engine_block_tokens == 16
+    assert keyed.prompt_tokens == 6 * 16 + 1
+    views.ratio("f").add(1.0, 1000.0)  # the learned ratio moves: the floor stays
+    assert views.current(keyed).prompt_tokens == 97
+    assert (await views.with_engine_keys(views.build("g", "/v1/completions", head), head)).engine_keys == ()

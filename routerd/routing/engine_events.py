@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -165,11 +165,15 @@ class EngineEvents:
             await self.aclose()
 
     async def reconcile(self) -> None:
+        """Subscribe what became ready, drop what left or restarted, bound each view by its engine's
+        KV capacity as last scraped; the engines still to be asked are asked at once (each bounded by
+        ``discover_timeout_s``), so one that does not answer holds up no other."""
         now = self.clock()
         wanted = {i.id: i for i in self.registry
                   if i.state is InstanceState.READY and (self.fleets is None or i.fleet in self.fleets)}
         for iid in [k for k in self._engines if k not in wanted]:
             await self._drop(iid)
+        asks: list[tuple[str, Coroutine[Any, Any, None]]] = []
         for iid, inst in wanted.items():
             e = self._engines.get(iid)
             if e is not None and (e.generation != inst.generation or e.url != inst.url
@@ -179,8 +183,17 @@ class EngineEvents:
                 e = None
             if e is None:
                 e = self._engines[iid] = _Engine(generation=inst.generation, url=inst.url)
+            capacity = inst.snapshot.num_gpu_blocks if inst.snapshot is not None else None
+            for r in e.ranks.values():
+                r.view.capacity_blocks = capacity or r.view.capacity_blocks
             if not e.ranks and now >= e.next_try:
-                await self._discover(iid, e, inst.snapshot.num_gpu_blocks if inst.snapshot else None)
+                asks.append((iid, self._discover(iid, e, capacity)))
+        # every ask runs to its end (each is bounded), whatever another's outcome
+        results = await asyncio.gather(*(a for _, a in asks), return_exceptions=True)
+        for (iid, _), res in zip(asks, results, strict=True):
+            if isinstance(res, Exception):
+                _log.error("kv_events_discover_failed", instance=iid, error=repr(res))
+        for iid, inst in wanted.items():
             inst.cache_view = self.status(iid)
 
     async def _discover(self, iid: str, e: _Engine, capacity: int | None) -> None:

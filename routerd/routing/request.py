@@ -122,6 +122,12 @@ def block_keys(blocks: Sequence[object]) -> tuple[int, ...]:
     return tuple(accumulate(map(xor, map(hash, blocks), _mixers(len(blocks)))))
 
 
+def _engine_floor(view: RequestView) -> int:
+    """The fewest tokens the prompt can have, by the engine's own tokens (its hittable full blocks and
+    the last token): an estimate from bytes below it would price an exact hit above the prompt."""
+    return len(view.engine_keys) * view.engine_block_tokens + 1 if view.engine_keys else 1
+
+
 class TokenRatio:
     """A fleet's tokens per byte of canonical text: the engines' prompt-token counts over the bytes
     routerd sent them, as decayed sums (each halved past :data:`HORIZON_BYTES`), starting from the
@@ -179,7 +185,8 @@ class RequestViews:
         block_tokens = self.block_bytes * ratio
         if block_tokens == view.block_tokens:
             return view
-        return msgspec.structs.replace(view, prompt_tokens=max(1, round(view.prompt_bytes * ratio)),
+        return msgspec.structs.replace(view, prompt_tokens=max(_engine_floor(view),
+                                                               round(view.prompt_bytes * ratio)),
                                        block_tokens=block_tokens)
 
     def bare(self, fleet: str, endpoint: str, *, session: str | None = None,
@@ -230,7 +237,8 @@ class RequestViews:
         if not block_size:
             return view
         keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
-        return msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
+        view = msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
+        return msgspec.structs.replace(view, prompt_tokens=max(view.prompt_tokens, _engine_floor(view)))
 
     def _ids_view(self, fleet: str, endpoint: str, prompt: list[Any], max_tokens: int | None,
                   session: str | None, priority: int) -> RequestView:
