@@ -15,19 +15,22 @@ is not installed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 from routerd_builtin.launchers import kv_events
 
 from routerd._net import free_port
 from routerd.ingress.validate import ChatHead, ChatMessage
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing import engine_keys, kv_hash
-from routerd.routing.engine_events import EngineEvents
+from routerd.routing.engine_events import EngineEvents, attach
+from tests.fixtures.dataplane import PlaneFactory
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.vllm import VllmServer, parse_metrics, start_vllm
 
@@ -123,3 +126,58 @@ async def test_predicted_hits_equal_the_engines_across_a_restart(vllm_bin: Path,
     assert sum(a for _, a in second) > 0
     assert first[0] == (0, 0.0)
     assert second[0] == (0, 0.0)  # the restarted engine holds nothing, and routerd knows it
+
+
+async def test_routing_two_engines_predicts_each_hit_to_the_token(
+        vllm_bin: Path, tiny_model_dir: Path, tmp_path: Path, dataplane: PlaneFactory) -> None:
+    """Two engines behind routerd's data plane (cache_aware, scoring by the engines' events): every
+    request's ``cached_tokens_est`` in its log line is what its engine then counted as hit."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_start, vllm_bin, tiny_model_dir, tmp_path / f"e{i}") for i in range(2)]
+        concurrent.futures.wait(futures)
+    servers = [f.result() for f in futures if f.exception() is None]
+    try:
+        assert len(servers) == 2, [f.exception() for f in futures]
+        keyer = engine_keys.load_keyer("vllm", str(tiny_model_dir))
+        assert keyer is not None
+        plane = await dataplane([s.url for s in servers], model="tiny")
+        by_id = {i.id: next(s for s in servers if s.url == i.url) for i in plane.registry}
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            events = attach(plane.dp.router, plane.dp.telemetry, plane.registry, http,
+                            {"f": (keyer, BLOCK, ROOT)})
+            task = asyncio.create_task(events.run(interval_s=0.2))
+            try:
+                await plane.wait_for(lambda: all(i.cache_view.get("cache_view") == "events"
+                                                 for i in plane.registry), timeout=60, what="subscribed")
+                pairs = []
+                convs: list[list[dict[str, Any]]] = [
+                    [{"role": "system", "content": f"conversation {c}."}] for c in range(4)]
+                with structlog.testing.capture_logs() as logs:
+                    for turn in TURNS:
+                        for c, conv in enumerate(convs):
+                            conv.append({"role": "user", "content": f"{turn} ({c})"})
+                            before = {iid: await _hits(http, s.url) for iid, s in by_id.items()}
+                            body = {"model": "tiny", "messages": conv, "max_tokens": 8, "temperature": 0}
+                            async with http.post(plane.url + "/v1/chat/completions", json=body) as r:
+                                assert r.status == 200, await r.text()
+                                iid = r.headers["X-Routerd-Instance"]
+                                reply = (await r.json())["choices"][0]["message"]["content"]
+                            conv.append({"role": "assistant", "content": reply})
+                            line = [e for e in logs if e["event"] == "request"][-1]
+                            assert line["cache_view"] == "events"
+                            after = await _hits(http, by_id[iid].url)
+                            pairs.append((line["cached_tokens_est"], after - before[iid]))
+                            # wait until routerd has the engine's announcement of this request's blocks
+                            head = ChatHead(model="tiny", messages=[
+                                ChatMessage(role=m["role"], content=m["content"]) for m in conv[:-1]])
+                            full = engine_keys.keys(keyer, head, BLOCK, ROOT)
+                            assert await eventually(lambda k=full, i=iid: events.match(i, k) == len(k), 10)
+            finally:
+                task.cancel()
+                await asyncio.wait([task])
+        print("cached_tokens_est / engine's hit tokens per request:", pairs)
+        assert all(p == a for p, a in pairs), pairs
+        assert sum(a for _, a in pairs) > 0
+    finally:
+        left = [pid for s in servers for pid in await asyncio.to_thread(s.stop)]
+        assert not left, f"vllm processes left: {left}"
