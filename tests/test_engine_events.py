@@ -246,3 +246,21 @@ async def test_a_static_fleet_can_name_each_urls_publisher(sim_engine: SimEngine
         finally:
             task.cancel()
             await asyncio.wait([task])
+
+
+def test_check_config_names_bad_kv_event_settings() -> None:
+    from routerd.config import ConfigError, parse
+
+    raw = {"fleets": [
+        {"name": "v", "model": "v", "engine": "vllm", "engine_args": {"kv-events": "yes", "block-size": 0}},
+        {"name": "s", "model": "s", "engine": "static", "urls": ["http://127.0.0.1:1"],
+         "engine_args": {"kv-events": True, "hash-seed": [1],
+                         "kv-event-sources": [{"endpoint": "http://127.0.0.1:2"}]}},
+    ]}
+    with pytest.raises(ConfigError) as e:
+        parse(raw)
+    problems = "\n".join(e.value.problems)
+    for path in ("$.fleets[0].engine_args.kv-events", "$.fleets[0].engine_args.block-size",
+                 "$.fleets[1].engine_args.tokenizer", "$.fleets[1].engine_args.hash-seed",
+                 "$.fleets[1].engine_args.kv-event-sources[0]"):
+        assert path + ":" in problems, problems
