@@ -264,3 +264,20 @@ def test_check_config_names_bad_kv_event_settings() -> None:
                  "$.fleets[1].engine_args.tokenizer", "$.fleets[1].engine_args.hash-seed",
                  "$.fleets[1].engine_args.kv-event-sources[0]"):
         assert path + ":" in problems, problems
+
+
+def test_status_shows_where_the_cache_picture_comes_from() -> None:
+    from routerd.status import render
+
+    def row(view: dict[str, Any] | None) -> str:
+        inst = {"id": "f:0", "state": "ready", "cache_view": view}
+        line = next(x for x in render({"fleets": {"f": {"instances": [inst]}}}).splitlines()
+                    if x.startswith("f:0"))
+        return line
+
+    header = render({"fleets": {}}).splitlines()[0].split()
+    assert "VIEW" in header
+    ranks = [{"health": "complete", "gaps_replayed": 2}, {"health": "complete", "gaps_replayed": 0}]
+    assert " events+2 " in row({"cache_view": "events", "event_ranks": ranks})
+    assert " events:partial " in row({"cache_view": "events", "event_ranks": [{"health": "partial"}]})
+    assert " model " in row({"cache_view": "model", "events_error": "the engine publishes no KV events"})

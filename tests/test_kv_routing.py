@@ -91,6 +91,8 @@ async def test_predicted_hits_are_the_engines_own_request_by_request(
     views = [v for i in plane.registry for _, v in events.views(i.id)]
     assert sum(v.removed for v in views) > 0  # the engines evicted, and said so
     assert all(len(v) <= 32 for v in views)
+    assert all(v.capacity_blocks == 32 for v in views)  # bounded by the engines' own KV, as scraped
+    assert all(v.overflow == 0 for v in views)
     rows = status["fleets"]["f"]["instances"]
     assert all(row["cache_view"]["cache_view"] == "events" for row in rows)
     assert all(row["cache_view"]["event_ranks"][0]["health"] == "complete" for row in rows)
