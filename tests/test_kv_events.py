@@ -384,3 +384,49 @@ def test_a_bad_kv_events_config_is_refused() -> None:
     assert main(["--port", "1", "--model", "m", "--kv-events-config", "{not json"]) == 2
 
 
+
+
+async def test_garbage_on_the_wire_is_counted_never_fatal(subscribe: Callable[..., Subscribed]) -> None:
+    """A publisher that sends nonsense — wrong frame counts, a short seq, no msgpack, a bomb of nesting —
+    and a replay socket that answers nonsense: each is counted and skipped; the next good batch applies."""
+    import msgspec as _m
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind("tcp://127.0.0.1:0")
+    router.bind("tcp://127.0.0.1:0")
+
+    async def answer_replays() -> None:
+        while True:
+            client, _, _start = await router.recv_multipart()
+            await router.send_multipart([client, b"", b"kv", b"\x00" * 8, b"\xc1"])  # seq 0, no msgpack
+            await router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    replier = asyncio.create_task(answer_replays())
+    try:
+        sub = subscribe(pub.getsockopt_string(zmq.LAST_ENDPOINT), router.getsockopt_string(zmq.LAST_ENDPOINT))
+        good = _m.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [7], "token_ids": [1] * 16,
+                                          "parent_block_hash": None, "block_size": 16, "medium": "GPU"}], 0])
+        zero = b"\x00" * 8
+        garbage = [[b"kv"], [b"kv", b"\x00\x01", good], [b"kv", zero, b"not msgpack \xc1"],
+                   [b"kv", zero, b"\x91" * 5000 + b"\xc0"], [b"kv", zero, _m.msgpack.encode({"x": 1})]]
+
+        def applied() -> bool:
+            return 7 in sub.view
+
+        for _ in range(200):  # PUB drops until the subscription has arrived: repeat until applied
+            for frames in garbage:
+                await pub.send_multipart(frames)
+            await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), good])
+            if await eventually(applied, 0.05, step=0.01):
+                break
+        assert applied()
+        assert sub.sub.stats.undecodable >= len(garbage)
+        assert not sub.task.done()  # still running
+    finally:
+        replier.cancel()
+        await asyncio.wait([replier])
+        pub.close(linger=0)
+        router.close(linger=0)

@@ -150,7 +150,7 @@ def decode_batch(seq: int, payload: bytes) -> EventBatch:
     """
     try:
         raw = _unpack.decode(payload)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # nesting too deep is msgspec's RecursionError
         raise DecodeError(f"batch {seq}: not msgpack ({e})") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
