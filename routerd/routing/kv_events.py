@@ -45,6 +45,9 @@ from .kv_hash import external
 _log = log.get("routerd.routing.kv_events")
 _unpack = msgspec.msgpack.Decoder()
 END_SEQ = -1
+# Larger messages are dropped by ZMQ itself (the connection is reset): one scheduler step's batch is a
+# few hundred KB at most, and a peer that sends more must not run routerd out of memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +283,7 @@ class KvEventSubscriber:
         quiet for ``probe_interval_s``. Runs until cancelled."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
@@ -456,6 +460,7 @@ class KvEventSubscriber:
                 raise RuntimeError("no replay endpoint")
             d = self._ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             d.connect(self.replay_endpoint)
             self._dealer = d
         return self._dealer
