@@ -72,6 +72,24 @@ async def main() -> None:
           f"keyer {type(keyer).__name__}")
     print(f"one keying (the request's wait): p50 {_pct(once, 0.5):.2f} ms  p99 {_pct(once, 0.99):.2f} ms  "
           f"mean {statistics.fmean(once) * 1000:.2f} ms")
+    # The longest stretch the hashing holds the GIL in the thread: between two hand-backs (and before the
+    # first, from the end of the GIL-free tokenizing) — what the loop can wait for the GIL at most.
+    ids = keyer.token_ids(head) or []
+    slices: list[float] = []
+    for _ in range(args.n):
+        last = time.perf_counter()
+
+        def pause() -> None:
+            nonlocal last
+            now = time.perf_counter()
+            slices.append(now - last)
+            time.sleep(0)
+            last = time.perf_counter()
+
+        kv_hash.block_keys(ids, args.block_size, root, pause=pause)
+        slices.append(time.perf_counter() - last)
+    print(f"GIL held by the hashing between hand-backs: p50 {_pct(slices, 0.5):.3f} ms  "
+          f"p99 {_pct(slices, 0.99):.3f} ms  max {max(slices) * 1000:.3f} ms")
     idle = asyncio.ensure_future(asyncio.sleep(sum(once)))
     late = await _loop_lateness(idle)
     print(f"a 1 ms timer's lateness, nothing else running (the machine's floor): "
