@@ -189,7 +189,7 @@ class Daemon:
         self.dataplane = plane = build_dataplane(
             cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None,
             elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url)
-        self.kv_events = self._engine_events(plane, session)
+        self.kv_events = self._engine_events(plane, session, stack)
         if fleets is not None:
             fleets.autoscaler.attach_admission(plane.admission.stats)
             plane.telemetry.attach_fleets(fleets.collector())
@@ -225,17 +225,22 @@ class Daemon:
         self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
         self._spawn(tg, self._watchdog(), "watchdog")
 
-    def _engine_events(self, plane: DataPlane, session: aiohttp.ClientSession) -> EngineEvents | None:
+    def _engine_events(self, plane: DataPlane, session: aiohttp.ClientSession,
+                       stack: contextlib.AsyncExitStack) -> EngineEvents | None:
         """The engines' own cache views for routing, for the fleets whose engines publish KV events and
-        whose tokens routerd can compute (:func:`routerd.routing.engine_events.fleet_keyers`)."""
+        whose tokens routerd can compute (:func:`routerd.routing.engine_events.fleet_keyers`); long
+        prompts keyed in a process of their own (ended by ``stack``)."""
         from .routing.engine_events import attach, fleet_keyers, static_sources
+        from .routing.keying_process import KeyingProcess
 
         keyers = fleet_keyers(self.cfg.fleets)
         if not keyers:
             return None
         _logger.info("kv_events_routing", fleets=sorted(keyers))
+        keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
+        stack.callback(keying.close)
         return attach(plane.router, plane.telemetry, self.registry, session, keyers,
-                      static_sources(self.cfg.fleets))
+                      static_sources(self.cfg.fleets), keying)
 
     async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
         """Redis reachable, or embedded and started: sets ``redis_url`` (empty with [redis] disabled)."""

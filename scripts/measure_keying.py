@@ -5,8 +5,9 @@
 Without ``--model-dir`` the sim's keyer is measured. Prints the time one keying takes (tokenize +
 vLLM's sha256 block chain: what the request waits) and, while keyings run back to back through
 :func:`routerd.routing.engine_keys.keys_for`, the longest stretches the event loop could not run
-anything else (how late a 1 ms timer fires): inline for comparison, then as routerd does it (a thread above
-``INLINE_MAX``).
+anything else (how late a 1 ms timer fires): inline for comparison, in a thread
+(:func:`~routerd.routing.engine_keys.keys_for`), and in the keying process routerd uses above
+``INLINE_MAX`` (:mod:`routerd.routing.keying_process`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from routerd.ingress.validate import ChatHead, ChatMessage
 from routerd.routing import engine_keys, kv_hash
+from routerd.routing.keying_process import KeyingProcess
 from routerd.sim.tokens import VOCAB
 
 
@@ -60,13 +62,18 @@ async def main() -> None:
         engine_keys.keys(keyer, head, args.block_size, root)
         once.append(time.perf_counter() - t0)
 
-    async def run(inline: bool) -> None:
+    process = KeyingProcess({"f": keyer.spec}, timeout_s=60)
+    await process.keys("f", head, args.block_size, root)  # the worker started and its keyer built
+
+    async def run(mode: str) -> None:
         for _ in range(args.n):
-            if inline:
+            if mode == "inline":
                 engine_keys.keys(keyer, head, args.block_size, root)
                 await asyncio.sleep(0)
-            else:
+            elif mode == "thread":
                 await engine_keys.keys_for(keyer, head, args.block_size, root)
+            else:
+                await process.keys("f", head, args.block_size, root)
 
     print(f"prompt: {n_tokens} tokens, {len(text)} chars, block size {args.block_size}, n={args.n}, "
           f"keyer {type(keyer).__name__}")
@@ -94,13 +101,16 @@ async def main() -> None:
     late = await _loop_lateness(idle)
     print(f"a 1 ms timer's lateness, nothing else running (the machine's floor): "
           f"p50 {_pct(late, 0.5):.3f} ms  p99 {_pct(late, 0.99):.3f} ms  max {max(late) * 1000:.3f} ms")
-    for inline in (True, False):
-        work = asyncio.ensure_future(run(inline))
+    for mode in ("inline", "thread", "process"):
+        t0 = time.perf_counter()
+        work = asyncio.ensure_future(run(mode))
         late = await _loop_lateness(work)
         await work
-        print(f"a 1 ms timer's lateness, {'inline' if inline else 'keys_for (thread)'}: "
+        per = (time.perf_counter() - t0) / args.n * 1000
+        print(f"a 1 ms timer's lateness, {mode} ({per:.1f} ms a keying): "
               f"p50 {_pct(late, 0.5):.3f} ms  p99 {_pct(late, 0.99):.3f} ms  max {max(late) * 1000:.3f} ms")
+    process.close()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the keying process is spawned: it imports this module without running it
     asyncio.run(main())

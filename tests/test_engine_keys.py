@@ -121,3 +121,24 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
     views.ratio("f").add(1.0, 1000.0)  # the learned ratio moves: the floor stays
     assert views.current(keyed).prompt_tokens == 97
     assert (await views.with_engine_keys(views.build("g", "/v1/completions", head), head)).engine_keys == ()
+
+
+async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
+    from routerd.routing.keying_process import KeyingProcess
+
+    keyer = engine_keys.SimKeyer()
+    head = CompletionHead(model="m", prompt="many users " * 3000)
+    expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
+    kp = KeyingProcess({"f": keyer.spec}, timeout_s=60)
+    try:
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
+        assert await kp.keys("other", head, 16, ROOT) is None  # a fleet it does not key
+        pool = kp._pool
+        assert pool is not None
+        for proc in list(pool._processes.values()):  # the worker dies
+            proc.kill()
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
+        assert kp.failures == 1
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected  # a new worker
+    finally:
+        kp.close()

@@ -36,6 +36,7 @@ from .kv_events import KvEventSubscriber, ViewHealth
 
 if TYPE_CHECKING:
     from ..telemetry import Telemetry
+    from .keying_process import KeyingProcess
     from .router import Router
 
 _log = log.get("routerd.routing.engine_events")
@@ -354,7 +355,8 @@ class EngineEventsCollector:
 
 def attach(router: Router, telemetry: Telemetry, registry: Registry, session: aiohttp.ClientSession,
            keyers: dict[str, tuple[EngineKeyer, int | None, bytes]],
-           sources: dict[str, dict[str, Any]] | None = None) -> EngineEvents:
+           sources: dict[str, dict[str, Any]] | None = None,
+           keying: KeyingProcess | None = None) -> EngineEvents:
     """Subscriptions for ``keyers``' fleets, and routing told to use them: the request views get their
     engine keys, the router scores by the engines' views, ``/metrics`` shows the streams. The caller
     runs the returned object's :meth:`EngineEvents.run` (and so owns it)."""
@@ -362,5 +364,6 @@ def attach(router: Router, telemetry: Telemetry, registry: Registry, session: ai
     router.engine_cache = events
     router.views.keyers = keyers
     router.views.learned_block_size = events.fleet_block_size
+    router.views.keying = keying
     telemetry.prom.register(EngineEventsCollector(events))
     return events

@@ -36,7 +36,11 @@ INLINE_MAX = 4096
 
 
 class EngineKeyer(Protocol):
-    """A fleet's tokenizer, as its engines tokenize: the prompt's token ids, or None (unusable)."""
+    """A fleet's tokenizer, as its engines tokenize: the prompt's token ids, or None (unusable).
+
+    ``spec`` is what :func:`load_keyer` built it from, so another process can build the same one."""
+
+    spec: tuple[str, str]
 
     def token_ids(self, head: CompletionHead | ChatHead) -> list[int] | None: ...
 
@@ -69,6 +73,8 @@ def _single_prompt(prompt: Any) -> str | list[int] | None:
 class SimKeyer:
     """``routerd sim-engine``'s tokens: whitespace words of the prompt or its ChatML rendering."""
 
+    spec = ("sim", "")
+
     def token_ids(self, head: CompletionHead | ChatHead) -> list[int] | None:
         from ..sim.tokens import prompt_words, render_chat, token_ids
 
@@ -82,6 +88,7 @@ class HfKeyer:
     """A Hugging Face tokenizer directory, as vLLM tokenizes with it (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        self.spec = ("vllm", str(model_dir))
         import jinja2
         import jinja2.sandbox
         from tokenizers import Tokenizer

@@ -41,7 +41,7 @@ import struct
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 from operator import xor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -49,6 +49,9 @@ from ..config import RoutingConfig
 from ..ingress.validate import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
 from . import engine_keys
+
+if TYPE_CHECKING:
+    from .keying_process import KeyingProcess
 
 __all__ = ["BYTES_PER_TOKEN", "RequestView", "RequestViews", "TokenRatio", "block_keys", "render_chat"]
 
@@ -162,6 +165,8 @@ class RequestViews:
         # block size the engines' own events state, for a fleet whose config does not say
         self.keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] = {}
         self.learned_block_size: Callable[[str], int | None] = lambda fleet: None
+        # long prompts are keyed there when set (routerd.routing.keying_process), else in a thread
+        self.keying: KeyingProcess | None = None
         self.configure(cfg)
 
     def configure(self, cfg: RoutingConfig) -> None:
@@ -236,7 +241,11 @@ class RequestViews:
         block_size = block_size or self.learned_block_size(view.fleet)
         if not block_size:
             return view
-        keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
+        keys = None
+        if self.keying is not None and engine_keys.prompt_size(head) > engine_keys.INLINE_MAX:
+            keys = await self.keying.keys(view.fleet, head, block_size, root, hittable=True)
+        if keys is None:
+            keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
         view = msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
         return msgspec.structs.replace(view, prompt_tokens=max(view.prompt_tokens, _engine_floor(view)))
 
