@@ -169,6 +169,7 @@ async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
     fleet = {"name": "f", "model": "m", "engine": "static", "urls": [sim.url], "engine_args": args}
     rp = await asyncio.to_thread(routerd_process, routerd_config(fleets=[fleet]))
     prompt = "the router sends a request to the engine " * 8
+    long = "many users and each replica answers a batch of prompts " * 120  # keyed in the daemon's worker
     async with aiohttp.ClientSession() as s:
         async def view() -> dict[str, Any]:
             async with s.get(f"{rp.url}/admin/fleets") as r:
@@ -179,8 +180,8 @@ async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
                 break
             await asyncio.sleep(0.1)
         assert (await view())["cache_view"] == "events"
-        for _ in range(2):
-            async with s.post(f"{rp.url}/v1/completions", json={"model": "m", "prompt": prompt,
+        for text in (prompt, prompt, long, long):
+            async with s.post(f"{rp.url}/v1/completions", json={"model": "m", "prompt": text,
                                                               "max_tokens": 2}) as r:
                 assert r.status == 200
         async with s.get(f"{rp.url}/metrics") as r:
@@ -188,8 +189,12 @@ async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
     assert 'routerd_kv_events_view{fleet="f",health="complete",instance="f:static0",rank="0"} 1.0' in text
     lines = [json.loads(line) for line in rp.log_path.read_text().splitlines() if line.startswith("{")]
     requests = [e for e in lines if e.get("event") == "request"]
-    assert [e["cache_view"] for e in requests] == ["events", "events"]
+    assert [e["cache_view"] for e in requests] == ["events"] * 4
     assert requests[1]["matched_blocks"] == (len(prompt.split()) - 1) // 16  # the engine holds them
+    assert len(long) > 4096
+    assert requests[3]["matched_blocks"] == (len(long.split()) - 1) // 16
+    assert [e["event"] for e in lines if e.get("event", "").startswith("keying_process")] == [
+        "keying_process_started"]  # the long prompt went to the worker, which never failed
 
 
 def test_which_fleets_are_keyed(tmp_path: Path) -> None:

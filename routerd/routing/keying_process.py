@@ -62,6 +62,7 @@ class KeyingProcess:
             # spawn: a fork of a process holding Ray, redis and event-loop threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_init_worker, initargs=(self.specs,))
+            _log.info("keying_process_started", fleets=sorted(self.specs))
         return self._pool
 
     async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
