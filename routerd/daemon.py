@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # imported where built: the data plane pulls in aiohttp, the 
     from .fleet import FleetManager, RayCluster
     from .ingress.listener import HttpListener
     from .ingress.queue import QueueIngress
+    from .routing.engine_events import EngineEvents
 
 _logger = log.get("routerd.daemon")
 
@@ -78,6 +79,7 @@ class Daemon:
         self.dataplane: DataPlane | None = None
         self.queue: QueueIngress | None = None
         self.listener: HttpListener | None = None
+        self.kv_events: EngineEvents | None = None  # only when a fleet's engines publish KV events
 
     # signals ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -154,6 +156,7 @@ class Daemon:
         self.dataplane = plane = build_dataplane(
             cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None,
             elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url)
+        self.kv_events = self._engine_events(plane, session, stack)
         if fleets is not None:
             fleets.autoscaler.attach_admission(plane.admission.stats)
             plane.telemetry.attach_fleets(fleets.collector())
@@ -182,10 +185,29 @@ class Daemon:
             self._spawn(tg, loop, name)
         if fleets is not None:
             self._spawn(tg, fleets.run(), "fleets")
+        if self.kv_events is not None:
+            self._spawn(tg, self.kv_events.run(), "kv_events")
         sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                    else state / "file_sd" / "engines.json")
         self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
         self._spawn(tg, self._watchdog(), "watchdog")
+
+    def _engine_events(self, plane: DataPlane, session: aiohttp.ClientSession,
+                       stack: contextlib.AsyncExitStack) -> EngineEvents | None:
+        """The engines' own cache views for routing, for the fleets whose engines publish KV events and
+        whose tokens routerd can compute (:func:`routerd.routing.engine_events.fleet_keyers`); long
+        prompts keyed in a process of their own (ended by ``stack``)."""
+        from .routing.engine_events import attach, fleet_keyers, static_sources
+        from .routing.keying_process import KeyingProcess
+
+        keyers = fleet_keyers(self.cfg.fleets)
+        if not keyers:
+            return None
+        _logger.info("kv_events_routing", fleets=sorted(keyers))
+        keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
+        stack.callback(keying.close)
+        return attach(plane.router, plane.telemetry, self.registry, session, keyers,
+                      static_sources(self.cfg.fleets), keying)
 
     async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
         """Redis reachable, or embedded and started: sets ``redis_url`` (empty with [redis] disabled)."""

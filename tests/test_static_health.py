@@ -20,7 +20,7 @@ from routerd.config import HealthConfig
 from routerd.dataplane import build_dataplane, running_dataplane
 from routerd.ingress.listener import HttpListener
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.sim.tokens import expected_text
+from routerd.sim_tokens import expected_text
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 

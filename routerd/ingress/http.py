@@ -252,7 +252,9 @@ class HttpIngress:
                                f"{', '.join(sorted(self._models)) or 'none'}", param="model")
             fields["fleet"] = fleet
             self.tenancy.check_fleet(tenant, fleet)
-            view = self.upstream.router.views.build(fleet, endpoint, head, session=_session(request))
+            views = self.upstream.router.views
+            view = await views.with_engine_keys(views.build(fleet, endpoint, head, session=_session(request)),
+                                                head)
             result = await self._forward(tenant, fleet, endpoint, body, stream, request_id, sink, fields,
                                          view)
         except RouterdError as e:

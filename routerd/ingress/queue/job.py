@@ -278,7 +278,7 @@ class JobRunner:
             self._stats["cancelled"] += 1
             return error_result(job.id, "the job was cancelled", "CancelledError", 499)
         self._held.admitted(running)
-        view = self._view(job, fleet, running)
+        view = await self._view(job, fleet, running)
         facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
         try:
             return await self._run(running, job, fleet, facts, view, deadline, mono_deadline)
@@ -390,13 +390,14 @@ class JobRunner:
                   endpoint=job.endpoint, stream=job.stream,
                   duration_ms=round((time.monotonic() - started) * 1000, 2), **fields)
 
-    def _view(self, job: Job, fleet: str, running: Running) -> RequestView | None:
+    async def _view(self, job: Job, fleet: str, running: Running) -> RequestView | None:
         """What routing knows of the job: its prompt, its ``session`` (else the body's ``user``), its
         priority — from the head :func:`_body_problem` decoded when the job was read."""
         if self._views is None:
             return None
         head = running.head if running.head is not None else read_head(job.endpoint, running.body)
-        return self._views.build(fleet, job.endpoint, head, session=job.session, priority=job.priority)
+        view = self._views.build(fleet, job.endpoint, head, session=job.session, priority=job.priority)
+        return await self._views.with_engine_keys(view, head)
 
     def _on_instance(self, job_id: str) -> Callable[[str], None]:
         def note(instance: str) -> None:
