@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,kv]'
 	touch $@
 
 venv: $(BIN)/.installed

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from . import config as config_mod
+from . import log
 from .config import Config
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
@@ -45,15 +46,19 @@ from .fleet.static import StaticHealth
 from .ingress.http import HttpIngress
 from .ingress.listener import HttpListener
 from .registry import Registry
-from .routing import Router, Scraper
+from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
+
+_log = log.get("routerd.assembly")
 
 if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, the fleets Ray
     from aiohttp import web
 
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
+    from .routing.engine_events import EngineEvents
+    from .routing.keying_process import KeyingProcess
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +84,10 @@ class Routerd:
     file_sd: FileSdWriter
     cluster: RayCluster | None
     fleets: FleetManager | None
+    # the engines' own KV-cache views, with fleets whose engines publish KV events (else None); long
+    # prompts keyed in a process of their own
+    engine_events: EngineEvents | None
+    keying: KeyingProcess | None
 
     @property
     def url(self) -> str:
@@ -95,6 +104,8 @@ class Routerd:
             loops["queue"] = self.queue.run()
         if self.fleets is not None:
             loops["fleets"] = self.fleets.run()
+        if self.engine_events is not None:
+            loops["kv_events"] = self.engine_events.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -132,9 +143,26 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
     wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``)."""
+    from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
+
     rng = rng if rng is not None else random.Random()
     telemetry = Telemetry()
-    router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock)
+    # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
+    # instances by the engines' own cache views (routerd/routing/engine_events.py).
+    keyers = fleet_keyers(cfg.fleets)
+    engine_events = keying = None
+    if keyers:
+        from .routing.engine_events import EngineEvents
+        from .routing.keying_process import KeyingProcess
+
+        _log.info("kv_events_routing", fleets=sorted(keyers))
+        engine_events = EngineEvents(registry, session, fleets=list(keyers),
+                                     sources=static_sources(cfg.fleets))
+        keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
+    views = RequestViews(cfg.routing, keyers=keyers, keying=keying,
+                         learned_block_size=engine_events.fleet_block_size if engine_events else None)
+    router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock, views=views,
+                                engine_cache=engine_events)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     elastic = fleets.autoscaler if fleets is not None else None
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
@@ -155,6 +183,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
         collectors.append(queue_collector(queue))
     if fleets is not None:
         collectors.append(fleets.collector())
+    if engine_events is not None:
+        collectors.append(EngineEventsCollector(engine_events))
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, clock=clock,
@@ -166,7 +196,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
                    router=router, tenancy=tenancy, admission=admission, upstream=upstream,
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
-                   file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets)
+                   file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
+                   engine_events=engine_events, keying=keying)
 
 
 @contextlib.asynccontextmanager
@@ -200,6 +231,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
         routerd = build(cfg, registry, session, redis_url=redis_url, fleets=fleets, cluster=cluster, rng=rng,
                         clock=clock)
+        if routerd.keying is not None:
+            stack.callback(routerd.keying.close)
         if routerd.queue is not None:
             await stack.enter_async_context(routerd.queue)
         if fleets is not None:

@@ -137,10 +137,48 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
         if a is not None and a.min_replicas > a.max_replicas:
             problems.append(f"{where}.autoscale.max_replicas: must be >= min_replicas ({a.min_replicas})")
         problems += _capacity_problems(where, f.engine_args)
+        problems += _kv_event_problems(where, f)
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
     return problems
+
+
+def _kv_event_problems(where: str, f: FleetConfig) -> list[str]:
+    """The engine args routerd itself reads for KV-event routing (routerd/routing/engine_events.py)."""
+    args, at = f.engine_args, f"{where}.engine_args"
+    problems = []
+    on = args.get("kv-events", args.get("kv_events"))
+    if on is not None and not isinstance(on, bool):
+        problems.append(f"{at}.kv-events: expected true or false, got {on!r}")
+    size = args.get("block-size", args.get("block_size"))
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 4096):
+        problems.append(f"{at}.block-size: expected an integer from 1 to 4096, got {size!r}")
+    if f.engine != "static":
+        return problems
+    if on is True and not isinstance(args.get("tokenizer"), str):
+        problems.append(f"{at}.tokenizer: a static fleet routed by its engines' KV events needs the "
+                        "model directory whose tokenizer they use (or \"sim\")")
+    seed = args.get("hash-seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | str)):
+        problems.append(f"{at}.hash-seed: expected the engines' PYTHONHASHSEED, got {seed!r}")
+    sources = args.get("kv-event-sources")
+    if sources is None:
+        return problems
+    if not isinstance(sources, list) or len(sources) > len(f.urls):
+        return [*problems, f"{at}.kv-event-sources: expected a list of at most one table per URL"]
+    for j, src in enumerate(sources):
+        if not _kv_source_ok(src):
+            problems.append(f"{at}.kv-event-sources[{j}]: expected {{endpoint = \"tcp://host:port\", "
+                            "replay_endpoint = \"tcp://host:port\", topic = \"\"}}")
+    return problems
+
+
+def _kv_source_ok(src: Any) -> bool:
+    return (isinstance(src, dict) and isinstance(src.get("endpoint"), str)
+            and src["endpoint"].startswith(("tcp://", "ipc://"))
+            and isinstance(src.get("replay_endpoint", ""), str | None)
+            and isinstance(src.get("topic", ""), str))
 
 
 def _capacity_problems(where: str, engine_args: dict[str, Any]) -> list[str]:

@@ -75,6 +75,9 @@ class Instance:
     # router: the prefix-cache hit ratio routing's own prefix index predicts for this instance, over
     # the same window as the engine's reported one (learned.prefix_hit_ratio); None until it predicts
     predicted_prefix_hit_ratio: float | None = None
+    # KV-cache events (routerd.routing.engine_events): where routing's picture of its cache comes from
+    # ("events" or "model") and how its event stream is doing, per rank
+    cache_view: dict[str, Any] = field(default_factory=dict)
     # upstream
     inflight: int = 0
     consecutive_failures: int = 0
@@ -218,6 +221,7 @@ class Instance:
             "circuit": self.circuit(now_mono).value,
             "consecutive_failures": self.consecutive_failures,
             "resources": self.resources,
+            "cache_view": self.cache_view or None,
         }
 
 

@@ -75,6 +75,19 @@ def _hit(i: dict[str, Any]) -> str:
     return "/".join("-" if v is None else f"{v:.2f}" for v in (engine, predicted))
 
 
+def _view(v: dict[str, Any] | None) -> str:
+    """Where routing's picture of the cache comes from: ``events`` (``events:partial`` while history is
+    missing; ``+N`` gaps replayed) or ``model`` (no events, or stale); ``-`` when not tracked."""
+    if not v:
+        return "-"
+    if v.get("cache_view") != "events":
+        return "model"
+    ranks = v.get("event_ranks") or []
+    out = "events" if all(r.get("health") == "complete" for r in ranks) else "events:partial"
+    replayed = sum(r.get("gaps_replayed") or 0 for r in ranks)
+    return f"{out}+{replayed}" if replayed else out
+
+
 def _autoscale(a: dict[str, Any] | None, now: float) -> str:
     """The fleet line's autoscaling part: bounds, pin, what the signals show and the last decision."""
     if not a:
@@ -100,7 +113,7 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
     """The table: one block per fleet, one row per instance."""
     now = time.time() if now is None else now
     cols = ["INSTANCE", "STATE", "CIRCUIT", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "WAIT", "RUN/WAIT",
-            "CAPACITY", "DECODE", "PREFILL", "HIT", "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
+            "CAPACITY", "DECODE", "PREFILL", "HIT", "VIEW", "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
     rows: list[list[str]] = []
     for name, fleet in status.get("fleets", {}).items():
         rows.append([f"[{name}] model={fleet.get('model')} engine={fleet.get('engine')} "
@@ -114,7 +127,7 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
                 str(i.get("pid") or "-"), i.get("node") or "-", str(i.get("generation", "")),
                 _age(i.get("last_heartbeat"), now), _seconds(i.get("expected_wait_s")), run_wait,
                 _capacity(i), _rate(i.get("decode_tokens_per_s")), _rate(i.get("prefill_tokens_per_s")),
-                _hit(i), str(i.get("restarts", 0)),
+                _hit(i), _view(i.get("cache_view")), str(i.get("restarts", 0)),
                 "-" if res.get("cpu_percent") is None else f"{res['cpu_percent']:.0f}",
                 _bytes(res.get("rss_bytes")), _bytes(res.get("gpu_memory_bytes")),
                 i.get("state_reason") or "",

@@ -48,7 +48,7 @@ class Load:
         self._out_at = time.monotonic()
 
     async def client(self, session: aiohttp.ClientSession, stop: asyncio.Event, stream: bool) -> None:
-        from routerd.sim.tokens import expected_text
+        from routerd.sim_tokens import expected_text
 
         body = {"model": self.model, "prompt": "benchmark", "max_tokens": self.max_tokens, "stream": stream}
         want = expected_text(0, "benchmark", self.max_tokens)

@@ -5,7 +5,7 @@ from one seed — so each router meets exactly the same traffic. A conversation'
 agent sends them: ``think_s`` after the previous answer arrived (a tool call, a user reading), so
 only when they go depends on the router, as it would in production.
 
-Prompt lengths are in the sim's tokens (whitespace words, ``routerd.sim.tokens``); assistant turns are
+Prompt lengths are in the sim's tokens (whitespace words, ``routerd.sim_tokens``); assistant turns are
 what the engines will answer (``expected_text`` with the fleet's seed: every instance of a fleet runs
 the same seed, like replicas of one model), so a conversation reads the same whatever served it.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from routerd.sim.tokens import count_prompt_tokens, expected_text, render_chat
+from routerd.sim_tokens import count_prompt_tokens, expected_text, render_chat
 
 MODEL = "bench"
 CHAT = "/v1/chat/completions"

@@ -146,7 +146,7 @@ def test_bad_config_exits_78(routerd_process: RouterdFactory, routerd_config: An
 async def test_both_ways_in_through_one_daemon_with_queue_metrics(
         routerd_process: RouterdFactory, routerd_config: Any, sim_process: Any, redis_server: Any) -> None:
     from routerd.client import QueueClient
-    from routerd.sim.tokens import expected_text
+    from routerd.sim_tokens import expected_text
 
     sim = await sim_process(model="m")
     cfg = routerd_config(redis={"enabled": True, "url": redis_server.url}, fleets=[_static_fleet(sim.url)])

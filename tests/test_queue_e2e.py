@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from routerd.client import QueueClient, Submitted
 from routerd.config import Config, parse
 from routerd.ingress.queue import QueueIngress
-from routerd.sim.tokens import expected_text
+from routerd.sim_tokens import expected_text
 from routerd_bench.queue import queue_path, start_engines, wait_http, wait_ready
 from tests.fixtures.redis_server import RedisServer
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from routerd.client import QueueClient
 from routerd.config import parse
 from routerd.dataplane import resume, resume_stream
-from routerd.sim.tokens import expected_text
+from routerd.sim_tokens import expected_text
 from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer

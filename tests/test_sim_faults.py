@@ -207,4 +207,5 @@ async def test_a_bad_fault_update_is_400_and_changes_nothing(sim_engine: SimEngi
         assert r.status == 400
         assert (await r.json())["error"]["code"] == 400
     assert eng.faults.snapshot() == {"hang": False, "slow_factor": 1.0, "error_rate": 0.0,
-                                     "fail_after_chunks": None, "unhealthy": False, "poison": ""}
+                                     "fail_after_chunks": None, "unhealthy": False, "poison": "",
+                                     "kv_events_drop_rate": 0.0, "kv_events_reorder": False}

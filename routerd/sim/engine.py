@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from routerd import log
+from routerd.routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 from .config import SimConfig
 from .faults import Faults
@@ -60,6 +61,8 @@ class Sequence:
     last_token_at: float | None = None
     # The engine puts the index of each produced token; ``None`` means the engine dropped the request.
     out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    # The prompt's token ids, for the KV events' BlockStored (empty when the engine publishes none).
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +116,9 @@ class BatchEngine:
         self._wake = asyncio.Event()
         # Prefix cache: block-hash chain → present. Bounded by the KV size, least recently used first out.
         self._prefix: OrderedDict[int, None] = OrderedDict()
+        # KV-cache events of the current step, handed to ``kv_publish`` (one batch) when it ends.
+        self.kv_publish: Callable[[list[KvEvent]], None] | None = None
+        self._kv_events: list[KvEvent] = []
 
     @property
     def stats(self) -> SimStats:
@@ -198,6 +204,22 @@ class BatchEngine:
                 self._emit(seq, now)
         self.metrics.iteration_tokens.observe(prefill_tokens + len(decoding))
         self._update_gauges()
+        self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        events, self._kv_events = self._kv_events, []
+        if events and self.kv_publish is not None:
+            self.kv_publish(events)
+
+    def cached_block_keys(self) -> set[int]:
+        """The block keys the prefix cache holds now (what its KV events must have told a subscriber)."""
+        return set(self._prefix)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): one ``AllBlocksCleared``."""
+        self._prefix.clear()
+        self._kv_events.append(AllBlocksCleared())
+        self._flush_kv_events()
 
     def _decode_ms(self) -> float:
         load = len(self.running) / self.cfg.max_num_seqs
@@ -278,10 +300,14 @@ class BatchEngine:
                     break
                 self._prefix.move_to_end(h)
                 hits += 1
+            stored = [i for i in range(hits, len(seq.block_hashes))
+                      if seq.block_hashes[i] not in self._prefix]
             for h in seq.block_hashes[hits:]:
                 self._prefix[h] = None
-            while len(self._prefix) > self.cfg.num_gpu_blocks:
-                self._prefix.popitem(last=False)
+            evicted = [self._prefix.popitem(last=False)[0]
+                       for _ in range(len(self._prefix) - self.cfg.num_gpu_blocks)]
+            if self.kv_publish is not None:
+                self._record_kv(seq, stored, evicted)
         # At least the last prompt token is always computed, so a fully cached prompt recomputes a block.
         cached = min(hits * self.cfg.block_size,
                      (seq.prompt_tokens - 1) // self.cfg.block_size * self.cfg.block_size)
@@ -293,6 +319,26 @@ class BatchEngine:
         m.prompt_cache_hit.inc(seq.cached_tokens)
         m.prompt_computed.inc(computed)
         m.prompt_tokens.inc(seq.prompt_tokens)
+
+    def _record_kv(self, seq: Sequence, stored: list[int], evicted: list[int]) -> None:
+        """BlockRemoved for what the new blocks displaced, then BlockStored per run of consecutive new
+        blocks (parent = the block before) — vLLM's order: a cached block is evicted when its memory is
+        allocated again, before the new content is cached there."""
+        bs, hashes = self.cfg.block_size, seq.block_hashes
+        if evicted:
+            self._kv_events.append(BlockRemoved(block_hashes=tuple(evicted), medium="GPU"))
+        run: list[int] = []
+        for i in [*stored, -1]:
+            if run and (i != run[-1] + 1):
+                first = run[0]
+                self._kv_events.append(BlockStored(
+                    block_hashes=tuple(hashes[run[0]:run[-1] + 1]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=tuple(seq.token_ids[first * bs:(run[-1] + 1) * bs]), block_size=bs,
+                    medium="GPU"))
+                run = []
+            if i >= 0:
+                run.append(i)
 
     def _emit(self, seq: Sequence, now: float) -> None:
         m = self.metrics

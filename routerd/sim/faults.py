@@ -34,6 +34,8 @@ class FaultUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fail_after_chunks: int | msgspec.UnsetType | None = msgspec.UNSET
     unhealthy: bool | msgspec.UnsetType = msgspec.UNSET
     poison: str | msgspec.UnsetType = msgspec.UNSET
+    kv_events_drop_rate: Fraction | msgspec.UnsetType = msgspec.UNSET
+    kv_events_reorder: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 class Faults:
@@ -50,6 +52,9 @@ class Faults:
         self.fail_after_chunks: int | None = None
         self.unhealthy = False
         self.poison = ""  # a request whose prompt (or rendered chat) contains it is answered 500
+        # KV-event batches left unsent (still replayable), and one held back to go after the next
+        self.kv_events_drop_rate = 0.0
+        self.kv_events_reorder = False
         self._running = asyncio.Event()
         self._running.set()
         self._rng = random.Random(seed)
@@ -61,7 +66,8 @@ class Faults:
 
     def set(self, *, hang: bool | None = None, slow_factor: float | None = None,
             error_rate: float | None = None, fail_after_chunks: int | None = -1,
-            unhealthy: bool | None = None, poison: str | None = None, crash: bool = False) -> None:
+            unhealthy: bool | None = None, poison: str | None = None, crash: bool = False,
+            kv_events_drop_rate: float | None = None, kv_events_reorder: bool | None = None) -> None:
         """Change the given faults (``None`` = leave as is; ``fail_after_chunks=None`` clears it,
         the default -1 leaves it; ``poison=""`` clears that one)."""
         if crash:
@@ -82,6 +88,12 @@ class Faults:
             self.unhealthy = unhealthy
         if poison is not None:
             self.poison = poison
+        if kv_events_drop_rate is not None:
+            if not 0.0 <= kv_events_drop_rate <= 1.0:
+                raise ValueError("kv_events_drop_rate must be within [0, 1]")
+            self.kv_events_drop_rate = float(kv_events_drop_rate)
+        if kv_events_reorder is not None:
+            self.kv_events_reorder = kv_events_reorder
 
     def apply(self, update: FaultUpdate) -> None:
         """Apply a ``POST /sim/faults`` body."""
@@ -94,6 +106,9 @@ class Faults:
             unhealthy=None if update.unhealthy is msgspec.UNSET else update.unhealthy,
             poison=None if update.poison is msgspec.UNSET else update.poison,
             crash=update.crash,
+            kv_events_drop_rate=(None if update.kv_events_drop_rate is msgspec.UNSET
+                                 else update.kv_events_drop_rate),
+            kv_events_reorder=None if update.kv_events_reorder is msgspec.UNSET else update.kv_events_reorder,
         )
 
     def clear(self) -> None:
@@ -104,6 +119,8 @@ class Faults:
         self.fail_after_chunks = None
         self.unhealthy = False
         self.poison = ""
+        self.kv_events_drop_rate = 0.0
+        self.kv_events_reorder = False
 
     def crash(self) -> None:
         if self.on_crash is None:
@@ -119,6 +136,10 @@ class Faults:
         """Whether this request should fail with a 500 (seeded, so a test run is repeatable)."""
         return self.error_rate > 0.0 and self._rng.random() < self.error_rate
 
+    def draw_kv_drop(self) -> bool:
+        """Whether to leave this KV-event batch unsent (seeded, like :meth:`draw_error`)."""
+        return self.kv_events_drop_rate > 0.0 and self._rng.random() < self.kv_events_drop_rate
+
     def poisoned(self, prompt_text: str) -> bool:
         """Whether this request trips the ``poison`` fault (on every engine that has it set)."""
         return bool(self.poison) and self.poison in prompt_text
@@ -126,4 +147,5 @@ class Faults:
     def snapshot(self) -> dict[str, Any]:
         return {"hang": self.hang, "slow_factor": self.slow_factor, "error_rate": self.error_rate,
                 "fail_after_chunks": self.fail_after_chunks, "unhealthy": self.unhealthy,
-                "poison": self.poison}
+                "poison": self.poison, "kv_events_drop_rate": self.kv_events_drop_rate,
+                "kv_events_reorder": self.kv_events_reorder}

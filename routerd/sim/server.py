@@ -27,13 +27,15 @@ from aiohttp import web
 
 from routerd import log
 from routerd.errors import error_body, error_json, sse_error_event
+from routerd.routing import kv_hash
 
+from ..sim_tokens import generate, token_ids
 from . import protocol as p
 from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
+from .kv_publisher import KvEventPublisher, parse_config
 from .metrics import SimMetrics
-from .tokens import generate
 
 SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
 _json = msgspec.json.Encoder()
@@ -85,6 +87,13 @@ class SimEngine:
         self.faults = Faults(seed=config.seed, on_crash=self._crash)
         self.metrics = SimMetrics(config)
         self.engine = BatchEngine(config, self.faults, self.metrics)
+        # KV-cache events as vLLM publishes them; block keys then as vLLM computes them (seeded alike).
+        kv_cfg = parse_config(config.kv_events_config)
+        self.kv_events: KvEventPublisher | None = None
+        self._kv_root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+        if kv_cfg is not None and kv_cfg.enabled:
+            self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
+            self.engine.kv_publish = self.kv_events.publish
         self.server_load = 0
         self.created = config.fixed_created or int(time.time())
         self.url = ""
@@ -113,6 +122,8 @@ class SimEngine:
         r.add_get("/version", self._version)
         r.add_get("/load", self._load)
         r.add_get("/metrics", self._metrics)
+        r.add_get("/kv_event_sources", self._kv_event_sources)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/chat/completions", self._chat)
         r.add_get("/sim/faults", self._get_faults)
@@ -125,6 +136,8 @@ class SimEngine:
         """Start the engine task and the HTTP site; return the base URL (``http://host:port``)."""
         if self._runner is not None:
             raise RuntimeError("SimEngine already started")
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine:{self.config.model}")
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
         # keepalive_timeout: uvicorn's 5 s under vLLM, so routers meet the same idle-connection resets.
@@ -158,6 +171,8 @@ class SimEngine:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         await self._cancel_engine()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
@@ -229,6 +244,13 @@ class SimEngine:
         resp.headers["Content-Type"] = self.metrics.content_type
         return resp
 
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        return _json_response(self.kv_events.sources() if self.kv_events is not None else {})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.reset_prefix_cache()
+        return web.Response(status=200)
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
 
@@ -254,10 +276,15 @@ class SimEngine:
         cfg = self.config
         pieces, finish, stop_reason = generate(cfg.seed, req.key, req.max_tokens, stop=req.stop,
                                                eos_prob=cfg.eos_prob, ignore_eos=req.ignore_eos)
-        hashes = p.block_hashes(req.words, cfg.block_size)
+        ids: list[int] = []
+        if self.kv_events is not None:
+            ids = token_ids(req.words)
+            hashes = kv_hash.block_keys(ids, cfg.block_size, self._kv_root)
+        else:
+            hashes = p.block_hashes(req.words, cfg.block_size)
         seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,
                        pieces=pieces, finish_reason=finish, stop_reason=stop_reason,
-                       max_tokens=req.max_tokens, arrival=0.0)
+                       max_tokens=req.max_tokens, arrival=0.0, token_ids=ids)
         self.server_load += 1
         try:
             self.engine.submit(seq)
@@ -390,6 +417,7 @@ def main(argv: list[str]) -> int:
     host, port, level = args.pop("host"), args.pop("port"), args.pop("log_level")
     try:
         cfg = msgspec.convert(args, SimConfig)
+        parse_config(cfg.kv_events_config)
         if cfg.max_model_len > cfg.kv_capacity_tokens:
             raise msgspec.ValidationError("max_model_len exceeds num_gpu_blocks × block_size")
     except msgspec.ValidationError as e:

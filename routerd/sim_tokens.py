@@ -1,4 +1,7 @@
-"""Deterministic "model output": what the simulated engine generates is a pure function of its inputs.
+"""The simulated engine's tokenizer and deterministic "model output": what it generates is a pure
+function of its inputs. A floor module rather than part of ``routerd/sim/``: routing keys a request for
+a sim fleet with these very token ids (``routing/engine_keys.py``), as it keys a vLLM fleet's with the
+model's own tokenizer.
 
 Tests on the router, the queue and failover need to know *exactly* what should reach a client, so the
 text depends only on (seed, prompt or rendered chat messages, max_tokens, stop, eos settings) and never
@@ -60,6 +63,12 @@ def prompt_words(prompt: str | Sequence[int]) -> list[str]:
     if isinstance(prompt, str):
         return prompt.split()
     return [str(t) for t in prompt]
+
+
+def token_ids(words: Sequence[str]) -> list[int]:
+    """The sim's token ids: each word's CRC-32. A pure function of the word, so a router can compute the
+    ids — and from them the block keys the sim's KV-cache events carry — exactly as the sim does."""
+    return [zlib.crc32(w.encode()) for w in words]
 
 
 def count_prompt_tokens(prompt: str | Sequence[int]) -> int:

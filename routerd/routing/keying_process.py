@@ -1,0 +1,89 @@
+"""Keying long prompts in a process of their own, so the event loop never waits for it.
+
+In a thread (:func:`routerd.routing.engine_keys.keys_for`) the block hashing hands the GIL back every
+32 blocks, but a tokenizer still holds it for stretches of milliseconds on an ~8k-token prompt
+(``scripts/measure_keying.py``). Here the whole of it — tokenizing, rendering, hashing — runs in one
+worker process; the loop pays for sending the parsed head and receiving the keys (a few hundred
+microseconds for 8k tokens). The worker builds each fleet's keyer once from its ``spec``
+(:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
+``timeout_s``, makes :meth:`KeyingProcess.keys` return None — the caller keys in a thread instead — and
+the next call starts a new worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from .. import log
+from ..openai import ChatHead, CompletionHead
+from . import engine_keys
+
+_log = log.get("routerd.routing.keying_process")
+
+# The worker process's keyers, built once per fleet by its initializer (this module's only state, and
+# only in the worker: the pool's processes are separate interpreters).
+_worker_keyers: dict[str, engine_keys.EngineKeyer] = {}
+
+
+def _init_worker(specs: dict[str, tuple[str, str]]) -> None:
+    # One core for the worker: a tokenizer spreading one prompt over every core would take them from
+    # the event loop it is there to spare (read by tokenizers when it first tokenizes).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    for fleet, (engine, source) in specs.items():
+        keyer = engine_keys.load_keyer(engine, source)
+        if keyer is not None:
+            _worker_keyers[fleet] = keyer
+
+
+def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
+                 hittable: bool) -> tuple[int, ...] | None:
+    keyer = _worker_keyers.get(fleet)
+    if keyer is None:
+        return None
+    return engine_keys.keys(keyer, head, block_size, root, hittable=hittable)
+
+
+class KeyingProcess:
+    """One worker process keying for ``specs``' fleets (fleet → keyer spec). :meth:`close` ends it."""
+
+    def __init__(self, specs: dict[str, tuple[str, str]], *, timeout_s: float = 10.0) -> None:
+        self.specs = dict(specs)
+        self.timeout_s = timeout_s
+        self.failures = 0
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn: a fork of a process holding Ray, redis and event-loop threads is not safe
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_worker, initargs=(self.specs,))
+            _log.info("keying_process_started", fleets=sorted(self.specs))
+        return self._pool
+
+    async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+                   hittable: bool = False) -> tuple[int, ...] | None:
+        """The keys, computed in the worker; None when it could not (the caller keys in a thread)."""
+        if fleet not in self.specs:
+            return None
+        try:
+            future = self._executor().submit(_worker_keys, fleet, head, block_size, root, hittable)
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.wrap_future(future)
+        except (BrokenProcessPool, TimeoutError, OSError) as e:
+            self.failures += 1
+            _log.warning("keying_process_failed", fleet=fleet, error=repr(e))
+            self.close()  # a new worker on the next call
+            return None
+
+    def close(self) -> None:
+        """End the worker now (one that hangs too: the executor has no public way to end a busy one)."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)

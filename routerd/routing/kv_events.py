@@ -1,0 +1,472 @@
+"""vLLM's KV-cache events off the wire, decoded tolerantly, in order, with what was missed replayed.
+
+The wire (vLLM 0.32 ``vllm/distributed/kv_events.py``): one ZMQ PUB message per scheduler step that
+changed the cache, frames ``[topic, 8-byte big-endian seq, msgpack batch]``; the batch is
+``[ts, events, data_parallel_rank]`` (``EventBatch`` is ``array_like``; one revision sent it as a map,
+accepted too). The events inside changed shape in 2026 — positional arrays ``["BlockStored", hashes,
+parent, token_ids, block_size, lora_id, medium, lora_name, …]`` became tagged maps ``{"type":
+"BlockStored", "block_hashes": …}`` — and every field vLLM added broke subscribers that decoded a batch
+as one typed whole. So :func:`decode_batch` decodes each event on its own, accepts both forms, ignores
+fields it does not know and counts (never raises on) events it cannot use.
+
+Delivery: PUB drops what a subscriber misses (before it subscribed, while disconnected, more than
+``hwm`` behind); the seq numbers show it. The publisher's ROUTER socket resends its last
+``buffer_steps`` batches from a requested seq (request ``[b"", seq as 8 bytes]`` from a DEALER; replies
+``[b"", topic, seq, payload]`` …, then ``[b"", b"", -1 as 8 bytes, b""]``). :class:`KvEventSubscriber`
+applies batches to its :class:`BatchSink` strictly in seq order: a gap is filled from the replay socket
+before the batch after it is applied; a gap the buffer no longer covers resets the sink (what it holds
+would be wrong in both directions); a seq that goes *back* is the engine restarted (the sink is reset)
+unless it is a batch already applied arriving late (the same payload), which is skipped. An idle
+engine publishes nothing, so silence proves nothing: every ``probe_interval_s`` the subscriber asks
+the replay socket for what follows its last seq — an answer proves the publisher alive *and* delivers
+a lost last batch, which no later batch would reveal; no answer marks the view stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from routerd import log
+
+from .kv_hash import external
+
+_log = log.get("routerd.routing.kv_events")
+_unpack = msgspec.msgpack.Decoder()
+END_SEQ = -1
+# Larger messages are dropped by ZMQ itself (the connection is reset): one scheduler step's batch is a
+# few hundred KB at most, and a peer that sends more must not run routerd out of memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks the engine committed to its cache (keys as :func:`kv_hash.external` ints)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks the engine evicted (a cached block reallocated; freeing alone emits nothing)."""
+
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine dropped its whole prefix cache (``reset_prefix_cache``)."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One publisher message: its seq, timestamp, rank, the events understood and how many were not."""
+
+    seq: int
+    ts: float
+    events: tuple[KvEvent, ...]
+    dp_rank: int | None = None
+    skipped: int = 0
+
+
+class DecodeError(ValueError):
+    """A frame or batch routerd cannot read at all (a bad event inside a batch is only skipped)."""
+
+
+# Positional field order of the array form, after the tag (vllm 0.32's struct declaration order).
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name")
+_REMOVED_FIELDS = ("block_hashes", "medium")
+
+
+def _as_fields(raw: Any) -> tuple[str, dict[str, Any]] | None:
+    """(kind, fields) of one event in either form, or None when it has no recognisable tag."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        return (kind, raw) if isinstance(kind, str) else None
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        return kind, dict(zip(names, raw[1:], strict=False))
+    return None
+
+
+def _hashes(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(h, int | bytes) for h in value):
+        raise TypeError("block_hashes must be a list of ints or bytes")
+    return tuple(external(h) for h in value)
+
+
+def _medium(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    """One event in array or map form; None for a kind or shape routerd does not use (counted)."""
+    parsed = _as_fields(raw)
+    if parsed is None:
+        return None
+    kind, f = parsed
+    try:
+        if kind == "BlockStored":
+            parent = f.get("parent_block_hash")
+            tokens = f.get("token_ids", ())
+            size = f.get("block_size")
+            if not isinstance(size, int) or size < 1 or not isinstance(tokens, list | tuple):
+                return None
+            return BlockStored(block_hashes=_hashes(f.get("block_hashes")),
+                               parent_block_hash=None if parent is None else external(parent),
+                               token_ids=tuple(int(t) for t in tokens), block_size=size,
+                               medium=_medium(f.get("medium")))
+        if kind == "BlockRemoved":
+            return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), medium=_medium(f.get("medium")))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def decode_batch(seq: int, payload: bytes) -> EventBatch:
+    """A msgpack batch, ``[ts, events, dp_rank]`` or ``{"ts", "events", "data_parallel_rank"}``.
+
+    Raises :class:`DecodeError` only when the batch itself is unreadable; its events decode one by one.
+    """
+    try:
+        raw = _unpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as e:  # nesting too deep is msgspec's RecursionError
+        raise DecodeError(f"batch {seq}: not msgpack ({e})") from None
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise DecodeError(f"batch {seq}: neither [ts, events, rank] nor a map")
+    if not isinstance(events, list) or not isinstance(ts, int | float):
+        raise DecodeError(f"batch {seq}: ts or events of the wrong type")
+    decoded = [decode_event(e) for e in events]
+    kept = tuple(e for e in decoded if e is not None)
+    return EventBatch(seq=seq, ts=float(ts), events=kept, dp_rank=rank if isinstance(rank, int) else None,
+                      skipped=len(decoded) - len(kept))
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise DecodeError(f"seq frame of {len(frame)} bytes, not 8")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+class BatchSink(Protocol):
+    """What the subscriber feeds: batches in seq order, and a reset when its history broke."""
+
+    def apply(self, batch: EventBatch) -> None: ...
+
+    def reset(self, reason: str) -> None: ...
+
+
+class ViewHealth(enum.Enum):
+    """How far an engine's event view can be trusted.
+
+    ``COMPLETE``: every batch since the engine started (or last cleared its cache) was applied.
+    ``PARTIAL``: history before some point is missing (subscribed after the replay buffer moved on, or
+    a gap it no longer held, after which the view was emptied): what it holds is held, older blocks
+    may be missing. ``STALE``: not in sync, or the publisher did not answer — routing must not use it."""
+
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+    STALE = "stale"
+
+
+@dataclass
+class SubscriberStats:
+    """Counters shown by status and ``/metrics``; only the subscriber writes them."""
+
+    batches: int = 0
+    events: int = 0
+    skipped_events: int = 0
+    undecodable: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    unrecovered_gaps: int = 0
+    restarts: int = 0
+    late_duplicates: int = 0
+    probes: int = 0
+    last_seq: int | None = None
+    last_event_ts: float | None = None  # the engine's wall clock at its last applied batch
+    last_heard: float | None = None  # our monotonic clock: a batch or a replay answer
+
+
+@dataclass
+class _Applied:
+    """Digests of recently applied payloads by seq: a late copy is skipped, and the last one proves
+    that the publisher answering a replay is the one whose history the view holds."""
+
+    size: int = 1024
+    order: deque[int] = field(default_factory=deque)
+    digests: dict[int, int] = field(default_factory=dict)
+
+    def add(self, seq: int, payload: bytes) -> None:
+        self.digests[seq] = zlib.crc32(payload)
+        self.order.append(seq)
+        while len(self.order) > self.size:
+            self.digests.pop(self.order.popleft(), None)
+
+    def seen(self, seq: int, payload: bytes) -> bool:
+        return self.digests.get(seq) == zlib.crc32(payload)
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.digests.clear()
+
+
+_Replayed = list[tuple[int, bytes, bytes]]  # (seq, payload, the whole seq frame) in publisher order
+
+
+class KvEventSubscriber:
+    """One engine rank's event stream, applied to ``sink`` in seq order. Whoever runs :meth:`run` owns it.
+
+    ``endpoint``/``replay_endpoint`` are where to *connect* (``tcp://host:port``); without a replay
+    endpoint every gap empties the view. ``clock`` (monotonic) is injectable for tests.
+    """
+
+    def __init__(self, endpoint: str, sink: BatchSink, *, replay_endpoint: str | None = None,
+                 topic: str = "", name: str = "", replay_timeout_s: float = 2.0,
+                 probe_interval_s: float = 2.0, ctx: zmq.asyncio.Context | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.name = name or endpoint
+        self.sink = sink
+        self.replay_timeout_s = replay_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.stats = SubscriberStats()
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._clock = clock
+        self._next: int | None = None  # the seq the next applied batch must carry; None: not in sync
+        self._complete = False
+        self._stale = True
+        self._applied = _Applied()
+        self._dealer: zmq.asyncio.Socket | None = None
+
+    @property
+    def health(self) -> ViewHealth:
+        if self._stale or self._next is None:
+            return ViewHealth.STALE
+        return ViewHealth.COMPLETE if self._complete else ViewHealth.PARTIAL
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Subscribe, sync from the replay buffer, apply live batches; probe whenever the stream is
+        quiet for ``probe_interval_s``. Runs until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        try:
+            await self._sync(probe=True)
+            while True:
+                try:
+                    frames = await asyncio.wait_for(sub.recv_multipart(), self.probe_interval_s)
+                except TimeoutError:
+                    await self._sync(probe=True)
+                    continue
+                await self._on_live(frames)
+        finally:
+            sub.close(linger=0)
+            self._close_dealer()
+            self._stale = True
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        parsed = self._parse(frames)
+        if parsed is None:
+            return
+        seq, payload, batch = parsed
+        nxt = self._next
+        if nxt is not None and seq == nxt:
+            self._apply(batch, payload)
+            return
+        if nxt is not None and seq < nxt and self._applied.seen(seq, payload):
+            self.stats.late_duplicates += 1  # replay already brought it, or a reordered copy
+            return
+        if nxt is not None and seq > nxt:
+            self.stats.gaps += 1
+            _log.info("kv_event_gap", engine=self.name, expected=nxt, got=seq)
+        # A gap, a seq that went back with new content (restart), or the first batch: the replay
+        # buffer says what the view is missing; it normally brings this very batch too.
+        await self._sync(probe=False)
+        if self._next == seq:
+            self._apply(batch, payload)
+        elif self._next is None or seq > self._next or not self._applied.seen(seq, payload):
+            if self._next is not None:
+                self._lose("gap_unrecovered")
+            self._start_at(batch, payload)
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, bytes, EventBatch] | None:
+        try:
+            if len(frames) != 3:
+                raise DecodeError(f"{len(frames)} frames, not [topic, seq, batch]")
+            seq = decode_seq(frames[1])
+            return seq, frames[2], decode_batch(seq, frames[2])
+        except DecodeError as e:
+            self.stats.undecodable += 1
+            _log.warning("kv_event_batch_undecodable", engine=self.name, error=str(e))
+            return None
+
+    # ---- the view's history -----------------------------------------------------------------------
+
+    def _apply(self, batch: EventBatch, payload: bytes) -> None:
+        self.sink.apply(batch)
+        self._applied.add(batch.seq, payload)
+        self._next = batch.seq + 1
+        self._stale = False
+        if any(isinstance(e, AllBlocksCleared) for e in batch.events):
+            self._complete = True  # nothing from before a clear is held any more
+        s = self.stats
+        s.batches += 1
+        s.events += len(batch.events)
+        s.skipped_events += batch.skipped
+        s.last_seq = batch.seq
+        s.last_event_ts = batch.ts
+        s.last_heard = self._clock()
+
+    def _start_at(self, batch: EventBatch, payload: bytes) -> None:
+        """Begin a history at ``batch`` (the view was just emptied): complete only from seq 0."""
+        self._complete = batch.seq == 0
+        self._apply(batch, payload)
+
+    def _lose(self, reason: str) -> None:
+        """The view can no longer be trusted in either direction: empty it and start again."""
+        if reason == "engine_restarted":
+            self.stats.restarts += 1
+        else:
+            self.stats.unrecovered_gaps += 1
+        _log.warning("kv_event_view_reset", engine=self.name, reason=reason, next_seq=self._next)
+        self.sink.reset(reason)
+        self._applied.clear()
+        self._next = None
+        self._complete = False
+
+    async def _sync(self, *, probe: bool) -> None:
+        """Bring the view up to the publisher's latest batch from its replay buffer.
+
+        The replay starts at the last applied seq, whose payload must match what was applied: else the
+        publisher restarted (its buffer is shorter or holds other content there) or its buffer moved
+        past us — either way the view is emptied and rebuilt from what the buffer still holds."""
+        if self.replay_endpoint is None:
+            return  # nothing to ask: liveness and gaps show only in the live stream
+        anchor = self._next - 1 if self._next else None
+        if probe:
+            self.stats.probes += 1
+        else:
+            self.stats.replays += 1
+        got = await self._replay(0 if anchor is None else anchor)
+        if got is None:
+            if not self._stale:
+                _log.warning("kv_event_view_stale", engine=self.name, reason="replay_unanswered")
+            self._stale = True
+            return
+        self._stale = False
+        if anchor is not None:
+            if got and got[0][0] == anchor and self._applied.seen(anchor, got[0][1]):
+                got = got[1:]
+            else:
+                passed = bool(got) and got[0][0] > anchor
+                self._lose("gap_unrecovered" if passed else "engine_restarted")
+                if not passed and (got := await self._replay(0)) is None:
+                    self._stale = True
+                    return
+        elif self._next == 0 and got and got[0][0] > 0:
+            self._lose("gap_unrecovered")  # in sync on an empty buffer, yet its start is gone now
+        self._take(got)
+
+    def _take(self, got: _Replayed) -> None:
+        """Apply replayed batches that continue the view; on an empty view, start its history."""
+        if self._next is None and not got:
+            # An empty buffer from seq 0: the publisher has published nothing since it started.
+            self._next, self._complete = 0, True
+            return
+        for seq, payload, _ in got:
+            if self._next is not None and seq < self._next and self._applied.seen(seq, payload):
+                continue
+            try:
+                batch = decode_batch(seq, payload)
+            except DecodeError as e:
+                self.stats.undecodable += 1
+                _log.warning("kv_event_batch_undecodable", engine=self.name, error=str(e))
+                continue
+            if self._next is None:
+                self._start_at(batch, payload)
+            elif seq == self._next:
+                self._apply(batch, payload)
+            else:
+                break  # the buffer is contiguous; anything else waits for the next sync
+            self.stats.replayed_batches += 1
+
+    # ---- the replay socket ------------------------------------------------------------------------
+
+    async def _replay(self, start: int) -> _Replayed | None:
+        """What the publisher's buffer holds from ``start`` on, or None: no replay socket, or no
+        complete answer within ``replay_timeout_s`` (then the DEALER is replaced, so a late answer
+        cannot be taken for the next one's)."""
+        if self.replay_endpoint is None:
+            return None
+        dealer = self._dealer_socket()
+        out: _Replayed = []
+        try:
+            async with asyncio.timeout(self.replay_timeout_s):
+                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 4:
+                        raise DecodeError(f"replay answer of {len(frames)} frames")
+                    seq = decode_seq(frames[2])
+                    if seq == END_SEQ:
+                        break
+                    out.append((seq, frames[3], frames[2]))
+        except (TimeoutError, DecodeError) as e:
+            _log.debug("kv_event_replay_failed", engine=self.name, start=start, error=repr(e))
+            self._close_dealer()
+            return None
+        self.stats.last_heard = self._clock()
+        return out
+
+    def _dealer_socket(self) -> zmq.asyncio.Socket:
+        if self._dealer is None:
+            if self.replay_endpoint is None:
+                raise RuntimeError("no replay endpoint")
+            d = self._ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            d.connect(self.replay_endpoint)
+            self._dealer = d
+        return self._dealer
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._dealer.close(linger=0)
+            self._dealer = None

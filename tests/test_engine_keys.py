@@ -1,0 +1,144 @@
+"""Keys the engine would compute: routerd keys a request before routing it exactly as the engine will
+announce its blocks — the sim (its own tokens) and a Hugging Face tokenizer with the model's chat
+template (checked against ``transformers`` in the vLLM venv)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from routerd.ingress.validate import ChatHead, ChatMessage, CompletionHead
+from routerd.routing import engine_keys, kv_hash
+from tests.fixtures.sim import SimEngineFactory
+
+ROOT = kv_hash.none_hash(None)
+CONVERSATION = [
+    {"role": "system", "content": "You are careful. " * 12},
+    {"role": "user", "content": "the router sends a request to the engine which streams tokens back " * 4},
+    {"role": "assistant", "content": "ready again " * 10},
+    {"role": "user", "content": "and each replica answers a batch of prompts with cache blocks " * 3},
+]
+KV = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"})
+
+
+def _chat() -> ChatHead:
+    return ChatHead(model="m",
+                    messages=[ChatMessage(role=m["role"], content=m["content"]) for m in CONVERSATION])
+
+
+async def test_the_sim_keyer_predicts_the_blocks_the_sim_caches(sim_engine: SimEngineFactory) -> None:
+    eng = await sim_engine(kv_events_config=KV, block_size=16)
+    prompt = "the queue holds many users " * 30
+    async with aiohttp.ClientSession() as s:
+        body = {"messages": CONVERSATION, "max_tokens": 1}
+        async with s.post(f"{eng.url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        chat_keys = engine_keys.keys(engine_keys.SimKeyer(), _chat(), 16, ROOT)
+        assert len(chat_keys) > 5
+        assert eng.engine.cached_block_keys() == set(chat_keys)
+        async with s.post(f"{eng.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+            assert r.status == 200
+    done_keys = engine_keys.keys(engine_keys.SimKeyer(), CompletionHead(model="m", prompt=prompt), 16, ROOT)
+    assert len(done_keys) == 150 // 16
+    assert eng.engine.cached_block_keys() == set(chat_keys) | set(done_keys)
+
+
+async def test_a_long_prompt_is_keyed_off_the_loop_with_the_same_result() -> None:
+    head = CompletionHead(model="m", prompt="many users " * 4000)
+    keyer = engine_keys.SimKeyer()
+    assert engine_keys.prompt_size(head) > engine_keys.INLINE_MAX
+    assert await engine_keys.keys_for(keyer, head, 16, ROOT) == engine_keys.keys(keyer, head, 16, ROOT)
+
+
+def test_what_cannot_be_keyed_has_no_keys() -> None:
+    keyer = engine_keys.SimKeyer()
+    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt=["a", "b"]), 16, ROOT) == ()
+    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="short"), 16, ROOT) == ()
+    assert engine_keys.load_keyer("vllm", None) is None
+    assert engine_keys.load_keyer("vllm", "/nonexistent") is None
+
+
+@pytest.mark.vllm
+def test_the_hf_keyer_tokenizes_as_transformers_renders_for_vllm(vllm_bin: Path,
+                                                                  tiny_model_dir: Path) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    python = vllm_bin.parent / "python"
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "text = tok.apply_chat_template(json.loads(sys.argv[2]), tokenize=False,\n"
+        "                               add_generation_prompt=True)\n"
+        "print(json.dumps([tok(text, add_special_tokens=False).input_ids,\n"
+        "                  tok(sys.argv[3], add_special_tokens=True).input_ids]))\n")
+    prompt = "hello world, the router sends a prompt"
+    out = subprocess.run([str(python), "-c", script, str(tiny_model_dir), json.dumps(CONVERSATION), prompt],
+                         capture_output=True, text=True, timeout=300, check=True)
+    chat_ids, prompt_ids = json.loads(out.stdout.strip().splitlines()[-1])
+    keyer = engine_keys.load_keyer("vllm", str(tiny_model_dir))
+    assert isinstance(keyer, engine_keys.HfKeyer)
+    assert keyer.token_ids(_chat()) == chat_ids
+    assert keyer.token_ids(CompletionHead(model="m", prompt=prompt)) == prompt_ids
+
+
+def test_a_template_that_fails_on_the_messages_leaves_the_request_unkeyed(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }}{{ no_such.thing }}{% endfor %}"}))
+    keyer = engine_keys.load_keyer("vllm", str(tmp_path))
+    assert keyer is not None
+    head = ChatHead(model="m", messages=[ChatMessage(role="user", content="hello " * 64)])
+    assert engine_keys.keys(keyer, head, 16, ROOT) == ()  # the template fails: no crash, no keys
+    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="hello " * 64), 16, ROOT) != ()
+
+
+async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
+    """The estimate from bytes (1 token per 4) would make a prompt of one-letter words half as long as
+    the engine counts it — and an exact cache hit larger than the prompt."""
+    from routerd.config import RoutingConfig
+    from routerd.routing.request import RequestViews
+
+    views = RequestViews(RoutingConfig())
+    views.keyers["f"] = (engine_keys.SimKeyer(), 16, ROOT)
+    head = CompletionHead(model="m", prompt="a " * 100)
+    plain = views.build("f", "/v1/completions", head)
+    assert plain.prompt_tokens == 50
+    keyed = await views.with_engine_keys(plain, head)
+    assert len(keyed.engine_keys) == 99 // 16
+    assert keyed.engine_block_tokens == 16
+    assert keyed.prompt_tokens == 6 * 16 + 1
+    views.ratio("f").add(1.0, 1000.0)  # the learned ratio moves: the floor stays
+    assert views.current(keyed).prompt_tokens == 97
+    assert (await views.with_engine_keys(views.build("g", "/v1/completions", head), head)).engine_keys == ()
+
+
+async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
+    from routerd.routing.keying_process import KeyingProcess
+
+    keyer = engine_keys.SimKeyer()
+    head = CompletionHead(model="m", prompt="many users " * 3000)
+    expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
+    kp = KeyingProcess({"f": keyer.spec}, timeout_s=60)
+    try:
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
+        assert await kp.keys("other", head, 16, ROOT) is None  # a fleet it does not key
+        pool = kp._pool
+        assert pool is not None
+        for proc in list(pool._processes.values()):  # the worker dies
+            proc.kill()
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
+        assert kp.failures == 1
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected  # a new worker
+    finally:
+        kp.close()
