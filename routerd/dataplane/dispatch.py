@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 from ..errors import PermissionDenied, RouterdError
 from ..openai import ChatHead, CompletionHead
-from ..plugins import RequestView
 from ..routing import RequestViews
 from ..telemetry import Telemetry
 from ..tenants import RequestFacts, Tenant, inspect
@@ -176,7 +175,11 @@ class Dispatch:
                     async with ticket if rooms is None else _InRoom(rooms.slot(), ticket):
                         line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
                         forwarded = True
-                        result = await self._forward(req, view, facts.body, tap, preempt)
+                        call = self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
+                                                    stream=req.stream, request_id=req.id, request=view)
+                        # bounded by the deadline and preemptible while it runs, when it is either
+                        result = await (call if req.deadline is None and preempt is None
+                                        else self._bounded(call, req.deadline, preempt))
                 except asyncio.CancelledError:
                     if preempt is None or not preempt.absorbed():
                         raise
@@ -196,16 +199,6 @@ class Dispatch:
             if not forwarded:
                 self._telemetry.count_request(req.fleet, "", e.status)
             raise
-
-    def _forward(self, req: Request, view: RequestView, body: bytes, tap: UsageTap,
-                 preempt: _Preempt | None) -> Coroutine[Any, Any, ForwardResult]:
-        """The engine call, bounded by the request's deadline and preemptible while it runs (the
-        common case — neither — is the engine call's own coroutine, not one more around it)."""
-        call = self._engine.forward(req.fleet, req.endpoint, body, tap, stream=req.stream,
-                                    request_id=req.id, request=view)
-        if req.deadline is None and preempt is None:
-            return call
-        return self._bounded(call, req.deadline, preempt)
 
     async def _bounded(self, call: Coroutine[Any, Any, ForwardResult], deadline: float | None,
                        preempt: _Preempt | None) -> ForwardResult:

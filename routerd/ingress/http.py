@@ -230,10 +230,20 @@ class HttpIngress:
 
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
-        try:
+        try:  # the request read into the dispatch's: its caller, its body checked, a fleet it may use
             tenant = self._caller(request, fields)
             body = await self._read_body(request)
-            req = self._request(request, endpoint, request_id, tenant, body, fields)
+            head = read_head(endpoint, body)
+            model, stream = head.model, bool(head.stream)
+            fields["model"], fields["stream"] = quote(model), stream
+            fleet = self._models.get(model)
+            if fleet is None:
+                raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
+                               f"{', '.join(sorted(self._models)) or 'none'}", param="model")
+            fields["fleet"] = fleet
+            self.tenancy.check_fleet(tenant, fleet)
+            req = Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
+                          tenant=tenant, source="http", session=_session(request))
         except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
             self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
@@ -257,21 +267,6 @@ class HttpIngress:
         if (request.content_length or 0) > self.cfg.http.max_body_bytes:
             raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
         return tenant
-
-    def _request(self, request: web.Request, endpoint: str, request_id: str, tenant: Tenant, body: bytes,
-                 fields: dict[str, Any]) -> Request:
-        """The HTTP request as the dispatch takes it: its body checked, its fleet one the tenant may use."""
-        head = read_head(endpoint, body)
-        model, stream = head.model, bool(head.stream)
-        fields["model"], fields["stream"] = quote(model), stream
-        fleet = self._models.get(model)
-        if fleet is None:
-            raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
-                           f"{', '.join(sorted(self._models)) or 'none'}", param="model")
-        fields["fleet"] = fleet
-        self.tenancy.check_fleet(tenant, fleet)
-        return Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
-                       tenant=tenant, source="http", session=_session(request))
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
