@@ -36,6 +36,7 @@ from .._aio import wait_for
 from ..config import Config, FleetConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
+from ..tracing import engine_env
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, Placement, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
@@ -119,7 +120,7 @@ class FleetManager:
             else self.desired(fleet)
         if index >= limit:
             return None
-        return spec_for(fleet, index, self.cluster.address)
+        return spec_for(fleet, index, self.cluster.address, engine_env(self.cfg.tracing, fleet.name))
 
     async def start(self) -> None:
         """Adopt matching engines, stop the rest (and stray placement groups), launch what is missing."""
@@ -261,8 +262,8 @@ class FleetManager:
                 iid = instance_id(fleet.name, index)
                 wanted.add(iid)
                 if iid not in self.supervisors:
-                    self._spawn_supervisor(self._new_supervisor(fleet, spec_for(fleet, index,
-                                                                                self.cluster.address)))
+                    self._spawn_supervisor(self._new_supervisor(fleet, spec_for(
+                        fleet, index, self.cluster.address, engine_env(self.cfg.tracing, fleet.name))))
         for iid, sup in list(self.supervisors.items()):
             if iid not in wanted and not sup.slot.retiring:
                 self._retire(sup, "scaling down")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import signal
 import sys
@@ -86,6 +87,9 @@ class SimEngine:
         self.metrics = SimMetrics(config)
         self.engine = BatchEngine(config, self.faults, self.metrics)
         self.server_load = 0
+        # The W3C trace context of the last requests, as vLLM would continue it (GET /sim/stats): tests
+        # check that routerd hands its span's context to the engine.
+        self.traceparents: collections.deque[str] = collections.deque(maxlen=256)
         self.created = config.fixed_created or int(time.time())
         self.url = ""
         self.port = 0
@@ -236,6 +240,8 @@ class SimEngine:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if traceparent := request.headers.get("traceparent"):
+            self.traceparents.append(traceparent)
         raw = await request.read()
         try:
             if not raw.isascii():
@@ -337,7 +343,8 @@ class SimEngine:
         return _json_response(self.faults.snapshot())
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return _json_response({**asdict(self.stats), "server_load": self.server_load})
+        return _json_response({**asdict(self.stats), "server_load": self.server_load,
+                               "traceparents": list(self.traceparents)})
 
 
 # ---- the process ----------------------------------------------------------------------------------

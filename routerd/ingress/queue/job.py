@@ -40,6 +40,7 @@ from ...plugins import RequestView
 from ...routing import Decision
 from ...tenants import RequestFacts, Tenant, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
+from ...tracing import Traced, Tracing, usage_attributes
 from ...upstream import ResponseSink, Upstream
 from ..validate import read_head
 from .held import Held, Running
@@ -144,13 +145,17 @@ class JobRunner:
         self._tenancy = tenancy
         # The real upstream's router builds each job's request view (a fake upstream routes blind).
         self._views = upstream.router.views if isinstance(upstream, Upstream) else None
+        self._tracing = upstream.tracing if isinstance(upstream, Upstream) else Tracing.off()
 
     async def run(self, running: Running, raw: bytes | None) -> None:
+        read_ns = time.time_ns()
+        traced: Traced | None = None
         try:
             valid = await self._validated(running, raw)
             if valid is None:
                 return
             job, fleet = valid
+            traced = self._traced(job, fleet, running, read_ns)
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
             except asyncio.CancelledError:
@@ -173,6 +178,21 @@ class JobRunner:
                     await self._record_failure(running, running.job_id, f"routerd: {e!r}")
         finally:
             self._held.release(running)
+            if traced is not None:
+                traced.end()
+
+    def _traced(self, job: Job, fleet: str, running: Running, read_ns: int) -> Traced | None:
+        """The job's span, from its read to its acknowledgement, in the producer's trace if it has one."""
+        traced = self._tracing.job(job.traceparent, job.tracestate, entry=running.entry_id,
+                                   stream=self._cfg().redis.stream, read_ns=read_ns)
+        if traced is not None:
+            self._tracing.note(**{"routerd.queue.job_id": job.id, "routerd.endpoint": job.endpoint,
+                                  "routerd.fleet": fleet, "routerd.tenant": job.tenant,
+                                  "routerd.stream": job.stream,
+                                  "gen_ai.request.model": str(job.body.get("model", "")),
+                                  "gen_ai.operation.name": "chat" if "chat" in job.endpoint
+                                  else "text_completion"})
+        return traced
 
     async def _validated(self, running: Running, raw: bytes | None) -> tuple[Job, str] | None:
         """The job and its fleet, or None once a message that can never run was dead-lettered."""
@@ -225,7 +245,9 @@ class JobRunner:
                                  f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
                 return
             try:
-                result = await self._attempt(running, job, fleet)
+                with self._tracing.span("routerd.queue.delivery",
+                                        {"routerd.queue.delivery": running.delivery}):
+                    result = await self._attempt(running, job, fleet)
             except _Retry as e:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
@@ -283,13 +305,14 @@ class JobRunner:
         runs = 0
         while True:
             with self._held.waiting_for_quota(tenant.limited):  # over its limit it waits, not failing
-                charge = await self._tenancy.wait_for_quota(tenant, fleet, facts, deadline)
+                charge = await self._tracing.timed(
+                    "routerd.rate_limit", self._tenancy.wait_for_quota(tenant, fleet, facts, deadline))
             preempt = _Preempt() if not job.stream and runs < _MAX_PREEMPTIONS else None
             runs += 1
             try:
-                async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
-                                                  deadline=mono_deadline, source="queue",
-                                                  tenant=tenant.name, preempt=preempt):
+                async with self._tracing.waiting("routerd.admission", self._admission.ticket(
+                        fleet, priority=tenant.priority(job.priority), deadline=mono_deadline,
+                        source="queue", tenant=tenant.name, preempt=preempt)):
                     if deadline is None:
                         return await self._forward(running, job, fleet, facts, view, charge, preempt)
                     async with asyncio.timeout(deadline - time.time()):
@@ -331,8 +354,10 @@ class JobRunner:
                 preempt.disarm()
             if preempt is not None and preempt.fired:
                 self._tenancy.withdraw(charge)  # it runs again, and that run is what counts
-            self._tenancy.settle(charge, tap.usage(out.usage if out is not None else None), status=tap.status,
-                                 ok=out is not None and out.ok)
+            usage = tap.usage(out.usage if out is not None else None)
+            self._tenancy.settle(charge, usage, status=tap.status, ok=out is not None and out.ok)
+            if self._tracing.on:
+                self._tracing.note(**usage_attributes(usage))
         mid_stream_failure = isinstance(sink, StreamSink) and sink.status == 200 and (
             sink.failed or not out.ok)
         if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
@@ -390,8 +415,12 @@ class JobRunner:
 
     async def _finish(self, running: Running, job: Job, result: Result | None) -> None:
         running.finishing = True
-        await self._store.finish(running.entry_id, job.id, job.reply_to, result,
-                                 delivery=running.delivery)
+        if result is not None and result.status == "error" and self._tracing.on:
+            self._tracing.failed(str((result.error or {}).get("message", "error")))
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": result.status
+                                                          if result is not None else "duplicate"}):
+            await self._store.finish(running.entry_id, job.id, job.reply_to, result,
+                                     delivery=running.delivery)
         self._stats["done"] += 1
 
     async def _dead(self, running: Running, raw: bytes, reason: str, job_id: str | None,
@@ -404,8 +433,11 @@ class JobRunner:
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
-        await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
-                                 delivery=running.delivery, dead_reason=reason, raw=raw)
+        if self._tracing.on:
+            self._tracing.failed(reason, **{"routerd.queue.dead": True})
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": "dead"}):
+            await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
+                                     delivery=running.delivery, dead_reason=reason, raw=raw)
         self._stats["dead"] += 1
 
 
