@@ -366,6 +366,13 @@ class Tracing:
         if self.on:
             _W3C.inject(headers)
 
+    def trace_id(self) -> str:
+        """The current span's sampled trace id (``""``: none, or tracing off): a metric's exemplar."""
+        if not self.on:
+            return ""
+        ctx = trace.get_current_span().get_span_context()
+        return format(ctx.trace_id, "032x") if ctx.is_valid and ctx.trace_flags.sampled else ""
+
     def note(self, **attributes: Any) -> None:
         """Attributes on the current span (a retry's reason, a resume's gap, token usage)."""
         if self.on:
@@ -417,6 +424,12 @@ class Traced:
     def __init__(self, span: Span) -> None:
         self.span = span
         self.token = otel_context.attach(trace.set_span_in_context(span))
+
+    @property
+    def trace_id(self) -> str:
+        """The trace's id as OpenTelemetry prints it; ``""`` when not sampled (no exemplar then)."""
+        ctx = self.span.get_span_context()
+        return format(ctx.trace_id, "032x") if ctx.trace_flags.sampled else ""
 
     @property
     def traceparent(self) -> str:

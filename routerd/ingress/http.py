@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..plugins import RequestView
 from ..registry import InstanceState, Registry
-from ..telemetry import CONTENT_TYPE, Telemetry
+from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Telemetry
 from ..tenants import Tenant, UsageTap, inspect
 from ..tenants.service import Tenancy
 from ..tracing import usage_attributes
@@ -232,7 +232,8 @@ class HttpIngress:
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
-                self.telemetry.observe_request(fields["fleet"], duration)
+                self.telemetry.observe_request(fields["fleet"], duration,
+                                               traced.trace_id if traced is not None else "")
             _log.info("request", **fields)
             if traced is not None:
                 traced.end(fields)
@@ -352,9 +353,12 @@ class HttpIngress:
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(self.telemetry.render) if len(self.handlers) > 64 \
-            else self.telemetry.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        # Prometheus asks for OpenMetrics first: the format that carries exemplars (trace ids).
+        om = "application/openmetrics-text" in request.headers.get("Accept", "")
+        body = await asyncio.to_thread(self.telemetry.render, om) if len(self.handlers) > 64 \
+            else self.telemetry.render(om)
+        return web.Response(body=body,
+                            headers={"Content-Type": OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE})
 
     async def admin_fleets(self, request: web.Request) -> web.Response:
         check_admin(request, self.cfg.http.admin_api_key)  # a refusal is answered by errors_as_json
