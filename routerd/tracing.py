@@ -339,9 +339,10 @@ class Tracing:
             if exc is None:
                 await cm.__aexit__(None, None, None)
 
-    def timed(self, name: str, awaitable: Awaitable[T]) -> Awaitable[T]:
-        """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own."""
-        if not self.on:
+    def timed(self, name: str, awaitable: Awaitable[T], when: bool = True) -> Awaitable[T]:
+        """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own — ``when`` it
+        can take time (a tenant without limits is charged at once: no span to pay for)."""
+        if not self.on or not when:
             return awaitable
         return self._timed(name, awaitable)
 
@@ -474,8 +475,9 @@ def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
             continue
         name = _FIELDS.get(key)
         if name is None:
-            route = key in _ROUTE or key.startswith("runner_up")
-            name = f"routerd.route.{key}" if route else f"routerd.{key}"
+            if key in _ROUTE or key.startswith("runner_up"):
+                continue  # the routing decision: on each attempt's span, where it applies
+            name = f"routerd.{key}"
         out[name] = value
     if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
         out["gen_ai.latency.time_to_first_token"] = ttfb / 1000

@@ -40,8 +40,9 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-def traced_plane_config(urls: list[str], receiver: OtlpReceiver, **tracing: Any) -> Any:
-    cfg = plane_config(urls, routing={"policy": "round_robin"})
+def traced_plane_config(urls: list[str], receiver: OtlpReceiver, *,
+                        tenants: list[dict[str, Any]] | None = None, **tracing: Any) -> Any:
+    cfg = plane_config(urls, routing={"policy": "round_robin"}, tenants=tenants)
     return msgspec.structs.replace(cfg, tracing=TracingConfig(endpoint=receiver.url, **tracing))
 
 
@@ -108,7 +109,9 @@ async def test_a_retried_and_resumed_http_stream_is_one_trace(
     await breaks.set_faults(fail_after_chunks=5)
     # round_robin over instances ordered by id: static0 first; the retry (static0 excluded) takes the
     # second of the remaining two, static2; the resume (static0, static2 excluded) static1.
-    t = await traced_plane(traced_plane_config([answers_500.url, healthy.url, breaks.url], otlp_receiver))
+    # a tenant with a rate limit: its charge is a span of its own
+    t = await traced_plane(traced_plane_config([answers_500.url, healthy.url, breaks.url], otlp_receiver,
+                                               tenants=[{"name": "default", "requests_per_minute": 600}]))
     body = {"model": "m", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 20,
             "stream": True}
     async with client.post(t.plane.url + CHAT, json=body, headers={"X-Request-Id": "rr-1"}) as r:
@@ -127,6 +130,7 @@ async def test_a_retried_and_resumed_http_stream_is_one_trace(
     assert server.attributes["routerd.resumes"] == 1
     assert server.attributes["gen_ai.request.model"] == "m"
     assert server.attributes["gen_ai.usage.output_tokens"] == 20  # the whole generation, both engines
+    assert server.attributes["routerd.tenant"] == "default"
     attempts = sorted(children(spans, server, "routerd.attempt"),
                       key=lambda s: s.attributes["routerd.attempt"])
     assert [(a.kind, a.attributes["routerd.instance"], a.status) for a in attempts] == [
@@ -179,6 +183,7 @@ async def test_a_clients_traceparent_is_continued(
     assert (server.trace_id, server.parent_id) == (trace_id, parent)
     (attempt,) = children(otlp_receiver.trace(trace_id), server, "routerd.attempt")
     assert engine_parents(stats, trace_id) == [attempt.span_id]
+    assert not children(otlp_receiver.trace(trace_id), server, "routerd.rate_limit")  # no limit: no wait
     assert not otlp_receiver.trace(unsampled)
     # the engine continues the client's unsampled trace unsampled (W3C: the flag is passed on)
     assert [tp[-2:] for tp in stats["traceparents"] if unsampled in tp] == ["00"]
@@ -225,7 +230,6 @@ async def test_a_queue_job_from_routerd_submit_to_its_result_is_one_trace(
     (attempt,) = children(spans, delivery, "routerd.attempt")
     assert (attempt.kind, attempt.attributes["routerd.instance"]) == ("client", "f:static0")
     assert len(children(spans, delivery, "routerd.admission")) == 1
-    assert len(children(spans, delivery, "routerd.rate_limit")) == 1
     (finish,) = children(spans, job, "routerd.queue.finish")
     assert finish.attributes["routerd.queue.result"] == "ok"
     assert finish.start_ns >= attempt.end_ns  # the result is written (and acked) after the engine call
@@ -244,7 +248,7 @@ async def test_a_collector_that_is_down_costs_bounded_memory_and_is_counted(
     t = await traced_plane(traced_plane_config([engine.url], otlp_receiver, max_queue_spans=4,
                                                export_timeout_s=0.5, shutdown_timeout_s=1.0))
     body = {"model": "m", "prompt": "nobody collects this", "max_tokens": 2}
-    for _ in range(10):  # four spans each: server, rate limit, admission, attempt
+    for _ in range(10):  # three spans each: server, admission, attempt
         async with client.post(t.plane.url + COMP, json=body) as r:
             assert r.status == 200
 

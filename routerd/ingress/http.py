@@ -289,7 +289,8 @@ class HttpIngress:
         facts = inspect(body, view)
         tracing = self.upstream.tracing
         # RateLimited: 429 + x-ratelimit-*
-        charge = await tracing.timed("routerd.rate_limit", self.tenancy.charge(tenant, fleet, facts))
+        charge = await tracing.timed("routerd.rate_limit", self.tenancy.charge(tenant, fleet, facts),
+                                     tenant.limited)
         tap = UsageTap(sink, stream=stream, headers=charge.grant.headers())
         result: ForwardResult | None = None
         waited = self.clock()

@@ -306,7 +306,8 @@ class JobRunner:
         while True:
             with self._held.waiting_for_quota(tenant.limited):  # over its limit it waits, not failing
                 charge = await self._tracing.timed(
-                    "routerd.rate_limit", self._tenancy.wait_for_quota(tenant, fleet, facts, deadline))
+                    "routerd.rate_limit", self._tenancy.wait_for_quota(tenant, fleet, facts, deadline),
+                    tenant.limited)
             preempt = _Preempt() if not job.stream and runs < _MAX_PREEMPTIONS else None
             runs += 1
             try:
