@@ -60,6 +60,7 @@ _W3C = TraceContextTextMapPropagator()
 _NULL: nullcontext[None] = nullcontext()
 _OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 _TRACES_PATH = "/v1/traces"
+WAITED_NS = 1_000_000  # an admission wait this long (1 ms) or longer gets a span
 
 
 def otlp_endpoint(cfg: TracingConfig, environ: Mapping[str, str]) -> str:
@@ -126,7 +127,7 @@ def _processor(exporter: SpanExporter, counts: _Counts, max_queue: int) -> Any:
             super().on_end(span)
 
     return Bounded(cast("SpanExporter", _Exporter(exporter, counts)), max_queue_size=max_queue,
-                   max_export_batch_size=min(512, max_queue), schedule_delay_millis=1000)
+                   max_export_batch_size=min(512, max_queue), schedule_delay_millis=5000)
 
 
 class _Exporter:
@@ -318,16 +319,32 @@ class Tracing:
                 raise
 
     def waiting(self, name: str, cm: AbstractAsyncContextManager[T]) -> AbstractAsyncContextManager[T]:
-        """``cm`` (an admission ticket) with a span over its ``__aenter__``: the wait for it."""
+        """``cm`` (an admission ticket) with a span over its ``__aenter__`` when that waited
+        (:data:`WAITED_NS` or more) or failed: a slot taken at once is the server span's
+        ``routerd.admission_ms``, not a span of its own (each span costs the request more than the
+        admission did)."""
         if not self.on:
             return cm
         return self._waiting(name, cm)
 
+    def _waited(self, name: str, start_ns: int, error: BaseException | None) -> None:
+        now = time.time_ns()
+        if error is None and now - start_ns < WAITED_NS:
+            return
+        span = self.tracer.start_span(name, start_time=start_ns)
+        if error is not None:
+            _error(span, error)
+        span.end(end_time=now)
+
     @asynccontextmanager
     async def _waiting(self, name: str, cm: AbstractAsyncContextManager[T]) -> AsyncIterator[T]:
-        with self._span(name, SpanKind.INTERNAL, {}):
-            entered = cm.__aenter__()
-            got = await entered
+        start = time.time_ns()
+        try:
+            got = await cm.__aenter__()
+        except BaseException as e:
+            self._waited(name, start, e)
+            raise
+        self._waited(name, start, None)
         exc: BaseException | None = None
         try:
             yield got
