@@ -304,9 +304,14 @@ class Tracing:
              kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span | None]:
         """A child span of the current one, current inside the ``with`` (the shared no-op when off);
         an exception leaving it marks it an error."""
-        if not self.on:
+        if not self._recording():
             return _NULL
         return self._span(name, kind, attributes or {})
+
+    def _recording(self) -> bool:
+        """Tracing is on and the current span is sampled: a request that is not sampled makes no child
+        span (each would cost the SDK's work for nothing), only the context it passes on."""
+        return self.on and trace.get_current_span().is_recording()
 
     @contextmanager
     def _span(self, name: str, kind: SpanKind, attributes: Mapping[str, Any]) -> Iterator[Span | None]:
@@ -323,7 +328,7 @@ class Tracing:
         (:data:`WAITED_NS` or more) or failed: a slot taken at once is the server span's
         ``routerd.admission_ms``, not a span of its own (each span costs the request more than the
         admission did)."""
-        if not self.on:
+        if not self._recording():
             return cm
         return self._waiting(name, cm)
 
@@ -359,7 +364,7 @@ class Tracing:
     def timed(self, name: str, awaitable: Awaitable[T], when: bool = True) -> Awaitable[T]:
         """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own — ``when`` it
         can take time (a tenant without limits is charged at once: no span to pay for)."""
-        if not self.on or not when:
+        if not when or not self._recording():
             return awaitable
         return self._timed(name, awaitable)
 
@@ -372,7 +377,7 @@ class Tracing:
         """One engine attempt (``routerd.attempt``) or continuation (``routerd.resume``): a client span
         whose context :meth:`inject` hands to the engine; ``decision`` is the routing decision's log
         fields (the same facts as the request's log line)."""
-        if not self.on:
+        if not self._recording():
             return _NULL
         attrs: dict[str, Any] = {"routerd.attempt": number, "routerd.instance": instance, "url.full": url}
         if decision:

@@ -313,8 +313,7 @@ def test_otel_environment_variables_are_honoured() -> None:
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     try:
-        with tracing.span("unit") as span:
-            assert span is not None
+        with tracing.tracer.start_as_current_span("unit") as span:
             ctx = span.get_span_context()
             line = log.add_trace_ids(None, "info", {"event": "x"})
         assert (line["trace_id"], line["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
@@ -393,8 +392,7 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     slot = asyncio.Lock()
     try:
-        with tracing.span("request") as request:
-            assert request is not None
+        with tracing.tracer.start_as_current_span("request") as request:
             async with tracing.waiting("routerd.admission", slot):
                 pass  # free: no wait
             await slot.acquire()
