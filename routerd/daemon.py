@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Awaitable, Coroutine
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # imported where built: the data plane pulls in aiohttp, the 
     from .ingress.listener import HttpListener
     from .ingress.queue import QueueIngress
     from .routing.engine_events import EngineEvents
+    from .tracing import Tracing
 
 _logger = log.get("routerd.daemon")
 
@@ -129,6 +131,21 @@ class Daemon:
         _logger.info("routerd_stopped")
         return 0
 
+    async def _start_tracing(self, stack: contextlib.AsyncExitStack) -> Tracing:
+        """``[tracing]`` (or ``OTEL_*``): the spans' exporter, closed last (what is queued gets
+        ``tracing.shutdown_timeout_s`` to leave); a vLLM fleet whose engine cannot trace is named."""
+        from .tracing import Tracing
+
+        tracing = Tracing.from_config(self.cfg.tracing)
+        stack.push_async_callback(tracing.aclose)
+        if not tracing.on:
+            return tracing
+        t = self.cfg.tracing
+        _logger.info("tracing_on", endpoint=tracing.endpoint, service_name=t.service_name,
+                     sample_ratio=t.sample_ratio, max_queue_spans=t.max_queue_spans)
+        await _check_engine_tracing(self.cfg)
+        return tracing
+
     def _spawn(self, tg: asyncio.TaskGroup, coro: Coroutine[Any, Any, Any], name: str) -> None:
         self._tasks.append(tg.create_task(coro, name=name))
 
@@ -147,6 +164,7 @@ class Daemon:
         self.notifier.status("starting: redis")
         await self._start_redis(stack, state)
 
+        tracing = await self._start_tracing(stack)
         self.session = session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
         if _launches(cfg):
@@ -155,7 +173,8 @@ class Daemon:
         fleets = self.fleets
         self.dataplane = plane = build_dataplane(
             cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None,
-            elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url)
+            elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url,
+            tracing=tracing)
         self.kv_events = self._engine_events(plane, session, stack)
         if fleets is not None:
             fleets.autoscaler.attach_admission(plane.admission.stats)
@@ -360,6 +379,26 @@ class Daemon:
         return "; ".join(parts) or "no fleets"
 
 
+async def _check_engine_tracing(cfg: Config) -> None:
+    """Say at start-up which fleets' engines will not join routerd's traces: a launcher that can tell
+    (vLLM's: ``tracing_missing``) is asked what its engine lacks."""
+    from . import plugins
+
+    for fleet in cfg.fleets:
+        if fleet.engine == "static":
+            continue
+        try:
+            launcher = plugins.load(plugins.LAUNCHER_GROUP, fleet.engine)
+        except plugins.PluginNotFound:
+            continue  # the fleet manager reports it
+        check = getattr(launcher, "tracing_missing", None)
+        missing = await check(dict(fleet.engine_args)) if check is not None else ""
+        if missing:
+            _logger.warning("engine_tracing_unavailable", fleet=fleet.name, engine=fleet.engine,
+                            missing=missing, effect="its engines are launched without "
+                            "--otlp-traces-endpoint: traces end at routerd's attempt span")
+
+
 def _launches(cfg: Config) -> bool:
     """Whether any fleet is launched by routerd (and so needs Ray), rather than static URLs."""
     return any(f.engine != "static" for f in cfg.fleets)
@@ -398,9 +437,12 @@ def main(argv: list[str]) -> int:
         for p in e.problems:
             print(p)
         return config_mod.EXIT_CONFIG
+    from .tracing import otlp_endpoint
+
     redactor = log.setup(cfg.daemon.log_level,
                          json=None if args.log_format == "auto" else args.log_format == "json",
-                         secrets=config_mod.secret_values(cfg))
+                         secrets=config_mod.secret_values(cfg),
+                         trace_ids=bool(otlp_endpoint(cfg.tracing, os.environ)))
     try:
         import uvloop
 

@@ -35,6 +35,7 @@ from .registry import Registry
 from .routing import Router, Scraper
 from .telemetry import Telemetry
 from .tenants.service import Tenancy
+from .tracing import Tracing
 from .upstream import Upstream, make_session
 
 
@@ -87,13 +88,15 @@ def build_dataplane(cfg: Config, registry: Registry, session: aiohttp.ClientSess
                     desired_replicas: Callable[[FleetConfig], int] | None = None,
                     elastic: Elastic | None = None, redis_url: str = "",
                     rng: random.Random | None = None,
-                    clock: Callable[[], float] = time.monotonic) -> DataPlane:
+                    clock: Callable[[], float] = time.monotonic,
+                    tracing: Tracing | None = None) -> DataPlane:
     """The data plane for ``cfg`` over ``session``, with the static fleets' instances registered.
 
     ``desired_replicas`` is the fleet manager's run-time replica count (admin scaling overrides the
     file until the next reload changes it), shown by ``/admin/fleets``; None when nothing is launched.
     ``elastic`` is the fleet manager's autoscaler: admission wakes fleets scaled to zero through it.
     ``redis_url``: where tenants' rate limits and usage are shared ("": in this process only).
+    ``tracing``: its owner's (:class:`~routerd.tracing.Tracing`, closed by that owner); None: off.
     """
     rng = rng or random.Random()
     telemetry = Telemetry()
@@ -103,7 +106,10 @@ def build_dataplane(cfg: Config, registry: Registry, session: aiohttp.ClientSess
     admission.set_tenants(tenancy.shares(), configured=tenancy.directory.configured)
     telemetry.attach(registry, admission.stats, clock)
     telemetry.prom.register(tenancy.collector(admission.tenant_stats))
-    upstream = Upstream(router, cfg.routing, telemetry, rng=rng, clock=clock)
+    tracing = tracing or Tracing.off()
+    if tracing.on:
+        telemetry.prom.register(tracing.collector())
+    upstream = Upstream(router, cfg.routing, telemetry, rng=rng, clock=clock, tracing=tracing)
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     http = HttpIngress(cfg, registry, admission, upstream, telemetry, clock=clock,
@@ -119,15 +125,23 @@ def build_dataplane(cfg: Config, registry: Registry, session: aiohttp.ClientSess
 async def running_dataplane(cfg: Config, registry: Registry, *,
                             desired_replicas: Callable[[FleetConfig], int] | None = None,
                             rng: random.Random | None = None, redis_url: str = "",
-                            clock: Callable[[], float] = time.monotonic) -> AsyncIterator[DataPlane]:
+                            clock: Callable[[], float] = time.monotonic,
+                            tracing: Tracing | None = None) -> AsyncIterator[DataPlane]:
     """A data plane on its own (benchmarks, tests): its session opened, its loops running; on the way
-    out the loops end and the session closes. The daemon composes the same steps with the rest."""
-    async with make_session(cfg.routing) as session:
-        plane = build_dataplane(cfg, registry, session, desired_replicas=desired_replicas, rng=rng,
-                                clock=clock, redis_url=redis_url)
-        task = asyncio.create_task(plane.run(), name="dataplane")
-        try:
-            yield plane
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    out the loops end and the session closes. The daemon composes the same steps with the rest.
+    Without ``tracing`` it traces as ``cfg.tracing`` and the ``OTEL_*`` variables say, and closes that."""
+    owned = tracing is None
+    tracing = Tracing.from_config(cfg.tracing) if tracing is None else tracing
+    try:
+        async with make_session(cfg.routing) as session:
+            plane = build_dataplane(cfg, registry, session, desired_replicas=desired_replicas, rng=rng,
+                                    clock=clock, redis_url=redis_url, tracing=tracing)
+            task = asyncio.create_task(plane.run(), name="dataplane")
+            try:
+                yield plane
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    finally:
+        if owned:
+            await tracing.aclose()

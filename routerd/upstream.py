@@ -68,6 +68,7 @@ from .resume import ResumableStream
 from .routing import Decision, Router
 from .speed import PRIOR_PREFILL_S
 from .telemetry import Telemetry
+from .tracing import Tracing
 
 _log = log.get("routerd.upstream")
 
@@ -254,7 +255,7 @@ class Upstream:
 
     def __init__(self, router: Router, cfg: RoutingConfig,
                  telemetry: Telemetry | None = None, *, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracing: Tracing | None = None) -> None:
         # Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive.
         self.pool = EnginePool(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                                keepalive_s=4.0)
@@ -263,6 +264,7 @@ class Upstream:
         self.telemetry = telemetry or Telemetry()
         self.rng = rng or random.Random()
         self.clock = clock
+        self.tracing = tracing or Tracing.off()  # spans per attempt and resume; the engine gets the context
         self.active = 0  # forward() calls in progress (drain waits on this)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -320,8 +322,11 @@ class Upstream:
                 tried.append(inst.id)
                 sent = self.clock()
                 try:
-                    result = await self._attempt(inst, endpoint, body, sink, stream, request_id, started,
-                                                 unexplained, task, plan)
+                    with self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
+                                              decision.log_fields() if self.tracing.on else None):
+                        result = await self._attempt(inst, endpoint, body, sink, stream, request_id,
+                                                     started, unexplained, task, plan)
+                        self.tracing.outcome(result.ok, result.error, result.status)
                 except asyncio.CancelledError:
                     self._abandoned(sink, plan, inst, sent, request)
                     raise
@@ -334,7 +339,7 @@ class Upstream:
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
                     tel.count_request(fleet, result.instance, result.status)
-                    tel.observe_ttfb(fleet, failure.ttfb_s)
+                    tel.observe_ttfb(fleet, failure.ttfb_s, self.tracing.trace_id())
                     return result
                 except _Retry as e:
                     last = e
@@ -347,7 +352,7 @@ class Upstream:
                 result.attempts = attempt
                 result.decision = decision
                 tel.count_request(fleet, inst.id, result.status)
-                tel.observe_ttfb(fleet, result.ttfb_s)
+                tel.observe_ttfb(fleet, result.ttfb_s, self.tracing.trace_id())
                 return result
             assert last is not None
             err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",
@@ -456,11 +461,12 @@ class Upstream:
         resp: Response | None = None
         assert self._loop is not None
         try:
+            headers = {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
+                       "Accept": "*/*", "Accept-Encoding": "identity"}
+            if self.tracing.on:  # the attempt's span: the engine's own span joins the trace
+                self.tracing.inject(headers)
             with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
-                resp = await self.pool.post(
-                    inst.url + endpoint, body,
-                    {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
-                     "Accept": "*/*", "Accept-Encoding": "identity"})
+                resp = await self.pool.post(inst.url + endpoint, body, headers)
                 first = await _first_chunk(resp, stream)
             if first is None:
                 # Non-streaming (or an error answer): the whole body is the first byte. Its read is
@@ -523,6 +529,7 @@ class Upstream:
             return False, message
         def gap(seconds: float) -> None:  # once per resume: not worth a cached label child
             tel.resume_gap_seconds.labels(inst.fleet).observe(seconds)
+            self.tracing.note(**{"routerd.resume.gap_ms": round(seconds * 1000, 2)})
 
         ending = await relay.by_event(resp, sink, first, rs, self.clock, gap)
         if ending.failure == "error_event" and rs.fixed:  # not continued: the client gets it, as in _passed
@@ -581,8 +588,13 @@ class Upstream:
             _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
                       reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
             try:
-                result = await self._attempt(inst, endpoint, rs.continuation(), sink, True, request_id,
-                                             0.0, [], task, rs)
+                with self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
+                    self.tracing.note(**{"routerd.resume.reason": failure.reason,
+                                         "routerd.resume.failed_instance": failure.instance,
+                                         "routerd.resume.tokens_sent": rs.tokens})
+                    result = await self._attempt(inst, endpoint, rs.continuation(), sink, True,
+                                                 request_id, 0.0, [], task, rs)
+                    self.tracing.outcome(result.ok, result.error, result.status)
             except _Retry as e:  # the continuation failed before any event of it reached the client
                 failure = _Resume(e.reason, e.message, inst.id)
             except _Resume as e:

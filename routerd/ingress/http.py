@@ -40,9 +40,10 @@ from ..errors import (
 )
 from ..plugins import RequestView
 from ..registry import InstanceState, Registry
-from ..telemetry import CONTENT_TYPE, Telemetry
+from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Telemetry
 from ..tenants import Tenant, UsageTap, inspect
 from ..tenants.service import Tenancy
+from ..tracing import usage_attributes
 from ..upstream import ForwardResult, Upstream
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
@@ -203,6 +204,8 @@ class HttpIngress:
         self.idle.clear()
         sink = _HttpSink(request)
         fields: dict[str, Any] = {"request_id": request_id, "endpoint": endpoint}
+        # The server span (continuing the client's traceparent), current until after the log line.
+        traced = self.upstream.tracing.server(request.headers, endpoint, request_id)
         try:
             return await self._dispatch(request, endpoint, request_id, sink, fields)
         except asyncio.CancelledError:
@@ -229,8 +232,11 @@ class HttpIngress:
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
-                self.telemetry.observe_request(fields["fleet"], duration)
+                self.telemetry.observe_request(fields["fleet"], duration,
+                                               traced.trace_id if traced is not None else "")
             _log.info("request", **fields)
+            if traced is not None:
+                traced.end(fields)
 
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
@@ -283,20 +289,25 @@ class HttpIngress:
         """The tenant's charge, an admission slot, the engine call; the usage the engine reported is
         counted and the charge corrected however it ends (a client gone, an engine failing)."""
         facts = inspect(body, view)
-        charge = await self.tenancy.charge(tenant, fleet, facts)  # RateLimited: 429 + x-ratelimit-*
+        tracing = self.upstream.tracing
+        # RateLimited: 429 + x-ratelimit-*
+        charge = await tracing.timed("routerd.rate_limit", self.tenancy.charge(tenant, fleet, facts),
+                                     tenant.limited)
         tap = UsageTap(sink, stream=stream, headers=charge.grant.headers())
         result: ForwardResult | None = None
         waited = self.clock()
         try:
-            async with self.admission.ticket(fleet, priority=0, deadline=None, source="http",
-                                             tenant=tenant.name):
+            async with tracing.waiting("routerd.admission", self.admission.ticket(
+                    fleet, priority=0, deadline=None, source="http", tenant=tenant.name)):
                 fields["admission_ms"] = round((self.clock() - waited) * 1000, 2)  # time queued here
                 fields["forwarded"] = True  # from here on upstream counts the request
                 result = await self.upstream.forward(fleet, endpoint, facts.body, tap, stream=stream,
                                                      request_id=request_id, request=view)
         finally:
-            self.tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
-                                status=tap.status, ok=result is not None and result.ok)
+            usage = tap.usage(result.usage if result is not None else None)
+            self.tenancy.settle(charge, usage, status=tap.status, ok=result is not None and result.ok)
+            if tracing.on:
+                tracing.note(**usage_attributes(usage))
         return result
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -347,9 +358,12 @@ class HttpIngress:
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(self.telemetry.render) if len(self.handlers) > 64 \
-            else self.telemetry.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        # Prometheus asks for OpenMetrics first: the format that carries exemplars (trace ids).
+        om = "application/openmetrics-text" in request.headers.get("Accept", "")
+        body = await asyncio.to_thread(self.telemetry.render, om) if len(self.handlers) > 64 \
+            else self.telemetry.render(om)
+        return web.Response(body=body,
+                            headers={"Content-Type": OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE})
 
     async def admin_fleets(self, request: web.Request) -> web.Response:
         check_admin(request, self.cfg.http.admin_api_key)  # a refusal is answered by errors_as_json

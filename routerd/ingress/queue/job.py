@@ -42,6 +42,7 @@ from ...plugins import RequestView
 from ...routing import Decision
 from ...tenants import RequestFacts, UsageTap, inspect
 from ...tenants.service import Charge, Tenancy
+from ...tracing import Traced, Tracing, usage_attributes
 from ...upstream import ResponseSink, Upstream
 from ..validate import read_head
 from .held import Held, Running
@@ -156,13 +157,17 @@ class JobRunner:
         self._tenancy = tenancy
         # The real upstream's router builds each job's request view (a fake upstream routes blind).
         self._views = upstream.router.views if isinstance(upstream, Upstream) else None
+        self._tracing = upstream.tracing if isinstance(upstream, Upstream) else Tracing.off()
 
     async def run(self, running: Running, raw: bytes | None) -> None:
+        read_ns = time.time_ns()
+        traced: Traced | None = None
         try:
             valid = await self._validated(running, raw)
             if valid is None:
                 return
             job, fleet = valid
+            traced = self._traced(job, fleet, running, read_ns)
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
             except _SetAside as e:  # before release (finally): the entry stays this consumer's
@@ -189,6 +194,21 @@ class JobRunner:
                     await self._record_failure(running, running.job_id, f"routerd: {e!r}")
         finally:
             self._held.release(running)
+            if traced is not None:
+                traced.end()
+
+    def _traced(self, job: Job, fleet: str, running: Running, read_ns: int) -> Traced | None:
+        """The job's span, from its read to its acknowledgement, in the producer's trace if it has one."""
+        traced = self._tracing.job(job.traceparent, job.tracestate, entry=running.entry_id,
+                                   stream=self._cfg().redis.stream, read_ns=read_ns)
+        if traced is not None:
+            self._tracing.note(**{"routerd.queue.job_id": job.id, "routerd.endpoint": job.endpoint,
+                                  "routerd.fleet": fleet, "routerd.tenant": job.tenant,
+                                  "routerd.stream": job.stream,
+                                  "gen_ai.request.model": str(job.body.get("model", "")),
+                                  "gen_ai.operation.name": "chat" if "chat" in job.endpoint
+                                  else "text_completion"})
+        return traced
 
     async def _validated(self, running: Running, raw: bytes | None) -> tuple[Job, str] | None:
         """The job and its fleet, or None once a message that can never run was dead-lettered."""
@@ -242,7 +262,9 @@ class JobRunner:
                                  f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
                 return
             try:
-                result = await self._attempt(running, job, fleet)
+                with self._tracing.span("routerd.queue.delivery",
+                                        {"routerd.queue.delivery": running.delivery}):
+                    result = await self._attempt(running, job, fleet)
             except _Retry as e:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
@@ -302,8 +324,11 @@ class JobRunner:
         room = self._cfg().redis.read_batch
         while True:
             with self._held.quota_room(running, job.tenant, room) as may_wait:
-                charge = await self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline,
-                                                            may_wait=may_wait)
+                known = self._tenancy.tenant(job.tenant)
+                charge = await self._tracing.timed(
+                    "routerd.rate_limit", self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline,
+                                                                       may_wait=may_wait),
+                    known is not None and known.limited)
             if charge is None:
                 raise _SetAside(job.tenant, deadline)
             tenant = charge.tenant
@@ -316,9 +341,9 @@ class JobRunner:
             preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
             try:
                 with self._held.slot_room(job.tenant) as granted:
-                    async with self._admission.ticket(fleet, priority=tenant.priority(job.priority),
-                                                      deadline=mono_deadline, source="queue",
-                                                      tenant=tenant.name, preempt=preempt):
+                    async with self._tracing.waiting("routerd.admission", self._admission.ticket(
+                            fleet, priority=tenant.priority(job.priority), deadline=mono_deadline,
+                            source="queue", tenant=tenant.name, preempt=preempt)):
                         granted()
                         return await self._forward_by(running, job, fleet, facts, view, charge, preempt,
                                                       deadline)
@@ -369,8 +394,10 @@ class JobRunner:
                 preempt.disarm()
             if preempt is not None and preempt.fired:
                 self._tenancy.withdraw(charge)  # it runs again, and that run is what counts
-            self._tenancy.settle(charge, tap.usage(out.usage if out is not None else None), status=tap.status,
-                                 ok=out is not None and out.ok)
+            usage = tap.usage(out.usage if out is not None else None)
+            self._tenancy.settle(charge, usage, status=tap.status, ok=out is not None and out.ok)
+            if self._tracing.on:
+                self._tracing.note(**usage_attributes(usage))
         mid_stream_failure = isinstance(sink, StreamSink) and sink.status == 200 and (
             sink.failed or not out.ok)
         if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
@@ -429,8 +456,12 @@ class JobRunner:
 
     async def _finish(self, running: Running, job: Job, result: Result | None) -> None:
         running.finishing = True
-        await self._store.finish(running.entry_id, job.id, job.reply_to, result,
-                                 delivery=running.delivery)
+        if result is not None and result.status == "error" and self._tracing.on:
+            self._tracing.failed(str((result.error or {}).get("message", "error")))
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": result.status
+                                                          if result is not None else "duplicate"}):
+            await self._store.finish(running.entry_id, job.id, job.reply_to, result,
+                                     delivery=running.delivery)
         self._stats["done"] += 1
 
     async def _dead(self, running: Running, raw: bytes, reason: str, job_id: str | None,
@@ -445,8 +476,11 @@ class JobRunner:
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
-        await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
-                                 delivery=running.delivery, dead_reason=reason, raw=raw)
+        if self._tracing.on:
+            self._tracing.failed(reason, **{"routerd.queue.dead": True})
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": "dead"}):
+            await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
+                                     delivery=running.delivery, dead_reason=reason, raw=raw)
         self._stats["dead"] += 1
 
 
