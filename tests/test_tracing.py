@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from routerd.bench.queue import queue_path, wait_ready
 
 from routerd import log
 from routerd.config import TracingConfig, parse
@@ -23,6 +22,7 @@ from routerd.ingress.listener import HttpListener
 from routerd.plugins import LaunchSpec
 from routerd.registry import Registry
 from routerd.tracing import Tracing, engine_env
+from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
 from tests.fixtures.redis_server import RedisServer
