@@ -49,6 +49,7 @@ from .registry import Registry
 from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
+from .tracing import Tracing
 
 _log = log.get("routerd.assembly")
 
@@ -68,6 +69,7 @@ class Routerd:
 
     registry: Registry
     session: aiohttp.ClientSession
+    tracing: Tracing  # off unless [tracing] or OTEL_* name a collector
     redis_url: str  # "" with [redis] disabled
     telemetry: Telemetry
     router: Router
@@ -136,7 +138,8 @@ def launches(cfg: Config) -> bool:
     return any(f.engine != "static" for f in cfg.fleets)
 
 
-def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, redis_url: str = "",
+def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
+          redis_url: str = "",
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
@@ -166,9 +169,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     elastic = fleets.autoscaler if fleets is not None else None
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
-    upstream = Upstream(router, cfg.routing, telemetry, rng=rng, clock=clock)
+    upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
-                        telemetry=telemetry, clock=clock)
+                        telemetry=telemetry, tracing=tracing, clock=clock)
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     queue = None
@@ -176,7 +179,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
         from .ingress.queue import QueueIngress
 
         queue = QueueIngress.from_config(cfg, url=redis_url, dispatch=dispatch, admission=admission,
-                                         tenancy=tenancy)
+                                         tenancy=tenancy, tracing=tracing)
     collectors = [registry_collector(registry, admission.stats, clock),
                   tenancy.collector(admission.tenant_stats)]
     if queue is not None:
@@ -185,14 +188,17 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
         collectors.append(fleets.collector())
     if engine_events is not None:
         collectors.append(EngineEventsCollector(engine_events))
+    if tracing.on:
+        collectors.append(tracing.collector())
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
-                       tenancy=tenancy, telemetry=telemetry, metrics=metrics, clock=clock,
+                       tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        desired_replicas=fleets.desired if fleets is not None else None, elastic=elastic)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
-    return Routerd(registry=registry, session=session, redis_url=redis_url, telemetry=telemetry,
+    return Routerd(registry=registry, session=session, tracing=tracing, redis_url=redis_url,
+                   telemetry=telemetry,
                    router=router, tenancy=tenancy, admission=admission, upstream=upstream,
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
@@ -203,7 +209,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, re
 @contextlib.asynccontextmanager
 async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.socket] = (),
                    port: int | None = None, status: Callable[[str], None] = lambda step: None,
-                   ray_connected: Callable[[], None] = lambda: None, rng: random.Random | None = None,
+                   ray_connected: Callable[[], None] = lambda: None, tracing: Tracing | None = None,
+                   rng: random.Random | None = None,
                    clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
     """routerd for ``cfg`` started, in the start-up order of the module's docstring; on the way out
     (or when a step fails) everything done is undone, in reverse: the listener closed, the fleets'
@@ -211,12 +218,15 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
 
     ``sockets``: systemd's (socket activation) to serve on, else ``http.host``/``port`` (``port``
     overrides the config's: 0 picks a free one); ``status(step)`` is told each step (sd_notify);
-    ``ray_connected()`` runs right after Ray connected (the daemon takes its signals back then)."""
+    ``ray_connected()`` runs right after Ray connected (the daemon takes its signals back then);
+    ``tracing``: a caller's own exporter (tests), else the one ``cfg.tracing`` and ``OTEL_*`` ask for,
+    started and closed here."""
     async with contextlib.AsyncExitStack() as stack:
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
         status("redis")
         redis_url = await _redis(cfg, stack, state)
+        tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
         cluster: RayCluster | None = None
@@ -229,8 +239,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             stack.push_async_callback(cluster.close)
             ray_connected()
             fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
-        routerd = build(cfg, registry, session, redis_url=redis_url, fleets=fleets, cluster=cluster, rng=rng,
-                        clock=clock)
+        routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
+                        cluster=cluster, rng=rng, clock=clock)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         if routerd.queue is not None:
@@ -249,12 +259,13 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
 @contextlib.asynccontextmanager
 async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
                   sockets: Sequence[socket.socket] = (), stop_engines: bool = True, consume: bool = True,
-                  rng: random.Random | None = None,
+                  tracing: Tracing | None = None, rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
     """:func:`assemble` with its loops running (benchmarks, tests): on the way out the queue stops
     reading, the loops end, the engines stop (``stop_engines``), then the rest is undone. Without
     ``consume`` the queue consumer is built but not run: the caller runs ``routerd.queue.run()``."""
-    async with assemble(cfg, registry, sockets=sockets, port=port, rng=rng, clock=clock) as routerd:
+    async with assemble(cfg, registry, sockets=sockets, port=port, tracing=tracing, rng=rng,
+                        clock=clock) as routerd:
         loops = routerd.loops()
         if not consume and "queue" in loops:
             loops.pop("queue").close()  # never started
@@ -269,6 +280,39 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
             await asyncio.gather(*tasks, return_exceptions=True)
             if routerd.fleets is not None:
                 await routerd.fleets.shutdown(stop_engines=stop_engines)
+
+
+async def _tracing(cfg: Config, stack: contextlib.AsyncExitStack) -> Tracing:
+    """``[tracing]`` (or ``OTEL_*``): the spans' exporter, closed last (what is queued gets
+    ``tracing.shutdown_timeout_s`` to leave); a vLLM fleet whose engine cannot trace is named."""
+    tracing = Tracing.from_config(cfg.tracing)
+    stack.push_async_callback(tracing.aclose)
+    if tracing.on:
+        t = cfg.tracing
+        _log.info("tracing_on", endpoint=tracing.endpoint, service_name=t.service_name,
+                  sample_ratio=t.sample_ratio, max_queue_spans=t.max_queue_spans)
+        await _check_engine_tracing(cfg)
+    return tracing
+
+
+async def _check_engine_tracing(cfg: Config) -> None:
+    """Say at start-up which fleets' engines will not join routerd's traces: a launcher that can tell
+    (vLLM's: ``tracing_missing``) is asked what its engine lacks."""
+    from . import plugins
+
+    for fleet in cfg.fleets:
+        if fleet.engine == "static":
+            continue
+        try:
+            launcher = plugins.load(plugins.LAUNCHER_GROUP, fleet.engine)
+        except plugins.PluginNotFound:
+            continue  # the fleet manager reports it
+        check = getattr(launcher, "tracing_missing", None)
+        missing = await check(dict(fleet.engine_args)) if check is not None else ""
+        if missing:
+            _log.warning("engine_tracing_unavailable", fleet=fleet.name, engine=fleet.engine,
+                         missing=missing, effect="its engines are launched without "
+                         "--otlp-traces-endpoint: traces end at routerd's attempt span")
 
 
 async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> str:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
 from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from .redis_server import RedisTarget
 
 State = Literal["unknown", "queued", "running", "done"]
+
+_W3C = TraceContextTextMapPropagator()
 
 
 class Submitted(msgspec.Struct, frozen=True):
@@ -84,7 +88,8 @@ class QueueClient:
     # submit --------------------------------------------------------------------------------------
     def _job(self, body: Mapping[str, Any], endpoint: str | None, job_id: str | None,
              reply_to: str | None, priority: int, deadline_ms: int | None,
-             tenant: str | None = None, session: str | None = None) -> tuple[str, str, dict[str, Any]]:
+             tenant: str | None = None, session: str | None = None,
+             trace: Mapping[str, str] | None = None) -> tuple[str, str, dict[str, Any]]:
         job_id = job_id or uuid.uuid4().hex
         reply_to = reply_to or self.keys.reply(job_id)
         owned = self.keys.reserved(reply_to)
@@ -98,6 +103,8 @@ class QueueClient:
             job["tenant"] = tenant
         if session is not None:
             job["session"] = session
+        if trace:
+            job.update(trace)
         return job_id, reply_to, job
 
     def _queue(self, pipe: Any, job_id: str, job: dict[str, Any], encoding: str) -> None:
@@ -125,14 +132,18 @@ class QueueClient:
                           deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
                           job_ids: Sequence[str] | None = None, batch: int = 500,
                           tenant: str | None = None, session: str | None = None) -> list[Submitted]:
-        """Enqueue many jobs in pipelined batches (one MULTI per batch); returns them in order."""
+        """Enqueue many jobs in pipelined batches (one MULTI per batch); returns them in order.
+
+        Each job carries the W3C context of the caller's current OpenTelemetry span, if any
+        (``traceparent``/``tracestate``): routerd's spans for it join the caller's trace."""
+        trace = trace_context()
         out: list[Submitted] = []
         pending: list[tuple[str, str]] = []
         pipe = self.redis.pipeline(transaction=True)
         for i, body in enumerate(bodies):
             jid = job_ids[i] if job_ids else None
             job_id, reply, job = self._job(body, endpoint, jid, reply_to, priority, deadline_ms, tenant,
-                                           session)
+                                           session, trace)
             self._queue(pipe, job_id, job, encoding)
             pending.append((job_id, reply))
             if len(pending) >= batch:
@@ -289,6 +300,13 @@ class QueueClient:
                          consumer=fields.get("consumer", ""), instance=fields.get("instance", ""))
 
 
+def trace_context() -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) of the current OpenTelemetry span; ``{}`` without one."""
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier)
+    return carrier
+
+
 def _s(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -347,6 +365,29 @@ def _resolve(args: argparse.Namespace) -> tuple[RedisTarget, str | None]:
 
 
 async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> int:
+    """The job inside a producer span of its own when tracing is on (``[tracing]`` of ``--config``, or
+    the ``OTEL_*`` variables): the job's trace starts here and its id goes to stderr."""
+    from .config import TracingConfig
+    from .tracing import Tracing
+
+    stream = target.redis.stream
+    tracing = Tracing.from_config(target.cfg.tracing if target.cfg is not None else TracingConfig())
+    try:
+        with tracing.tracer.start_as_current_span("routerd.submit", kind=SpanKind.PRODUCER,
+                                                  attributes={"messaging.system": "redis",
+                                                              "messaging.operation.type": "send",
+                                                              "messaging.destination.name": stream}) as span:
+            if tracing.on:
+                print(f"trace_id {span.get_span_context().trace_id:032x}", file=sys.stderr)
+            code = await _submit_one(args, target, model)
+            if code:
+                span.set_status(StatusCode.ERROR)
+            return code
+    finally:
+        await tracing.aclose()
+
+
+async def _submit_one(args: argparse.Namespace, target: RedisTarget, model: str) -> int:
     if args.chat:
         body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
     else:

@@ -41,13 +41,14 @@ from .config_schema import (
     RoutingConfig,
     Seconds,
     TenantConfig,
+    TracingConfig,
 )
 
 __all__ = [
     "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "ConfigError", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
     "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
-    "TenantConfig", "load", "parse", "secret_values", "state_dir"
+    "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"
 ]
 
 class ConfigError(Exception):

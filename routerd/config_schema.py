@@ -13,7 +13,8 @@ from msgspec import Meta
 __all__ = [
     "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "Count", "DaemonConfig",
     "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount", "MaybeSeconds",
-    "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds", "TenantConfig"
+    "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds", "TenantConfig",
+    "TracingConfig",
 ]
 
 # Every number has both bounds, so that whatever passes is a value the code can use: a TOML `inf`, a
@@ -202,6 +203,21 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_priority: Annotated[int, Meta(ge=-1_000_000_000, le=1_000_000_000)] | None = None
 
 
+class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[tracing]``: OpenTelemetry spans over OTLP/HTTP (:mod:`routerd.tracing`); off by default.
+
+    A key left at its default gives way to the standard ``OTEL_*`` variable for it (README, "Tracing").
+    """
+
+    endpoint: str = ""  # OTLP/HTTP base URL (…:4318) or its /v1/traces; "" = off unless OTEL_* names one
+    protocol: Literal["http/protobuf"] = "http/protobuf"
+    sample_ratio: Fraction = 1.0  # of traces routerd starts; a client's sampled flag is followed
+    service_name: Annotated[str, Meta(min_length=1)] = "routerd"
+    max_queue_spans: Annotated[int, Meta(ge=1, le=1_000_000)] = 2048  # beyond it spans are dropped, counted
+    export_timeout_s: Seconds = 10.0  # one export to the collector, retries included
+    shutdown_timeout_s: Seconds = 5.0  # at stop: what is queued gets this long to leave
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = DaemonConfig()
     http: HttpConfig = HttpConfig()
@@ -212,6 +228,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     health: HealthConfig = HealthConfig()
     fleets: list[FleetConfig] = []
     tenants: list[TenantConfig] = []
+    tracing: TracingConfig = TracingConfig()
 
     def fleet(self, name: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.name == name), None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Awaitable, Coroutine
@@ -290,9 +291,12 @@ def main(argv: list[str]) -> int:
         for p in e.problems:
             print(p)
         return config_mod.EXIT_CONFIG
+    from .tracing import otlp_endpoint
+
     redactor = log.setup(cfg.daemon.log_level,
                          json=None if args.log_format == "auto" else args.log_format == "json",
-                         secrets=config_mod.secret_values(cfg))
+                         secrets=config_mod.secret_values(cfg),
+                         trace_ids=bool(otlp_endpoint(cfg.tracing, os.environ)))
     try:
         import uvloop
 

@@ -39,6 +39,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # Keeps a conversation's jobs on one instance while it is not saturated (routing's session key;
     # without it the body's `user`).
     session: Annotated[str, Meta(max_length=256)] | None = None
+    # W3C trace context of the producer's span: routerd's spans for the job join that trace. Malformed
+    # values are ignored (a new trace starts), as W3C asks of an invalid header: tracing never fails a job.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def stream(self) -> bool:

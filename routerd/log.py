@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import msgspec
 import structlog
+from opentelemetry import trace
 
 from .redact import Redactor
 
@@ -81,10 +82,13 @@ class LineWriter:
         return self
 
 
-def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[str] = ()) -> Redactor:
+def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[str] = (),
+          trace_ids: bool = False) -> Redactor:
     """Configure structlog and the stdlib root logger. ``json=None`` picks JSON unless stdout is a TTY.
 
     Returns the redactor every line passes, knowing ``secrets``; ``learn`` tells it new ones (reload).
+    ``trace_ids``: routerd traces, so each line logged under a span carries its ids
+    (:func:`add_trace_ids`).
     """
     redactor = Redactor()
     redactor.learn(secrets)
@@ -94,6 +98,7 @@ def setup(level: str = "info", *, json: bool | None = None, secrets: Iterable[st
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         _UtcTimestamp(),
+        *([add_trace_ids] if trace_ids else []),
     ]
     renderer: Any = redactor.render(
         structlog.processors.JSONRenderer(serializer=_dumps)
@@ -133,6 +138,17 @@ def get(name: str) -> Any:
     # get_logger(**initial_values) stays lazy: a module-level logger made before setup() still
     # renders with the processors setup() installs.
     return structlog.get_logger(component=name)
+
+
+def add_trace_ids(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """``trace_id``/``span_id`` of the span current where the line is logged (routerd/tracing.py), as
+    OpenTelemetry prints them: a log line and its trace join on them. Installed only when tracing is
+    on: looking for a span costs a little on every line."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event_dict["trace_id"] = format(ctx.trace_id, "032x")
+        event_dict["span_id"] = format(ctx.span_id, "016x")
+    return event_dict
 
 
 def _stdlib_component(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

@@ -274,10 +274,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from routerd import log
 
-    log.setup(args.log_level, json=True)
+    spec = json.loads(Path(args.spec).read_text())
+    log.setup(args.log_level, json=True, trace_ids=bool(spec["config"].get("tracing")))  # as the daemon
     import uvloop
 
-    uvloop.run(_serve_plane(json.loads(Path(args.spec).read_text())))
+    uvloop.run(_serve_plane(spec))
     return 0
 
 

@@ -137,8 +137,9 @@ async def sustained(session: aiohttp.ClientSession, routerd: str, pid: int, *, c
             "e2e_ms": summary([t.e2e for t in ok])}
 
 
-def _plane_config(urls: list[str], log_level: str) -> dict[str, Any]:
+def _plane_config(urls: list[str], log_level: str, tracing: str = "") -> dict[str, Any]:
     return {"redis": {"enabled": False}, "daemon": {"log_level": log_level},
+            **({"tracing": {"endpoint": tracing, "sample_ratio": 1.0}} if tracing else {}),
             "routing": {"policy": "least_load", "scrape_interval_s": 0.2},
             "admission": {"max_inflight_per_instance": 4096, "max_queued": 100000},
             "fleets": [{"name": "bench", "model": MODEL, "engine": "static", "urls": urls,
@@ -161,10 +162,10 @@ async def sequential(session: aiohttp.ClientSession, engines: list[str], router:
             "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])}
 
 
-def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str
+def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str, tracing: str = ""
                            ) -> tuple[str, subprocess.Popen[bytes], Path]:
     """A data plane under callgrind, counting nothing yet: its URL, process and dump-file prefix."""
-    cfg = _plane_config(engines, log_level)
+    cfg = _plane_config(engines, log_level, tracing)
     cfg["routing"].update(scrape_interval_s=60.0, stale_after_s=600.0)
     cfg["health"] = {"heartbeat_interval_s": 60.0}
     port = free_port()
@@ -191,13 +192,14 @@ def _dumped_instructions(dump: Path) -> int:
 
 
 async def instructions(procs: Processes, session: aiohttp.ClientSession, engines: list[str], *,
-                       count: int, max_tokens: int, log_level: str) -> list[dict[str, Any]]:
+                       count: int, max_tokens: int, log_level: str,
+                       tracing: str = "") -> list[dict[str, Any]]:
     """routerd's instructions per request under callgrind, ``count`` sequential requests of each kind
     (empty when valgrind is not installed)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions skipped: valgrind is not installed")
         return []
-    base, proc, out = _spawn_callgrind_plane(procs, engines, log_level)
+    base, proc, out = _spawn_callgrind_plane(procs, engines, log_level, tracing)
     await wait_http(base + "/readyz", timeout=600.0, proc=proc)
     url = base + "/v1/completions"
 
@@ -249,7 +251,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                "instructions": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
-        url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
+        url, proc = await procs.plane(_plane_config(engines, args.log_level, args.tracing_endpoint),
+                                      log_level=args.log_level)
         routers = {"routerd": (url, proc.pid), **await _peers(procs, engines, args.peers)}
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -281,7 +284,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.instructions:
                 results["instructions"] = await instructions(procs, session, engines, count=args.instructions,
                                                              max_tokens=args.max_tokens,
-                                                             log_level=args.log_level)
+                                                             log_level=args.log_level,
+                                                             tracing=args.tracing_endpoint)
     results["routers"] = list(routers)
     return results
 
@@ -347,6 +351,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--instructions", type=int, default=0, metavar="N",
                     help="also count routerd's instructions per request under valgrind over N requests "
                          "of each kind (0: not)")
+    ap.add_argument("--tracing-endpoint", default="", metavar="URL",
+                    help="routerd traces every request (sample_ratio 1.0) to this OTLP/HTTP collector: "
+                         "what tracing costs (\"\": off, the default)")
     args = ap.parse_args(argv)
     import uvloop
 

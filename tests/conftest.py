@@ -14,4 +14,5 @@ pytest_plugins = [
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
     "tests.fixtures.daemon",
+    "tests.fixtures.otlp",
 ]

@@ -22,6 +22,7 @@ from routerd.config import Config, HealthConfig
 from routerd.fleet import EngineOps, FleetManager, Placement, ProbeResult, RayCluster
 from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
+from routerd.tracing import Tracing
 from tests.fixtures.sim import SimEngineFactory
 
 pytestmark = pytest.mark.timeout(30)
@@ -215,7 +216,7 @@ async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
         await fm.set_replicas("f", 1)
         await until(lambda: registry.ready_count("f") == 1, "ready")
         inst = fm.supervisors["f:0"].slot.inst
-        dp = build(cfg, registry, session)
+        dp = build(cfg, registry, session, tracing=Tracing.off())
         async with dp.listener as listener, aiohttp.ClientSession() as client:
             url = await listener.start(port=0)
             body = {"model": "m", "prompt": "hi", "max_tokens": 2000, "stream": True}

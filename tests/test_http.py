@@ -19,6 +19,7 @@ from routerd.errors import BadRequest
 from routerd.ingress.admin import add_admin_routes
 from routerd.ingress.validate import read_head
 from routerd.registry import Registry
+from routerd.tracing import Tracing
 from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane, plane_config
 
 if TYPE_CHECKING:
@@ -357,7 +358,7 @@ async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, Ro
     fleets = _Fleets()
     cfg = plane_config(urls, http={"host": host})
     async with make_session(cfg.routing) as session:
-        dp = build(cfg, Registry(), session)
+        dp = build(cfg, Registry(), session, tracing=Tracing.off())
         async with dp.listener as listener, asyncio.TaskGroup() as tg:
             url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
                                                                     dp.static_health,

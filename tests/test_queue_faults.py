@@ -141,12 +141,13 @@ async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
     """The way the daemon builds the queue path: embedded Redis, then the queue over the data plane's
     upstream and admission."""
     from routerd.ingress.queue import QueueIngress
+    from routerd.tracing import Tracing
 
     async with EmbeddedRedis(tmp_path / "redis") as url:
         cfg = queue_config("embedded")
         parts = fake_engines(cfg, FakeUpstream())
         queue = QueueIngress.from_config(cfg, url=url, dispatch=parts.dispatch, admission=parts.admission,
-                                         tenancy=parts.tenancy)
+                                         tenancy=parts.tenancy, tracing=Tracing.off())
         async with queue:
             task = asyncio.create_task(queue.run())
             client = aioredis.Redis.from_url(url, socket_timeout=5)

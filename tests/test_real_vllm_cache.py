@@ -18,10 +18,7 @@ engine is not installed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,35 +26,15 @@ import pytest
 import structlog
 
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane
-from tests.fixtures.vllm import VllmServer, parse_metrics, start_vllm
+from tests.fixtures.vllm import PAIR_ARGS, VllmServer, parse_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-BLOCK = 32  # the engines' --block-size (the CPU backend wants a multiple of 32)
+BLOCK = int(PAIR_ARGS[PAIR_ARGS.index("--block-size") + 1])  # the engines' prefix-cache block
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 SYSTEM = "You are a careful assistant. You answer with care and in order, and you check the metrics."
 OPENING = ("the router sends a request to the engine, which streams tokens back while the queue holds "
            "many users and each replica answers a batch of prompts with cache blocks in time. ") * 3
-
-
-@pytest.fixture(scope="module")
-def two_engines(vllm_bin: Path, tiny_model_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
-    """Two engines with the same flags, started side by side."""
-    args = ["--max-model-len", "512", "--block-size", str(BLOCK)]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(start_vllm, vllm_bin, tiny_model_dir, tmp_path_factory.mktemp(f"vllm{i}"),
-                               extra_args=args, startup_timeout_s=420) for i in range(2)]
-        concurrent.futures.wait(futures)
-    servers = [f.result() for f in futures if f.exception() is None]
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:  # the other one started: stop it too
-        for s in servers:
-            s.stop()
-        raise failed[0]  # type: ignore[misc]  # an exception, checked above
-    yield servers
-    left = [pid for s in servers for pid in s.stop()]
-    assert not left, f"vllm processes left after SIGTERM: {left}"
 
 
 async def prefix_counters(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -74,11 +51,11 @@ async def scraped_after(plane: RunningPlane, t: float) -> None:
 
 
 async def test_a_conversation_stays_and_the_engine_hits_what_routerd_predicted(
-        two_engines: list[VllmServer], dataplane: PlaneFactory) -> None:
-    plane = await dataplane([s.url for s in two_engines], model="tiny",
+        vllm_pair: list[VllmServer], dataplane: PlaneFactory) -> None:
+    plane = await dataplane([s.url for s in vllm_pair], model="tiny",
                             routing={"prefix_block_tokens": 8, "stale_after_s": 5.0})
     assert plane.dp.router.policy.name == "cache_aware"
-    urls = {f"f:static{i}": s.url for i, s in enumerate(two_engines)}
+    urls = {f"f:static{i}": s.url for i, s in enumerate(vllm_pair)}
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": OPENING + "What comes first?"}]
     turns: list[dict[str, Any]] = []

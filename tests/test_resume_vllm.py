@@ -12,35 +12,16 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.fixtures.dataplane import PlaneFactory
-from tests.fixtures.vllm import VllmServer, start_vllm
+from tests.fixtures.vllm import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 450  # over a second of generation on this machine: time to kill the engine mid-way
-
-
-@pytest.fixture(scope="module")
-def two_engines(vllm_bin: Path, tiny_model_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
-    """Two engines with room for a long generation (``--max-model-len 512``, the model's most), started
-    side by side."""
-    async def both() -> list[VllmServer]:
-        return list(await asyncio.gather(*(
-            asyncio.to_thread(start_vllm, vllm_bin, tiny_model_dir, tmp_path_factory.mktemp(f"vllm{i}"),
-                              extra_args=["--max-model-len", "512"], startup_timeout_s=300)
-            for i in range(2))))
-
-    servers = asyncio.run(both())
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 async def _until_quiet(content: aiohttp.StreamReader, raw: bytes) -> bytes:
@@ -57,9 +38,9 @@ async def _until_quiet(content: aiohttp.StreamReader, raw: bytes) -> bytes:
     return got
 
 
-async def test_a_stream_survives_its_engine_being_sigkilled(two_engines: list[VllmServer],
+async def test_a_stream_survives_its_engine_being_sigkilled(vllm_pair: list[VllmServer],
                                                             dataplane: PlaneFactory) -> None:
-    plane = await dataplane([s.url for s in two_engines], model="tiny", routing={"policy": "round_robin"})
+    plane = await dataplane([s.url for s in vllm_pair], model="tiny", routing={"policy": "round_robin"})
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me about the router"}],
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -76,7 +57,7 @@ async def test_a_stream_survives_its_engine_being_sigkilled(two_engines: list[Vl
             raw = b""
             while raw.count(b"\n\n") < 3:
                 raw += await r.content.readany()
-            victim = two_engines[int(r.headers["X-Routerd-Instance"].rsplit("static", 1)[1])]
+            victim = vllm_pair[int(r.headers["X-Routerd-Instance"].rsplit("static", 1)[1])]
             os.killpg(victim.proc.pid, signal.SIGSTOP)
             killed = False
             try:
@@ -101,7 +82,7 @@ async def test_a_stream_survives_its_engine_being_sigkilled(two_engines: list[Vl
     assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS  # the whole generation, both parts
-    survivor = next(s for s in two_engines if s is not victim)
+    survivor = next(s for s in vllm_pair if s is not victim)
     async with aiohttp.ClientSession() as http:
         one = {**body, "stream": False, "max_tokens": 1}
         del one["stream_options"]

@@ -20,6 +20,7 @@ from routerd.assembly import build, running
 from routerd.config import HealthConfig
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.sim_tokens import expected_text
+from routerd.tracing import Tracing
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 
@@ -180,7 +181,7 @@ async def test_static_is_the_instance_field_not_its_id() -> None:
     registry = Registry()
     lookalike = registry.add(Instance(id="f:static7", fleet="f", url="http://127.0.0.1:8"))
     async with aiohttp.ClientSession() as session:
-        plane = build(cfg, registry, session)
+        plane = build(cfg, registry, session, tracing=Tracing.off())
         await plane.apply(cfg)
     static = registry.get("f:static0")
     assert static is not None

@@ -500,6 +500,7 @@ async def test_a_reload_that_adds_tenants_applies_their_bounds_at_once() -> None
     import aiohttp
 
     from routerd.assembly import build
+    from routerd.tracing import Tracing
 
     def cfg(**extra: Any) -> Any:
         return parse({"redis": {"enabled": False}, "fleets": [
@@ -507,7 +508,8 @@ async def test_a_reload_that_adds_tenants_applies_their_bounds_at_once() -> None
              "max_num_seqs": 2}], **extra}, environ={})
 
     async with aiohttp.ClientSession() as session:
-        routerd = build(cfg(admission={"max_inflight_per_instance": 2}), Registry(), session)
+        routerd = build(cfg(admission={"max_inflight_per_instance": 2}), Registry(), session,
+                        tracing=Tracing.off())
         inst = routerd.registry.instances("f")[0]
         routerd.registry.set_state(inst, InstanceState.READY)
         adm = routerd.admission

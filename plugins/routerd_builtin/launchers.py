@@ -6,15 +6,25 @@ parent-death signal, logs, stop and the no-orphan check), so every launcher gets
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
+from routerd import log
 from routerd._net import free_port
 from routerd.plugins import LaunchPlan, LaunchSpec
 from routerd.routing import kv_hash
+
+_log = log.get("routerd.launcher")
+
+# What vLLM's tracing imports (vllm/tracing/otel.py): without any of them `--otlp-traces-endpoint` makes
+# `vllm serve` refuse to start, so the flag is only given to an engine that has them all.
+_VLLM_TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+                         "opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
 # Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them.
 _OWNED = {"host", "port", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size", "model",
@@ -98,10 +108,14 @@ class VllmLauncher:
 
     name = "vllm"
 
+    async def tracing_missing(self, engine_args: dict[str, Any]) -> str:
+        """What the fleet's ``vllm`` (as this host would run it) lacks to trace; ``""``: nothing. The
+        daemon asks at start-up when tracing is on, so that an operator is told where traces stop."""
+        return await tracing_missing(_vllm_binary(dict(engine_args)))
+
     async def plan(self, spec: LaunchSpec, *, host: str, port: int, workdir: str) -> LaunchPlan:
         args = dict(spec.engine_args)
-        binary = str(args.pop("vllm-bin", "") or args.pop("vllm_bin", "")
-                     or os.environ.get("ROUTERD_VLLM_BIN") or shutil.which("vllm") or "vllm")
+        binary = _vllm_binary(args)
         model = str(args.pop("model", spec.model))
         backend = str(args.pop("distributed-executor-backend",
                                args.pop("distributed_executor_backend", "mp")))
@@ -113,6 +127,7 @@ class VllmLauncher:
         argv += engine_flags(args)
         kv_flags, kv_env = kv_events(args, bind_host="*", default=True)  # vLLM connects, not binds, else
         argv += kv_flags
+        argv += await _tracing_flags(spec, binary, args)
         env: dict[str, str] = {
             **kv_env,
             "OMP_NUM_THREADS": "",  # "" = remove from the inherited environment (see EngineActor)
@@ -129,6 +144,66 @@ class VllmLauncher:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(world))
         env.update(spec.env)
         return LaunchPlan(argv=argv, env=env, startup_timeout_s=900.0)
+
+
+def _vllm_binary(args: dict[str, Any]) -> str:
+    """``engine_args.vllm-bin`` (taken out of ``args``), else ``$ROUTERD_VLLM_BIN``, else ``vllm``."""
+    return str(args.pop("vllm-bin", "") or args.pop("vllm_bin", "")
+               or os.environ.get("ROUTERD_VLLM_BIN") or shutil.which("vllm") or "vllm")
+
+
+async def _tracing_flags(spec: LaunchSpec, binary: str, args: dict[str, Any]) -> list[str]:
+    """``--otlp-traces-endpoint`` when routerd traces (its OTLP endpoint is in the spec's env:
+    ``routerd.tracing.engine_env``) and the engine can: vLLM then continues the ``traceparent`` routerd
+    sends and its span lands in the same trace. Its service name and protocol ride in the env."""
+    endpoint = spec.env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+    if not endpoint or any(_flag_name(k) == "otlp-traces-endpoint" for k in args):
+        return []
+    missing = await tracing_missing(binary)
+    if missing:
+        _log.warning("engine_tracing_unavailable", fleet=spec.fleet, index=spec.index, binary=binary,
+                     missing=missing)
+        return []
+    return ["--otlp-traces-endpoint", endpoint]
+
+
+async def tracing_missing(binary: str, timeout_s: float = 20.0) -> str:
+    """What the engine's Python lacks for vLLM's tracing (``""``: nothing): its interpreter, from the
+    binary's ``#!`` line, is asked to import what ``vllm/tracing/otel.py`` imports."""
+    python = _interpreter(binary)
+    if python is None:
+        return f"cannot tell the Python of {binary}"
+    code = (f"import importlib\nmissing = []\nfor m in {_VLLM_TRACING_MODULES!r}:\n"
+            "    try:\n        importlib.import_module(m)\n    except Exception:\n        missing.append(m)\n"
+            "print(' '.join(missing))")
+    try:
+        proc = await asyncio.create_subprocess_exec(python, "-c", code, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+    except OSError as e:
+        return f"cannot run {python}: {e}"
+    try:
+        async with asyncio.timeout(timeout_s):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"{python} did not answer in {timeout_s}s"
+    if proc.returncode != 0:
+        return f"{python} failed ({proc.returncode})"
+    return out.decode().strip()
+
+
+def _interpreter(binary: str) -> str | None:
+    path = shutil.which(binary) or binary
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    interpreter = first[2:].decode(errors="replace").split()
+    return interpreter[0] if interpreter and Path(interpreter[0]).exists() else None
 
 
 def _cpu_platform(binary: str) -> bool:

@@ -40,6 +40,7 @@ from ..errors import sse_error_event
 from ..registry import Instance
 from ..routing import Router
 from ..telemetry import Telemetry
+from ..tracing import Tracing
 from . import relay, resume
 from .engine_errors import error_message, event_message, openai_error_body
 from .engine_http import ConnectError, EnginePool, Response
@@ -155,11 +156,12 @@ class Attempts:
     """Attempts on single instances, for one :class:`~routerd.dataplane.upstream.Upstream`."""
 
     def __init__(self, pool: EnginePool, router: Router, cfg: RoutingConfig, telemetry: Telemetry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 tracing: Tracing, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.router = router
         self.cfg = cfg
         self.telemetry = telemetry
+        self.tracing = tracing
         self.clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -247,11 +249,12 @@ class Attempts:
         if self._loop is None:
             self._loop = task.get_loop()
         try:
+            headers = {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
+                       "Accept": "*/*", "Accept-Encoding": "identity"}
+            if self.tracing.on:  # the attempt's span: the engine's own span joins the trace
+                self.tracing.inject(headers)
             with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
-                resp = await self.pool.post(
-                    inst.url + endpoint, body,
-                    {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
-                     "Accept": "*/*", "Accept-Encoding": "identity"})
+                resp = await self.pool.post(inst.url + endpoint, body, headers)
                 first = await _first_chunk(resp, stream)
             if first is None:
                 # Non-streaming (or an error answer): the whole body is the first byte. Its read is
@@ -311,6 +314,7 @@ class Attempts:
             return False, message
         def gap(seconds: float) -> None:  # once per resume: not worth a cached label child
             tel.resume_gap_seconds.labels(inst.fleet).observe(seconds)
+            self.tracing.note(**{"routerd.resume.gap_ms": round(seconds * 1000, 2)})
 
         ending = await relay.by_event(resp, sink, first, rs, self.clock, gap)
         if ending.failure == "error_event" and rs.fixed:  # not continued: the client gets it, as in _passed

@@ -34,6 +34,7 @@ from ..routing import RequestViews
 from ..telemetry import Telemetry
 from ..tenants import RequestFacts, Tenant, inspect
 from ..tenants.service import Charge, Tenancy
+from ..tracing import Tracing, usage_attributes
 from .admission import Admission
 from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
@@ -127,13 +128,14 @@ class Dispatch:
     """Both ways in call :meth:`run`; one per data plane."""
 
     def __init__(self, *, views: RequestViews, admission: Admission, engine: EngineCall, tenancy: Tenancy,
-                 telemetry: Telemetry, clock: Callable[[], float] = time.monotonic,
+                 telemetry: Telemetry, tracing: Tracing, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self._views = views
         self._admission = admission
         self._engine = engine
         self._tenancy = tenancy
         self._telemetry = telemetry
+        self._tracing = tracing  # spans of the rate-limit and admission waits, the usage
         self._clock = clock
         self._wall = wall
 
@@ -153,16 +155,19 @@ class Dispatch:
                                                         session=req.session, priority=req.priority), req.head)
         facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
         forwarded = False  # refusals before the engine call are counted here, the rest by upstream
+        tracing = self._tracing
         try:
             while True:
                 forwarded = False
                 preempt = _Preempt() if req.preemptible and req.preempted < MAX_PREEMPTIONS else None
                 rooms = req.rooms
-                if rooms is None:
-                    charge = await self._tenancy.charge(req.tenant, req.fleet, facts)  # RateLimited: 429
+                if rooms is None:  # RateLimited: 429
+                    charge = await tracing.timed("routerd.rate_limit", self._tenancy.charge(
+                        req.tenant, req.fleet, facts), req.tenant.limited)
                     priority = req.priority
                 else:
-                    charge = await self._wait_for_quota(req, rooms, facts)
+                    charge = await tracing.timed("routerd.rate_limit",
+                                                 self._wait_for_quota(req, rooms, facts), req.tenant.limited)
                     priority = req.tenant.priority(req.priority)  # the tenant's ceiling (max_priority)
                 tap = UsageTap(sink(), headers=charge.grant.headers())
                 result: ForwardResult | None = None
@@ -172,7 +177,8 @@ class Dispatch:
                 ticket = self._admission.ticket(req.fleet, priority=priority, deadline=deadline,
                                                 source=req.source, tenant=req.tenant.name, preempt=preempt)
                 try:
-                    async with ticket if rooms is None else _InRoom(rooms.slot(), ticket):
+                    async with tracing.waiting("routerd.admission",
+                                               ticket if rooms is None else _InRoom(rooms.slot(), ticket)):
                         line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
                         forwarded = True
                         call = self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
@@ -188,8 +194,11 @@ class Dispatch:
                 finally:
                     if preempt is not None and preempt.fired:
                         self._tenancy.withdraw(charge)  # the run that ends it is what counts
-                    self._tenancy.settle(charge, tap.usage(result.usage if result is not None else None),
-                                         status=tap.status, ok=result is not None and result.ok)
+                    usage = tap.usage(result.usage if result is not None else None)
+                    self._tenancy.settle(charge, usage, status=tap.status,
+                                         ok=result is not None and result.ok)
+                    if tracing.on:
+                        tracing.note(**usage_attributes(usage))
                 note_outcome(line, result)
                 return result
         except RouterdError as e:

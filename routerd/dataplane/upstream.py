@@ -42,6 +42,7 @@ from ..registry import Instance
 from ..routing import Router
 from ..speed import PRIOR_PREFILL_S
 from ..telemetry import Telemetry
+from ..tracing import Tracing
 from . import resume
 from .attempt import Attempts, Retry, StreamFailed
 from .engine_http import EnginePool
@@ -73,7 +74,7 @@ def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
 class Upstream:
     """Forwards requests to a fleet's instances; shared by the HTTP ingress and the queue consumer."""
 
-    def __init__(self, router: Router, cfg: RoutingConfig, telemetry: Telemetry, *,
+    def __init__(self, router: Router, cfg: RoutingConfig, telemetry: Telemetry, *, tracing: Tracing,
                  rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         # Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive.
@@ -85,7 +86,8 @@ class Upstream:
         self.rng = rng or random.Random()
         self.clock = clock
         self.active = 0  # forward() calls in progress (drain waits on this)
-        self._attempts = Attempts(self.pool, router, cfg, telemetry, clock)
+        self.tracing = tracing  # spans per attempt and resume; the engine gets the context
+        self._attempts = Attempts(self.pool, router, cfg, telemetry, tracing, clock)
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
@@ -140,8 +142,11 @@ class Upstream:
                 tried.append(inst.id)
                 sent = self.clock()
                 try:
-                    result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
-                                                          started, unexplained, task, plan)
+                    with self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
+                                              decision.log_fields() if self.tracing.on else None):
+                        result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
+                                                              started, unexplained, task, plan)
+                        self.tracing.outcome(result.ok, result.error, result.status)
                 except asyncio.CancelledError:
                     self._abandoned(sink, plan, inst, sent, request)
                     raise
@@ -154,7 +159,7 @@ class Upstream:
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
                     tel.count_request(fleet, result.instance, result.status)
-                    tel.observe_ttfb(fleet, failure.ttfb_s)
+                    tel.observe_ttfb(fleet, failure.ttfb_s, self.tracing.trace_id())
                     return result
                 except Retry as e:
                     last = e
@@ -167,7 +172,7 @@ class Upstream:
                 result.attempts = attempt
                 result.decision = decision
                 tel.count_request(fleet, inst.id, result.status)
-                tel.observe_ttfb(fleet, result.ttfb_s)
+                tel.observe_ttfb(fleet, result.ttfb_s, self.tracing.trace_id())
                 return result
             assert last is not None
             err = UpstreamError(f"{len(tried)} attempt(s) failed; last on {tried[-1]}: {last.message}",
@@ -244,8 +249,13 @@ class Upstream:
             _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
                       reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
             try:
-                result = await self._attempts.attempt(inst, endpoint, rs.continuation(), sink, True,
-                                                      request_id, 0.0, [], task, rs)
+                with self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
+                    self.tracing.note(**{"routerd.resume.reason": failure.reason,
+                                         "routerd.resume.failed_instance": failure.instance,
+                                         "routerd.resume.tokens_sent": rs.tokens})
+                    result = await self._attempts.attempt(inst, endpoint, rs.continuation(), sink, True,
+                                                          request_id, 0.0, [], task, rs)
+                    self.tracing.outcome(result.ok, result.error, result.status)
             except Retry as e:  # the continuation failed before any event of it reached the client
                 failure = StreamFailed(e.reason, e.message, inst.id)
             except StreamFailed as e:

@@ -35,6 +35,7 @@ from .._aio import wait_for
 from ..config import Config, FleetConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
+from ..tracing import engine_env
 from .adopt import adopt
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
@@ -122,7 +123,7 @@ class FleetManager:
             else self.desired(fleet)
         if index >= limit:
             return None
-        return spec_for(fleet, index, self.cluster.address)
+        return spec_for(fleet, index, self.cluster.address, engine_env(self.cfg.tracing, fleet.name))
 
     async def start(self) -> None:
         """Adopt matching engines, stop the rest (and stray placement groups), launch what is missing."""
@@ -245,8 +246,8 @@ class FleetManager:
                 iid = instance_id(fleet.name, index)
                 wanted.add(iid)
                 if iid not in self.supervisors:
-                    self._spawn_supervisor(self._new_supervisor(fleet, spec_for(fleet, index,
-                                                                                self.cluster.address)))
+                    self._spawn_supervisor(self._new_supervisor(fleet, spec_for(
+                        fleet, index, self.cluster.address, engine_env(self.cfg.tracing, fleet.name))))
         for iid, sup in list(self.supervisors.items()):
             if iid not in wanted and not sup.slot.retiring:
                 self._retire(sup, "scaling down")

@@ -8,6 +8,7 @@ names, so they are part of the contract with engines launched by an earlier rout
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from ..config import FleetConfig
 from ..plugins import LaunchSpec
@@ -35,9 +36,12 @@ def pg_name(namespace: str, fleet: str, index: int) -> str:
     return f"{pg_prefix(namespace)}{fleet}:{index}"
 
 
-def spec_for(fleet: FleetConfig, index: int, ray_address: str = "") -> LaunchSpec:
-    """The LaunchSpec of instance ``index``: what adoption compares against the actor's record."""
-    env = dict(fleet.env)
+def spec_for(fleet: FleetConfig, index: int, ray_address: str = "",
+             otel: Mapping[str, str] | None = None) -> LaunchSpec:
+    """The LaunchSpec of instance ``index``: what adoption compares against the actor's record.
+    ``otel``: where the engine sends its spans when routerd traces (``routerd.tracing.engine_env``);
+    the fleet's own ``env`` wins."""
+    env = {**(otel or {}), **fleet.env}
     if _ray_backend(fleet):
         env.setdefault("RAY_ADDRESS", ray_address)
     return LaunchSpec(fleet=fleet.name, index=index, model=fleet.model, engine=fleet.engine,

@@ -41,9 +41,10 @@ from ..errors import (
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
-from ..telemetry import CONTENT_TYPE, Metrics, Telemetry
+from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
 from ..tenants import Tenant
 from ..tenants.service import Tenancy
+from ..tracing import Tracing
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
 from .auth import authenticate, check_admin
@@ -124,7 +125,7 @@ class HttpIngress:
     """The aiohttp application and its handlers; one per data plane."""
 
     def __init__(self, cfg: Config, registry: Registry, *, dispatch: Dispatch, admission: Admission,
-                 router: Router, tenancy: Tenancy, telemetry: Telemetry, metrics: Metrics,
+                 router: Router, tenancy: Tenancy, telemetry: Telemetry, metrics: Metrics, tracing: Tracing,
                  clock: Callable[[], float] = time.monotonic,
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
                  elastic: Elastic | None = None) -> None:
@@ -135,6 +136,7 @@ class HttpIngress:
         self.router = router  # its policy's name in /admin/fleets
         self.telemetry = telemetry
         self.exposition = metrics  # the /metrics body
+        self.tracing = tracing  # the server span of each request
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
@@ -200,6 +202,8 @@ class HttpIngress:
         self.idle.clear()
         sink = _HttpSink(request)
         fields: dict[str, Any] = {"request_id": request_id, "endpoint": endpoint}
+        # The server span (continuing the client's traceparent), current until after the log line.
+        traced = self.tracing.server(request.headers, endpoint, request_id)
         try:
             return await self._dispatch(request, endpoint, request_id, sink, fields)
         except asyncio.CancelledError:
@@ -225,8 +229,11 @@ class HttpIngress:
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
-                self.telemetry.observe_request(fields["fleet"], duration)
+                self.telemetry.observe_request(fields["fleet"], duration,
+                                               traced.trace_id if traced is not None else "")
             _log.info("request", **fields)
+            if traced is not None:
+                traced.end(fields)
 
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
@@ -316,9 +323,12 @@ class HttpIngress:
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(self.exposition.render) if len(self.handlers) > 64 \
-            else self.exposition.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        # Prometheus asks for OpenMetrics first: the format that carries exemplars (trace ids).
+        om = "application/openmetrics-text" in request.headers.get("Accept", "")
+        body = await asyncio.to_thread(self.exposition.render, om) if len(self.handlers) > 64 \
+            else self.exposition.render(om)
+        return web.Response(body=body,
+                            headers={"Content-Type": OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE})
 
     async def admin_fleets(self, request: web.Request) -> web.Response:
         check_admin(request, self.cfg.http.admin_api_key)  # a refusal is answered by errors_as_json

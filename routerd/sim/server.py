@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import signal
 import sys
@@ -95,6 +96,9 @@ class SimEngine:
             self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
             self.engine.kv_publish = self.kv_events.publish
         self.server_load = 0
+        # The W3C trace context of the last requests, as vLLM would continue it (GET /sim/stats): tests
+        # check that routerd hands its span's context to the engine.
+        self.traceparents: collections.deque[str] = collections.deque(maxlen=256)
         self.created = config.fixed_created or int(time.time())
         self.url = ""
         self.port = 0
@@ -258,6 +262,8 @@ class SimEngine:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if traceparent := request.headers.get("traceparent"):
+            self.traceparents.append(traceparent)
         raw = await request.read()
         try:
             if not raw.isascii():
@@ -364,7 +370,8 @@ class SimEngine:
         return _json_response(self.faults.snapshot())
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return _json_response({**asdict(self.stats), "server_load": self.server_load})
+        return _json_response({**asdict(self.stats), "server_load": self.server_load,
+                               "traceparents": list(self.traceparents)})
 
 
 # ---- the process ----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from ...dataplane.dispatch import Dispatch
 from ...keys import Keys
 from ...redis_server import redis_client
 from ...tenants.service import Tenancy
+from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Running, as_str
 from .job import JobRunner
@@ -54,7 +55,7 @@ class QueueIngress:
     """Consumes the request stream; the daemon runs :meth:`run` in its TaskGroup."""
 
     def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis], *, dispatch: Dispatch,
-                 admission: Admission, tenancy: Tenancy, consumer: str | None = None,
+                 admission: Admission, tenancy: Tenancy, tracing: Tracing, consumer: str | None = None,
                  rng: random.Random | None = None) -> None:
         self._cfg = cfg
         self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
@@ -81,14 +82,14 @@ class QueueIngress:
                                     spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
                                self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
-                               tenancy=tenancy)
+                               tenancy=tenancy, tracing=tracing)
 
     @classmethod
     def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
-                    tenancy: Tenancy) -> QueueIngress:
+                    tenancy: Tenancy, tracing: Tracing) -> QueueIngress:
         """The assembly's constructor: a Redis client for ``url`` built from ``[redis]``."""
         return cls(cfg, lambda: redis_client(url, cfg.redis), dispatch=dispatch, admission=admission,
-                   tenancy=tenancy)
+                   tenancy=tenancy, tracing=tracing)
 
     async def __aenter__(self) -> QueueIngress:
         return self

@@ -40,6 +40,7 @@ from ...jobs import (
 )
 from ...keys import Keys
 from ...tenants.service import Tenancy
+from ...tracing import Traced, Tracing
 from ..validate import read_head
 from .held import Held, Running
 from .reclaim import delivery_counts
@@ -98,7 +99,7 @@ class JobRunner:
 
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
                  held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
-                 rng: random.Random, tenancy: Tenancy) -> None:
+                 rng: random.Random, tenancy: Tenancy, tracing: Tracing) -> None:
         self._cfg = cfg
         self._client = client
         self._store = store
@@ -109,13 +110,17 @@ class JobRunner:
         self._stats = stats
         self._rng = rng
         self._tenancy = tenancy
+        self._tracing = tracing  # a job's span from its read to its acknowledgement
 
     async def run(self, running: Running, raw: bytes | None) -> None:
+        read_ns = time.time_ns()
+        traced: Traced | None = None
         try:
             valid = await self._validated(running, raw)
             if valid is None:
                 return
             job, fleet = valid
+            traced = self._traced(job, fleet, running, read_ns)
             try:
                 await self._deliveries(running, job, raw or b"", fleet)
             except _SetAside as e:  # before release (finally): the entry stays this consumer's
@@ -142,6 +147,21 @@ class JobRunner:
                     await self._record_failure(running, running.job_id, f"routerd: {e!r}")
         finally:
             self._held.release(running)
+            if traced is not None:
+                traced.end()
+
+    def _traced(self, job: Job, fleet: str, running: Running, read_ns: int) -> Traced | None:
+        """The job's span, from its read to its acknowledgement, in the producer's trace if it has one."""
+        traced = self._tracing.job(job.traceparent, job.tracestate, entry=running.entry_id,
+                                   stream=self._cfg().redis.stream, read_ns=read_ns)
+        if traced is not None:
+            self._tracing.note(**{"routerd.queue.job_id": job.id, "routerd.endpoint": job.endpoint,
+                                  "routerd.fleet": fleet, "routerd.tenant": job.tenant,
+                                  "routerd.stream": job.stream,
+                                  "gen_ai.request.model": str(job.body.get("model", "")),
+                                  "gen_ai.operation.name": "chat" if "chat" in job.endpoint
+                                  else "text_completion"})
+        return traced
 
     async def _validated(self, running: Running, raw: bytes | None) -> tuple[Job, str] | None:
         """The job and its fleet, or None once a message that can never run was dead-lettered."""
@@ -188,7 +208,9 @@ class JobRunner:
                                  f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
                 return
             try:
-                result = await self._attempt(running, job, fleet)
+                with self._tracing.span("routerd.queue.delivery",
+                                        {"routerd.queue.delivery": running.delivery}):
+                    result = await self._attempt(running, job, fleet)
             except _Retry as e:
                 await self._record_failure(running, job.id, e.error, e.instance)
             except _Dead as e:
@@ -329,8 +351,12 @@ class JobRunner:
     async def _acknowledge(self, running: Running, job: Job, result: Result | None) -> None:
         """The job's one result stored and its entry acknowledged (``XACK``), in one step."""
         running.finishing = True
-        await self._store.acknowledge(running.entry_id, job.id, job.reply_to, result,
-                                 delivery=running.delivery)
+        if result is not None and result.status == "error" and self._tracing.on:
+            self._tracing.failed(str((result.error or {}).get("message", "error")))
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": result.status
+                                                          if result is not None else "duplicate"}):
+            await self._store.acknowledge(running.entry_id, job.id, job.reply_to, result,
+                                          delivery=running.delivery)
         self._stats["done"] += 1
 
     async def _dead(self, running: Running, raw: bytes, reason: str, job_id: str | None,
@@ -345,8 +371,11 @@ class JobRunner:
         if job_id:
             result = error_result(job_id, reason, error_type(code) if code < 500 else "DeadLetterError",
                                   code, attempts=max(running.delivery - 1, 0))
-        await self._store.acknowledge(running.entry_id, job_id or "", reply_to or "", result,
-                                 delivery=running.delivery, dead_reason=reason, raw=raw)
+        if self._tracing.on:
+            self._tracing.failed(reason, **{"routerd.queue.dead": True})
+        with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": "dead"}):
+            await self._store.acknowledge(running.entry_id, job_id or "", reply_to or "", result,
+                                          delivery=running.delivery, dead_reason=reason, raw=raw)
         self._stats["dead"] += 1
 
 
