@@ -209,7 +209,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
 @contextlib.asynccontextmanager
 async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.socket] = (),
                    port: int | None = None, status: Callable[[str], None] = lambda step: None,
-                   ray_connected: Callable[[], None] = lambda: None, tracing: Tracing | None = None,
+                   ray_connected: Callable[[], None] = lambda: None,
+                   built: Callable[[Routerd], None] = lambda routerd: None, tracing: Tracing | None = None,
                    rng: random.Random | None = None,
                    clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
     """routerd for ``cfg`` started, in the start-up order of the module's docstring; on the way out
@@ -219,6 +220,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
     ``sockets``: systemd's (socket activation) to serve on, else ``http.host``/``port`` (``port``
     overrides the config's: 0 picks a free one); ``status(step)`` is told each step (sd_notify);
     ``ray_connected()`` runs right after Ray connected (the daemon takes its signals back then);
+    ``built(routerd)`` as soon as every component exists, before the fleets and the listener start (so
+    that a start-up failing after that can be looked at);
     ``tracing``: a caller's own exporter (tests), else the one ``cfg.tracing`` and ``OTEL_*`` ask for,
     started and closed here."""
     async with contextlib.AsyncExitStack() as stack:
@@ -243,6 +246,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                         cluster=cluster, rng=rng, clock=clock)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
+        built(routerd)
         if routerd.queue is not None:
             await stack.enter_async_context(routerd.queue)
         if fleets is not None:

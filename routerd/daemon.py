@@ -131,10 +131,13 @@ class Daemon:
         # that SIGTERM drains instead of killing the process: taken back as soon as Ray is connected.
         self.routerd = routerd = await stack.enter_async_context(assemble(
             self.cfg, self.registry, sockets=sockets,
-            status=self._starting, ray_connected=self._install_signals))
+            status=self._starting, ray_connected=self._install_signals, built=self._built))
         for name, loop in routerd.loops().items():
             self._spawn(tg, loop, name)
         self._spawn(tg, self._watchdog(), "watchdog")
+
+    def _built(self, routerd: Routerd) -> None:
+        self.routerd = routerd  # known before the fleets and the listener start: a failed start-up too
 
     def _starting(self, step: str) -> None:
         self.notifier.status(f"starting: {step}")

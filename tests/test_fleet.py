@@ -273,10 +273,10 @@ async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluste
         with pytest.raises(ExceptionGroup) as info:  # the TaskGroup's
             await daemon.run()
         assert info.group_contains(OSError)
-    assert daemon.fleets is not None
-    assert daemon.session is not None
-    assert daemon.session.closed  # no leaked aiohttp session
-    assert not daemon.fleets._tasks  # no supervisor left running
+    assert daemon.routerd is not None
+    assert daemon.routerd.fleets is not None
+    assert daemon.routerd.session.closed  # no leaked aiohttp session
+    assert not daemon.routerd.fleets._tasks  # no supervisor left running
 
 
 async def test_an_actor_record_this_version_cannot_read_is_replaced(ray_cluster: RayTestCluster,
