@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
@@ -301,8 +301,12 @@ class QueueClient:
 
 
 def trace_context() -> dict[str, str]:
-    """``traceparent`` (and ``tracestate``) of the current OpenTelemetry span; ``{}`` without one."""
-    carrier: dict[str, str] = {}
+    """``traceparent`` (and ``tracestate``) of routerd's own span in progress (``routerd submit``'s),
+    else of the caller's current OpenTelemetry span; ``{}`` without either."""
+    from .tracing import current_context
+
+    if carrier := current_context():
+        return carrier
     _W3C.inject(carrier)
     return carrier
 
@@ -373,15 +377,14 @@ async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> 
     stream = target.redis.stream
     tracing = Tracing.from_config(target.cfg.tracing if target.cfg is not None else TracingConfig())
     try:
-        with tracing.tracer.start_as_current_span("routerd.submit", kind=SpanKind.PRODUCER,
-                                                  attributes={"messaging.system": "redis",
-                                                              "messaging.operation.type": "send",
-                                                              "messaging.destination.name": stream}) as span:
-            if tracing.on:
-                print(f"trace_id {span.get_span_context().trace_id:032x}", file=sys.stderr)
+        with tracing.start("routerd.submit", SpanKind.PRODUCER, {
+                "messaging.system": "redis", "messaging.operation.type": "send",
+                "messaging.destination.name": stream}) as span:
+            if span is not None:
+                print(f"trace_id {span.trace_id:032x}", file=sys.stderr)
             code = await _submit_one(args, target, model)
             if code:
-                span.set_status(StatusCode.ERROR)
+                tracing.failed(f"exit status {code}")
             return code
     finally:
         await tracing.aclose()

@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from routerd.bench.queue import queue_path, wait_ready
 
 from routerd import log
 from routerd.config import TracingConfig, parse
@@ -23,6 +22,7 @@ from routerd.ingress.listener import HttpListener
 from routerd.plugins import LaunchSpec
 from routerd.registry import Registry
 from routerd.tracing import Tracing, engine_env
+from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
 from tests.fixtures.redis_server import RedisServer
@@ -313,10 +313,10 @@ def test_otel_environment_variables_are_honoured() -> None:
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     try:
-        with tracing.tracer.start_as_current_span("unit") as span:
-            ctx = span.get_span_context()
+        with tracing.start("unit") as span:
+            assert span is not None
             line = log.add_trace_ids(None, "info", {"event": "x"})
-        assert (line["trace_id"], line["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+        assert (line["trace_id"], line["span_id"]) == (f"{span.trace_id:032x}", f"{span.span_id:016x}")
         assert "trace_id" not in log.add_trace_ids(None, "info", {"event": "y"})
     finally:
         await tracing.aclose()
@@ -392,7 +392,8 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     slot = asyncio.Lock()
     try:
-        with tracing.tracer.start_as_current_span("request") as request:
+        with tracing.start("request") as request:
+            assert request is not None
             async with tracing.waiting("routerd.admission", slot):
                 pass  # free: no wait
             await slot.acquire()
@@ -403,5 +404,5 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     finally:
         await tracing.aclose()
     (waited,) = [s for s in otlp_receiver.spans if s.name == "routerd.admission"]
-    assert waited.parent_id == f"{request.get_span_context().span_id:016x}"
+    assert waited.parent_id == f"{request.span_id:016x}"
     assert waited.end_ns - waited.start_ns >= 40_000_000
