@@ -169,6 +169,9 @@ async def test_a_clients_traceparent_is_continued(
     async with client.post(t.plane.url + COMP, json=body,
                            headers={"traceparent": f"00-{unsampled}-{parent}-00"}) as r:
         assert r.status == 200
+    invalid = f"00-{'0' * 32}-{parent}-01"  # an all-zero trace id: W3C says start a new trace
+    async with client.post(t.plane.url + COMP, json=body, headers={"traceparent": invalid}) as r:
+        assert r.status == 200
     stats = await engine.stats()
     async with client.get(t.plane.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
@@ -179,8 +182,12 @@ async def test_a_clients_traceparent_is_continued(
     assert any(line.startswith("routerd_time_to_first_byte_seconds_bucket") for line in exemplars), exemplars
     assert not any(unsampled in line for line in exemplars)
 
-    server = one(otlp_receiver.spans, "POST /v1/completions")
-    assert (server.trace_id, server.parent_id) == (trace_id, parent)
+    server = one(otlp_receiver.trace(trace_id), "POST /v1/completions")
+    assert server.parent_id == parent
+    (fresh,) = [s for s in otlp_receiver.spans if s.trace_id != trace_id and s.name == "POST /v1/completions"]
+    assert (fresh.parent_id, fresh.trace_id == "0" * 32) == ("", False)
+    assert engine_parents(stats, fresh.trace_id) == [a.span_id for a in children(
+        otlp_receiver.trace(fresh.trace_id), fresh, "routerd.attempt")]
     (attempt,) = children(otlp_receiver.trace(trace_id), server, "routerd.attempt")
     assert engine_parents(stats, trace_id) == [attempt.span_id]
     assert not children(otlp_receiver.trace(trace_id), server, "routerd.rate_limit")  # no limit: no wait
