@@ -168,7 +168,16 @@ class Collector:
 
 
 # ---- OTLP protobuf, by hand (opentelemetry/proto/trace/v1/trace.proto, common/v1/common.proto) ---------
+# Written for the export thread's CPU, which callgrind counts with the request's: short varints from a
+# table, an attribute key's encoding (the same few dozen keys every span) from a cache.
+_SMALL = [bytes((n,)) for n in range(0x80)]
+_KEYS: dict[str, bytes] = {}
+_MAX_KEYS = 4096
+
+
 def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -185,7 +194,8 @@ def _field(number: int, payload: bytes) -> bytes:
 def _any_value(v: Any) -> bytes:
     """An ``AnyValue``: string 1, bool 2, int 3, double 4, array 5 (bool before int: it is one)."""
     if isinstance(v, str):
-        return _field(1, v.encode())
+        b = v.encode()
+        return b"\x0a" + _varint(len(b)) + b
     if isinstance(v, bool):
         return b"\x10\x01" if v else b"\x10\x00"
     if isinstance(v, int):
@@ -197,24 +207,37 @@ def _any_value(v: Any) -> bytes:
     return _field(1, str(v).encode())
 
 
-def _attributes(number: int, attributes: Mapping[str, Any]) -> Iterable[bytes]:
+def _key(key: str) -> bytes:
+    """``KeyValue.key`` with its tag, and the tag of the value that follows."""
+    if (b := _KEYS.get(key)) is None:
+        b = _field(1, key.encode()) + b"\x12"
+        if len(_KEYS) < _MAX_KEYS:
+            _KEYS[key] = b
+    return b
+
+
+def _attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
+    """``attributes`` as repeated ``KeyValue`` fields whose tag (with wire type) is ``tag``."""
+    out = []
     for key, value in attributes.items():
         if value is not None:
-            yield _field(number, _field(1, key.encode()) + _field(2, _any_value(value)))
+            v = _any_value(value)
+            kv = _key(key) + _varint(len(v)) + v
+            out.append(tag + _varint(len(kv)) + kv)
+    return b"".join(out)
 
 
 def _span(s: Span) -> bytes:
-    parts = [_field(1, s.trace_id.to_bytes(16, "big")), _field(2, s.span_id.to_bytes(8, "big"))]
+    parts = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
     if s.tracestate:
         parts.append(_field(3, s.tracestate.encode()))
     if s.parent_id:
-        parts.append(_field(4, s.parent_id.to_bytes(8, "big")))
-    parts += [_field(5, s.name.encode()), b"\x30" + _varint(s.kind),
-              b"\x39" + _FIXED64.pack(s.start_ns), b"\x41" + _FIXED64.pack(s.end_ns)]
-    parts += _attributes(9, s.attributes)
+        parts += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
+    parts += (_field(5, s.name.encode()), b"\x30", _SMALL[s.kind], b"\x39", _FIXED64.pack(s.start_ns),
+              b"\x41", _FIXED64.pack(s.end_ns), _attributes(b"\x4a", s.attributes))
     for name, at, attributes in s.events or ():
         parts.append(_field(11, b"\x09" + _FIXED64.pack(at) + _field(2, name.encode())
-                            + b"".join(_attributes(3, attributes))))
+                            + _attributes(b"\x1a", attributes)))
     if s.status:
         parts.append(_field(15, (_field(2, s.message.encode()) if s.message else b"")
                             + b"\x18" + _varint(s.status)))
@@ -223,7 +246,7 @@ def _span(s: Span) -> bytes:
 
 def resource(attributes: Mapping[str, Any]) -> bytes:
     """A ``Resource`` message (encoded once, at start-up)."""
-    return b"".join(_attributes(1, attributes))
+    return _attributes(b"\x0a", attributes)
 
 
 _SCOPE = _field(1, _field(1, b"routerd"))  # ScopeSpans.scope: InstrumentationScope{name}
