@@ -33,8 +33,8 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager, nullcontext
+from collections.abc import Awaitable, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -270,7 +270,7 @@ class Tracing:
         parent = self._recording()
         if parent is None:
             return cm
-        return self._waiting(parent, name, cm)
+        return _Waiting(self, parent, name, cm)
 
     def _waited(self, parent: Span, name: str, start_ns: int, error: BaseException | None) -> None:
         now = time.time_ns()
@@ -280,26 +280,6 @@ class Tracing:
         if error is not None:
             _error(span, error)
         self._end(span, now)
-
-    @asynccontextmanager
-    async def _waiting(self, parent: Span, name: str, cm: AbstractAsyncContextManager[T]) -> AsyncIterator[T]:
-        start = time.time_ns()
-        try:
-            got = await cm.__aenter__()
-        except BaseException as e:
-            self._waited(parent, name, start, e)
-            raise
-        self._waited(parent, name, start, None)
-        exc: BaseException | None = None
-        try:
-            yield got
-        except BaseException as e:
-            exc = e
-            if not await cm.__aexit__(type(e), e, e.__traceback__):
-                raise
-        finally:
-            if exc is None:
-                await cm.__aexit__(None, None, None)
 
     def timed(self, name: str, awaitable: Awaitable[T], when: bool = True) -> Awaitable[T]:
         """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own — ``when`` it
@@ -392,6 +372,30 @@ class _Scope:
         self.tracing._end(self.span)
 
 
+class _Waiting(AbstractAsyncContextManager[T]):
+    """:meth:`Tracing.waiting`'s wrapper: times ``cm.__aenter__`` and passes everything else through
+    (a class, not ``@asynccontextmanager``: an async generator per request costs more than the span)."""
+
+    __slots__ = ("cm", "name", "parent", "tracing")
+
+    def __init__(self, tracing: Tracing, parent: Span, name: str, cm: AbstractAsyncContextManager[T]) -> None:
+        self.tracing, self.parent, self.name, self.cm = tracing, parent, name, cm
+
+    async def __aenter__(self) -> T:
+        start = time.time_ns()
+        try:
+            got = await self.cm.__aenter__()
+        except BaseException as e:
+            self.tracing._waited(self.parent, self.name, start, e)
+            raise
+        self.tracing._waited(self.parent, self.name, start, None)
+        return got
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        return await self.cm.__aexit__(exc_type, exc, tb)
+
+
 def _error(span: Span, e: BaseException) -> None:
     if isinstance(e, asyncio.CancelledError):
         span.attributes["error.type"] = "cancelled"
@@ -457,17 +461,26 @@ _ROUTE = {"policy", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cac
           "wait_est_ms", "ttft_est_ms", "session_affinity"}
 
 
+_SCALARS = (str, int, float)  # what an attribute may be (bool is an int)
+_NAMES: dict[str, str] = {}  # a log field's attribute name ("": none), learnt once per field
+_MAX_NAMES = 1024
+
+
+def _name(key: str) -> str:
+    if (name := _NAMES.get(key)) is None:
+        name = _FIELDS.get(key) or (
+            # the routing decision: on each attempt's span, where it applies
+            "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
+        if len(_NAMES) < _MAX_NAMES:
+            _NAMES[key] = name
+    return name
+
+
 def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in fields.items():
-        if value is None or not isinstance(value, str | bool | int | float):
-            continue
-        name = _FIELDS.get(key)
-        if name is None:
-            if key in _ROUTE or key.startswith("runner_up"):
-                continue  # the routing decision: on each attempt's span, where it applies
-            name = f"routerd.{key}"
-        out[name] = value
+        if isinstance(value, _SCALARS) and (name := _name(key)):
+            out[name] = value
     if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
         out["gen_ai.latency.time_to_first_token"] = ttfb / 1000
     return out
