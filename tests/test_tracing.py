@@ -317,6 +317,23 @@ def test_otel_environment_variables_are_honoured() -> None:
     assert engine_env(default, "big", {}) == {}
 
 
+async def test_the_exporters_otel_variables_are_honoured(otlp_receiver: OtlpReceiver) -> None:
+    """The OTLP exporter's own variables: headers (a collector's auth), gzip, resource attributes."""
+    env = {"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20s3cret,x-tenant=a",
+           "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip", "OTEL_SERVICE_NAME": "edge",
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,service.name=ignored"}
+    tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ=env)
+    with tracing.start("unit"):
+        pass
+    await tracing.aclose()
+    (span,) = otlp_receiver.spans
+    assert (span.name, span.service) == ("unit", "edge")
+    assert otlp_receiver.resources[0]["deployment.environment"] == "test"
+    (headers,) = otlp_receiver.headers
+    assert (headers["Authorization"], headers["X-Tenant"]) == ("Bearer s3cret", "a")
+    assert (headers["Content-Encoding"], headers["Content-Type"]) == ("gzip", "application/x-protobuf")
+
+
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     try:

@@ -127,7 +127,7 @@ class Tracing:
     def from_config(cls, cfg: TracingConfig, environ: Mapping[str, str] | None = None) -> Tracing:
         """Tracing as ``[tracing]`` and the ``OTEL_*`` variables say (:func:`otlp_endpoint`; also
         ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_RESOURCE_ATTRIBUTES`` and
-        ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``)."""
+        ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ``…_COMPRESSION`` (gzip), ``…_CERTIFICATE``)."""
         env = os.environ if environ is None else environ
         endpoint = otlp_endpoint(cfg, env)
         if not endpoint:
@@ -144,10 +144,13 @@ class Tracing:
         attributes: dict[str, Any] = {**_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", "")),
                                       "service.name": service, "telemetry.sdk.name": "routerd",
                                       "telemetry.sdk.language": "python"}
-        headers = _pairs(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")
-                         or env.get("OTEL_EXPORTER_OTLP_HEADERS", ""))
+        def otlp(name: str) -> str:  # OTEL_EXPORTER_OTLP_TRACES_<name>, else OTEL_EXPORTER_OTLP_<name>
+            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}", "").strip() \
+                or env.get(f"OTEL_EXPORTER_OTLP_{name}", "").strip()
+
         exporter = Exporter(endpoint, resource(attributes), max_queue=cfg.max_queue_spans,
-                            timeout_s=cfg.export_timeout_s, headers=headers)
+                            timeout_s=cfg.export_timeout_s, headers=_pairs(otlp("HEADERS")),
+                            gzip=otlp("COMPRESSION").lower() == "gzip", cafile=otlp("CERTIFICATE"))
         return cls(exporter, sample_ratio=ratio, shutdown_timeout_s=cfg.shutdown_timeout_s,
                    max_queue=cfg.max_queue_spans)
 

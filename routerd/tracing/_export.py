@@ -11,6 +11,8 @@ as failed: memory stays bounded whatever the collector does.
 
 from __future__ import annotations
 
+import gzip
+import ssl
 import struct
 import threading
 import time
@@ -53,7 +55,8 @@ class Exporter:
     collector never keeps the process from exiting; :meth:`stop` is how spans are flushed)."""
 
     def __init__(self, url: str, resource: bytes, *, max_queue: int, timeout_s: float,
-                 headers: Mapping[str, str] | None = None, delay_s: float = DELAY_S) -> None:
+                 headers: Mapping[str, str] | None = None, gzip: bool = False, cafile: str = "",
+                 delay_s: float = DELAY_S) -> None:
         self.url = url
         self.counts = Counts()
         self._resource = resource
@@ -62,6 +65,10 @@ class Exporter:
         self._timeout_s = timeout_s
         self._delay_s = delay_s
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
+        self._gzip = gzip
+        if gzip:
+            self._headers["Content-Encoding"] = "gzip"
+        self._ssl = ssl.create_default_context(cafile=cafile) if cafile else None
         self._queue: deque[Span] = deque()
         self._wake = threading.Condition(self.counts.lock)
         self._stopping = False
@@ -105,7 +112,8 @@ class Exporter:
 
     def _export(self, batch: list[Span]) -> None:
         try:
-            ok = self._post(encode(self._resource, batch))
+            body = encode(self._resource, batch)
+            ok = self._post(gzip.compress(body) if self._gzip else body)
         except Exception:  # noqa: BLE001 — the thread's loop boundary: a bad span loses its batch, not the thread
             _log.exception("tracing_export_error", spans=len(batch))
             ok = False
@@ -126,7 +134,7 @@ class Exporter:
                 return False
             try:
                 request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-                with urllib.request.urlopen(request, timeout=left) as response:
+                with urllib.request.urlopen(request, timeout=left, context=self._ssl) as response:
                     response.read()
                     return True
             except urllib.error.HTTPError as e:
