@@ -169,13 +169,14 @@ async def test_a_clients_traceparent_is_continued(
     async with client.post(t.plane.url + COMP, json=body,
                            headers={"traceparent": f"00-{unsampled}-{parent}-00"}) as r:
         assert r.status == 200
+    async with client.get(t.plane.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        exemplars = [line for line in (await r.text()).splitlines() if f'# {{trace_id="{trace_id}"}}' in line]
+    # (after the scrape: a bucket's exemplar is its latest observation's)
     invalid = f"00-{'0' * 32}-{parent}-01"  # an all-zero trace id: W3C says start a new trace
     async with client.post(t.plane.url + COMP, json=body, headers={"traceparent": invalid}) as r:
         assert r.status == 200
     stats = await engine.stats()
-    async with client.get(t.plane.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
-        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
-        exemplars = [line for line in (await r.text()).splitlines() if f'# {{trace_id="{trace_id}"}}' in line]
     await t.flush()
     # a latency observation links to the request's trace (Grafana shows it as an exemplar)
     assert any(line.startswith("routerd_request_duration_seconds_bucket") for line in exemplars), exemplars

@@ -24,7 +24,9 @@ def test_spans_encode_to_what_opentelemetry_proto_decodes() -> None:
     server.end_ns = 1_700_000_000_500_000_000
     server.record_exception(ValueError("bad"))
     server.set_error("HTTP 502")
-    child = Span(TRACE, 7, server.span_id, "routerd.attempt", CLIENT, 5, {}, sampled=True)
+    # the same keys with values equal in Python but not on the wire (True == 1 == 1.0, "1"): each as it is
+    child = Span(TRACE, 7, server.span_id, "routerd.attempt", CLIENT, 5,
+                 {"t": 1, "f": 0.0, "zero": "0", "s": "tëxt"}, sampled=True)
     child.end_ns = 6
     body = encode(resource({"service.name": "routerd", "pid": 12}), [server, child])
 
@@ -44,8 +46,10 @@ def test_spans_encode_to_what_opentelemetry_proto_decodes() -> None:
     assert event.name == "exception"
     assert {a.key: _value(a.value) for a in event.attributes} == {"exception.type": "ValueError",
                                                                    "exception.message": "bad"}
-    assert (c.parent_span_id.hex(), c.kind, c.status.code, c.trace_state, list(c.attributes)) == (
-        "abcdef0123456789", 3, 0, "", [])
+    assert (c.parent_span_id.hex(), c.kind, c.status.code, c.trace_state) == ("abcdef0123456789", 3, 0, "")
+    assert [(a.key, a.value.WhichOneof("value"), _value(a.value)) for a in c.attributes] == [
+        ("t", "int_value", 1), ("f", "double_value", 0.0), ("zero", "string_value", "0"),
+        ("s", "string_value", "tëxt")]
     assert (c.start_time_unix_nano, c.end_time_unix_nano) == (5, 6)
 
 

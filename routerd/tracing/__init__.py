@@ -33,7 +33,7 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -305,8 +305,7 @@ class Tracing:
             return _NULL
         attrs: dict[str, Any] = {"routerd.attempt": number, "routerd.instance": instance, "url.full": url}
         if decision:
-            for k, v in decision.items():
-                attrs["routerd.route." + k] = v
+            attrs.update({_route(k): v for k, v in decision.items()})
         return _Scope(self, self._child(parent, name, SpanKind.CLIENT.value + 1, attrs, time.time_ns()))
 
     def inject(self, headers: dict[str, str]) -> None:
@@ -464,29 +463,41 @@ _ROUTE = {"policy", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cac
           "wait_est_ms", "ttft_est_ms", "session_affinity"}
 
 
-_SCALARS = (str, int, float)  # what an attribute may be (bool is an int)
+_SCALARS = frozenset({str, int, float, bool})  # what an attribute may be
 _NAMES: dict[str, str] = {}  # a log field's attribute name ("": none), learnt once per field
 _MAX_NAMES = 1024
 
 
-def _name(key: str) -> str:
-    if (name := _NAMES.get(key)) is None:
-        name = _FIELDS.get(key) or (
+def _learn(keys: Iterable[str]) -> None:
+    if len(_NAMES) >= _MAX_NAMES:
+        _NAMES.clear()  # bounded whatever fields a log line grows (they are a fixed few in practice)
+    for key in keys:
+        _NAMES[key] = _FIELDS.get(key) or (
             # the routing decision: on each attempt's span, where it applies
             "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
-        if len(_NAMES) < _MAX_NAMES:
-            _NAMES[key] = name
-    return name
 
 
 def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if isinstance(value, _SCALARS) and (name := _name(key)):
-            out[name] = value
+    """A log line's fields as attributes: one comprehension over a learnt name table (this runs for
+    every traced request)."""
+    if new := fields.keys() - _NAMES.keys():
+        _learn(new)
+    names = _NAMES
+    out = {names[k]: v for k, v in fields.items() if type(v) in _SCALARS and names[k]}
     if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
         out["gen_ai.latency.time_to_first_token"] = ttfb / 1000
     return out
+
+
+_ROUTE_NAMES: dict[str, str] = {}
+
+
+def _route(key: str) -> str:
+    if (name := _ROUTE_NAMES.get(key)) is None:
+        name = "routerd.route." + key
+        if len(_ROUTE_NAMES) < _MAX_NAMES:
+            _ROUTE_NAMES[key] = name
+    return name
 
 
 def usage_attributes(usage: tuple[int, int] | None) -> dict[str, Any]:

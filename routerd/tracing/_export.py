@@ -235,6 +235,30 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
     return b"".join(out)
 
 
+_KV: dict[tuple[str, Any], bytes] = {}  # a span attribute's whole field, for the strings that repeat
+_MAX_KV = 8192
+
+
+def _span_attributes(attributes: Mapping[str, Any]) -> bytes:
+    """:func:`_attributes` of a span: most (key, string) pairs recur from span to span (a method, a
+    path, a model, an instance), so their encoding is looked up rather than redone."""
+    cache = _KV
+    out = []
+    for item in attributes.items():
+        try:
+            b = cache.get(item)
+        except TypeError:  # a list: not hashable, not cached
+            b = None
+        if b is None:
+            b = _attributes(b"\x4a", dict((item,)))
+            if type(item[1]) is str:  # only strings: True == 1 == 1.0 would share an entry
+                if len(cache) >= _MAX_KV:
+                    cache.clear()  # bounded: request ids and times never recur
+                cache[item] = b
+        out.append(b)
+    return b"".join(out)
+
+
 def _span(s: Span) -> bytes:
     parts = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
     if s.tracestate:
@@ -242,7 +266,7 @@ def _span(s: Span) -> bytes:
     if s.parent_id:
         parts += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
     parts += (_field(5, s.name.encode()), b"\x30", _SMALL[s.kind], b"\x39", _FIXED64.pack(s.start_ns),
-              b"\x41", _FIXED64.pack(s.end_ns), _attributes(b"\x4a", s.attributes))
+              b"\x41", _FIXED64.pack(s.end_ns), _span_attributes(s.attributes))
     for name, at, attributes in s.events or ():
         parts.append(_field(11, b"\x09" + _FIXED64.pack(at) + _field(2, name.encode())
                             + _attributes(b"\x1a", attributes)))
