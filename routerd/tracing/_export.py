@@ -235,26 +235,36 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
     return b"".join(out)
 
 
-_KV: dict[tuple[str, Any], bytes] = {}  # a span attribute's whole field, for the strings that repeat
+# a span attribute's whole field by (key, value), one table per value type (True == 1 == 1.0 must not
+# share an entry): the strings, ints and bools that recur from span to span are encoded once
+_KV: dict[type, dict[tuple[str, Any], bytes]] = {str: {}, int: {}, bool: {}}
 _MAX_KV = 8192
 
 
+def _kv(key: str, value: Any) -> bytes:
+    if value is None:
+        return b""
+    kv = _key(key)
+    v = _any_value(value)
+    kv += _varint(len(v)) + v
+    return b"\x4a" + _varint(len(kv)) + kv
+
+
 def _span_attributes(attributes: Mapping[str, Any]) -> bytes:
-    """:func:`_attributes` of a span: most (key, string) pairs recur from span to span (a method, a
-    path, a model, an instance), so their encoding is looked up rather than redone."""
-    cache = _KV
+    """A span's attributes as ``Span.attributes`` fields, looked up rather than encoded where the
+    (key, value) recurs (a method, a path, a model, an instance, a status, a count)."""
     out = []
     for item in attributes.items():
-        try:
-            b = cache.get(item)
-        except TypeError:  # a list: not hashable, not cached
-            b = None
+        cache = _KV.get(type(item[1]))
+        if cache is None:  # a float (a time: it does not recur), a list
+            out.append(_kv(*item))
+            continue
+        b = cache.get(item)
         if b is None:
-            b = _attributes(b"\x4a", dict((item,)))
-            if type(item[1]) is str:  # only strings: True == 1 == 1.0 would share an entry
-                if len(cache) >= _MAX_KV:
-                    cache.clear()  # bounded: request ids and times never recur
-                cache[item] = b
+            b = _kv(*item)
+            if len(cache) >= _MAX_KV:
+                cache.clear()  # bounded: request ids never recur
+            cache[item] = b
         out.append(b)
     return b"".join(out)
 
