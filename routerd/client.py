@@ -294,8 +294,12 @@ class QueueClient:
 
 
 def trace_context() -> dict[str, str]:
-    """``traceparent`` (and ``tracestate``) of the current OpenTelemetry span; ``{}`` without one."""
-    carrier: dict[str, str] = {}
+    """``traceparent`` (and ``tracestate``) of routerd's own span in progress (``routerd submit``'s),
+    else of the caller's current OpenTelemetry span; ``{}`` without either."""
+    from .tracing import current_context
+
+    if carrier := current_context():
+        return carrier
     _W3C.inject(carrier)
     return carrier
 

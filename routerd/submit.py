@@ -10,7 +10,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind
 
 from .client import QueueClient
 from .jobs import ResultView, json_encode
@@ -67,15 +67,14 @@ async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> 
     stream = target.redis.stream
     tracing = Tracing.from_config(target.cfg.tracing if target.cfg is not None else TracingConfig())
     try:
-        with tracing.tracer.start_as_current_span("routerd.submit", kind=SpanKind.PRODUCER,
-                                                  attributes={"messaging.system": "redis",
-                                                              "messaging.operation.type": "send",
-                                                              "messaging.destination.name": stream}) as span:
-            if tracing.on:
-                print(f"trace_id {span.get_span_context().trace_id:032x}", file=sys.stderr)
+        with tracing.start("routerd.submit", SpanKind.PRODUCER, {
+                "messaging.system": "redis", "messaging.operation.type": "send",
+                "messaging.destination.name": stream}) as span:
+            if span is not None:
+                print(f"trace_id {span.trace_id:032x}", file=sys.stderr)
             code = await _submit_one(args, target, model)
             if code:
-                span.set_status(StatusCode.ERROR)
+                tracing.failed(f"exit status {code}")
             return code
     finally:
         await tracing.aclose()
