@@ -55,7 +55,7 @@ def _status(argv: list[str]) -> int:
 
 
 def _submit(argv: list[str]) -> int:
-    from .client import submit_main
+    from .submit import submit_main
 
     return submit_main(argv)
 

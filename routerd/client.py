@@ -13,29 +13,22 @@ submitted through this client (a plain ``XADD`` leaves no status until routerd s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
-from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
 from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
 from .keys import Keys
-
-if TYPE_CHECKING:
-    from .redis_server import RedisTarget
 
 State = Literal["unknown", "queued", "running", "done"]
 
@@ -301,8 +294,12 @@ class QueueClient:
 
 
 def trace_context() -> dict[str, str]:
-    """``traceparent`` (and ``tracestate``) of the current OpenTelemetry span; ``{}`` without one."""
-    carrier: dict[str, str] = {}
+    """``traceparent`` (and ``tracestate``) of routerd's own span in progress (``routerd submit``'s),
+    else of the caller's current OpenTelemetry span; ``{}`` without either."""
+    from .tracing import current_context
+
+    if carrier := current_context():
+        return carrier
     _W3C.inject(carrier)
     return carrier
 
@@ -323,97 +320,3 @@ def _reply_item(fields: dict[bytes, bytes], job_id: str) -> ChunkView | ResultVi
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):  # msgspec's ValidationError too
         return None
     return None
-
-
-def submit_main(argv: list[str]) -> int:
-    """``routerd submit [--redis URL] [--model M] [--wait] PROMPT``."""
-    p = argparse.ArgumentParser(prog="routerd submit", description="Enqueue one request on routerd's "
-                                "Redis queue; print its id (or, with --wait, its result as JSON).")
-    p.add_argument("prompt")
-    p.add_argument("--redis", default=os.environ.get("ROUTERD_REDIS_URL", ""),
-                   help="Redis URL (default: $ROUTERD_REDIS_URL, else the config's, else localhost)")
-    p.add_argument("--config", help="read the Redis URL, stream and first model from this config")
-    p.add_argument("--model", help="model name (default: the config's first fleet)")
-    p.add_argument("--chat", action="store_true", help="send as /v1/chat/completions")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--priority", type=int, default=0)
-    p.add_argument("--deadline-ms", type=int, help="ms from now after which the job is not run")
-    p.add_argument("--tenant", help="the job's tenant (a [[tenants]] name; default: default)")
-    p.add_argument("--stream", action="store_true", help="stream: print chunks as they arrive")
-    p.add_argument("--wait", action="store_true", help="wait for the result and print it")
-    p.add_argument("--timeout", type=float, default=300.0)
-    args = p.parse_args(argv)
-    from .config import EXIT_CONFIG, ConfigError
-
-    try:
-        target, model = _resolve(args)
-    except ConfigError as e:
-        print("\n".join(["routerd submit: the config is not valid:", *e.problems]), file=sys.stderr)
-        return EXIT_CONFIG
-    if not model:
-        p.error("--model is required (or --config with a fleet)")
-    return asyncio.run(_submit(args, target, model))
-
-
-def _resolve(args: argparse.Namespace) -> tuple[RedisTarget, str | None]:
-    from .redis_server import redis_target
-
-    target = redis_target(args.redis, args.config)
-    model = args.model or (target.cfg.fleets[0].model if target.cfg is not None and target.cfg.fleets
-                           else None)
-    return target, model
-
-
-async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> int:
-    """The job inside a producer span of its own when tracing is on (``[tracing]`` of ``--config``, or
-    the ``OTEL_*`` variables): the job's trace starts here and its id goes to stderr."""
-    from .config import TracingConfig
-    from .tracing import Tracing
-
-    stream = target.redis.stream
-    tracing = Tracing.from_config(target.cfg.tracing if target.cfg is not None else TracingConfig())
-    try:
-        with tracing.tracer.start_as_current_span("routerd.submit", kind=SpanKind.PRODUCER,
-                                                  attributes={"messaging.system": "redis",
-                                                              "messaging.operation.type": "send",
-                                                              "messaging.destination.name": stream}) as span:
-            if tracing.on:
-                print(f"trace_id {span.get_span_context().trace_id:032x}", file=sys.stderr)
-            code = await _submit_one(args, target, model)
-            if code:
-                span.set_status(StatusCode.ERROR)
-            return code
-    finally:
-        await tracing.aclose()
-
-
-async def _submit_one(args: argparse.Namespace, target: RedisTarget, model: str) -> int:
-    if args.chat:
-        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": args.prompt}]}
-    else:
-        body = {"model": model, "prompt": args.prompt}
-    body["max_tokens"] = args.max_tokens
-    if args.stream:
-        body["stream"] = True
-    redis_cfg = target.redis
-    async with QueueClient.from_url(target.url, stream=redis_cfg.stream, password=redis_cfg.password) as q:
-        job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms, tenant=args.tenant)
-        if not args.wait:
-            print(job.id)
-            return 0
-        result: ResultView | None = None
-        try:
-            if args.stream:
-                async for item in q.chunks(job, timeout=args.timeout):
-                    if isinstance(item, ResultView):
-                        result = item
-                    else:
-                        sys.stdout.write(json_encode(item.data).decode() + "\n")
-            else:
-                result = await q.wait(job, timeout=args.timeout)
-        except TimeoutError:
-            print(f"{job.id}: no result within {args.timeout}s", file=sys.stderr)
-            return 1
-        assert result is not None
-        print(json_encode(result).decode())
-        return 0 if result.status == "ok" else 1

@@ -13,11 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, MutableMapping
-from typing import Any, TextIO
+from contextvars import ContextVar
+from typing import Any, Protocol, TextIO
 
 import msgspec
 import structlog
-from opentelemetry import trace
 
 from .redact import Redactor
 
@@ -140,14 +140,26 @@ def get(name: str) -> Any:
     return structlog.get_logger(component=name)
 
 
+class SpanIds(Protocol):
+    """What a log line needs of the span in progress (routerd.tracing's span record)."""
+
+    trace_id: int
+    span_id: int
+
+
+# The span in progress in this task: set and reset by routerd.tracing (which sits above this module),
+# read here for the log line's ids.
+current_span: ContextVar[SpanIds | None] = ContextVar("routerd_current_span", default=None)
+
+
 def add_trace_ids(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """``trace_id``/``span_id`` of the span current where the line is logged (routerd/tracing.py), as
+    """``trace_id``/``span_id`` of the span current where the line is logged (routerd/tracing), as
     OpenTelemetry prints them: a log line and its trace join on them. Installed only when tracing is
     on: looking for a span costs a little on every line."""
-    ctx = trace.get_current_span().get_span_context()
-    if ctx.is_valid:
-        event_dict["trace_id"] = format(ctx.trace_id, "032x")
-        event_dict["span_id"] = format(ctx.span_id, "016x")
+    span = current_span.get()
+    if span is not None:
+        event_dict["trace_id"] = format(span.trace_id, "032x")
+        event_dict["span_id"] = format(span.span_id, "016x")
     return event_dict
 
 

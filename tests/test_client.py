@@ -10,7 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from routerd.client import QueueClient, submit_main
+from routerd.client import QueueClient
+from routerd.submit import submit_main
 from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}

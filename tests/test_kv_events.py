@@ -16,15 +16,8 @@ import pytest
 from routerd._net import free_port
 from routerd.routing import kv_hash
 from routerd.routing.engine_cache import EngineCacheView
-from routerd.routing.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    KvEventSubscriber,
-    ViewHealth,
-    decode_batch,
-)
+from routerd.routing.kv_events import KvEventSubscriber, ViewHealth
+from routerd.routing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch
 from routerd.sim.server import SimEngine
 from routerd.sim_tokens import token_ids
 from tests.fixtures.ray_cluster import eventually

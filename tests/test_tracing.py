@@ -166,18 +166,26 @@ async def test_a_clients_traceparent_is_continued(
     async with client.post(t.plane.url + COMP, json=body,
                            headers={"traceparent": f"00-{unsampled}-{parent}-00"}) as r:
         assert r.status == 200
-    stats = await engine.stats()
     async with client.get(t.plane.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
         exemplars = [line for line in (await r.text()).splitlines() if f'# {{trace_id="{trace_id}"}}' in line]
+    # (after the scrape: a bucket's exemplar is its latest observation's)
+    invalid = f"00-{'0' * 32}-{parent}-01"  # an all-zero trace id: W3C says start a new trace
+    async with client.post(t.plane.url + COMP, json=body, headers={"traceparent": invalid}) as r:
+        assert r.status == 200
+    stats = await engine.stats()
     await t.flush()
     # a latency observation links to the request's trace (Grafana shows it as an exemplar)
     assert any(line.startswith("routerd_request_duration_seconds_bucket") for line in exemplars), exemplars
     assert any(line.startswith("routerd_time_to_first_byte_seconds_bucket") for line in exemplars), exemplars
     assert not any(unsampled in line for line in exemplars)
 
-    server = one(otlp_receiver.spans, "POST /v1/completions")
-    assert (server.trace_id, server.parent_id) == (trace_id, parent)
+    server = one(otlp_receiver.trace(trace_id), "POST /v1/completions")
+    assert server.parent_id == parent
+    (fresh,) = [s for s in otlp_receiver.spans if s.trace_id != trace_id and s.name == "POST /v1/completions"]
+    assert (fresh.parent_id, fresh.trace_id == "0" * 32) == ("", False)
+    assert engine_parents(stats, fresh.trace_id) == [a.span_id for a in children(
+        otlp_receiver.trace(fresh.trace_id), fresh, "routerd.attempt")]
     (attempt,) = children(otlp_receiver.trace(trace_id), server, "routerd.attempt")
     assert engine_parents(stats, trace_id) == [attempt.span_id]
     assert not children(otlp_receiver.trace(trace_id), server, "routerd.rate_limit")  # no limit: no wait
@@ -309,13 +317,30 @@ def test_otel_environment_variables_are_honoured() -> None:
     assert engine_env(default, "big", {}) == {}
 
 
+async def test_the_exporters_otel_variables_are_honoured(otlp_receiver: OtlpReceiver) -> None:
+    """The OTLP exporter's own variables: headers (a collector's auth), gzip, resource attributes."""
+    env = {"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20s3cret,x-tenant=a",
+           "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip", "OTEL_SERVICE_NAME": "edge",
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,service.name=ignored"}
+    tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ=env)
+    with tracing.start("unit"):
+        pass
+    await tracing.aclose()
+    (span,) = otlp_receiver.spans
+    assert (span.name, span.service) == ("unit", "edge")
+    assert otlp_receiver.resources[0]["deployment.environment"] == "test"
+    (headers,) = otlp_receiver.headers
+    assert (headers["Authorization"], headers["X-Tenant"]) == ("Bearer s3cret", "a")
+    assert (headers["Content-Encoding"], headers["Content-Type"]) == ("gzip", "application/x-protobuf")
+
+
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     try:
-        with tracing.tracer.start_as_current_span("unit") as span:
-            ctx = span.get_span_context()
+        with tracing.start("unit") as span:
+            assert span is not None
             line = log.add_trace_ids(None, "info", {"event": "x"})
-        assert (line["trace_id"], line["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+        assert (line["trace_id"], line["span_id"]) == (f"{span.trace_id:032x}", f"{span.span_id:016x}")
         assert "trace_id" not in log.add_trace_ids(None, "info", {"event": "y"})
     finally:
         await tracing.aclose()
@@ -391,7 +416,8 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ={})
     slot = asyncio.Lock()
     try:
-        with tracing.tracer.start_as_current_span("request") as request:
+        with tracing.start("request") as request:
+            assert request is not None
             async with tracing.waiting("routerd.admission", slot):
                 pass  # free: no wait
             await slot.acquire()
@@ -402,5 +428,5 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     finally:
         await tracing.aclose()
     (waited,) = [s for s in otlp_receiver.spans if s.name == "routerd.admission"]
-    assert waited.parent_id == f"{request.get_span_context().span_id:016x}"
+    assert waited.parent_id == f"{request.span_id:016x}"
     assert waited.end_ns - waited.start_ns >= 40_000_000

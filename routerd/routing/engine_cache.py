@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from .kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 # Media that are the engine's own device cache (vLLM: None before offloading existed, then "GPU").
 _DEVICE_MEDIA = (None, "GPU")

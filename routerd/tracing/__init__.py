@@ -1,0 +1,515 @@
+"""OpenTelemetry tracing: one trace per request, both ways in, through routerd and into the engine.
+
+Off by default, and then free: :meth:`Tracing.off` has ``on = False``; every hook on the request path
+tests it (or gets back what it passed in) before building anything, so an untraced request makes no
+span, no context and no header. On, spans are routerd's own records (:mod:`._span`), not the
+OpenTelemetry SDK's: the SDK's span costs ≈ 100 µs of CPU on the request path and its encoder ≈ 50 µs
+more, so a traced request cost 2.5× an untraced one; a record here is a slotted object with an
+attribute dict, and all the OTLP encoding is done by the export thread (:mod:`._export`), which posts
+protobuf over OTLP/HTTP with a timeout. The loop only appends a finished span to a bounded queue; when
+the collector is down or slow it fills, and spans beyond ``max_queue_spans`` are dropped and counted
+(``routerd_trace_spans_dropped_total``), never held without bound; a failed export is counted too.
+Sampling is OpenTelemetry's parent-based ratio sampler, computed the same way (a client's
+``traceparent`` decides for its request; a new trace is sampled when the low 64 bits of its id are
+below ``sample_ratio`` × 2⁶⁴).
+
+Context travels as W3C ``traceparent``/``tracestate``: taken from an HTTP request's headers or a queue
+job's fields (:meth:`Tracing.server`, :meth:`Tracing.job`), put on every engine request
+(:meth:`Tracing.inject`) so that vLLM's own span joins the trace. The span in progress is
+:data:`routerd.log.current_span` (a contextvar of the task), so the log processor in
+:mod:`routerd.log` stamps ``trace_id``/``span_id`` on every line logged while it is current.
+
+Spans (README, "Tracing"): ``POST /v1/…`` (server) or ``routerd.queue.job`` (consumer) → per delivery
+``routerd.queue.delivery`` → ``routerd.rate_limit``, ``routerd.admission``, ``routerd.attempt``
+(client; one per engine attempt, the routing decision as attributes), ``routerd.resume`` (client; one
+per continuation) → the engine's span; and ``routerd.queue.finish`` (result write and ``XACK``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Awaitable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from opentelemetry.trace import SpanKind
+
+from .. import log
+from ._export import Collector, Exporter, resource
+from ._span import CONSUMER, INTERNAL, SERVER, Span, clean_tracestate, parse_traceparent
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ..config import TracingConfig
+
+_log = log.get("routerd.tracing")
+
+T = TypeVar("T")
+
+# the span in progress (routerd.log reads it for the log line's ids); set and reset only here
+_CURRENT = cast("ContextVar[Span | None]", log.current_span)
+_NULL: nullcontext[None] = nullcontext()
+_OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+_TRACES_PATH = "/v1/traces"
+_ID_BITS = (1 << 64) - 1
+WAITED_NS = 1_000_000  # an admission wait this long (1 ms) or longer gets a span
+
+
+def otlp_endpoint(cfg: TracingConfig, environ: Mapping[str, str]) -> str:
+    """Where spans go (the full OTLP/HTTP traces URL), or ``""`` when tracing is off.
+
+    ``[tracing] endpoint`` first; else ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as it is), else
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base: ``/v1/traces`` is added), as every OpenTelemetry SDK reads
+    them. ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it off whatever is set."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" \
+            or environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return ""
+    if cfg.endpoint:
+        return _traces_url(cfg.endpoint)
+    if url := environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+        return url
+    if url := environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
+        return _traces_url(url)
+    return ""
+
+
+def engine_env(cfg: TracingConfig, fleet: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a launched engine is told when routerd traces (``{}`` when not): routerd's collector,
+    over OTLP/HTTP, as service ``vllm-<fleet>``; the vLLM launcher adds ``--otlp-traces-endpoint``."""
+    endpoint = otlp_endpoint(cfg, os.environ if environ is None else environ)
+    if not endpoint:
+        return {}
+    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{fleet}"}
+
+
+def _traces_url(base: str) -> str:
+    base = base.rstrip("/")
+    return base if base.endswith(_TRACES_PATH) else base + _TRACES_PATH
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """``k1=v1,k2=v2``, URL-encoded: ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_HEADERS``."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            out[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(value.strip())
+    return out
+
+
+class Tracing:
+    """routerd's tracer: its sampler, ids and exporter (or nothing: :meth:`off`); one per data plane."""
+
+    def __init__(self, exporter: Exporter | None = None, *, sample_ratio: float = 1.0,
+                 shutdown_timeout_s: float = 5.0, max_queue: int = 0,
+                 rng: random.Random | None = None) -> None:
+        self._exporter = exporter
+        self.on = exporter is not None
+        self.endpoint = exporter.url if exporter is not None else ""
+        self._bound = round(sample_ratio * (1 << 64))  # TraceIdRatioBased's: sampled below it
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._max_queue = max_queue
+        self._bits = (rng or random.Random()).getrandbits
+
+    @classmethod
+    def off(cls) -> Tracing:
+        return cls()
+
+    @classmethod
+    def from_config(cls, cfg: TracingConfig, environ: Mapping[str, str] | None = None) -> Tracing:
+        """Tracing as ``[tracing]`` and the ``OTEL_*`` variables say (:func:`otlp_endpoint`; also
+        ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_RESOURCE_ATTRIBUTES`` and
+        ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ``…_COMPRESSION`` (gzip), ``…_CERTIFICATE``)."""
+        env = os.environ if environ is None else environ
+        endpoint = otlp_endpoint(cfg, env)
+        if not endpoint:
+            return cls.off()
+        # A key left at its default gives way to its OTEL_* variable (README, "Tracing").
+        service = cfg.service_name if cfg.service_name != "routerd" \
+            else env.get("OTEL_SERVICE_NAME", "").strip() or "routerd"
+        ratio = cfg.sample_ratio
+        if ratio == 1.0 and env.get("OTEL_TRACES_SAMPLER_ARG", "").strip():
+            try:
+                ratio = min(1.0, max(0.0, float(env["OTEL_TRACES_SAMPLER_ARG"])))
+            except ValueError:
+                _log.warning("tracing_bad_sampler_arg", value=env["OTEL_TRACES_SAMPLER_ARG"][:50])
+        attributes: dict[str, Any] = {**_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", "")),
+                                      "service.name": service, "telemetry.sdk.name": "routerd",
+                                      "telemetry.sdk.language": "python"}
+        def otlp(name: str) -> str:  # OTEL_EXPORTER_OTLP_TRACES_<name>, else OTEL_EXPORTER_OTLP_<name>
+            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}", "").strip() \
+                or env.get(f"OTEL_EXPORTER_OTLP_{name}", "").strip()
+
+        exporter = Exporter(endpoint, resource(attributes), max_queue=cfg.max_queue_spans,
+                            timeout_s=cfg.export_timeout_s, headers=_pairs(otlp("HEADERS")),
+                            gzip=otlp("COMPRESSION").lower() == "gzip", cafile=otlp("CERTIFICATE"))
+        return cls(exporter, sample_ratio=ratio, shutdown_timeout_s=cfg.shutdown_timeout_s,
+                   max_queue=cfg.max_queue_spans)
+
+    def collector(self) -> Collector:
+        """The ``routerd_trace_spans_*`` metrics for ``/metrics``."""
+        assert self._exporter is not None, "tracing is off: no span metrics"
+        return Collector(self._exporter.counts, self._max_queue)
+
+    async def aclose(self) -> None:
+        """Export what is queued and stop the exporting thread, waiting ``shutdown_timeout_s`` at most.
+
+        Stopping blocks (a thread join, an HTTP request), so it runs in a daemon thread of its own: not
+        the loop's default executor, which the interpreter would wait for at exit however long a dead
+        collector keeps the export hanging."""
+        exporter, self._exporter = self._exporter, None
+        if exporter is None:
+            return
+        self.on = False
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        timeout = self._shutdown_timeout_s
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def stop() -> None:
+            try:
+                exporter.stop(timeout)
+            finally:
+                loop.call_soon_threadsafe(settle)
+
+        threading.Thread(target=stop, name="routerd-tracing-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            _log.warning("tracing_shutdown_timeout", timeout_s=timeout, waiting=exporter.counts.waiting)
+
+    # ---- making spans ------------------------------------------------------------------------------
+    def _root(self, name: str, kind: int, attributes: dict[str, Any], start_ns: int,
+              parent: tuple[int, int, bool] | None, tracestate: str) -> Span:
+        """A span starting or continuing a trace from outside (a client's, a producer's context):
+        parent-based sampling, else the ratio on the trace id."""
+        span_id = self._bits(64) or 1
+        if parent is not None:
+            trace_id, parent_id, sampled = parent
+        else:
+            trace_id, parent_id, tracestate = self._bits(128) or 1, 0, ""
+            sampled = (trace_id & _ID_BITS) < self._bound
+        return Span(trace_id, span_id, parent_id, name, kind, start_ns, attributes if sampled else {},
+                    sampled=sampled, tracestate=tracestate)
+
+    def _child(self, parent: Span, name: str, kind: int, attributes: dict[str, Any],
+               start_ns: int) -> Span:
+        return Span(parent.trace_id, self._bits(64) or 1, parent.span_id, name, kind, start_ns, attributes,
+                    sampled=parent.sampled, tracestate=parent.tracestate)
+
+    def _end(self, span: Span, end_ns: int = 0) -> None:
+        span.end_ns = end_ns or time.time_ns()
+        if span.sampled and self._exporter is not None:
+            self._exporter.add(span)
+
+    def start(self, name: str, kind: SpanKind = SpanKind.INTERNAL,
+              attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[Span | None]:
+        """A span current inside the ``with``: a child of the current one, or a new trace's root
+        (``routerd submit``'s producer span); the shared no-op when off."""
+        if not self.on:
+            return _NULL
+        parent = _CURRENT.get()
+        attrs = dict(attributes or {})
+        span = self._child(parent, name, kind.value + 1, attrs, time.time_ns()) if parent is not None \
+            else self._root(name, kind.value + 1, attrs, time.time_ns(), None, "")
+        return _Scope(self, span)
+
+    # ---- the hooks the request path calls ------------------------------------------------------------
+    def server(self, headers: Mapping[str, str], endpoint: str, request_id: str) -> Traced | None:
+        """An HTTP request's server span, continuing the client's ``traceparent``; current until
+        :meth:`Traced.end` (which the handler calls after its log line, so that line carries the ids)."""
+        if not self.on:
+            return None
+        parent = parse_traceparent(headers.get("traceparent"))
+        span = self._root(f"POST {endpoint}", SERVER, {
+            "http.request.method": "POST", "url.path": endpoint,
+            "gen_ai.operation.name": _OPERATION.get(endpoint, ""), "routerd.request_id": request_id},
+            time.time_ns(), parent, clean_tracestate(headers.get("tracestate")) if parent else "")
+        return Traced(self, span)
+
+    def job(self, traceparent: str | None, tracestate: str | None, *, entry: str, stream: str,
+            read_ns: int) -> Traced | None:
+        """A queue job's consumer span, from when its entry was read (``read_ns``) to its ``XACK``,
+        continuing the producer's context when the job carries one."""
+        if not self.on:
+            return None
+        parent = parse_traceparent(traceparent)
+        span = self._root("routerd.queue.job", CONSUMER, {
+            "messaging.system": "redis", "messaging.operation.type": "process",
+            "messaging.destination.name": stream, "messaging.message.id": entry},
+            read_ns, parent, clean_tracestate(tracestate) if parent else "")
+        return Traced(self, span)
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None,
+             kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span | None]:
+        """A child span of the current one, current inside the ``with`` (the shared no-op when off);
+        an exception leaving it marks it an error."""
+        parent = _CURRENT.get() if self.on else None
+        if parent is None or not parent.sampled:
+            return _NULL
+        return _Scope(self, self._child(parent, name, kind.value + 1, dict(attributes or {}), time.time_ns()))
+
+    def _recording(self) -> Span | None:
+        """The current span when tracing is on and it is sampled: a request that is not sampled makes
+        no child span, only the context it passes on."""
+        span = _CURRENT.get() if self.on else None
+        return span if span is not None and span.sampled else None
+
+    def waiting(self, name: str, cm: AbstractAsyncContextManager[T]) -> AbstractAsyncContextManager[T]:
+        """``cm`` (an admission ticket) with a span over its ``__aenter__`` when that waited
+        (:data:`WAITED_NS` or more) or failed: a slot taken at once is the server span's
+        ``routerd.admission_ms``, not a span of its own."""
+        parent = self._recording()
+        if parent is None:
+            return cm
+        return _Waiting(self, parent, name, cm)
+
+    def _waited(self, parent: Span, name: str, start_ns: int, error: BaseException | None) -> None:
+        now = time.time_ns()
+        if error is None and now - start_ns < WAITED_NS:
+            return
+        span = self._child(parent, name, INTERNAL, {}, start_ns)
+        if error is not None:
+            _error(span, error)
+        self._end(span, now)
+
+    def timed(self, name: str, awaitable: Awaitable[T], when: bool = True) -> Awaitable[T]:
+        """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own — ``when`` it
+        can take time (a tenant without limits is charged at once: no span to pay for)."""
+        if not when or self._recording() is None:
+            return awaitable
+        return self._timed(name, awaitable)
+
+    async def _timed(self, name: str, awaitable: Awaitable[T]) -> T:
+        with self.span(name):
+            return await awaitable
+
+    def attempt(self, name: str, number: int, instance: str, url: str,
+                decision: Mapping[str, Any] | None = None) -> AbstractContextManager[Span | None]:
+        """One engine attempt (``routerd.attempt``) or continuation (``routerd.resume``): a client span
+        whose context :meth:`inject` hands to the engine; ``decision`` is the routing decision's log
+        fields (the same facts as the request's log line)."""
+        parent = self._recording()
+        if parent is None:
+            return _NULL
+        attrs: dict[str, Any] = {"routerd.attempt": number, "routerd.instance": instance, "url.full": url}
+        if decision:
+            attrs.update({_route(k): v for k, v in decision.items()})
+        return _Scope(self, self._child(parent, name, SpanKind.CLIENT.value + 1, attrs, time.time_ns()))
+
+    def inject(self, headers: dict[str, str]) -> None:
+        """Put the current span's ``traceparent``/``tracestate`` on an engine request's headers."""
+        span = _CURRENT.get() if self.on else None
+        if span is not None:
+            headers["traceparent"] = span.traceparent
+            if span.tracestate:
+                headers["tracestate"] = span.tracestate
+
+    def trace_id(self) -> str:
+        """The current span's sampled trace id (``""``: none, or tracing off): a metric's exemplar."""
+        span = self._recording()
+        return format(span.trace_id, "032x") if span is not None else ""
+
+    def note(self, **attributes: Any) -> None:
+        """Attributes on the current span (a retry's reason, a resume's gap, token usage)."""
+        span = self._recording()
+        if span is not None:
+            span.attributes.update({k: v for k, v in attributes.items() if v is not None})
+
+    def outcome(self, ok: bool, error: str | None, status: int) -> None:
+        """How an attempt that reached the client ended: not ok (a 4xx, a cut stream) marks its span."""
+        if not ok and self.on:
+            self.failed(error or f"HTTP {status}", **{"http.response.status_code": status})
+
+    def failed(self, message: str, **attributes: Any) -> None:
+        """Mark the current span an error (an attempt that will be retried, a cut stream)."""
+        span = self._recording()
+        if span is not None:
+            span.set_error(message)
+            if attributes:
+                span.attributes.update(attributes)
+
+
+def current_context() -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) of routerd's span in progress (``routerd submit``'s);
+    ``{}`` without one."""
+    span = _CURRENT.get()
+    if span is None:
+        return {}
+    return {"traceparent": span.traceparent, **({"tracestate": span.tracestate} if span.tracestate else {})}
+
+
+class _Scope:
+    """A span current for a ``with`` block, ended (and queued for export) when it leaves; an
+    exception leaving it marks it an error. A class, not ``@contextmanager``: this is per span."""
+
+    __slots__ = ("span", "token", "tracing")
+
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.token: Token[Span | None] | None = None
+
+    def __enter__(self) -> Span:
+        self.token = _CURRENT.set(self.span)
+        return self.span
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is not None:
+            _error(self.span, exc)
+        if self.token is not None:
+            _CURRENT.reset(self.token)
+        self.tracing._end(self.span)
+
+
+class _Waiting(AbstractAsyncContextManager[T]):
+    """:meth:`Tracing.waiting`'s wrapper: times ``cm.__aenter__`` and passes everything else through
+    (a class, not ``@asynccontextmanager``: an async generator per request costs more than the span)."""
+
+    __slots__ = ("cm", "name", "parent", "tracing")
+
+    def __init__(self, tracing: Tracing, parent: Span, name: str, cm: AbstractAsyncContextManager[T]) -> None:
+        self.tracing, self.parent, self.name, self.cm = tracing, parent, name, cm
+
+    async def __aenter__(self) -> T:
+        start = time.time_ns()
+        try:
+            got = await self.cm.__aenter__()
+        except BaseException as e:
+            self.tracing._waited(self.parent, self.name, start, e)
+            raise
+        self.tracing._waited(self.parent, self.name, start, None)
+        return got
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        return await self.cm.__aexit__(exc_type, exc, tb)
+
+
+def _error(span: Span, e: BaseException) -> None:
+    if isinstance(e, asyncio.CancelledError):
+        span.attributes["error.type"] = "cancelled"
+        span.set_error("cancelled")
+    elif span.sampled:
+        span.record_exception(e)
+        if span.status == 0:  # unless Tracing.failed already said why
+            # upstream's _Retry / _Resume say why an attempt failed: the request goes on elsewhere
+            span.attributes["error.type"] = type(e).__name__.lstrip("_").lower()
+            reason = getattr(e, "reason", None)
+            if isinstance(reason, str):
+                span.attributes["routerd.failure.reason"] = reason
+            span.set_error(str(e))
+
+
+class Traced:
+    """A span made current by hand (the HTTP handler's, a queue job's) and ended by :meth:`end`, in the
+    same task, after what should carry its ids (the request's log line)."""
+
+    __slots__ = ("span", "token", "tracing")
+
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.token = _CURRENT.set(span)
+
+    @property
+    def trace_id(self) -> str:
+        """The trace's id as OpenTelemetry prints it; ``""`` when not sampled (no exemplar then)."""
+        return format(self.span.trace_id, "032x") if self.span.sampled else ""
+
+    @property
+    def traceparent(self) -> str:
+        return self.span.traceparent
+
+    def end(self, fields: Mapping[str, Any] | None = None, *, error: str | None = None) -> None:
+        """End the span: ``fields`` is the request's (or job's) log line, whose facts become its
+        attributes; a 5xx status or an ``error`` with a 2xx (a stream cut) marks it an error."""
+        span = self.span
+        try:
+            if fields is not None and span.sampled:
+                span.attributes.update(_attributes(fields))
+                status = fields.get("status")
+                error = error or fields.get("error")
+                if (isinstance(status, int) and status >= 500) or (error and status in (200, None)):
+                    span.set_error(str(error or f"HTTP {status}"))
+            elif error:
+                span.set_error(error)
+        finally:
+            _CURRENT.reset(self.token)
+            self.tracing._end(span)
+
+
+_FIELDS = {"status": "http.response.status_code", "model": "gen_ai.request.model",
+           "fleet": "routerd.fleet", "tenant": "routerd.tenant", "instance": "routerd.instance",
+           "attempts": "routerd.attempts", "resumes": "routerd.resumes", "stream": "routerd.stream",
+           "admission_ms": "routerd.admission_ms", "ttfb_ms": "routerd.ttfb_ms", "error": "routerd.error",
+           "delivery": "routerd.queue.delivery", "job_id": "routerd.queue.job_id",
+           "endpoint": "routerd.endpoint"}
+
+
+_ROUTE = {"policy", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cached_tokens_est",
+          "wait_est_ms", "ttft_est_ms", "session_affinity"}
+
+
+_SCALARS = frozenset({str, int, float, bool})  # what an attribute may be
+_NAMES: dict[str, str] = {}  # a log field's attribute name ("": none), learnt once per field
+_MAX_NAMES = 1024
+
+
+def _learn(keys: Iterable[str]) -> None:
+    if len(_NAMES) >= _MAX_NAMES:
+        _NAMES.clear()  # bounded whatever fields a log line grows (they are a fixed few in practice)
+    for key in keys:
+        _NAMES[key] = _FIELDS.get(key) or (
+            # the routing decision: on each attempt's span, where it applies
+            "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
+
+
+def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A log line's fields as attributes: one comprehension over a learnt name table (this runs for
+    every traced request)."""
+    if new := fields.keys() - _NAMES.keys():
+        _learn(new)
+    names = _NAMES
+    out = {names[k]: v for k, v in fields.items() if type(v) in _SCALARS and names[k]}
+    if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
+        out["gen_ai.latency.time_to_first_token"] = ttfb / 1000
+    return out
+
+
+_ROUTE_NAMES: dict[str, str] = {}
+
+
+def _route(key: str) -> str:
+    if (name := _ROUTE_NAMES.get(key)) is None:
+        name = "routerd.route." + key
+        if len(_ROUTE_NAMES) < _MAX_NAMES:
+            _ROUTE_NAMES[key] = name
+    return name
+
+
+def usage_attributes(usage: tuple[int, int] | None) -> dict[str, Any]:
+    """``gen_ai.usage.*`` of what the engine reported."""
+    if usage is None:
+        return {}
+    return {"gen_ai.usage.input_tokens": usage[0], "gen_ai.usage.output_tokens": usage[1]}
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+__all__ = ["Span", "Traced", "Tracing", "current_context", "engine_env", "now_ns", "otlp_endpoint",
+           "usage_attributes"]
