@@ -1,6 +1,7 @@
-"""The frozen configuration tree, its TOML loader, env overrides and validation.
+"""The configuration: its TOML loader, env overrides and validation, over the frozen tree of
+:mod:`routerd.config_schema` (re-exported here).
 
-Everything routerd reads from its config file lives here as frozen msgspec Structs. Nobody mutates a
+Everything routerd reads from its config file is a frozen msgspec Struct. Nobody mutates a
 config: SIGHUP loads a new tree and the daemon swaps it in, so a component holding the old one keeps
 a consistent view. Validation errors carry the key path (``$.fleets[1].replicas``) so an operator can
 fix a file without reading code.
@@ -13,233 +14,42 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-from msgspec import Meta
 
 from . import redact
+from .config_schema import (
+    EXIT_CONFIG,
+    AdmissionConfig,
+    AutoscaleConfig,
+    Config,
+    Count,
+    DaemonConfig,
+    FleetConfig,
+    Fraction,
+    HealthConfig,
+    HttpConfig,
+    Interval,
+    MaybeCount,
+    MaybeSeconds,
+    Name,
+    RayConfig,
+    RedisConfig,
+    Replicas,
+    RoutingConfig,
+    Seconds,
+    TenantConfig,
+    TracingConfig,
+)
 
-# Every number has both bounds, so that whatever passes is a value the code can use: a TOML `inf`, a
-# 1e-300 s period (a spinning loop, an overflowing floor()) or an int past 2**64 (msgpack, Redis) would
-# pass a bare `> 0` and fail later, in a request or a loop — or end the daemon (issue 18).
-Fraction = Annotated[float, Meta(ge=0, le=1)]
-Seconds = Annotated[float, Meta(ge=0.001, le=86_400)]  # a timeout or delay: 1 ms .. 1 day
-MaybeSeconds = Annotated[float, Meta(ge=0, le=86_400)]  # the same, where 0 means "none"
-Interval = Annotated[float, Meta(ge=0.01, le=3_600)]  # a loop's period: 10 ms .. 1 hour
-Count = Annotated[int, Meta(ge=1, le=1_000_000)]  # a bound on requests, attempts, slots, ...
-MaybeCount = Annotated[int, Meta(ge=0, le=1_000_000)]  # the same, where 0 means "none"
-Replicas = Annotated[int, Meta(ge=0, le=1024)]
-Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
-
-EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h; systemd's RestartPreventExitStatus=78 keys on it.
-
-
-class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Process-wide settings: where state lives, how long a drain may take."""
-
-    state_dir: str = ".routerd"
-    drain_timeout_s: Seconds = 30.0
-    stop_engines_on_exit: bool = False
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    file_sd_path: str = ""  # "" → <state_dir>/file_sd/engines.json
-
-
-class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    host: str = "127.0.0.1"
-    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
-    api_keys: list[str] = []
-    admin_api_key: str = ""
-    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024  # 1 KiB .. 1 GiB
-    # Client bounds (routerd/ingress/_connections.py); a reload applies them to new connections/requests.
-    keepalive_timeout_s: Seconds = 75.0  # an idle kept-alive connection is closed after this
-    client_header_timeout_s: Seconds = 10.0  # from connect (or a request's first byte) to full headers
-    client_body_timeout_s: Seconds = 60.0  # from full headers to the full body, else 408
-    client_write_timeout_s: Seconds = 30.0  # a client that reads nothing this long loses its request
-    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # beyond it: 503 + Retry-After
-
-
-class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    url: str = "redis://127.0.0.1:6379/0"
-    password: str = ""
-    stream: str = "routerd:requests"
-    group: str = "routerd"
-    dead_stream: str = "routerd:dead"
-    consumer: str = ""  # "" → "<hostname>" (stable per machine, so a restart reclaims its own jobs)
-    enabled: bool = True
-    read_batch: Annotated[int, Meta(ge=1, le=10_000)] = 64
-    block_ms: Annotated[int, Meta(ge=1, le=60_000)] = 1000
-    reclaim_idle_ms: Annotated[int, Meta(ge=100, le=86_400_000)] = 30_000  # 0.1 s .. 1 day
-    reclaim_interval_s: Interval = 5.0
-    max_deliveries: Annotated[int, Meta(ge=1, le=1000)] = 5
-    result_ttl_s: Annotated[int, Meta(ge=1, le=31_622_400)] = 86_400  # up to 366 days
-    # per-day usage counters (routerd usage) expire after this
-    usage_retention_days: Annotated[int, Meta(ge=1, le=36_600)] = 400
-    # With [[tenants]]: jobs read beyond what the fleets run, so that fair share sees every tenant's
-    # waiting work in the one stream (~2 KB of memory each while they wait).
-    read_ahead_jobs: MaybeCount = 1000
-    reply_maxlen: Annotated[int, Meta(ge=1, le=1_000_000_000)] = 10_000
-    op_timeout_s: Seconds = 5.0
-    ssl_ca_certs: str = ""
-
-
-class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    address: str = ""
-    namespace: str = "routerd"
-    num_cpus: Annotated[int, Meta(ge=0, le=100_000)] = 0  # local head only; 0 → the machine's cores
-    num_gpus: Annotated[int, Meta(ge=0, le=100_000)] = 0  # local head only; declared GPUs (Ray accepts
-    # ones that do not exist)
-    resources: dict[str, Annotated[float, Meta(ge=0, le=1e9)]] = {}
-    connect_timeout_s: Seconds = 30.0
-    # Ask the cluster's autoscaler (ray.autoscaler.sdk.request_resources) for what autoscaled fleets want;
-    # off when another program on the cluster owns that request (each call replaces the last).
-    request_resources: bool = True
-
-
-class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    policy: str = "cache_aware"
-    scrape_interval_s: Interval = 0.2
-    scrape_timeout_s: Seconds = 1.0
-    stale_after_s: Seconds = 2.0
-    max_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
-    retry_backoff_ms: Annotated[int, Meta(ge=0, le=60_000)] = 20
-    connect_timeout_s: Seconds = 2.0
-    first_byte_timeout_s: Seconds = 600.0
-    read_timeout_s: Seconds = 600.0
-    circuit_failure_threshold: Count = 3
-    circuit_cooldown_s: Seconds = 5.0
-    # A stream whose engine fails after it started is continued on another instance at most this many
-    # times (routerd/resume.py); 0: never — it ends with the terminal error event.
-    max_resumes: Annotated[int, Meta(ge=0, le=100)] = 3
-    # The request view and prefix index (routerd/routing/request.py, prefix_index.py): a prompt is cut
-    # into blocks of about this many tokens (4 bytes each), hashed up to prefix_hash_max_tokens.
-    prefix_block_tokens: Annotated[int, Meta(ge=4, le=4096)] = 128
-    prefix_hash_max_tokens: Annotated[int, Meta(ge=0, le=1_048_576)] = 32_768  # 0: no prefix index
-    prefix_index_max_blocks: Annotated[int, Meta(ge=1, le=100_000_000)] = 1_000_000  # all instances
-    sessions_max: Annotated[int, Meta(ge=1, le=100_000_000)] = 100_000  # sessions remembered (LRU)
-    # cache_aware: an instance draws requests by what it holds (prefix, session) only while its load
-    # stays within this factor of the fleet's mean load (plus one request) and nothing waits there.
-    affinity_load_factor: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.5
-
-
-class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-fleet bounds for the one scheduler that serves both ways in."""
-
-    max_inflight_per_instance: Count = 256
-    max_queued: MaybeCount = 1024
-    waiting_room_s: MaybeSeconds = 5.0
-    aging_s: Seconds = 10.0
-    # Requests routerd lets wait inside each engine beyond its capacity (max-num-seqs): a fleet admits
-    # Σ over ready instances of min(max_inflight_per_instance, capacity + this). Unset: 0 when
-    # [[tenants]] are configured (fair share and priorities are decided here, not in the engine's FIFO
-    # queue), else no bound beyond max_inflight_per_instance.
-    engine_queue_per_instance: MaybeCount | None = None
-    # With [[tenants]]: a tenant below its share waiting on a full fleet takes a slot back from a
-    # non-streamed queue job of the tenant furthest above its share (aborted, run again later).
-    preempt_queue_jobs: bool = True
-
-
-class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    heartbeat_interval_s: Interval = 0.5
-    heartbeat_timeout_s: Seconds = 3.0
-    failure_threshold: Annotated[int, Meta(ge=1, le=1000)] = 3
-    progress_timeout_s: Seconds = 10.0
-    restart_backoff_initial_s: Seconds = 1.0
-    restart_backoff_max_s: Seconds = 60.0
-    startup_timeout_s: Seconds = 900.0
-    warmup: bool = True
-
-
-class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[fleets.autoscale]``: the fleet's replica count floats between the bounds, driven by what routerd
-    measures (routerd/fleet/autoscale.py says how); ``replicas`` is then only the count a fresh start
-    launches."""
-
-    min_replicas: Replicas = 0  # 0: an idle fleet stops its last engine and starts one on demand
-    max_replicas: Annotated[int, Meta(ge=1, le=1024)]
-    scale_down_delay_s: Seconds = 300.0  # over-provisioned or idle this long before one replica goes
-    scale_up_delay_s: MaybeSeconds = 2.0  # a shortfall must last this long before replicas are added
-    target_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.7  # requests per instance / max_num_seqs
-    target_wait_s: Seconds = 1.0  # expected wait for a slot (before the first token) to keep under
-    target_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.85  # mean KV-cache use to keep under
-    drain_timeout_s: Seconds = 600.0  # a replica being scaled down may finish its requests this long
-
-
-class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: Name
-    model: Annotated[str, Meta(min_length=1)]
-    engine: str = "sim"  # "vllm" | "sim" | "static" | a launcher plugin's name
-    replicas: Replicas = 1
-    tensor_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
-    pipeline_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
-    num_cpus_per_instance: Annotated[float, Meta(ge=0, le=100_000)] = 1.0
-    # None → tensor × pipeline parallel size
-    num_gpus_per_instance: Annotated[int, Meta(ge=0, le=100_000)] | None = None
-    engine_args: dict[str, Any] = {}
-    env: dict[str, str] = {}
-    urls: list[str] = []
-    max_num_seqs: Count = 256  # capacity used to normalise load when the engine does not say
-    autoscale: AutoscaleConfig | None = None  # None: a fixed count of ``replicas``
-    # Across Ray nodes (routerd/fleet/spread.py): "any" = where Ray finds room; "spread" = one replica
-    # per node while nodes without one have room, then doubling up; "strict_spread" = never two on one
-    # node (a replica with no such node stays pending, saying so).
-    placement: Literal["any", "spread", "strict_spread"] = "any"
-
-
-class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[[tenants]]``: who sends work, what share of a saturated fleet it gets, what it may send.
-
-    Requests whose key maps to no tenant (and keyless ones when no key is configured) belong to
-    ``default``; a ``[[tenants]]`` entry named ``default`` sets that tenant's weight and limits.
-    """
-
-    name: Name
-    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (routerd/apikeys.py)
-    weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0  # share of a saturated fleet's slots
-    # 0 = no limit; shared by every routerd on the same Redis. The bounds keep a bucket's arithmetic in
-    # the integers a double holds exactly (Redis' Lua) and in msgpack's.
-    requests_per_minute: Annotated[int, Meta(ge=0, le=1_000_000_000)] = 0
-    tokens_per_minute: Annotated[int, Meta(ge=0, le=1_000_000_000_000)] = 0  # prompt + completion; 0 = none
-    max_concurrent: MaybeCount = 0  # requests in flight at once (this routerd, all fleets); 0 = no limit
-    fleets: list[Name] = []  # the fleets (by name) it may use; empty = all
-    # a queue job's `priority` is lowered to this; None = no ceiling
-    max_priority: Annotated[int, Meta(ge=-1_000_000_000, le=1_000_000_000)] | None = None
-
-
-class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[tracing]``: OpenTelemetry spans over OTLP/HTTP (:mod:`routerd.tracing`); off by default.
-
-    A key left at its default gives way to the standard ``OTEL_*`` variable for it (README, "Tracing").
-    """
-
-    endpoint: str = ""  # OTLP/HTTP base URL (…:4318) or its /v1/traces; "" = off unless OTEL_* names one
-    protocol: Literal["http/protobuf"] = "http/protobuf"
-    sample_ratio: Fraction = 1.0  # of traces routerd starts; a client's sampled flag is followed
-    service_name: Annotated[str, Meta(min_length=1)] = "routerd"
-    max_queue_spans: Annotated[int, Meta(ge=1, le=1_000_000)] = 2048  # beyond it spans are dropped, counted
-    export_timeout_s: Seconds = 10.0  # one export to the collector, retries included
-    shutdown_timeout_s: Seconds = 5.0  # at stop: what is queued gets this long to leave
-
-
-class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    daemon: DaemonConfig = DaemonConfig()
-    http: HttpConfig = HttpConfig()
-    redis: RedisConfig = RedisConfig()
-    ray: RayConfig = RayConfig()
-    routing: RoutingConfig = RoutingConfig()
-    admission: AdmissionConfig = AdmissionConfig()
-    health: HealthConfig = HealthConfig()
-    fleets: list[FleetConfig] = []
-    tenants: list[TenantConfig] = []
-    tracing: TracingConfig = TracingConfig()
-
-    def fleet(self, name: str) -> FleetConfig | None:
-        return next((f for f in self.fleets if f.name == name), None)
-
-    def fleet_for_model(self, model: str) -> FleetConfig | None:
-        return next((f for f in self.fleets if f.model == model), None)
-
+__all__ = [
+    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "ConfigError", "Count",
+    "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
+    "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
+    "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"
+]
 
 class ConfigError(Exception):
     """An invalid config: ``problems`` lists every one, each starting with its key path."""

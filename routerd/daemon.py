@@ -1,8 +1,9 @@
-"""The daemon: start-up order, one TaskGroup, signals, drain, reload and sd_notify.
+"""The daemon: process life — signals, drain, reload, sd_notify and the watchdog.
 
-``Daemon`` builds every component, hands dependencies through constructors, opens resources on one
-``AsyncExitStack`` and runs long loops in one ``asyncio.TaskGroup`` (style.md §2). Signal handlers only
-set events (uvicorn's pattern): TERM/INT → drain, a second one → exit now; HUP → reload.
+Every component comes from the one builder (:func:`routerd.assembly.assemble`), entered on the
+daemon's one ``AsyncExitStack``; their long loops run in its one ``asyncio.TaskGroup`` (style.md §2).
+Signal handlers only set events (uvicorn's pattern): TERM/INT → drain, a second one → exit now; HUP →
+reload.
 
 Start-up order is what systemd's ``READY=1`` promises: Redis (embedded or reachable), Ray connected and
 fleets adopted or launched, the HTTP listener bound, the queue consumer running — then READY.
@@ -28,16 +29,8 @@ from .registry import Registry
 from .sdnotify import Notifier
 from .stop_deadline import StopDeadline
 
-if TYPE_CHECKING:  # imported where built: the data plane pulls in aiohttp, the queue redis, fleets Ray
-    import aiohttp
-    from aiohttp import web
-
-    from .dataplane import DataPlane
-    from .fleet import FleetManager, RayCluster
-    from .ingress.listener import HttpListener
-    from .ingress.queue import QueueIngress
-    from .routing.engine_events import EngineEvents
-    from .tracing import Tracing
+if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
+    from .assembly import Routerd
 
 _logger = log.get("routerd.daemon")
 
@@ -72,16 +65,7 @@ class Daemon:
         self._reload = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self.stop_deadline = StopDeadline()
-        # components, built by _startup in dependency order; fleets and cluster only when routerd
-        # launches fleets, the queue only with [redis] enabled
-        self.redis_url: str = ""
-        self.session: aiohttp.ClientSession | None = None
-        self.cluster: RayCluster | None = None
-        self.fleets: FleetManager | None = None
-        self.dataplane: DataPlane | None = None
-        self.queue: QueueIngress | None = None
-        self.listener: HttpListener | None = None
-        self.kv_events: EngineEvents | None = None  # only when a fleet's engines publish KV events
+        self.routerd: Routerd | None = None  # every component, from the one builder (_startup)
 
     # signals ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -119,9 +103,10 @@ class Daemon:
             async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
                 await self._startup(stack, tg)
                 self.notifier.ready(self.status_line())
-                _logger.info("routerd_ready", http=self.listener.url if self.listener else "",
-                             fleets=[f.name for f in self.cfg.fleets],
-                             redis=redact.url(self.redis_url) if self.redis_url else None)
+                assert self.routerd is not None
+                redis_url = self.routerd.redis_url
+                _logger.info("routerd_ready", http=self.routerd.url, fleets=[f.name for f in self.cfg.fleets],
+                             redis=redact.url(redis_url) if redis_url else None)
                 await self._main_loop()
                 await self._shutdown()
                 await self._end_tasks()
@@ -131,133 +116,31 @@ class Daemon:
         _logger.info("routerd_stopped")
         return 0
 
-    async def _start_tracing(self, stack: contextlib.AsyncExitStack) -> Tracing:
-        """``[tracing]`` (or ``OTEL_*``): the spans' exporter, closed last (what is queued gets
-        ``tracing.shutdown_timeout_s`` to leave); a vLLM fleet whose engine cannot trace is named."""
-        from .tracing import Tracing
-
-        tracing = Tracing.from_config(self.cfg.tracing)
-        stack.push_async_callback(tracing.aclose)
-        if not tracing.on:
-            return tracing
-        t = self.cfg.tracing
-        _logger.info("tracing_on", endpoint=tracing.endpoint, service_name=t.service_name,
-                     sample_ratio=t.sample_ratio, max_queue_spans=t.max_queue_spans)
-        await _check_engine_tracing(self.cfg)
-        return tracing
-
     def _spawn(self, tg: asyncio.TaskGroup, coro: Coroutine[Any, Any, Any], name: str) -> None:
         self._tasks.append(tg.create_task(coro, name=name))
 
     async def _startup(self, stack: contextlib.AsyncExitStack, tg: asyncio.TaskGroup) -> None:
-        """Build and start every component in dependency order; each one's stop goes on ``stack``."""
-        from .dataplane import build_dataplane
-        from .file_sd import FileSdWriter
-        from .ingress.listener import HttpListener, systemd_sockets
-        from .upstream import make_session
+        """Every component from the one builder, started in dependency order (undone by ``stack``);
+        its loops in ``tg``."""
+        from .assembly import assemble
+        from .ingress.listener import systemd_sockets
 
         # Socket activation: taken first, so no child started below sees LISTEN_FDS or holds the socket.
         sockets = systemd_sockets()
-        cfg = self.cfg
-        state = config_mod.state_dir(cfg)
-        state.mkdir(parents=True, exist_ok=True)
-        self.notifier.status("starting: redis")
-        await self._start_redis(stack, state)
-
-        tracing = await self._start_tracing(stack)
-        self.session = session = make_session(cfg.routing)  # the one client session of the process
-        stack.push_async_callback(session.close)
-        if _launches(cfg):
-            self.notifier.status("starting: ray")
-            self.fleets = await self._connect_fleets(stack, state, session)
-        fleets = self.fleets
-        self.dataplane = plane = build_dataplane(
-            cfg, self.registry, session, desired_replicas=fleets.desired if fleets is not None else None,
-            elastic=fleets.autoscaler if fleets is not None else None, redis_url=self.redis_url,
-            tracing=tracing)
-        self.kv_events = self._engine_events(plane, session, stack)
-        if fleets is not None:
-            fleets.autoscaler.attach_admission(plane.admission.stats)
-            plane.telemetry.attach_fleets(fleets.collector())
-        if self.redis_url:
-            from .ingress.queue import QueueIngress
-
-            self.queue = await stack.enter_async_context(QueueIngress.from_config(
-                cfg, url=self.redis_url, registry=self.registry, upstream=plane.upstream,
-                admission=plane.admission, tenancy=plane.tenancy))
-        if fleets is not None:
-            # If a later start-up step fails (say the HTTP port is taken), stop supervising; after a
-            # normal drain this second shutdown finds nothing left to do.
-            stack.push_async_callback(fleets.shutdown, False)
-            await fleets.start()
-
-        self.notifier.status("starting: http")
-        self.listener = listener = await stack.enter_async_context(HttpListener(plane.http))
-        await listener.start(extra_routes=self._admin_routes, sockets=sockets)
-
-        if self.queue is not None:
-            q = self.queue
-            plane.telemetry.attach_queue(lambda: q.stats, lambda: q.depth, lambda: q.paused,
-                                         lambda: q.held)
-            self._spawn(tg, q.run(), "queue")
-        for name, loop in plane.loops().items():
+        # ray.init installs its own (abseil) SIGTERM handler, which logs and re-raises; ours must win so
+        # that SIGTERM drains instead of killing the process: taken back as soon as Ray is connected.
+        self.routerd = routerd = await stack.enter_async_context(assemble(
+            self.cfg, self.registry, sockets=sockets,
+            status=self._starting, ray_connected=self._install_signals, built=self._built))
+        for name, loop in routerd.loops().items():
             self._spawn(tg, loop, name)
-        if fleets is not None:
-            self._spawn(tg, fleets.run(), "fleets")
-        if self.kv_events is not None:
-            self._spawn(tg, self.kv_events.run(), "kv_events")
-        sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
-                   else state / "file_sd" / "engines.json")
-        self._spawn(tg, FileSdWriter(self.registry, sd_path).run(), "file_sd")
         self._spawn(tg, self._watchdog(), "watchdog")
 
-    def _engine_events(self, plane: DataPlane, session: aiohttp.ClientSession,
-                       stack: contextlib.AsyncExitStack) -> EngineEvents | None:
-        """The engines' own cache views for routing, for the fleets whose engines publish KV events and
-        whose tokens routerd can compute (:func:`routerd.routing.engine_events.fleet_keyers`); long
-        prompts keyed in a process of their own (ended by ``stack``)."""
-        from .routing.engine_events import attach, fleet_keyers, static_sources
-        from .routing.keying_process import KeyingProcess
+    def _built(self, routerd: Routerd) -> None:
+        self.routerd = routerd  # known before the fleets and the listener start: a failed start-up too
 
-        keyers = fleet_keyers(self.cfg.fleets)
-        if not keyers:
-            return None
-        _logger.info("kv_events_routing", fleets=sorted(keyers))
-        keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
-        stack.callback(keying.close)
-        return attach(plane.router, plane.telemetry, self.registry, session, keyers,
-                      static_sources(self.cfg.fleets), keying)
-
-    async def _start_redis(self, stack: contextlib.AsyncExitStack, state: Path) -> None:
-        """Redis reachable, or embedded and started: sets ``redis_url`` (empty with [redis] disabled)."""
-        cfg = self.cfg
-        if not cfg.redis.enabled:
-            return
-        url = cfg.redis.url
-        if url == "embedded":
-            from .redis_server import EmbeddedRedis
-
-            url = await stack.enter_async_context(EmbeddedRedis(state / "redis"))
-        self.redis_url = url
-
-    async def _connect_fleets(self, stack: contextlib.AsyncExitStack, state: Path,
-                              session: aiohttp.ClientSession) -> FleetManager:
-        """Ray connected (closed by ``stack``) and the fleet manager over it, not started yet."""
-        from .fleet import FleetManager, RayCluster
-
-        self.cluster = cluster = await RayCluster.connect(self.cfg.ray, state)
-        stack.push_async_callback(cluster.close)
-        # ray.init installs its own (abseil) SIGTERM handler, which logs and re-raises; ours must win so
-        # that SIGTERM drains instead of killing the process.
-        self._install_signals()
-        return FleetManager(self.cfg, self.registry, cluster, session)
-
-    def _admin_routes(self, app: web.Application) -> None:
-        """The admin write routes, static-only too: a static instance can be drained without Ray."""
-        from .ingress.admin import add_admin_routes
-
-        assert self.dataplane is not None, "the HTTP listener starts after the data plane is built"
-        add_admin_routes(app, self.fleets, self.dataplane.static_health, lambda: self.cfg.http.admin_api_key)
+    def _starting(self, step: str) -> None:
+        self.notifier.status(f"starting: {step}")
 
     async def _main_loop(self) -> None:
         stop = asyncio.create_task(self._stop.wait())
@@ -296,15 +179,16 @@ class Daemon:
         self.notifier.stopping()
         _logger.info("drain_started", timeout_s=cfg.daemon.drain_timeout_s)
         started = time.monotonic()
-        listener = self.listener
-        assert listener is not None, "_shutdown() runs after _startup()"
-        if self.queue is not None:
-            self.queue.stop_intake()
+        routerd = self.routerd
+        assert routerd is not None, "_shutdown() runs after _startup()"
+        listener, queue = routerd.listener, routerd.queue
+        if queue is not None:
+            queue.stop_intake()
         await self._bounded("stop_intake", listener.stop_intake(), 5.0)
         deadline = started + cfg.daemon.drain_timeout_s
         waits = [listener.wait_idle(deadline - time.monotonic())]
-        if self.queue is not None:
-            waits.append(self.queue.wait_idle(deadline - time.monotonic()))
+        if queue is not None:
+            waits.append(queue.wait_idle(deadline - time.monotonic()))
         drained: asyncio.Future[Any] = asyncio.gather(*waits)
         force: asyncio.Future[Any] = asyncio.create_task(self._force.wait())
         done, _ = await asyncio.wait({drained, force}, timeout=max(0.0, deadline - time.monotonic()) + 1.0,
@@ -317,9 +201,9 @@ class Daemon:
         elif drained.exception() is not None:  # retrieved, so it is logged once, here
             _logger.error("drain_wait_failed", exc_info=drained.exception())
         await self._bounded("close_streams", listener.close_streams("routerd is shutting down"), 5.0)
-        if self.fleets is not None:
+        if routerd.fleets is not None:
             stop_engines = cfg.daemon.stop_engines_on_exit
-            await self._bounded("fleets", self.fleets.shutdown(stop_engines=stop_engines),
+            await self._bounded("fleets", routerd.fleets.shutdown(stop_engines=stop_engines),
                                 _ENGINES_STOP_S if stop_engines else 10.0)
         _logger.info("drain_finished", took_s=round(time.monotonic() - started, 3))
 
@@ -355,17 +239,15 @@ class Daemon:
             if old_v != new_v:
                 _logger.warning("reload_needs_restart", key=f"{section}.{key}",
                                 running=redact.shown(key, old_v), configured=redact.shown(key, new_v))
+        from .assembly import launches
+
         new = _keep_restart_only(self.cfg, new)
         old = self.cfg
         self.cfg = new
-        if self.dataplane is not None:
-            self.dataplane.apply(new)
-        if self.fleets is not None:
-            await self.fleets.apply(new)
-        elif _launches(new) and not _launches(old):
+        if self.routerd is not None:
+            await self.routerd.apply(new)
+        if launches(new) and not launches(old):
             _logger.warning("reload_needs_restart", key="fleets", reason="first launched fleet needs Ray")
-        if self.queue is not None:
-            self.queue.update_config(new)
         _logger.info("reloaded", fleets=[f.name for f in new.fleets], policy=new.routing.policy)
         self.notifier.ready(self.status_line())
         return True
@@ -377,31 +259,6 @@ class Daemon:
             total = len(self.registry.instances(fleet.name))
             parts.append(f"{fleet.name} {ready}/{total} ready")
         return "; ".join(parts) or "no fleets"
-
-
-async def _check_engine_tracing(cfg: Config) -> None:
-    """Say at start-up which fleets' engines will not join routerd's traces: a launcher that can tell
-    (vLLM's: ``tracing_missing``) is asked what its engine lacks."""
-    from . import plugins
-
-    for fleet in cfg.fleets:
-        if fleet.engine == "static":
-            continue
-        try:
-            launcher = plugins.load(plugins.LAUNCHER_GROUP, fleet.engine)
-        except plugins.PluginNotFound:
-            continue  # the fleet manager reports it
-        check = getattr(launcher, "tracing_missing", None)
-        missing = await check(dict(fleet.engine_args)) if check is not None else ""
-        if missing:
-            _logger.warning("engine_tracing_unavailable", fleet=fleet.name, engine=fleet.engine,
-                            missing=missing, effect="its engines are launched without "
-                            "--otlp-traces-endpoint: traces end at routerd's attempt span")
-
-
-def _launches(cfg: Config) -> bool:
-    """Whether any fleet is launched by routerd (and so needs Ray), rather than static URLs."""
-    return any(f.engine != "static" for f in cfg.fleets)
 
 
 def _load(path: str | Path) -> Config:

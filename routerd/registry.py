@@ -234,6 +234,9 @@ class Registry:
         self._changed = asyncio.Event()
         self._version = 0
         self.clock = clock
+        # Requests waiting in admission for a slot of each fleet: written by admission alone, read by
+        # the autoscaler as demand (the one state both share, so neither holds the other).
+        self.queued: dict[str, int] = {}
 
     # writers -------------------------------------------------------------------------------
     def ensure_fleet(self, fleet: str) -> None:

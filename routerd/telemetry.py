@@ -10,12 +10,13 @@ never share series.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.registry import Collector
 
 from .registry import CircuitState, Instance, Registry
 
@@ -27,7 +28,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _CIRCUIT = {CircuitState.CLOSED: 0.0, CircuitState.HALF_OPEN: 1.0, CircuitState.OPEN: 2.0}
 
 
-class _RegistryCollector:
+class _RegistryCollector(Collector):
     """Per-instance state read from the registry at collection time."""
 
     def __init__(self, registry: Registry, admission_stats: Callable[[str], dict[str, int]] | None,
@@ -136,12 +137,27 @@ class _LearnedFamilies:
         return (self.capacity, self.wait, self.decode, self.prefill, self.running, self.hit)
 
 
-class _QueueCollector:
+class QueueFigures(Protocol):
+    """What ``/metrics`` reads of the queue consumer (routerd/ingress/queue/consumer.py)."""
+
+    @property
+    def stats(self) -> Mapping[str, int]: ...  # jobs by outcome
+
+    @property
+    def depth(self) -> Mapping[str, int]: ...  # the stream sampled from Redis
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def held(self) -> int: ...
+
+
+class _QueueCollector(Collector):
     """The Redis queue's counters and sampled depth, read from the consumer at collection time."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]], depth: Callable[[], dict[str, int]],
-                 paused: Callable[[], bool], held: Callable[[], int]) -> None:
-        self._stats, self._depth, self._paused, self._held = stats, depth, paused, held
+    def __init__(self, queue: QueueFigures) -> None:
+        self._queue = queue
 
     def describe(self) -> list[Any]:
         return []
@@ -150,19 +166,20 @@ class _QueueCollector:
         jobs = CounterMetricFamily("routerd_queue_jobs", "Queue jobs by outcome (read, done, dead, "
                                    "redelivered, reclaimed, duplicates, cancelled, expired)",
                                    labels=["outcome"])
-        for outcome, n in self._stats().items():
+        q = self._queue
+        for outcome, n in q.stats.items():
             jobs.add_metric([outcome], n)
         depth = GaugeMetricFamily("routerd_queue_depth", "Request stream sampled from Redis: backlog "
                                   "(not yet read), pending (read, not acknowledged), dead letters",
                                   labels=["kind"])
-        for kind, n in self._depth().items():
+        for kind, n in q.depth.items():
             depth.add_metric([kind], n)
         yield jobs
         yield depth
         yield GaugeMetricFamily("routerd_queue_held", "Jobs this routerd holds (read, not finished)",
-                                value=self._held())
+                                value=q.held)
         yield GaugeMetricFamily("routerd_queue_paused", "1 while Redis is unreachable and the queue "
-                                "path is paused", value=1.0 if self._paused() else 0.0)
+                                "path is paused", value=1.0 if q.paused else 0.0)
 
 
 class Telemetry:
@@ -219,21 +236,6 @@ class Telemetry:
         self._request_seconds: dict[str, Any] = {}
         self._ttfb_seconds: dict[str, Any] = {}
 
-    def attach(self, registry: Registry, admission_stats: Callable[[str], dict[str, int]] | None = None,
-               clock: Callable[[], float] = time.monotonic) -> None:
-        """Expose per-instance state from ``registry`` (called once by the data plane)."""
-        self.prom.register(_RegistryCollector(registry, admission_stats, clock))
-
-    def attach_queue(self, stats: Callable[[], dict[str, int]], depth: Callable[[], dict[str, int]],
-                     paused: Callable[[], bool], held: Callable[[], int]) -> None:
-        """Expose the queue consumer's figures (called once by the daemon when Redis is enabled)."""
-        self.prom.register(_QueueCollector(stats, depth, paused, held))
-
-    def attach_fleets(self, collector: Any) -> None:
-        """Expose the launched fleets' replicas and autoscaling decisions (a collector the fleet manager
-        builds: routerd/fleet/autoscaler.py); called once by the daemon when routerd launches fleets."""
-        self.prom.register(collector)
-
     def count_request(self, fleet: str, instance: str, code: int) -> None:
         key = (fleet, instance, str(code))
         child = self._children.get(key)
@@ -255,10 +257,34 @@ class Telemetry:
             child = self._ttfb_seconds[fleet] = self.ttfb_seconds.labels(fleet)
         child.observe(seconds, {"trace_id": trace_id} if trace_id else None)
 
+
+
+def registry_collector(registry: Registry, admission_stats: Callable[[str], dict[str, int]] | None = None,
+                       clock: Callable[[], float] = time.monotonic) -> Collector:
+    """Per-instance state read from ``registry`` (and each fleet's admission figures) at scrape time."""
+    return _RegistryCollector(registry, admission_stats, clock)
+
+
+def queue_collector(queue: QueueFigures) -> Collector:
+    """The queue consumer's jobs by outcome, the stream's depth, what it holds, whether it is paused."""
+    return _QueueCollector(queue)
+
+
+class Metrics:
+    """The ``GET /metrics`` body: the request path's counters (:class:`Telemetry`) and the collectors
+    that read the other components' state at scrape time — all given when it is built, the last step
+    of the assembly (routerd/assembly.py), once every component exists."""
+
+    def __init__(self, telemetry: Telemetry, collectors: Iterable[Collector]) -> None:
+        self._prom = CollectorRegistry(auto_describe=False)
+        self._prom.register(telemetry.prom)  # unchecked: its own series are checked where created
+        for collector in collectors:
+            self._prom.register(collector)
+
     def render(self, openmetrics: bool = False) -> bytes:
         """The text format, or OpenMetrics (what a scraper asking for it gets: it carries exemplars)."""
         if openmetrics:
-            om: bytes = openmetrics_latest(self.prom)  # type: ignore[no-untyped-call]  # untyped upstream
+            om: bytes = openmetrics_latest(self._prom)  # type: ignore[no-untyped-call]  # untyped upstream
             return om
-        data: bytes = generate_latest(self.prom)
+        data: bytes = generate_latest(self._prom)
         return data

@@ -248,8 +248,7 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
 
 # the data-plane process ---------------------------------------------------------------------
 async def _serve_plane(spec: dict[str, Any]) -> None:
-    from routerd.dataplane import running_dataplane
-    from routerd.ingress.listener import HttpListener
+    from routerd.assembly import running
     from routerd.registry import Registry
 
     cfg = msgspec.convert(spec["config"], Config)
@@ -258,13 +257,12 @@ async def _serve_plane(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    async with running_dataplane(cfg, registry) as dp, HttpListener(dp.http) as listener:
+    async with running(cfg, registry, port=None) as routerd:
         # A static fleet's capacity comes from its config; the benchmark's mixed fleet says it per URL.
         for inst in registry:
             inst.capacity_hint = int(spec["capacities"].get(inst.id, inst.capacity_hint))
-        await listener.start()
         await stop.wait()
-        await listener.stop_intake()
+        await routerd.listener.stop_intake()
 
 
 def main(argv: list[str]) -> int:

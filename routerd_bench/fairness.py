@@ -261,8 +261,8 @@ def _mean(xs: list[float]) -> float:
 async def _decision_cost(n: int, tenants: int) -> dict[str, float]:
     """CPU µs per admitted request: 4 × slots workers of ``tenants`` tenants loop through tickets of a
     fleet of ``slots`` (so every release hands the slot to a waiter), against a bare semaphore."""
-    from routerd.admission import Admission
     from routerd.config import AdmissionConfig
+    from routerd.dataplane.admission import Admission
     from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
     from routerd.tenants.fairshare import Share
 
@@ -288,9 +288,9 @@ async def _decision_cost(n: int, tenants: int) -> dict[str, float]:
     base = await run(lambda _t: sem, ["x"])
     plain = Admission(registry, AdmissionConfig(max_inflight_per_instance=slots))
     one = await run(lambda t: plain.ticket("f", tenant=t, source="queue"), ["default"])
-    fair = Admission(registry, AdmissionConfig(max_inflight_per_instance=256))
     names = [f"t{i}" for i in range(tenants)]
-    fair.set_tenants({t: Share(weight=1.0 + i) for i, t in enumerate(names)}, configured=True)
+    fair = Admission(registry, AdmissionConfig(max_inflight_per_instance=256),
+                     shares={t: Share(weight=1.0 + i) for i, t in enumerate(names)})
     many = await run(lambda t: fair.ticket("f", tenant=t, source="queue"), names)
     return {"semaphore_us": round(base, 2), "no_tenants_us": round(one, 2),
             f"{tenants}_tenants_us": round(many, 2), "decision_us_over_semaphore": round(many - base, 2)}

@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -38,26 +38,25 @@ from routerd import log
 from routerd._net import free_port
 from routerd.client import QueueClient
 from routerd.config import Config, load, parse
-from routerd.ingress.queue import QueueIngress
-from routerd.redis_server import EmbeddedRedis, redis_client
+from routerd.redis_server import EmbeddedRedis
 from routerd.registry import Registry
+
+if TYPE_CHECKING:
+    from routerd.assembly import Routerd
 
 
 @contextlib.asynccontextmanager
-async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> AsyncIterator[QueueIngress]:
-    """The data plane (static fleets: scraped, health-checked, routed) plus the queue consumer."""
-    from routerd.dataplane import (
-        running_dataplane,  # the data plane pulls in aiohttp's server side; only here
-    )
+async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> AsyncIterator[Routerd]:
+    """routerd with the queue consumer on ``url`` (static fleets: scraped, health-checked, routed), its
+    loops running but the consumer's: the caller runs ``routerd.queue.run()`` when it is ready."""
+    from routerd.assembly import running  # the data plane pulls in aiohttp's server side; only here
 
-    registry = Registry()
-    async with running_dataplane(cfg, registry, redis_url=url) as dp:
-        yield QueueIngress(cfg, lambda: redis_client(url, cfg.redis), dp.upstream, dp.admission, registry,
-                           consumer=consumer, tenancy=dp.tenancy)
+    redis = msgspec.structs.replace(cfg.redis, enabled=True, url=url, consumer=consumer or cfg.redis.consumer)
+    async with running(msgspec.structs.replace(cfg, redis=redis), Registry(), consume=False) as routerd:
+        yield routerd
 
 
-async def wait_ready(ingress: QueueIngress, fleets: list[str], timeout: float) -> None:
-    registry = ingress.registry
+async def wait_ready(registry: Registry, fleets: list[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while any(registry.ready_count(f) == 0 for f in fleets):
         if time.monotonic() > deadline:
@@ -91,8 +90,10 @@ async def _serve(cfg: Config, consumer: str | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with queue_path(cfg, cfg.redis.url, consumer=consumer) as ingress:
-        await wait_ready(ingress, [f.name for f in cfg.fleets], 30)
+    async with queue_path(cfg, cfg.redis.url, consumer=consumer) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, [f.name for f in cfg.fleets], 30)
         run = asyncio.create_task(ingress.run())
         print("serving", flush=True)
         await stop.wait()
@@ -215,8 +216,10 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
                                 reply_to="bench:replies")
             submit_rate = n / (time.perf_counter() - t0)
             http_rate, http_cpu_us = await direct_http(urls, min(n, 5000), max_num_seqs)
-            async with queue_path(cfg, url) as ingress:
-                await wait_ready(ingress, ["bench"], 30)
+            async with queue_path(cfg, url) as routerd:
+                ingress = routerd.queue
+                assert ingress is not None
+                await wait_ready(routerd.registry, ["bench"], 30)
                 started, cpu = time.perf_counter(), time.process_time()
                 run = asyncio.create_task(ingress.run())
                 while await raw.xlen("bench:replies") < n:

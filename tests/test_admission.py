@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from routerd.admission import Admission, Source
 from routerd.config import AdmissionConfig
+from routerd.dataplane.admission import Admission, Source
 from routerd.errors import DeadlineExceeded, NoReadyInstance, Overloaded
 from routerd.registry import Instance, InstanceState, Registry
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from routerd import config
-from routerd.admission import Admission
 from routerd.config import AdmissionConfig, AutoscaleConfig
+from routerd.dataplane.admission import Admission
 from routerd.errors import NoReadyInstance
 from routerd.fleet.autoscale import TOLERANCE, Decision, ScalingPolicy, Signals
 from routerd.fleet.autoscaler import Autoscaler
@@ -252,8 +252,7 @@ def test_driver_signals_count_engines_and_admission_and_decisions_are_recorded()
     pins: dict[str, int] = {}
     scaler = Autoscaler(fleet_config(), registry, None, on_change=lambda: woken.append(1), pin=pins.get,
                         clock=clock)
-    waiting_in_admission = {"queued_http": 3, "queued_queue": 2}
-    scaler.attach_admission(lambda fleet: waiting_in_admission)
+    registry.queued["f"] = 3 + 2  # waiting in admission: 3 HTTP requests, 2 queue jobs
     scaler.begin({})
     assert scaler.replicas("f") == 0
     assert scaler.standby("f")
@@ -285,7 +284,7 @@ def test_driver_signals_count_engines_and_admission_and_decisions_are_recorded()
     assert scaler.wake("f") == 0.0  # a ready instance: no wait
     # A pin holds the count: the policy only watches; standby is off (a pin at zero does not wake).
     pins["f"] = 2
-    waiting_in_admission = {}
+    registry.queued["f"] = 0  # nothing waits in admission any more
     inst.snapshot = LoadSnapshot(scraped_at=clock.t, running=0, waiting=0, capacity=8)
     inst.inflight = inst.inflight_at_scrape = 0
     for _ in range(200):

@@ -94,8 +94,10 @@ async def test_a_queue_jobs_session_keeps_it_on_one_instance(redis_server: Redis
                  "routing": {"scrape_interval_s": 0.05, "stale_after_s": 1.0},
                  "fleets": [{"name": "f", "model": "m", "engine": "static",
                              "urls": [e.url for e in engines]}]}, environ={})
-    async with queue_path(cfg, redis_server.url) as ingress:
-        await wait_ready(ingress, ["f"], 15)
+    async with queue_path(cfg, redis_server.url) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
             with structlog.testing.capture_logs() as logs:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.telemetry import Telemetry
+from routerd.telemetry import Metrics, Telemetry, queue_collector, registry_collector
 
 ROOT = Path(__file__).resolve().parent.parent
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total")
@@ -22,19 +23,29 @@ def _family(name: str) -> str:
     return name
 
 
+@dataclass
+class _Queue:
+    """The queue consumer's figures, as ``/metrics`` reads them (telemetry.QueueFigures)."""
+
+    stats: dict[str, int]
+    depth: dict[str, int]
+    paused: bool
+    held: int
+
+
 def _routerd_families() -> set[str]:
     reg = Registry()
     reg.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
     t = Telemetry()
-    t.attach(reg, lambda fleet: {
+    queue = _Queue(stats={"done": 1}, depth={"backlog": 0}, paused=False, held=0)
+    metrics = Metrics(t, [registry_collector(reg, lambda fleet: {
         "active": 0, "queued_http": 0, "queued_queue": 0, "limit": 1, "admitted_total": 0,
-        "rejected_total": 0, "expired_total": 0})
-    t.attach_queue(lambda: {"done": 1}, lambda: {"backlog": 0}, lambda: False, lambda: 0)
+        "rejected_total": 0, "expired_total": 0}), queue_collector(queue)])
     t.count_request("f", "f:0", 200)
     t.retries.labels("f").inc()
     t.upstream_failures.labels("f", "f:0", "connect").inc()
     t.ttfb_seconds.labels("f").observe(0.01)
-    text = t.render().decode()
+    text = metrics.render().decode()
     return {_family(m.group(1)) for m in re.finditer(r"^# TYPE (\S+) ", text, re.M)}
 
 

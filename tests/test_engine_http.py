@@ -1,4 +1,4 @@
-"""The engine call's HTTP/1.1 client (routerd/_engine_http.py) against real sockets.
+"""The engine call's HTTP/1.1 client (routerd/dataplane/engine_http.py, engine_conn.py) against real sockets.
 
 Each test runs a TCP server whose bytes on the wire are exact (framing split at awkward places, a
 connection closed at the worst moment, a server that stalls), which an HTTP framework would not let a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from routerd._engine_http import (
+from routerd.dataplane.engine_http import (
     ConnectError,
     ConnectTimeout,
     Disconnected,

@@ -17,17 +17,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from routerd import config
+from routerd import assembly, config
 from routerd.config import Config
-from routerd.dataplane import build_dataplane
 from routerd.fleet import FleetManager, RayCluster
 from routerd.fleet.actor import group_members
-from routerd.ingress.admin import add_admin_routes
-from routerd.ingress.listener import HttpListener
 from routerd.registry import InstanceState, Registry
 from routerd.status import fetch, render
 from routerd.status import main as status_main
-from routerd.upstream import make_session
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -66,36 +62,13 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running(cfg: Config, *, http: bool = False, stop_engines: bool = True) -> AsyncIterator[Running]:
-    """A FleetManager (and, with ``http``, the data plane with the admin routes) like the daemon wires it."""
-    cluster = await RayCluster.connect(cfg.ray, config.state_dir(cfg))
-    registry = Registry()
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        async with make_session(cfg.routing) as session:  # one per process, as the daemon's
-            fm = FleetManager(cfg, registry, cluster, session)
-            try:
-                async with contextlib.AsyncExitStack() as stack:
-                    await fm.start()
-                    tasks.append(asyncio.create_task(fm.run()))
-                    r = Running(fm, registry, cluster)
-                    if http:
-                        dp = build_dataplane(cfg, registry, session, desired_replicas=fm.desired)
-                        listener = await stack.enter_async_context(HttpListener(dp.http))
-                        static = dp.static_health
-                        r.url = await listener.start(lambda app: add_admin_routes(app, fm, static, ""),
-                                                     port=0)
-                        tasks.append(asyncio.create_task(dp.run()))
-                    try:
-                        yield r
-                    finally:
-                        for t in tasks:
-                            t.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await fm.shutdown(stop_engines=stop_engines)
-    finally:
-        await cluster.close()
+async def running(cfg: Config, *, stop_engines: bool = True) -> AsyncIterator[Running]:
+    """routerd from the one builder, as the daemon has it: the fleet manager, the data plane and the
+    admin routes on a free port."""
+    async with assembly.running(cfg, Registry(), stop_engines=stop_engines) as routerd:
+        assert routerd.fleets is not None
+        assert routerd.cluster is not None
+        yield Running(routerd.fleets, routerd.registry, routerd.cluster, routerd.url)
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any] | None = None) -> Any:
@@ -114,7 +87,7 @@ async def test_tp2_fleet_fills_gpus_scales_and_is_operable(ray_cluster: RayTestC
     cfg = make_cfg(ray_cluster, tmp_path, "tp", [
         {"name": "tp", "model": "sim-tp", "engine": "sim", "replicas": 2, "tensor_parallel_size": 2,
          "num_cpus_per_instance": 0.5, "engine_args": SIM_ARGS}])
-    async with running(cfg, http=True) as r, aiohttp.ClientSession() as s:
+    async with running(cfg) as r, aiohttp.ClientSession() as s:
         await r.wait_ready("tp", 2)
         _, avail = await r.cluster.resources()
         assert avail.get("GPU", 0.0) == 0.0  # 2 instances × TP 2 hold all 4 declared GPUs
@@ -300,10 +273,10 @@ async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluste
         with pytest.raises(ExceptionGroup) as info:  # the TaskGroup's
             await daemon.run()
         assert info.group_contains(OSError)
-    assert daemon.fleets is not None
-    assert daemon.session is not None
-    assert daemon.session.closed  # no leaked aiohttp session
-    assert not daemon.fleets._tasks  # no supervisor left running
+    assert daemon.routerd is not None
+    assert daemon.routerd.fleets is not None
+    assert daemon.routerd.session.closed  # no leaked aiohttp session
+    assert not daemon.routerd.fleets._tasks  # no supervisor left running
 
 
 async def test_an_actor_record_this_version_cannot_read_is_replaced(ray_cluster: RayTestCluster,

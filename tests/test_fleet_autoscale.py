@@ -24,8 +24,8 @@ import aiohttp
 import msgspec
 import pytest
 
+from routerd.assembly import Routerd
 from routerd.config import Config
-from routerd.dataplane import DataPlane
 from routerd.fleet import FleetManager, RayCluster
 from routerd.fleet.actor import group_members
 from routerd.registry import InstanceState, Registry
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 @dataclass
 class Elastic:
     fm: FleetManager
-    dp: DataPlane
+    dp: Routerd
     registry: Registry
     cluster: RayCluster
     url: str
@@ -63,7 +63,7 @@ class Elastic:
 @contextlib.asynccontextmanager
 async def elastic(cfg: Config) -> AsyncIterator[Elastic]:
     """Fleet manager, data plane and admin routes, wired as the daemon wires them."""
-    async with running_routerd(cfg, admin=True) as r:
+    async with running_routerd(cfg) as r:
         yield Elastic(r.fm, r.dp, r.registry, r.cluster, r.url)
 
 

@@ -56,7 +56,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
         {"name": "fo", "model": "sim-fo", "engine": "sim", "replicas": 2, "num_cpus_per_instance": 0.25,
          "engine_args": SIM_ARGS}])
     h = cfg.health
-    async with running(cfg, http=True) as r, aiohttp.ClientSession() as s:
+    async with running(cfg) as r, aiohttp.ClientSession() as s:
         await r.wait_ready("fo", 2)
         traffic = Load(r.url, "sim-fo", max_tokens=12)
         stop = asyncio.Event()

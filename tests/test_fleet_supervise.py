@@ -17,12 +17,12 @@ import aiohttp
 import pytest
 
 from routerd import config
+from routerd.assembly import build
 from routerd.config import Config, HealthConfig
-from routerd.dataplane import build_dataplane
 from routerd.fleet import EngineOps, FleetManager, Placement, ProbeResult, RayCluster
-from routerd.ingress.listener import HttpListener
 from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
+from routerd.tracing import Tracing
 from tests.fixtures.sim import SimEngineFactory
 
 pytestmark = pytest.mark.timeout(30)
@@ -216,8 +216,8 @@ async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
         await fm.set_replicas("f", 1)
         await until(lambda: registry.ready_count("f") == 1, "ready")
         inst = fm.supervisors["f:0"].slot.inst
-        dp = build_dataplane(cfg, registry, session)
-        async with HttpListener(dp.http) as listener, aiohttp.ClientSession() as client:
+        dp = build(cfg, registry, session, tracing=Tracing.off())
+        async with dp.listener as listener, aiohttp.ClientSession() as client:
             url = await listener.start(port=0)
             body = {"model": "m", "prompt": "hi", "max_tokens": 2000, "stream": True}
             async with client.post(url + "/v1/completions", json=body) as r:

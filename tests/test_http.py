@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any, cast
 import aiohttp
 import pytest
 
-from routerd.dataplane import DataPlane, running_dataplane
+from routerd.assembly import Routerd, build
+from routerd.dataplane.upstream import make_session
 from routerd.errors import BadRequest
 from routerd.ingress.admin import add_admin_routes
-from routerd.ingress.http import parse_request
-from routerd.ingress.listener import HttpListener
+from routerd.ingress.validate import read_head
 from routerd.registry import Registry
+from routerd.tracing import Tracing
 from tests.fixtures.dataplane import EngineFactory, PlaneFactory, RunningPlane, plane_config
 
 if TYPE_CHECKING:
@@ -74,12 +75,17 @@ async def test_malformed_requests_are_400(plane: RunningPlane, client: aiohttp.C
     assert err["param"] == param
 
 
-def test_parse_request_accepts_what_clients_send() -> None:
-    assert parse_request(COMP, b'{"model":"m","prompt":["a","b"],"stream":true,"n":2}') == ("m", True)
-    assert parse_request(CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":null}'
-                         ) == ("m", False)
+def _model_and_stream(endpoint: str, body: bytes) -> tuple[str, bool]:
+    head = read_head(endpoint, body)
+    return head.model, bool(head.stream)
+
+
+def test_the_body_check_accepts_what_clients_send() -> None:
+    assert _model_and_stream(COMP, b'{"model":"m","prompt":["a","b"],"stream":true,"n":2}') == ("m", True)
+    assert _model_and_stream(CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":null}'
+                             ) == ("m", False)
     with pytest.raises(BadRequest):
-        parse_request(COMP, b'{"model":"m","prompt":null}')
+        read_head(COMP, b'{"model":"m","prompt":null}')
 
 
 async def test_body_too_large_is_413(plane: RunningPlane, client: aiohttp.ClientSession) -> None:
@@ -106,12 +112,12 @@ async def test_reload_applies_the_body_limit(scripted_engine: EngineFactory, dat
         yield big[:1000]
         yield big[1000:]
 
-    p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 8192}))
+    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 8192}))
     async with client.post(p.url + COMP, data=big) as r:
         assert r.status == 200, await r.text()
     async with client.post(p.url + COMP, data=chunks()) as r:  # no Content-Length
         assert r.status == 200, await r.text()
-    p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 1024}))
+    await p.dp.apply(plane_config([eng.url], http={"max_body_bytes": 1024}))
     async with client.post(p.url + COMP, data=chunks()) as r:
         await error_of(r, 413)
 
@@ -214,7 +220,7 @@ async def test_reload_swaps_keys_policy_and_static_urls(
     old = await scripted_engine()
     new = await scripted_engine()
     p = await dataplane([old.url])
-    p.dp.apply(plane_config([new.url], http={"api_keys": ["k"]}, routing={"policy": "round_robin"}))
+    await p.dp.apply(plane_config([new.url], http={"api_keys": ["k"]}, routing={"policy": "round_robin"}))
     body = {"model": "m", "prompt": "x"}
     async with client.post(p.url + COMP, json=body) as r:
         await error_of(r, 401)
@@ -347,16 +353,23 @@ class _Fleets:
 
 
 @contextlib.asynccontextmanager
-async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, DataPlane, _Fleets]]:
-    """A data plane with the admin write routes, listening on ``host``."""
+async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, Routerd, _Fleets]]:
+    """A data plane with the admin write routes of a fake fleet manager, listening on ``host``."""
     fleets = _Fleets()
     cfg = plane_config(urls, http={"host": host})
-    async with running_dataplane(cfg, Registry()) as dp, HttpListener(dp.http) as listener:
-        url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
-                                                                dp.static_health,
-                                                                lambda: dp.http.cfg.http.admin_api_key),
-                                   port=0)
-        yield url, dp, fleets
+    async with make_session(cfg.routing) as session:
+        dp = build(cfg, Registry(), session, tracing=Tracing.off())
+        async with dp.listener as listener, asyncio.TaskGroup() as tg:
+            url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
+                                                                    dp.static_health,
+                                                                    lambda: dp.http.cfg.http.admin_api_key),
+                                       port=0)
+            tasks = [tg.create_task(coro) for coro in dp.loops().values()]
+            try:
+                yield url, dp, fleets
+            finally:
+                for t in tasks:
+                    t.cancel()
 
 
 ADMIN_ROUTES = [("GET", "/admin/fleets", None), ("POST", "/admin/instances/g:0/restart", {}),
@@ -386,7 +399,7 @@ async def test_admin_routes_without_a_key_answer_loopback_only(scripted_engine: 
                 err = await error_of(r, 401)
                 assert "loopback" in err["message"], path
         assert fleets.calls == []
-        dp.apply(plane_config([eng.url], http={"host": addr, "admin_api_key": "adm"}))
+        await dp.apply(plane_config([eng.url], http={"host": addr, "admin_api_key": "adm"}))
         for method, path, body in ADMIN_ROUTES:  # with a key, any address that has it
             async with client.request(method, url + path, json=body,
                                       headers={"Authorization": "Bearer adm"}) as r:

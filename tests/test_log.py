@@ -135,7 +135,7 @@ def test_every_line_carries_its_component() -> None:
     found = next(d["found"] for d in lines if d["event"] == "modules")
     assert {"routerd.fleet.manager", "routerd.fleet.supervisor", "routerd.fleet.engine",
             "routerd.fleet.health", "routerd.fleet.ray_cluster", "routerd.fleet.static", "routerd.daemon",
-            "routerd.upstream", "routerd.ingress.http", "routerd.sim.server"} <= set(found)
+            "routerd.dataplane.upstream", "routerd.ingress.http", "routerd.sim.server"} <= set(found)
     probes = [d for d in lines if d["event"] == "module_logger_probe"]
     assert len(probes) == len(found)
     missing = [d["module"] for d in probes if not d.get("component", "").startswith("routerd.")]

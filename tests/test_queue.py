@@ -1,4 +1,4 @@
-"""The queue consumer against a real redis-server, with a fake upstream (the Forwarder Protocol).
+"""The queue consumer against a real redis-server, with a fake upstream (the dispatch's EngineCall Protocol).
 
 What a producer relies on: one result per job id whatever happens, bad messages dead-lettered with a
 reason while the consumer keeps going, deadlines and cancels honoured, streamed chunks in order, and
@@ -17,8 +17,9 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.errors import BadRequest
-from routerd.ingress.http import parse_request
+from routerd.ingress.validate import read_head
 from routerd.jobs import decode_result
+from routerd.telemetry import Metrics
 from tests.fixtures.redis_server import (
     FakeUpstream,
     QueueBench,
@@ -130,7 +131,7 @@ async def test_a_jobs_body_is_checked_as_an_http_requests_body(
     dead-lettered naming the same field, and what HTTP accepts (``stream: null``) runs."""
     for endpoint, body, param in BAD_BODIES:
         with pytest.raises(BadRequest) as err:
-            parse_request(endpoint, msgspec.json.encode(body))
+            read_head(endpoint, msgspec.json.encode(body))
         assert err.value.param == param
     bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
     q = QueueClient(redis_async)
@@ -234,6 +235,9 @@ async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: Redis
     assert res.error["code"] == 504
     assert ok.status == "ok"
     assert expired.id not in bench.upstream.calls
+    # Refused by admission, as an HTTP request would be: counted both ways in, with no instance.
+    metrics = Metrics(bench.telemetry, []).render().decode()
+    assert 'routerd_requests_total{code="504",fleet="f",instance=""} 1.0' in metrics
 
 
 async def test_deadline_passing_during_run(redis_server: RedisServer,

@@ -66,8 +66,10 @@ def e2e_config(redis_url: str, urls: list[str], **redis: Any) -> dict[str, Any]:
 @pytest.fixture
 async def consumer(redis_server: RedisServer, engines: Engines) -> AsyncIterator[QueueIngress]:
     cfg: Config = parse(e2e_config(redis_server.url, engines.urls), environ={})
-    async with queue_path(cfg, redis_server.url) as ingress:
-        await wait_ready(ingress, ["f"], 15)
+    async with queue_path(cfg, redis_server.url) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
             yield ingress

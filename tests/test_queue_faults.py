@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.redis_server import EmbeddedRedis, embedded_url
-from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, fake_engines, queue_config
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
@@ -140,16 +140,14 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
 async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
     """The way the daemon builds the queue path: embedded Redis, then the queue over the data plane's
     upstream and admission."""
-    from routerd.admission import Admission
     from routerd.ingress.queue import QueueIngress
-    from routerd.registry import Instance, InstanceState, Registry
+    from routerd.tracing import Tracing
 
     async with EmbeddedRedis(tmp_path / "redis") as url:
         cfg = queue_config("embedded")
-        registry = Registry()
-        registry.add(Instance(id="f:0", fleet="f", url="http://127.0.0.1:1", state=InstanceState.READY))
-        queue = QueueIngress.from_config(cfg, url=url, registry=registry, upstream=FakeUpstream(),
-                                         admission=Admission(registry, cfg.admission))
+        parts = fake_engines(cfg, FakeUpstream())
+        queue = QueueIngress.from_config(cfg, url=url, dispatch=parts.dispatch, admission=parts.admission,
+                                         tenancy=parts.tenancy, tracing=Tracing.off())
         async with queue:
             task = asyncio.create_task(queue.run())
             client = aioredis.Redis.from_url(url, socket_timeout=5)

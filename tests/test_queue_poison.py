@@ -303,7 +303,7 @@ class _GarbledEngine(FakeUpstream):
         else:
             await sink.start(200, {"content-type": "application/json"})
             await sink.write(b'{"choices": [{"text": "\xff"}]}')
-        return FakeForwardResult(instance=f"{fleet}:0", attempts=1, status=200, ok=True)
+        return FakeForwardResult(instance=f"{fleet}:0", attempts=1, status=200, ok=True, error=None)
 
 
 async def test_engine_bytes_that_do_not_decode_end_the_job_once(

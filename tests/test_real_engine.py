@@ -40,7 +40,7 @@ async def test_real_vllm_fleet_routes_streams_and_is_replaced(ray_cluster: RayTe
          "engine_args": {"model": str(tiny_model_dir), "vllm-bin": str(vllm_bin), "dtype": "float32",
                          "max-model-len": 256, "enforce-eager": True}}],
         health={"startup_timeout_s": 300, "heartbeat_timeout_s": 6.0})
-    async with running(cfg, http=True) as r, aiohttp.ClientSession() as s:
+    async with running(cfg) as r, aiohttp.ClientSession() as s:
         await r.wait_ready("real", 1, timeout=300)
         inst = r.registry.get("real:0")
         assert inst is not None

@@ -21,9 +21,9 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from routerd import resume
 from routerd.client import QueueClient
 from routerd.config import parse
+from routerd.dataplane import resume, resume_stream
 from routerd.sim_tokens import expected_text
 from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
@@ -233,8 +233,10 @@ async def test_a_queue_streamed_job_goes_on_in_order_without_duplicates(
                  "fleets": [{"name": "f", "model": "m", "engine": "static",
                              "urls": [e.url for e in engines]}]}, environ={})
     body = {"model": "m", "prompt": "a queued stream", "max_tokens": 40, "stream": True}
-    async with queue_path(cfg, redis_server.url) as ingress:
-        await wait_ready(ingress, ["f"], 15)
+    async with queue_path(cfg, redis_server.url) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
             q = QueueClient(redis_async)
@@ -498,8 +500,9 @@ def test_usage_is_cut_out_whatever_it_holds() -> None:
     event = (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],"usage":{"prompt_tokens":1,'
              b'"prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}},'
              b'"prompt_token_ids":null}')
-    assert resume._cut_usage(event) == (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],'
-                                        b'"prompt_token_ids":null}')
+    cut = resume_stream._cut_usage(event)
+    assert cut == (b'data: {"id":"x","choices":[{"index":0,"text":"\\"usage\\":{"}],'
+                   b'"prompt_token_ids":null}')
 
 
 def test_a_body_without_stream_options_is_spliced_not_reencoded() -> None:

@@ -15,7 +15,7 @@ from routerd.errors import NoReadyInstance
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 from routerd.routing import CircuitBreaker, Router, Scraper
 from routerd.status import render
-from routerd.telemetry import Telemetry
+from routerd.telemetry import Metrics, Telemetry, registry_collector
 
 
 class Clock:
@@ -147,12 +147,11 @@ def test_every_view_shows_the_breakers_three_states(clock: Clock) -> None:
     circuit state: a cooled-down circuit is ``half_open`` everywhere — not ``closed`` in some replies."""
     reg, router = make(clock, 1, circuit_failure_threshold=1, circuit_cooldown_s=5.0)
     inst = reg.instances("f")[0]
-    telemetry = Telemetry()
-    telemetry.attach(reg, clock=clock)
+    metrics = Metrics(Telemetry(), [registry_collector(reg, clock=clock)])
 
     def views() -> tuple[str, str, float, str]:
         st = inst.status(clock.t)
-        metric = next(line for line in telemetry.render().decode().splitlines()
+        metric = next(line for line in metrics.render().decode().splitlines()
                       if line.startswith("routerd_circuit_state{"))
         row = next(line for line in render({"fleets": {"f": {"instances": [st]}}}).splitlines()
                    if line.startswith("f:0"))

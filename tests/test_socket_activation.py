@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 
 from routerd._net import free_port
-from routerd.dataplane import running_dataplane
-from routerd.ingress.listener import HttpListener, systemd_sockets
+from routerd.assembly import running
+from routerd.ingress.listener import systemd_sockets
 from routerd.registry import Registry
 from routerd_bench.restart import SocketHolder, child_env, restart_under_load
 from tests.fixtures.daemon import base_config, to_toml
@@ -54,9 +54,10 @@ async def test_a_handover_serves_open_connections_closing_each_and_leaves_new_on
     body = {"model": "m", "prompt": "hi", "max_tokens": 2}
     connector = aiohttp.TCPConnector(limit=1)  # one connection, kept alive and reused
     registry = Registry()
-    async with running_dataplane(cfg, registry) as dp, HttpListener(dp.http) as listener, \
+    async with running(cfg, registry, sockets=[socket.socket(fileno=os.dup(held.fileno()))]) as dp, \
             aiohttp.ClientSession(connector=connector) as client:
-        assert await listener.start(sockets=[socket.socket(fileno=os.dup(held.fileno()))]) == url
+        listener = dp.listener
+        assert dp.url == url
         assert await eventually(lambda: registry.ready_count("f") == 1, 10)
         async with client.post(f"{url}/v1/completions", json=body) as r:
             assert r.status == 200
@@ -75,8 +76,7 @@ async def test_a_handover_serves_open_connections_closing_each_and_leaves_new_on
         with pytest.raises(TimeoutError):  # queued, not refused, not answered by the draining one
             await asyncio.wait_for(reader.readline(), 0.5)
         await listener.close_streams("routerd is shutting down")
-    async with running_dataplane(cfg, Registry()) as dp2, HttpListener(dp2.http) as successor:
-        await successor.start(sockets=[socket.socket(fileno=os.dup(held.fileno()))])
+    async with running(cfg, Registry(), sockets=[socket.socket(fileno=os.dup(held.fileno()))]):
         status = await asyncio.wait_for(reader.readline(), 10)
         assert status.startswith(b"HTTP/1.1 200"), status
         writer.close()

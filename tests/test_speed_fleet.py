@@ -15,9 +15,8 @@ import msgspec
 import pytest
 
 from routerd import config
+from routerd.assembly import running
 from routerd.config import Config
-from routerd.dataplane import running_dataplane
-from routerd.ingress.listener import HttpListener
 from routerd.registry import Instance, LoadSnapshot, Registry
 from routerd.routing import promtext
 from routerd.status import render
@@ -127,9 +126,8 @@ async def test_a_static_fleet_learns_each_engines_capacity_and_speed_under_load(
     fast = await sim_process(ttft_ms=0.0, batch_factor=0.0, **FAST)
     registry = Registry()
     async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as session:
-        dp = await stack.enter_async_context(running_dataplane(static_fleet([slow.url, fast.url]), registry))
-        listener = await stack.enter_async_context(HttpListener(dp.http))
-        url = await listener.start(port=0)
+        dp = await stack.enter_async_context(running(static_fleet([slow.url, fast.url]), registry))
+        url = dp.url
         await until(lambda: registry.ready_count("f") == 2, "both engines in rotation", timeout=10)
         insts = {i.url: i for i in registry.instances("f")}
         s_inst, f_inst = insts[slow.url], insts[fast.url]

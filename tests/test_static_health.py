@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import structlog
 
+from routerd.assembly import build, running
 from routerd.config import HealthConfig
-from routerd.dataplane import build_dataplane, running_dataplane
-from routerd.ingress.listener import HttpListener
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.sim_tokens import expected_text
+from routerd.tracing import Tracing
 from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 
@@ -35,9 +35,8 @@ BOUND_S = HEALTH.heartbeat_timeout_s + 1.2 * HEALTH.heartbeat_interval_s + 1.5
 async def static_plane(urls: list[str], **routing: Any) -> AsyncIterator[RunningPlane]:
     cfg = msgspec.structs.replace(plane_config(urls, routing=routing), health=HEALTH)
     registry = Registry()
-    async with running_dataplane(cfg, registry) as dp, HttpListener(dp.http) as listener:
-        url = await listener.start(port=0)
-        plane = RunningPlane(url=url, dp=dp, registry=registry, listener=listener)
+    async with running(cfg, registry) as dp:
+        plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.listener)
         await plane.wait_ready(len(urls))
         yield plane
 
@@ -170,7 +169,7 @@ async def test_static_engine_that_answers_but_makes_no_progress_is_failed(
         # the stall was caught (it answers /health, so it is back in rotation at once: the heartbeats
         # declaring it lost are what ended the engine call) and the stream went on from the other
         # instance, as the whole stream
-        metrics = plane.dp.telemetry.render().decode()
+        metrics = plane.dp.metrics.render().decode()
         assert 'routerd_resumes_total{fleet="f",reason="instance_lost"} 1.0' in metrics
         assert _resumed_whole(events, stalled) <= HEALTH.progress_timeout_s + BOUND_S
 
@@ -182,8 +181,8 @@ async def test_static_is_the_instance_field_not_its_id() -> None:
     registry = Registry()
     lookalike = registry.add(Instance(id="f:static7", fleet="f", url="http://127.0.0.1:8"))
     async with aiohttp.ClientSession() as session:
-        plane = build_dataplane(cfg, registry, session)
-        plane.apply(cfg)
+        plane = build(cfg, registry, session, tracing=Tracing.off())
+        await plane.apply(cfg)
     static = registry.get("f:static0")
     assert static is not None
     assert static.static

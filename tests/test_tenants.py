@@ -11,16 +11,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from routerd import config, redact, resume
-from routerd.admission import Admission
+from routerd import config, redact
 from routerd.config import AdmissionConfig, ConfigError, parse
+from routerd.dataplane import resume
+from routerd.dataplane.admission import Admission
+from routerd.dataplane.usage import UsageTap, usage_of
 from routerd.errors import Overloaded
 from routerd.ingress.validate import read_head
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 from routerd.routing.request import RequestViews
-from routerd.tenants import Directory, Usage, UsageTap, inspect
+from routerd.tenants import Directory, inspect
 from routerd.tenants.fairshare import Share
 from routerd.tenants.service import Tenancy
+from routerd.tenants.usage import Usage
 
 
 class Clock:
@@ -100,8 +103,7 @@ def scheduler(slots: int, shares: dict[str, Share], **cfg: Any) -> tuple[Admissi
     clock = Clock()
     settings: dict[str, Any] = {"max_inflight_per_instance": slots, "max_queued": 1000}
     settings.update(cfg)
-    adm = Admission(registry, msgspec.convert(settings, AdmissionConfig), clock=clock)
-    adm.set_tenants(shares, configured=True)
+    adm = Admission(registry, msgspec.convert(settings, AdmissionConfig), clock=clock, shares=shares)
     return adm, registry, clock
 
 
@@ -382,9 +384,10 @@ def test_with_tenants_a_fleet_admits_what_its_engines_run() -> None:
         registry.add(inst)
     adm = Admission(registry, AdmissionConfig(max_inflight_per_instance=256))
     assert adm.limit("f") == 512  # no tenants: as before, the engines queue the rest themselves
-    adm.set_tenants({"a": Share()}, configured=True)
+    adm.update_config(AdmissionConfig(max_inflight_per_instance=256), {"a": Share()})
     assert adm.limit("f") == 10  # their capacities: the rest waits here, in fair order
-    adm.update_config(AdmissionConfig(max_inflight_per_instance=256, engine_queue_per_instance=2))
+    adm.update_config(AdmissionConfig(max_inflight_per_instance=256, engine_queue_per_instance=2),
+                      {"a": Share()})
     assert adm.limit("f") == 14
 
 
@@ -431,7 +434,7 @@ async def test_a_stream_not_continued_is_read_for_its_usage_as_the_client_asked_
               + _event({"id": "x", "choices": [], "usage": final, "system_fingerprint": "fp"})
               + b"data: [DONE]\n\n")
     client = Collect()
-    tap = UsageTap(client, stream=True, headers={"x-ratelimit-limit-requests": "9"})
+    tap = UsageTap(client, headers={"x-ratelimit-limit-requests": "9"})
     await tap.start(200, {"Content-Type": "text/event-stream"})
     for i in range(0, len(engine), 7):  # cut anywhere, even inside an event
         await tap.write(rs.feed(engine[i:i + 7]))
@@ -448,21 +451,22 @@ async def test_a_stream_not_continued_is_read_for_its_usage_as_the_client_asked_
 async def test_usage_is_read_from_a_body_and_taken_from_upstream_for_a_stream() -> None:
     body = msgspec.json.encode({"choices": [{"text": "\"usage\": {\"prompt_tokens\": 99}"}],
                                 "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
-    tap = UsageTap(Collect(), stream=False)
+    assert usage_of(body) == (3, 4)  # what upstream reads of the body it holds, text not mistaken
+    tap = UsageTap(Collect())
     await tap.start(200, {})
     await tap.write(body)
-    assert tap.usage() == (3, 4)
+    assert tap.usage(usage_of(body)) == (3, 4)
     stream = _event({"choices": [{"text": "a"}]}) + b"data: [DONE]\n\n"
-    tap = UsageTap(client := Collect(), stream=True)
+    tap = UsageTap(client := Collect())
     await tap.start(200, {})
     await tap.write(stream)
     assert tap.usage((8, 1)) == (8, 1)
     assert tap.usage() is None  # nothing counted: the estimate stands
     assert client.data == stream
-    failed = UsageTap(Collect(), stream=False)
+    failed = UsageTap(Collect())
     await failed.start(400, {})
     await failed.write(body)
-    assert failed.usage() is None  # an error answer bills nothing
+    assert failed.usage(usage_of(body)) is None  # an error answer bills nothing
 
 
 def test_settling_corrects_the_estimate_and_refunds_what_no_engine_did() -> None:
@@ -486,3 +490,43 @@ def test_settling_corrects_the_estimate_and_refunds_what_no_engine_did() -> None
     tenancy.settle(charge, None, status=0, ok=False)  # no engine answered: given back whole
     assert level() == (99, 600)
     assert tenancy.ledger.totals[("a", "f")] == [1, 1, 0, 120, 280]
+
+
+async def test_a_reload_that_adds_tenants_applies_their_bounds_at_once() -> None:
+    """A reload hands admission its new bounds and the new tenants together. Applied one after the
+    other (bounds with the old tenants' settings, then the tenants) the moment between admitted
+    waiters under a limit neither config has: without tenants the engines queue beyond their capacity
+    (``max_inflight_per_instance`` 100), with them a fleet admits only its engines' capacity (2)."""
+    import aiohttp
+
+    from routerd.assembly import build
+    from routerd.tracing import Tracing
+
+    def cfg(**extra: Any) -> Any:
+        return parse({"redis": {"enabled": False}, "fleets": [
+            {"name": "f", "model": "m", "engine": "static", "urls": ["http://127.0.0.1:9"],
+             "max_num_seqs": 2}], **extra}, environ={})
+
+    async with aiohttp.ClientSession() as session:
+        routerd = build(cfg(admission={"max_inflight_per_instance": 2}), Registry(), session,
+                        tracing=Tracing.off())
+        inst = routerd.registry.instances("f")[0]
+        routerd.registry.set_state(inst, InstanceState.READY)
+        adm = routerd.admission
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with adm.ticket("f", source="queue", tenant="a"):
+                await release.wait()
+
+        tasks = [asyncio.create_task(hold()) for _ in range(4)]
+        while adm.stats("f")["queued_queue"] < 2:  # noqa: ASYNC110  # polls admission's state; no event
+            await asyncio.sleep(0)
+        assert adm.stats("f")["active"] == 2  # max_inflight_per_instance, the engine queues the rest
+        await routerd.apply(cfg(admission={"max_inflight_per_instance": 100}, tenants=[{"name": "a"}]))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert adm.limit("f") == 2  # with tenants: the engine's capacity
+        assert adm.stats("f")["active"] == 2  # and never more, not even for a moment
+        release.set()
+        await asyncio.gather(*tasks)

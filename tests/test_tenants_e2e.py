@@ -18,10 +18,10 @@ import aiohttp
 import msgspec
 import pytest
 
+from routerd.assembly import Routerd as Assembled
+from routerd.assembly import running
 from routerd.client import QueueClient
 from routerd.config import Config, RedisConfig, parse
-from routerd.dataplane import DataPlane, running_dataplane
-from routerd.ingress.listener import HttpListener
 from routerd.ingress.queue import QueueIngress
 from routerd.keys import Keys
 from routerd.redis_server import redis_client
@@ -51,7 +51,7 @@ def config(redis_url: str, urls: list[str], tenants: list[dict[str, Any]], **adm
 @dataclass
 class Routerd:
     url: str
-    dp: DataPlane
+    dp: Assembled
     queue: QueueIngress
 
     def served(self, tenant: str) -> int:
@@ -68,22 +68,13 @@ class Routerd:
 async def routerd(cfg: Config) -> AsyncIterator[Routerd]:
     """One routerd in this process: the data plane, its HTTP listener and its queue consumer."""
     registry = Registry()
-    async with running_dataplane(cfg, registry, redis_url=cfg.redis.url) as dp, \
-            HttpListener(dp.http) as listener:
-        url = await listener.start(port=0)
-        queue = QueueIngress(cfg, lambda: redis_client(cfg.redis.url, cfg.redis), dp.upstream, dp.admission,
-                             registry, tenancy=dp.tenancy)
-        task = asyncio.create_task(queue.run())
-        try:
-            deadline = time.monotonic() + 20
-            while any(registry.ready_count(f.name) < len(f.urls) for f in cfg.fleets):
-                assert time.monotonic() < deadline, dp.status()
-                await asyncio.sleep(0.05)
-            yield Routerd(url, dp, queue)
-        finally:
-            queue.stop_intake()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async with running(cfg, registry) as dp:
+        assert dp.queue is not None
+        deadline = time.monotonic() + 20
+        while any(registry.ready_count(f.name) < len(f.urls) for f in cfg.fleets):
+            assert time.monotonic() < deadline, dp.status()
+            await asyncio.sleep(0.05)
+        yield Routerd(dp.url, dp, dp.queue)
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -299,7 +290,7 @@ async def test_a_reload_lifting_a_limit_reaches_the_jobs_waiting_for_it(
         lifted = msgspec.to_builtins(cfg)
         lifted["tenants"][0]["requests_per_minute"] = 0
         new = parse(lifted, environ={})
-        rd.dp.apply(new)
+        await rd.dp.apply(new)
         rd.queue.update_config(new)
         results = await q.wait_many(jobs, timeout=4)  # well within one 5 s look at the bucket
     assert [r.status for r in results.values()] == ["ok"] * 40
@@ -319,7 +310,7 @@ async def test_a_reload_taking_a_fleet_from_a_tenant_reaches_its_waiting_jobs(
         await wait_until(lambda: rd.served("slow") == 1 and rd.queue._held.parked == 2)
         raw["tenants"][0] |= {"requests_per_minute": 0, "fleets": ["g"]}
         new = parse(raw, environ={})
-        rd.dp.apply(new)
+        await rd.dp.apply(new)
         rd.queue.update_config(new)
         results = await q.wait_many(jobs, timeout=10)
     codes = sorted(200 if r.status == "ok" else r.error["code"] for r in results.values())  # type: ignore[index]
@@ -694,7 +685,7 @@ async def test_a_reload_applies_tenants_keys_and_weights(redis_server: RedisServ
     async with routerd(config(redis_server.url, [sim.url], tenants)) as rd, aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": "x", "max_tokens": 1}
         assert (await post(s, rd.url, body, "sk-b"))[0] == 401
-        rd.dp.apply(config(redis_server.url, [sim.url],
+        await rd.dp.apply(config(redis_server.url, [sim.url],
                            [*tenants, {"name": "b", "api_keys": ["sk-b"], "requests_per_minute": 1}]))
         assert (await post(s, rd.url, body, "sk-b"))[0] == 200
         status, headers, _ = await post(s, rd.url, body, "sk-b")

@@ -16,9 +16,8 @@ import msgspec
 import pytest
 
 from routerd import log
+from routerd.assembly import running
 from routerd.config import TracingConfig, parse
-from routerd.dataplane import running_dataplane
-from routerd.ingress.listener import HttpListener
 from routerd.plugins import LaunchSpec
 from routerd.registry import Registry
 from routerd.tracing import Tracing, engine_env
@@ -67,10 +66,8 @@ async def traced_plane() -> AsyncIterator[Any]:
             assert tracing.on
             stack.push_async_callback(tracing.aclose)
             registry = Registry()
-            dp = await stack.enter_async_context(running_dataplane(cfg, registry, tracing=tracing))
-            listener = await stack.enter_async_context(HttpListener(dp.http))
-            url = await listener.start(port=0)
-            plane = RunningPlane(url=url, dp=dp, registry=registry, listener=listener)
+            dp = await stack.enter_async_context(running(cfg, registry, tracing=tracing))
+            plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.listener)
             await plane.wait_ready(len(cfg.fleets[0].urls))
             return Traced(plane, tracing)
 
@@ -208,8 +205,10 @@ async def test_a_queue_job_from_routerd_submit_to_its_result_is_one_trace(
                  "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": [engine.url]}],
                  "tracing": {"endpoint": otlp_receiver.url}}, environ={})
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.url, "OTEL_SERVICE_NAME": "producer"}
-    async with queue_path(cfg, redis_server.url) as ingress:
-        await wait_ready(ingress, ["f"], 15)
+    async with queue_path(cfg, redis_server.url) as routerd:
+        ingress = routerd.queue
+        assert ingress is not None
+        await wait_ready(routerd.registry, ["f"], 15)
         task = asyncio.create_task(ingress.run())
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -287,9 +286,9 @@ async def test_tracing_off_makes_no_span_and_sends_no_context(
     engine = await sim_process(ttft_ms=1, itl_ms=1)
     cfg = plane_config([engine.url])
     assert not Tracing.from_config(cfg.tracing, environ={}).on
-    async with running_dataplane(cfg, Registry(), tracing=Tracing.off()) as dp, HttpListener(dp.http) as lis:
-        url = await lis.start(port=0)
-        plane = RunningPlane(url=url, dp=dp, registry=dp.registry, listener=lis)
+    async with running(cfg, Registry(), tracing=Tracing.off()) as dp:
+        url = dp.url
+        plane = RunningPlane(url=url, dp=dp, registry=dp.registry, listener=dp.listener)
         await plane.wait_ready(1)
         async with client.post(url + COMP, json={"model": "m", "prompt": "x", "max_tokens": 2},
                                headers={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"

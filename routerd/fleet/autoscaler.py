@@ -1,9 +1,10 @@
 """The autoscaler: runs each autoscaled fleet's :class:`~routerd.fleet.autoscale.ScalingPolicy`.
 
 It gathers the policy's signals from what routerd already knows — the registry (engines' running and
-waiting counts, KV use, expected wait, readiness) and admission (requests and queue jobs waiting for
-the fleet) — every :data:`TICK_S`, logs every decision with those inputs, and wakes the fleet manager,
-which reconciles to the new count (launching at once; draining, then stopping, one replica going).
+waiting counts, KV use, expected wait, readiness, and the requests and queue jobs admission has
+waiting for the fleet, ``Registry.queued``) — every :data:`TICK_S`, logs every decision with those
+inputs, and wakes the fleet manager, which reconciles to the new count (launching at once; draining,
+then stopping, one replica going).
 
 It is also the data plane's :class:`routerd.elastic.Elastic`: a request for a fleet scaled to zero
 calls :meth:`Autoscaler.wake`, which decides at once (no tick to wait for) and returns when an engine
@@ -62,7 +63,6 @@ class Autoscaler:
         self.clock = clock
         self._on_change = on_change
         self._pin = pin
-        self._admission: Callable[[str], dict[str, int]] | None = None
         self.policies: dict[str, ScalingPolicy] = {}
         self.signals: dict[str, Signals] = {}
         self.decisions: Counter[tuple[str, str, str]] = Counter()  # (fleet, direction, reason)
@@ -70,10 +70,6 @@ class Autoscaler:
         self.startup_s: dict[str, float] = {}  # learned seconds from launch to ready, per fleet
         self._starting: dict[str, float] = {}  # instance id → when it was first seen starting
         self._requested: list[dict[str, float]] | None = None  # what Ray's autoscaler was last asked
-
-    def attach_admission(self, stats: Callable[[str], dict[str, int]]) -> None:
-        """Admission's per-fleet figures (its waiting requests are demand); the daemon wires it."""
-        self._admission = stats
 
     # the fleet manager's side ----------------------------------------------------------------
     def begin(self, adopted: dict[str, int]) -> None:
@@ -206,8 +202,7 @@ class Autoscaler:
 
     def _signals(self, fleet: FleetConfig) -> Signals:
         ready = [i for i in self.registry.instances(fleet.name) if i.state is InstanceState.READY]
-        stats = self._admission(fleet.name) if self._admission is not None else {}
-        queued = float(stats.get("queued_http", 0) + stats.get("queued_queue", 0))
+        queued = float(self.registry.queued.get(fleet.name, 0))  # waiting in admission
         demand = queued
         waiting = queued
         kv = 0.0

@@ -6,8 +6,8 @@ the engine validates (sampling parameters, lengths) is left to the engine, whose
 through. Errors routerd finds itself use vLLM/OpenAI's error JSON with a matching status.
 
 The app runs with ``handler_cancellation=True``: a client that disconnects cancels its handler, the
-cancellation reaches :meth:`Upstream.forward`, and that closes the engine connection so the engine
-aborts the request instead of generating into the void.
+cancellation reaches the engine call (:mod:`routerd.dataplane`), and that closes the engine
+connection so the engine aborts the request instead of generating into the void.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import msgspec
 from aiohttp import web
 
 from .. import log
-from ..admission import Admission
 from ..config import Config, FleetConfig
+from ..dataplane.admission import Admission
+from ..dataplane.dispatch import Dispatch, Request
 from ..elastic import Elastic
 from ..errors import (
     BadRequest,
@@ -38,27 +39,20 @@ from ..errors import (
     quote,
     sse_error_event,
 )
-from ..plugins import RequestView
 from ..registry import InstanceState, Registry
-from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Telemetry
-from ..tenants import Tenant, UsageTap, inspect
+from ..routing import Router
+from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
+from ..tenants import Tenant
 from ..tenants.service import Tenancy
-from ..tracing import usage_attributes
-from ..upstream import ForwardResult, Upstream
+from ..tracing import Tracing
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
 from .auth import authenticate, check_admin
-from .validate import check_body, read_head
+from .validate import read_head
 
 _log = log.get("routerd.http")
 
 ExtraRoutes = Callable[[web.Application], None]
-
-
-def parse_request(endpoint: str, body: bytes) -> tuple[str, bool]:
-    """``(model, stream)`` of an OpenAI request body, or :class:`BadRequest` naming the field: the
-    check both ways in share (:func:`routerd.ingress.validate.check_body`)."""
-    return check_body(endpoint, body)
 
 
 def error_response(err: RouterdError) -> web.Response:
@@ -109,7 +103,7 @@ class _ForwardedResponse(web.StreamResponse):
 
 
 class _HttpSink:
-    """:class:`routerd.upstream.ResponseSink` onto the client's response."""
+    """:class:`routerd.dataplane.sinks.ResponseSink` onto the client's response."""
 
     __slots__ = ("request", "response")
 
@@ -130,15 +124,19 @@ class _HttpSink:
 class HttpIngress:
     """The aiohttp application and its handlers; one per data plane."""
 
-    def __init__(self, cfg: Config, registry: Registry, admission: Admission, upstream: Upstream,
-                 telemetry: Telemetry, clock: Callable[[], float] = time.monotonic, *,
+    def __init__(self, cfg: Config, registry: Registry, *, dispatch: Dispatch, admission: Admission,
+                 router: Router, tenancy: Tenancy, telemetry: Telemetry, metrics: Metrics, tracing: Tracing,
+                 clock: Callable[[], float] = time.monotonic,
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
-                 elastic: Elastic | None = None, tenancy: Tenancy | None = None) -> None:
+                 elastic: Elastic | None = None) -> None:
         self.registry = registry
-        self.tenancy = tenancy or Tenancy(cfg)  # the data plane's, shared with the queue
-        self.admission = admission
-        self.upstream = upstream
+        self.dispatch = dispatch
+        self.tenancy = tenancy  # the data plane's, shared with the queue
+        self.admission = admission  # its figures in /admin/fleets, its HTTP waiters answered on drain
+        self.router = router  # its policy's name in /admin/fleets
         self.telemetry = telemetry
+        self.exposition = metrics  # the /metrics body
+        self.tracing = tracing  # the server span of each request
         self.clock = clock
         self.created = int(time.time())
         self.draining = False
@@ -205,7 +203,7 @@ class HttpIngress:
         sink = _HttpSink(request)
         fields: dict[str, Any] = {"request_id": request_id, "endpoint": endpoint}
         # The server span (continuing the client's traceparent), current until after the log line.
-        traced = self.upstream.tracing.server(request.headers, endpoint, request_id)
+        traced = self.tracing.server(request.headers, endpoint, request_id)
         try:
             return await self._dispatch(request, endpoint, request_id, sink, fields)
         except asyncio.CancelledError:
@@ -228,7 +226,6 @@ class HttpIngress:
             self.handlers.discard(task)
             if not self.handlers:
                 self.idle.set()
-            fields.pop("forwarded", None)
             duration = self.clock() - started
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
@@ -240,14 +237,8 @@ class HttpIngress:
 
     async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
-        try:
-            if self.draining and not self.handover:
-                raise ShuttingDown("routerd is shutting down")
-            tenant = authenticate(request, self.tenancy.directory)
-            if self.tenancy.directory.configured:
-                fields["tenant"] = tenant.name
-            if (request.content_length or 0) > self.cfg.http.max_body_bytes:
-                raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
+        try:  # the request read into the dispatch's: its caller, its body checked, a fleet it may use
+            tenant = self._caller(request, fields)
             body = await self._read_body(request)
             head = read_head(endpoint, body)
             model, stream = head.model, bool(head.stream)
@@ -258,57 +249,31 @@ class HttpIngress:
                                f"{', '.join(sorted(self._models)) or 'none'}", param="model")
             fields["fleet"] = fleet
             self.tenancy.check_fleet(tenant, fleet)
-            views = self.upstream.router.views
-            view = await views.with_engine_keys(views.build(fleet, endpoint, head, session=_session(request)),
-                                                head)
-            result = await self._forward(tenant, fleet, endpoint, body, stream, request_id, sink, fields,
-                                         view)
-        except RouterdError as e:
+            req = Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
+                          tenant=tenant, source="http", session=_session(request))
+        except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
-            if "attempts" in e.data:
-                fields["attempts"] = e.data["attempts"]
-            if not fields.pop("forwarded", False):
-                self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
+            self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
             return error_response(e)
-        fields.pop("forwarded", None)
-        fields.update(status=result.status, instance=result.instance, attempts=result.attempts,
-                      ttfb_ms=round(result.ttfb_s * 1000, 2))
-        if result.resumes:
-            fields["resumes"] = result.resumes
-        if result.error:
-            fields["error"] = result.error
-        if result.decision is not None:  # why this instance: matched blocks, wait and TTFT of the best two
-            fields.update(result.decision.log_fields())
+        try:
+            await self.dispatch.run(req, lambda: sink, fields)
+        except RouterdError as e:  # the dispatch noted and counted it
+            return error_response(e)
         assert sink.response is not None
         await sink.response.write_eof()
         return sink.response
 
-    async def _forward(self, tenant: Tenant, fleet: str, endpoint: str, body: bytes, stream: bool,
-                       request_id: str, sink: _HttpSink, fields: dict[str, Any],
-                       view: RequestView | None = None) -> ForwardResult:
-        """The tenant's charge, an admission slot, the engine call; the usage the engine reported is
-        counted and the charge corrected however it ends (a client gone, an engine failing)."""
-        facts = inspect(body, view)
-        tracing = self.upstream.tracing
-        # RateLimited: 429 + x-ratelimit-*
-        charge = await tracing.timed("routerd.rate_limit", self.tenancy.charge(tenant, fleet, facts),
-                                     tenant.limited)
-        tap = UsageTap(sink, stream=stream, headers=charge.grant.headers())
-        result: ForwardResult | None = None
-        waited = self.clock()
-        try:
-            async with tracing.waiting("routerd.admission", self.admission.ticket(
-                    fleet, priority=0, deadline=None, source="http", tenant=tenant.name)):
-                fields["admission_ms"] = round((self.clock() - waited) * 1000, 2)  # time queued here
-                fields["forwarded"] = True  # from here on upstream counts the request
-                result = await self.upstream.forward(fleet, endpoint, facts.body, tap, stream=stream,
-                                                     request_id=request_id, request=view)
-        finally:
-            usage = tap.usage(result.usage if result is not None else None)
-            self.tenancy.settle(charge, usage, status=tap.status, ok=result is not None and result.ok)
-            if tracing.on:
-                tracing.note(**usage_attributes(usage))
-        return result
+    def _caller(self, request: web.Request, fields: dict[str, Any]) -> Tenant:
+        """Whose request this is, before its body is read: not while draining, a valid key, a body
+        that may fit."""
+        if self.draining and not self.handover:
+            raise ShuttingDown("routerd is shutting down")
+        tenant = authenticate(request, self.tenancy.directory)
+        if self.tenancy.directory.configured:
+            fields["tenant"] = tenant.name
+        if (request.content_length or 0) > self.cfg.http.max_body_bytes:
+            raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
+        return tenant
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
@@ -360,8 +325,8 @@ class HttpIngress:
     async def metrics(self, request: web.Request) -> web.Response:
         # Prometheus asks for OpenMetrics first: the format that carries exemplars (trace ids).
         om = "application/openmetrics-text" in request.headers.get("Accept", "")
-        body = await asyncio.to_thread(self.telemetry.render, om) if len(self.handlers) > 64 \
-            else self.telemetry.render(om)
+        body = await asyncio.to_thread(self.exposition.render, om) if len(self.handlers) > 64 \
+            else self.exposition.render(om)
         return web.Response(body=body,
                             headers={"Content-Type": OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE})
 
@@ -388,7 +353,7 @@ class HttpIngress:
                 "admission": self.admission.stats(name),
                 "autoscale": self.elastic.status(name) if self.elastic is not None else None,
             }
-        return {"fleets": out, "policy": self.upstream.router.policy.name}
+        return {"fleets": out, "policy": self.router.policy.name}
 
 
 def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] | None) -> int | None:

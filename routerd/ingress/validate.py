@@ -19,17 +19,10 @@ from ..errors import BadRequest
 from ..openai import HEAD_DECODERS as _DECODERS
 from ..openai import ChatHead, ChatMessage, CompletionHead
 
-__all__ = ["ChatHead", "ChatMessage", "CompletionHead", "check_body", "read_head"]
-
-def check_body(endpoint: str, body: bytes) -> tuple[str, bool]:
-    """``(model, stream)`` of an OpenAI request body for ``endpoint``, or :class:`BadRequest` naming
-    the field (``param``) that is wrong."""
-    head = read_head(endpoint, body)
-    return head.model, bool(head.stream)
-
+__all__ = ["ChatHead", "ChatMessage", "CompletionHead", "read_head"]
 
 def read_head(endpoint: str, body: bytes) -> CompletionHead | ChatHead:
-    """The checked head of an OpenAI request body for ``endpoint`` — what :func:`check_body` checks,
+    """The checked head of an OpenAI request body for ``endpoint`` — the one check both ways in make,
     decoded once for routing as well — or :class:`BadRequest` naming the field that is wrong."""
     try:
         if not body.isascii():

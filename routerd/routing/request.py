@@ -156,17 +156,24 @@ class TokenRatio:
         self.value = min(max(self._tokens / self._bytes, 1 / 16), 2.0)
 
 
+def _no_block_size(fleet: str) -> int | None:
+    return None
+
+
 class RequestViews:
     """Builds the request views of one router: the hashing settings and each fleet's :class:`TokenRatio`."""
 
-    def __init__(self, cfg: RoutingConfig) -> None:
+    def __init__(self, cfg: RoutingConfig, *,
+                 keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] | None = None,
+                 learned_block_size: Callable[[str], int | None] | None = None,
+                 keying: KeyingProcess | None = None) -> None:
         self.ratios: dict[str, TokenRatio] = {}
         # fleet → how its engines key blocks (keyer, block size if configured, first parent); and the
         # block size the engines' own events state, for a fleet whose config does not say
-        self.keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] = {}
-        self.learned_block_size: Callable[[str], int | None] = lambda fleet: None
+        self.keyers = keyers if keyers is not None else {}
+        self.learned_block_size: Callable[[str], int | None] = learned_block_size or _no_block_size
         # long prompts are keyed there when set (routerd.routing.keying_process), else in a thread
-        self.keying: KeyingProcess | None = None
+        self.keying = keying
         self.configure(cfg)
 
     def configure(self, cfg: RoutingConfig) -> None:

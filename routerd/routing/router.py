@@ -126,20 +126,22 @@ class Router:
 
     def __init__(self, registry: Registry, policy: RoutingPolicy, cfg: RoutingConfig, *,
                  breaker: CircuitBreaker | None = None, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, views: RequestViews | None = None,
+                 engine_cache: EngineCacheSource | None = None) -> None:
+        """``views`` builds the request views (with the engines' keyers when their KV events are
+        followed); ``engine_cache`` is the engines' own cache views (routerd.routing.engine_events)."""
         self.registry = registry
         self.policy = policy
         self.cfg = cfg
         self.clock = clock
         self.breaker = breaker or CircuitBreaker(cfg, clock)
         self.rng = rng or random.Random()
-        self.views = RequestViews(cfg)
+        self.views = views if views is not None else RequestViews(cfg)
         self.index = PrefixIndex(cfg.prefix_index_max_blocks)
         self.sessions = Sessions(cfg.sessions_max)
         self._tracks: dict[str, _Track] = {}
         self._decisions = 0
-        # The engines' own cache views (routerd.routing.engine_events), set by whoever subscribes them.
-        self.engine_cache: EngineCacheSource | None = None
+        self.engine_cache = engine_cache
 
     @classmethod
     def from_config(cls, registry: Registry, cfg: RoutingConfig, **kwargs: object) -> Router:

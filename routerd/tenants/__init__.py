@@ -1,5 +1,5 @@
 """Tenants: who sent the work, what share of a saturated fleet they get, what they may send, what
-they used. The fair share itself is decided by the one scheduler, :mod:`routerd.admission`.
+they used. The fair share itself is decided by the one scheduler, :mod:`routerd.dataplane.admission`.
 
 Only the light parts are re-exported here (the config loader checks key forms through this package);
 the per-data-plane service, which talks to Redis, is :mod:`routerd.tenants.service`."""
@@ -8,7 +8,5 @@ from ..apikeys import KeyFormError
 from .body import RequestFacts, inspect
 from .directory import DEFAULT, Directory, Tenant
 from .fairshare import Share
-from .tap import Usage, UsageTap
 
-__all__ = ["DEFAULT", "Directory", "KeyFormError", "RequestFacts", "Share", "Tenant", "Usage", "UsageTap",
-           "inspect"]
+__all__ = ["DEFAULT", "Directory", "KeyFormError", "RequestFacts", "Share", "Tenant", "inspect"]

@@ -5,7 +5,8 @@ the engine's own count at the end. It is the request view's (:class:`routerd.plu
 built where the body was parsed for routing): the same figure routing uses, at the fleet's learned
 tokens per byte, and the body decoded once. The body goes to upstream as the client sent it: a stream's usage,
 which vLLM sends only when ``stream_options.include_usage`` is asked, is asked for by upstream's one
-reader of streams (:func:`routerd.resume.meter`), which also hides it from a client that did not ask.
+reader of streams (:func:`routerd.dataplane.resume.meter`), which also hides it from a client that did
+not ask.
 
 Without a view (an upstream that is not routerd's, in tests) the estimate is the JSON length of the
 prompt (or the messages) over four: about one token per four
@@ -47,7 +48,7 @@ class RequestFacts:
 
 
 def inspect(body: bytes, view: RequestView | None = None) -> RequestFacts:
-    """The facts of a body that :func:`routerd.ingress.validate.check_body` accepted, ``view`` its
+    """The facts of a body that :func:`routerd.ingress.validate.read_head` accepted, ``view`` its
     request view."""
     if view is not None and view.prompt_tokens:
         return RequestFacts(view.prompt_tokens, body)

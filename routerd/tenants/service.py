@@ -4,7 +4,7 @@ Both ways in use it the same way around the engine call::
 
     charge = await tenancy.charge(tenant, fleet, facts)       # HTTP: RateLimited (429) when over
     charge = await tenancy.wait_for_quota(name, fleet, facts, deadline)  # queue: waits instead
-    ... admission ticket, upstream.forward(..., sink=UsageTap(...)) ...
+    ... admission ticket, upstream.forward(..., sink=UsageTap(...)) ...  # routerd/dataplane/dispatch.py
     tenancy.settle(charge, tap.usage(), status=tap.status, ok=...)  # usage counted, tokens corrected
 
 It owns one Redis client (rate-limit scripts and usage writes), opened lazily and closed when
@@ -25,15 +25,14 @@ import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..config import Config
-from ..errors import DeadlineExceeded, PermissionDenied, RateLimited
+from ..errors import BadRequest, DeadlineExceeded, PermissionDenied, RateLimited, quote
 from ..keys import Keys
 from ..redis_server import redis_client
 from .body import RequestFacts
 from .directory import Directory, Tenant
 from .fairshare import Share
 from .ratelimit import UNLIMITED, Grant, RateLimiter
-from .tap import Usage
-from .usage import COUNTERS, UsageLedger
+from .usage import COUNTERS, Usage, UsageLedger
 
 __all__ = ["Charge", "Tenancy"]
 
@@ -100,17 +99,30 @@ class Tenancy:
                     async with asyncio.timeout(2.0):
                         await client.aclose()
 
-    def shares(self) -> dict[str, Share]:
-        """Each tenant's weight and concurrency bound, for admission's fair share."""
+    def shares(self) -> dict[str, Share] | None:
+        """Each tenant's weight and concurrency bound, for admission's fair share; None without
+        ``[[tenants]]``."""
+        if not self.directory.configured:
+            return None
         return {t.name: Share(t.weight, t.max_concurrent) for t in self.directory.tenants.values()}
 
     # the request path ----------------------------------------------------------------------------
     def tenant(self, name: str) -> Tenant | None:
         return self.directory.get(name)
 
+    def named(self, name: str) -> Tenant:
+        """The tenant a queue job names, else :class:`BadRequest` listing the tenants."""
+        tenant = self.directory.get(name)
+        if tenant is None:
+            known = ", ".join(sorted(self.directory.tenants))
+            raise BadRequest(f"tenant: no tenant named {quote(repr(name))} (tenants: {known})",
+                             param="tenant")
+        return tenant
+
     def check_fleet(self, tenant: Tenant, fleet: str) -> None:
+        """:class:`PermissionDenied` (403) unless ``tenant`` may use ``fleet`` — both ways in."""
         if not tenant.allows(fleet):
-            raise PermissionDenied(f"tenant {tenant.name!r} may not use this model "
+            raise PermissionDenied(f"tenant {tenant.name!r} may not use fleet {fleet!r} "
                                    f"(fleets allowed: {', '.join(sorted(tenant.fleets))})", param="model")
 
     async def charge(self, tenant: Tenant, fleet: str, facts: RequestFacts) -> Charge:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -25,7 +25,7 @@ import redis.exceptions
 from .. import log
 from ..keys import Keys
 
-__all__ = ["COUNTERS", "UsageLedger", "day_of", "read_days"]
+__all__ = ["COUNTERS", "Usage", "UsageLedger", "day_of", "read_days"]
 
 _log = log.get("routerd.tenants")
 COUNTERS = ("requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens")
@@ -35,6 +35,17 @@ _FINAL_FLUSH_S = 2.0
 
 def day_of(epoch_s: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(epoch_s))
+
+
+class Usage(NamedTuple):
+    """Tokens the engine reported for one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class UsageLedger:

@@ -4,9 +4,10 @@ Modules, each importing only those listed after it:
 
 - ``consumer``: :class:`QueueIngress` — reading under capacity, the group, the lifecycle, depth samples;
 - ``cancel``: the cancel channel's listener and ``cancel_local``;
-- ``job``: one job's life — validate, attempts, redelivery, result, dead letter;
+- ``job``: one job's life — validate, read it into the dispatch's request (:mod:`routerd.dataplane.dispatch`),
+  redelivery, result, dead letter;
 - ``reclaim``: own-pending recovery, ``XAUTOCLAIM`` of idle jobs, keep-alive, delivery counts;
-- ``sinks``: where the upstream writes a job's response (in memory, or chunks to ``reply_to``);
+- ``sinks``: where the engine call writes a job's response (in memory, or chunks to ``reply_to``);
 - ``store``: the Lua scripts and the batching writer every Redis write goes through;
 - ``held``: the jobs this consumer holds.
 
@@ -14,9 +15,8 @@ The messages and key names are :mod:`routerd.jobs` and :mod:`routerd.keys`, shar
 """
 
 from .consumer import QueueIngress
-from .job import Forwarder, ForwardOutcome
 from .sinks import BufferSink, ReplyRefused, StreamSink
 from .store import REDIS_DOWN, BatchWriter, JobStore
 
-__all__ = ["REDIS_DOWN", "BatchWriter", "BufferSink", "ForwardOutcome", "Forwarder", "JobStore",
-           "QueueIngress", "ReplyRefused", "StreamSink"]
+__all__ = ["REDIS_DOWN", "BatchWriter", "BufferSink", "JobStore", "QueueIngress", "ReplyRefused",
+           "StreamSink"]

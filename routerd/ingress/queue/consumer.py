@@ -8,8 +8,9 @@ most what the fleets' admission can take now, so the backlog stays in Redis and 
 not grow with it.
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
-that stores its result (:mod:`.store`). A job whose tenant is over its rate limit holds no slot, and
-beyond a room of ``read_batch`` per tenant it is set aside — pending in Redis, a small record here —
+that stores its result (``JobStore.acknowledge``, :mod:`.store`). A job whose tenant is over its rate
+limit holds no slot, and beyond a room of ``read_batch`` per tenant it is set aside — pending in
+Redis, a small record here —
 and brought back by :meth:`QueueIngress._aside_loop`, so one limited tenant's backlog never stops the
 reading of the others' work (see :mod:`.held`). Redis outages pause reading (backoff, reconnect); finished
 results wait in the writer and are stored when Redis returns.
@@ -30,15 +31,16 @@ import redis.exceptions
 
 from ... import _aio, log
 from ..._aio import wait_for
-from ...admission import Admission
 from ...config import Config
+from ...dataplane.admission import Admission
+from ...dataplane.dispatch import Dispatch
 from ...keys import Keys
 from ...redis_server import redis_client
-from ...registry import Registry
 from ...tenants.service import Tenancy
+from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Running, as_str
-from .job import Forwarder, JobRunner
+from .job import JobRunner
 from .reclaim import Reclaimer
 from .store import REDIS_DOWN, JobStore
 
@@ -52,17 +54,14 @@ _ASIDE_MAX_JOBS = 50_000
 class QueueIngress:
     """Consumes the request stream; the daemon runs :meth:`run` in its TaskGroup."""
 
-    def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis],
-                 upstream: Forwarder, admission: Admission, registry: Registry, *,
-                 consumer: str | None = None, rng: random.Random | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+    def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis], *, dispatch: Dispatch,
+                 admission: Admission, tenancy: Tenancy, tracing: Tracing, consumer: str | None = None,
+                 rng: random.Random | None = None) -> None:
         self._cfg = cfg
-        self._own_tenancy = tenancy is None  # else the data plane's, which it updates on reload
-        self.tenancy = tenancy or Tenancy(cfg)
+        self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
-        self.registry = registry
         self.consumer = consumer or cfg.redis.consumer or socket.gethostname()
         self.keys = Keys.from_config(cfg.redis)
         self._rng = rng or random.Random()
@@ -82,15 +81,15 @@ class QueueIngress:
         self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
                                     spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
-                               self.consumer, upstream=upstream, admission=admission,
-                               stats=self.stats, rng=self._rng, tenancy=self.tenancy)
+                               self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
+                               tenancy=tenancy, tracing=tracing)
 
     @classmethod
-    def from_config(cls, cfg: Config, *, url: str, registry: Registry, upstream: Forwarder,
-                    admission: Admission, tenancy: Tenancy | None = None) -> QueueIngress:
-        """The daemon's constructor: a Redis client for ``url`` built from ``[redis]``."""
-        return cls(cfg, lambda: redis_client(url, cfg.redis), upstream, admission, registry,
-                   tenancy=tenancy)
+    def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
+                    tenancy: Tenancy, tracing: Tracing) -> QueueIngress:
+        """The assembly's constructor: a Redis client for ``url`` built from ``[redis]``."""
+        return cls(cfg, lambda: redis_client(url, cfg.redis), dispatch=dispatch, admission=admission,
+                   tenancy=tenancy, tracing=tracing)
 
     async def __aenter__(self) -> QueueIngress:
         return self
@@ -109,8 +108,6 @@ class QueueIngress:
 
     def update_config(self, cfg: Config) -> None:
         self._cfg = cfg
-        if self._own_tenancy:
-            self.tenancy.update_config(cfg)
 
     def stop_intake(self) -> None:
         """Stop reading and reclaiming; jobs already read run to completion (see :meth:`wait_idle`),
@@ -233,8 +230,9 @@ class QueueIngress:
         the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least one read batch).
         """
         fleets = [f.name for f in self._cfg.fleets]
-        free = sum(self._admission.free_slots(f) for f in fleets) - self._held.unadmitted
-        limit = sum(self._admission.intake_limit(f) for f in fleets)  # a fleet at zero: one instance's
+        intake = [self._admission.intake(f) for f in fleets]  # a fleet at zero: one instance's
+        limit = sum(lim for lim, _ in intake)
+        free = sum(f for _, f in intake) - self._held.unadmitted
         ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured and limit else 0
         # With tenants, jobs wait in admission beyond the free slots: fair share chooses between the
         # tenants whose jobs it has read, and a stream is read in order.

@@ -15,14 +15,15 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from ... import _aio, log
-from ...admission import Admission
 from ...config import Config
-from ...errors import BadRequest, DeadlineExceeded, RouterdError, error_type
+from ...dataplane.dispatch import Dispatch, Request, SetAside
+from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
 from ...jobs import (
     Attempt,
     InvalidJob,
@@ -38,12 +39,8 @@ from ...jobs import (
     salvage,
 )
 from ...keys import Keys
-from ...plugins import RequestView
-from ...routing import Decision
-from ...tenants import RequestFacts, UsageTap, inspect
-from ...tenants.service import Charge, Tenancy
-from ...tracing import Traced, Tracing, usage_attributes
-from ...upstream import ResponseSink, Upstream
+from ...tenants.service import Tenancy
+from ...tracing import Traced, Tracing
 from ..validate import read_head
 from .held import Held, Running
 from .reclaim import delivery_counts
@@ -51,28 +48,6 @@ from .sinks import BufferSink, ReplyRefused, StreamSink
 from .store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
-_MAX_PREEMPTIONS = 3  # a job's slot is taken back at most this many times, then it runs to its end
-
-
-class ForwardOutcome(Protocol):
-    """How the engine call ended (``routerd.upstream.ForwardResult``)."""
-
-    instance: str
-    attempts: int
-    status: int
-    ok: bool
-    error: str | None
-    usage: tuple[int, int] | None  # a stream's, as the engine counted it
-    decision: Decision | None  # why its first instance was chosen, for the job's log line
-    resumes: int
-
-
-class Forwarder(Protocol):
-    """The data plane's upstream (``routerd.upstream.Upstream``), or a fake in tests."""
-
-    async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
-                      stream: bool, request_id: str,
-                      request: RequestView | None = None) -> ForwardOutcome: ...
 
 
 class _Retry(Exception):
@@ -101,63 +76,41 @@ class _SetAside(Exception):
         self.tenant, self.deadline = tenant, deadline
 
 
-class _Preempt:
-    """Admission's way to take a running job's slot back: while the engine call runs it cancels it
-    (closing the connection: the engine aborts the generation), and :meth:`absorbed` tells that
-    cancellation from any other (a shutdown arriving as well is not swallowed)."""
+class _Rooms:
+    """:class:`routerd.dataplane.dispatch.Rooms` of one job: its tenant's rooms among the held jobs."""
 
-    __slots__ = ("_cancelling", "_fired", "_task")
+    __slots__ = ("_held", "_running", "_size", "_tenant")
 
-    def __init__(self) -> None:
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelling = 0
-        self._fired = False
+    def __init__(self, held: Held, running: Running, tenant: str, size: int) -> None:
+        self._held, self._running, self._tenant, self._size = held, running, tenant, size
 
-    def arm(self) -> None:
-        self._task = asyncio.current_task()
-        self._cancelling = self._task.cancelling() if self._task is not None else 0
+    def quota(self) -> AbstractContextManager[Callable[[object], bool]]:
+        return self._held.quota_room(self._running, self._tenant, self._size)
 
-    def disarm(self) -> None:
-        self._task = None
+    def slot_room_full(self) -> bool:
+        return self._held.slot_by[self._tenant] >= self._size
 
-    def __call__(self) -> bool:
-        if self._task is None or self._fired:
-            return False  # not in the engine call (waiting, or storing its result): too late
-        self._fired = True
-        self._task.cancel()
-        return True
-
-    @property
-    def fired(self) -> bool:
-        return self._fired
-
-    def absorbed(self) -> bool:
-        """After a CancelledError: True if it was this preemption alone (it is undone)."""
-        task = asyncio.current_task()
-        return self._fired and task is not None and task.uncancel() <= self._cancelling
+    def slot(self) -> AbstractContextManager[Callable[[], None]]:
+        return self._held.slot_room(self._tenant)
 
 
 class JobRunner:
     """Runs held jobs to their one result; ``QueueIngress`` owns the task each :meth:`run` runs in."""
 
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
-                 held: Held, keys: Keys, consumer: str, *, upstream: Forwarder,
-                 admission: Admission, stats: dict[str, int], rng: random.Random,
-                 tenancy: Tenancy) -> None:
+                 held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
+                 rng: random.Random, tenancy: Tenancy, tracing: Tracing) -> None:
         self._cfg = cfg
         self._client = client
         self._store = store
         self._held = held
         self._keys = keys
         self._consumer = consumer
-        self._upstream = upstream
-        self._admission = admission
+        self._dispatch = dispatch
         self._stats = stats
         self._rng = rng
         self._tenancy = tenancy
-        # The real upstream's router builds each job's request view (a fake upstream routes blind).
-        self._views = upstream.router.views if isinstance(upstream, Upstream) else None
-        self._tracing = upstream.tracing if isinstance(upstream, Upstream) else Tracing.off()
+        self._tracing = tracing  # a job's span from its read to its acknowledgement
 
     async def run(self, running: Running, raw: bytes | None) -> None:
         read_ns = time.time_ns()
@@ -181,7 +134,7 @@ class JobRunner:
                     raise
                 task.uncancel()
                 self._stats["cancelled"] += 1
-                await self._finish(running, job, error_result(
+                await self._acknowledge(running, job, error_result(
                     job.id, "the job was cancelled", "CancelledError", 499, attempts=running.delivery))
         except asyncio.CancelledError:
             raise
@@ -236,21 +189,14 @@ class JobRunner:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
         if problem is None and fleet is not None:
-            problem, code = self._tenant_problem(job, fleet.name)
+            try:
+                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name)
+            except RouterdError as e:
+                problem, code = e.message, e.status
         if problem is not None or fleet is None:
             await self._dead(running, raw, problem or "", job.id, reply_to, code=code)
             return None
         return job, fleet.name
-
-    def _tenant_problem(self, job: Job, fleet: str) -> tuple[str | None, int]:
-        """Why the job's tenant cannot send it (unknown, or not allowed that fleet), with its code."""
-        tenant = self._tenancy.tenant(job.tenant)
-        if tenant is None:
-            known = ", ".join(sorted(self._tenancy.directory.tenants))
-            return f"tenant: no tenant named {clip(repr(job.tenant), 100)} (tenants: {known})", 400
-        if not tenant.allows(fleet):
-            return f"tenant {job.tenant!r} may not use fleet {fleet!r}", 403
-        return None, 400
 
     async def _deliveries(self, running: Running, job: Job, raw: bytes, fleet: str) -> None:
         """Run the job, redelivering after retryable failures until it has a result or is dead."""
@@ -272,7 +218,7 @@ class JobRunner:
                                  code=e.code)
                 return
             else:
-                await self._finish(running, job, result)
+                await self._acknowledge(running, job, result)
                 return
             await asyncio.sleep(backoff * (0.5 + self._rng.random()))
             backoff = min(backoff * 2, 10.0)
@@ -288,7 +234,6 @@ class JobRunner:
         not hold an engine slot; it also marks the job running.
         """
         deadline = job.deadline_epoch_s(running.entry_id)
-        mono_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
         state = await self._store.begin(job.id, running.entry_id, job.reply_to)
         if isinstance(state, str):
             raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
@@ -300,10 +245,19 @@ class JobRunner:
             self._stats["cancelled"] += 1
             return error_result(job.id, "the job was cancelled", "CancelledError", 499)
         self._held.admitted(running)
-        view = await self._view(job, fleet, running)
-        facts = inspect(running.body, view)  # the view's estimate: the body is decoded once
+        # The tenant is looked up again when the job gets its quota (a reload reaches waiting jobs); one
+        # removed by a reload: the default's.
+        tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
+        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
+        # Over its limit it waits, not failing — here while its tenant's room has space (read_batch
+        # jobs), else set aside.
+        rooms = _Rooms(self._held, running, job.tenant, self._cfg().redis.read_batch)
+        req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=head, stream=job.stream,
+                      id=job.id, tenant=tenant, source="queue", priority=job.priority, deadline=deadline,
+                      session=job.session, rooms=rooms, preemptible=not job.stream,
+                      preempted=running.preempted)
         try:
-            return await self._run(running, job, fleet, facts, view, deadline, mono_deadline)
+            return await self._run(running, job, req)
         except DeadlineExceeded as e:
             self._stats["expired"] += 1
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
@@ -312,119 +266,59 @@ class JobRunner:
             return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
                                 504, attempts=running.delivery)
 
-    async def _run(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
-                   view: RequestView | None, deadline: float | None, mono_deadline: float | None) -> Result:
-        """The tenant's quota, a slot, the engine call — again when admission takes the slot back for
-        a tenant below its share (a non-streamed job: nobody has seen its output), at most
-        ``_MAX_PREEMPTIONS`` times, so a job is never starved by preemption.
+    async def _run(self, running: Running, job: Job, req: Request) -> Result:
+        """The dispatch (quota, slot, engine call — again when admission takes a non-streamed job's slot
+        back), its response into the job's result or reply stream; a failure another delivery may not
+        have raises :class:`_Retry`."""
+        sinks: list[BufferSink | StreamSink] = []
 
-        Over its limit a job waits, not failing — here while its tenant's room has space (``read_batch``
-        jobs), else set aside (:class:`_SetAside`). The tenant is the current config's (a reload
-        reaches waiting jobs; one removed by a reload: the default's)."""
-        room = self._cfg().redis.read_batch
-        while True:
-            with self._held.quota_room(running, job.tenant, room) as may_wait:
-                known = self._tenancy.tenant(job.tenant)
-                charge = await self._tracing.timed(
-                    "routerd.rate_limit", self._tenancy.wait_for_quota(job.tenant, fleet, facts, deadline,
-                                                                       may_wait=may_wait),
-                    known is not None and known.limited)
-            if charge is None:
-                raise _SetAside(job.tenant, deadline)
-            tenant = charge.tenant
-            if not tenant.allows(fleet):  # a reload took the fleet from its tenant while it waited
-                self._tenancy.withdraw(charge)
-                raise _Dead(f"tenant {tenant.name!r} may not use fleet {fleet!r}", code=403)
-            if self._admission.capped(tenant.name) and self._held.slot_by[job.tenant] >= room:
-                self._tenancy.withdraw(charge)  # at its max_concurrent, a room's worth waiting already
-                raise _SetAside(job.tenant, deadline)
-            preempt = _Preempt() if not job.stream and running.preempted < _MAX_PREEMPTIONS else None
-            try:
-                with self._held.slot_room(job.tenant) as granted:
-                    async with self._tracing.waiting("routerd.admission", self._admission.ticket(
-                            fleet, priority=tenant.priority(job.priority), deadline=mono_deadline,
-                            source="queue", tenant=tenant.name, preempt=preempt)):
-                        granted()
-                        return await self._forward_by(running, job, fleet, facts, view, charge, preempt,
-                                                      deadline)
-            except asyncio.CancelledError:
-                if preempt is None or not preempt.absorbed():
-                    raise
-                running.preempted += 1
-                self._stats["preempted"] += 1
+        def sink() -> BufferSink | StreamSink:  # one per run: a preempted run's output is dropped
+            if job.stream:
+                sinks.append(StreamSink(self._store, job.id, job.reply_to, running.delivery,
+                                        self._on_instance(job.id)))
+            else:
+                sinks.append(BufferSink(_ignore))  # the result names the instance a moment later anyway
+            return sinks[-1]
 
-    async def _forward_by(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
-                          view: RequestView | None, charge: Charge, preempt: _Preempt | None,
-                          deadline: float | None) -> Result:
-        """:meth:`_forward`, ended at the job's deadline."""
-        if deadline is None:
-            return await self._forward(running, job, fleet, facts, view, charge, preempt)
-        async with asyncio.timeout(deadline - time.time()):
-            return await self._forward(running, job, fleet, facts, view, charge, preempt)
-
-    async def _forward(self, running: Running, job: Job, fleet: str, facts: RequestFacts,
-                       view: RequestView | None, charge: Charge, preempt: _Preempt | None = None) -> Result:
-        run_no = running.delivery
-        sink: BufferSink | StreamSink
-        if job.stream:
-            sink = StreamSink(self._store, job.id, job.reply_to, run_no, self._on_instance(job.id))
-        else:
-            sink = BufferSink(_ignore)  # the result names the instance a moment later anyway
-        tap = UsageTap(sink, stream=job.stream)
-        out: ForwardOutcome | None = None
+        line: dict[str, Any] = {}
         started = time.monotonic()
+        preempted = req.preempted  # across deliveries: a job is preempted at most MAX_PREEMPTIONS times
         try:
-            if preempt is not None:
-                preempt.arm()
-            out = await self._upstream.forward(fleet, job.endpoint, facts.body, tap,
-                                               stream=job.stream, request_id=job.id,
-                                               request=view)
+            out = await self._dispatch.run(req, sink, line)
+        except SetAside as e:
+            raise _SetAside(job.tenant, req.deadline) from e
+        except PermissionDenied as e:  # a reload took the fleet from its tenant while it waited
+            raise _Dead(e.message, code=403) from None
         except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
             reason = f"reply_to {clip(e.reply_to, 100)!r} refused a chunk: {e.error}"
             if e.permanent:
                 raise _Dead(reason, reply_usable=False) from None
             raise _Retry(reason) from None
+        except DeadlineExceeded:
+            raise  # the job's result: expired
         except RouterdError as e:
             if e.retryable or e.status >= 500:
                 raise _Retry(f"{e.type}: {e.message}", getattr(e, "instance", "")) from None
-            self._log_done(running, job, fleet, started, status=e.status, error=e.message)
-            return error_result(job.id, e.message, e.type, e.status, attempts=run_no)
+            self._log_done(running, job, req.fleet, started, line)
+            return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery)
         finally:
-            if preempt is not None:
-                preempt.disarm()
-            if preempt is not None and preempt.fired:
-                self._tenancy.withdraw(charge)  # it runs again, and that run is what counts
-            usage = tap.usage(out.usage if out is not None else None)
-            self._tenancy.settle(charge, usage, status=tap.status, ok=out is not None and out.ok)
-            if self._tracing.on:
-                self._tracing.note(**usage_attributes(usage))
-        mid_stream_failure = isinstance(sink, StreamSink) and sink.status == 200 and (
-            sink.failed or not out.ok)
+            self._stats["preempted"] += req.preempted - preempted
+            running.preempted = req.preempted
+        last = sinks[-1]
+        mid_stream_failure = isinstance(last, StreamSink) and last.status == 200 and (
+            last.failed or not out.ok)
         if mid_stream_failure or (not out.ok and (out.status >= 500 or out.status == 0)):
             raise _Retry(out.error or f"upstream status {out.status}", out.instance, out.attempts)
-        self._log_done(running, job, fleet, started, status=out.status, instance=out.instance,
-                       attempts=out.attempts, **({"resumes": out.resumes} if out.resumes else {}),
-                       **({"error": out.error} if out.error else {}),
-                       **(out.decision.log_fields() if out.decision is not None else {}))
-        return sink.result(job.id, out.instance, out.attempts, out.status)
+        self._log_done(running, job, req.fleet, started, line)
+        return last.result(job.id, out.instance, out.attempts, out.status)
 
-    def _log_done(self, running: Running, job: Job, fleet: str, started: float, **fields: Any) -> None:
+    def _log_done(self, running: Running, job: Job, fleet: str, started: float,
+                  line: dict[str, Any]) -> None:
         """The job's line in the log, as the HTTP ingress writes one per request: where it ran, how it
         ended and why that instance (a retried delivery has its failures logged apart)."""
-        if self._tenancy.directory.configured:
-            fields["tenant"] = job.tenant
-        _log.info("queue_job", job_id=job.id, entry=running.entry_id, delivery=running.delivery, fleet=fleet,
-                  endpoint=job.endpoint, stream=job.stream,
-                  duration_ms=round((time.monotonic() - started) * 1000, 2), **fields)
-
-    async def _view(self, job: Job, fleet: str, running: Running) -> RequestView | None:
-        """What routing knows of the job: its prompt, its ``session`` (else the body's ``user``), its
-        priority — from the head :func:`_body_problem` decoded when the job was read."""
-        if self._views is None:
-            return None
-        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
-        view = self._views.build(fleet, job.endpoint, head, session=job.session, priority=job.priority)
-        return await self._views.with_engine_keys(view, head)
+        _log.info("queue_job", job_id=job.id, entry=running.entry_id, delivery=running.delivery,
+                  fleet=fleet, endpoint=job.endpoint, stream=job.stream,
+                  duration_ms=round((time.monotonic() - started) * 1000, 2), **line)
 
     def _on_instance(self, job_id: str) -> Callable[[str], None]:
         def note(instance: str) -> None:
@@ -454,14 +348,15 @@ class JobRunner:
         running.touched = time.monotonic()
         return counts.get(running.entry_id, running.delivery + 1)
 
-    async def _finish(self, running: Running, job: Job, result: Result | None) -> None:
+    async def _acknowledge(self, running: Running, job: Job, result: Result | None) -> None:
+        """The job's one result stored and its entry acknowledged (``XACK``), in one step."""
         running.finishing = True
         if result is not None and result.status == "error" and self._tracing.on:
             self._tracing.failed(str((result.error or {}).get("message", "error")))
         with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": result.status
                                                           if result is not None else "duplicate"}):
-            await self._store.finish(running.entry_id, job.id, job.reply_to, result,
-                                     delivery=running.delivery)
+            await self._store.acknowledge(running.entry_id, job.id, job.reply_to, result,
+                                          delivery=running.delivery)
         self._stats["done"] += 1
 
     async def _dead(self, running: Running, raw: bytes, reason: str, job_id: str | None,
@@ -479,8 +374,8 @@ class JobRunner:
         if self._tracing.on:
             self._tracing.failed(reason, **{"routerd.queue.dead": True})
         with self._tracing.span("routerd.queue.finish", {"routerd.queue.result": "dead"}):
-            await self._store.finish(running.entry_id, job_id or "", reply_to or "", result,
-                                     delivery=running.delivery, dead_reason=reason, raw=raw)
+            await self._store.acknowledge(running.entry_id, job_id or "", reply_to or "", result,
+                                          delivery=running.delivery, dead_reason=reason, raw=raw)
         self._stats["dead"] += 1
 
 

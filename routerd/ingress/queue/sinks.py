@@ -1,7 +1,7 @@
 """Where the upstream writes a queue job's response: in memory for plain jobs, to the reply stream for
 streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result).
 
-Both implement :class:`routerd.upstream.ResponseSink`, the one contract the upstream writes to (the
+Both implement :class:`routerd.dataplane.sinks.ResponseSink`, the one contract the upstream writes to (the
 HTTP ingress's sink is the other implementation)."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ return out
 # A reply_to that refuses the XADD dead-letters the entry (the result stays in the done record).
 # Run twice (a resent batch), the XACK count (0 the second time) keeps the dead-letter entry single,
 # as SET NX keeps the result single.
-FINISH = """
+ACKNOWLEDGE = """
 local c = cmsgpack.unpack(ARGV[1])
 local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
@@ -139,7 +139,7 @@ end
 return out
 """
 
-_SCRIPTS = {"begin": BEGIN, "finish": FINISH, "chunk": CHUNK}
+_SCRIPTS = {"begin": BEGIN, "acknowledge": ACKNOWLEDGE, "chunk": CHUNK}
 
 
 @dataclass
@@ -294,11 +294,11 @@ class JobStore:
         self._client = client
         self.writer = BatchWriter(client, op_timeout_s=cfg().op_timeout_s, rng=rng, common={
             "begin": lambda: [consumer, str(now_ms()), str(cfg().result_ttl_s)],
-            "finish": self._finish_common,
+            "acknowledge": self._acknowledge_common,
             "chunk": lambda: [str(cfg().reply_maxlen), str(cfg().result_ttl_s)],
         })
 
-    def _finish_common(self) -> list[Any]:
+    def _acknowledge_common(self) -> list[Any]:
         r = self._cfg()
         return [r.stream, r.group, str(r.result_ttl_s), str(r.reply_maxlen), str(now_ms()),
                 self.consumer, r.dead_stream]
@@ -334,15 +334,16 @@ class JobStore:
         self.writer.enqueue("RPUSH", key, json_encode(attempt)).add_done_callback(_log_failure)
         await self.writer.command("EXPIRE", key, self._cfg().result_ttl_s)
 
-    async def finish(self, entry_id: str, job_id: str, reply_to: str, result: Result | None, *,
+    async def acknowledge(self, entry_id: str, job_id: str, reply_to: str, result: Result | None, *,
                      delivery: int, dead_reason: str = "", raw: bytes = b"") -> bool:
-        """Store ``result`` (unless the job has one already) and send it to ``reply_to`` (``""``: the
-        done record only), dead-letter if ``dead_reason``, and acknowledge — all in one atomic step.
-        True when this call stored the result."""
+        """Where a job is acknowledged: its stream entry is ``XACK``ed in the one script that also
+        stores ``result`` (unless the job has one already), sends it to ``reply_to`` (``""``: the done
+        record only) and dead-letters it if ``dead_reason`` — one atomic step, so Redis never holds an
+        acknowledgement without a result. True when this call stored the result."""
         k = self.keys
         stored = bool(job_id and result is not None)
         payload = json_encode(result) if result is not None and stored else b""
-        written: int = await self.writer.step("finish", [
+        written: int = await self.writer.step("acknowledge", [
             entry_id, k.done(job_id) if stored else "", reply_to if stored else "",
             k.status(job_id) if stored else "", k.history(job_id) if job_id else "", payload,
             result.instance if result else "", result.status if result else "", dead_reason, raw,

@@ -1,31 +1,10 @@
-"""Mid-stream resume: a stream whose engine fails goes on from another instance as the same stream.
+"""A resumable stream's events as its client sees them: read, rewritten, and continued.
 
-:mod:`routerd.upstream` moves bytes; this module knows what they mean. For one streamed request it
-
-1. decides before the first attempt whether the request can be continued faithfully at all
-   (:func:`plan`; what cannot is :data:`NOT_CONTINUABLE`) and, if so, asks the engine for
-   ``stream_options.include_usage`` + ``continuous_usage_stats``: every chunk then carries the number of
-   completion tokens generated so far. That is how routerd knows exactly how many tokens the client was
-   sent — counting events would not: an event may carry several tokens, or none while text is held back;
-2. reads each event on its way to the client (msgspec, only the fields it needs): the text and the token
-   count so far and the stream's ``id``/``created``/``model``. Usage the client did not ask for is cut
-   out of the bytes, and chat's ``system_fingerprint`` moved back onto the finishing event where vLLM
-   puts it without ``include_usage``, so the client gets the bytes it would have got without it. Only
-   whole events are forwarded, so a failure never leaves half an event at the client;
-3. after a failure builds the request that continues the generation (:meth:`ResumableStream.
-   continuation`): ``/v1/completions`` gets the prompt plus the text already sent, chat the messages
-   plus the partial assistant message with vLLM's ``continue_final_message: true,
-   add_generation_prompt: false``; ``max_tokens`` (``max_completion_tokens``) and ``min_tokens`` shrink
-   by the tokens already sent;
-4. rewrites the continuation's events into the first stream's: its ``id``, ``created`` and ``model``,
-   chat's second role chunk dropped, usage counted over the whole generation (the first request's
-   prompt, the completion tokens of every part) — so ``finish_reason`` and usage describe it all.
-
-The same reading serves a stream that is never continued but whose usage routerd bills (:func:`meter`):
-there is one notion of what the client asked for, its own body, and one reader of the engine's events.
-
-Only a stream that is continued pays for a re-encoded event; the per-event cost of the others is one
-msgspec decode of a few fields and, when usage must be hidden, a byte slice.
+:class:`ResumableStream` reads each event on its way to the client — the text and the token count so
+far, the stream's ``id``/``created``/``model`` — cuts usage the client did not ask for, and after a
+failure builds the request that continues the generation and rewrites the continuation's events into
+the first stream's. Whether a request gets one at all is decided before it is sent
+(:mod:`routerd.dataplane.resume`, whose docstring tells the whole of it).
 """
 
 from __future__ import annotations
@@ -34,36 +13,14 @@ from typing import Any
 
 import msgspec
 
-from .errors import sse_error_event
+from ..errors import sse_error_event
 
-__all__ = ["NOT_CONTINUABLE", "ResumableStream", "meter", "plan", "reader"]
+__all__ = ["CHAT", "BodyFields", "ResumableStream", "StreamOptions", "decode_body",
+           "prompt_text"]
 
 CHAT = "/v1/chat/completions"
 
-# Why a request cannot be continued faithfully on another instance (README, "Resume"): its stream ends
-# as before, with the terminal error event. Checked on the request before it is sent, and — for what
-# only the output shows — on the events that reached the client.
-NOT_CONTINUABLE: dict[str, str] = {
-    "n": "n > 1 (several choices streamed interleaved)",
-    "best_of": "best_of > 1 or beam search (the output is chosen at the end)",
-    "echo": "echo (the prompt is part of the output)",
-    "logprobs": "logprobs on /v1/completions (text_offset counts from the start of the output)",
-    "prompt_logprobs": "prompt_logprobs (they describe a prompt the continuation changes)",
-    "tools": "tools (a tool call's arguments follow a grammar that cannot start over mid-way)",
-    "structured": "structured output: response_format json, structured_outputs, guided_* (a grammar "
-                  "that cannot start over mid-way)",
-    "kv_transfer": "kv_transfer_params (disaggregated prefill)",
-    "prompt": "a /v1/completions prompt that is not one string (token ids or a batch)",
-    "fields": "a field routerd cannot read (the engine will say what is wrong with it)",
-    "reasoning": "reasoning or tool-call output already sent (a parser's state cannot be rebuilt)",
-    "unreadable": "an event routerd could not read",
-    "uncounted": "no token counts from the engine (it ignored stream_options.continuous_usage_stats)",
-    "content": "continue_final_message on a final message whose content is not a string",
-    "budget": "the token budget is spent but the engine never said the generation finished",
-}
-
 _USAGE_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
-_USAGE_OPTIONS_JSON = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
 _NULL = msgspec.Raw(b"null")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest.max_tokens when the client sends none
 _MAX_EVENT_BYTES = 1 << 20  # bytes without an event's end after which they are passed on unread
@@ -72,12 +29,12 @@ _decode_any = msgspec.json.Decoder().decode
 _UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
-class _StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class _Request(msgspec.Struct):
+class BodyFields(msgspec.Struct):
     """The fields of an OpenAI request body that decide whether its stream can be continued."""
 
     prompt: msgspec.Raw = _NULL
@@ -99,7 +56,7 @@ class _Request(msgspec.Struct):
     continue_final_message: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    stream_options: _StreamOptions | msgspec.UnsetType | None = msgspec.UNSET
+    stream_options: StreamOptions | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Delta(msgspec.Struct):
@@ -139,112 +96,12 @@ class _Event(msgspec.Struct):
     error: msgspec.Raw = _NULL
 
 
-_decode_request = msgspec.json.Decoder(_Request).decode
+decode_body = msgspec.json.Decoder(BodyFields).decode
 _decode_event = msgspec.json.Decoder(_Event).decode
 _decode_ident = msgspec.json.Decoder(_Ident).decode
 
 
-def reader(endpoint: str, body: bytes, *, resumable: bool) -> ResumableStream | str:
-    """How upstream reads this streamed request, its body decoded once: a stream it may continue
-    (:func:`plan`), one read only for its usage (:func:`meter`), or — the string — why it is passed
-    through untouched (``"disabled"`` when resume is off)."""
-    try:
-        req = _decode_request(body)
-    except (msgspec.ValidationError, *_UNREADABLE):
-        return "fields" if resumable else "disabled"
-    planned = _plan(endpoint, body, req) if resumable else "disabled"
-    if not isinstance(planned, str):
-        return planned
-    return _meter(endpoint, body, req, planned) or planned
-
-
-def plan(endpoint: str, body: bytes) -> ResumableStream | str:
-    """A :class:`ResumableStream` for this streamed request, or the key in :data:`NOT_CONTINUABLE`
-    of why it cannot be continued (its stream is then passed through untouched, as before)."""
-    try:
-        req = _decode_request(body)
-    except (msgspec.ValidationError, *_UNREADABLE):
-        return "fields"
-    return _plan(endpoint, body, req)
-
-
-def _plan(endpoint: str, body: bytes, req: _Request) -> ResumableStream | str:
-    why = _obstacle(endpoint, req)
-    if why:
-        return why
-    if req.continue_final_message and endpoint == CHAT and not _final_content_is_text(body):
-        return "content"
-    return ResumableStream(endpoint, body, req)
-
-
-def meter(endpoint: str, body: bytes, why: str) -> ResumableStream | None:
-    """A :class:`ResumableStream` that is never continued (``why``: the :data:`NOT_CONTINUABLE` key, or
-    ``"disabled"``) but reads the stream for its usage, the way a continuable one is read: the engine is
-    asked for the counts, the client gets the bytes of its own request. None when that could not be
-    faithful — a body routerd cannot read, or several choices the client did not ask usage for (vLLM
-    puts ``system_fingerprint`` on each choice's finishing event: holding them all until the usage
-    chunk would hold the other choices' text) — and the stream is passed through untouched."""
-    try:
-        req = _decode_request(body)
-    except (msgspec.ValidationError, *_UNREADABLE):
-        return None
-    return _meter(endpoint, body, req, why)
-
-
-def _meter(endpoint: str, body: bytes, req: _Request, why: str) -> ResumableStream | None:
-    opts = req.stream_options
-    asked = isinstance(opts, _StreamOptions) and bool(opts.include_usage)
-    if not asked and (req.n not in (None, 1) or req.best_of not in (None, 1) or req.use_beam_search):
-        return None
-    rs = ResumableStream(endpoint, body, req)
-    rs.fixed = why
-    return rs
-
-
-def _given(raw: msgspec.Raw) -> bool:
-    return bytes(raw) not in (b"null", b"false", b"[]", b"{}")
-
-
-def _obstacle(endpoint: str, req: _Request) -> str:
-    chat = endpoint == CHAT
-    if req.n not in (None, 1):
-        return "n"
-    if req.best_of not in (None, 1) or req.use_beam_search:
-        return "best_of"
-    if req.echo:
-        return "echo"
-    if (not chat and _given(req.logprobs)) or _given(req.prompt_logprobs):
-        return "logprobs" if not chat and _given(req.logprobs) else "prompt_logprobs"
-    if _given(req.tools) and bytes(req.tool_choice) != b'"none"':
-        return "tools"
-    if any(_given(r) for r in (req.structured_outputs, req.guided_json, req.guided_regex,
-                               req.guided_choice, req.guided_grammar)) or _structured(req.response_format):
-        return "structured"
-    if _given(req.kv_transfer_params):
-        return "kv_transfer"
-    if not chat and _prompt_text(req.prompt) is None:
-        return "prompt"
-    return ""
-
-
-def _final_content_is_text(body: bytes) -> bool:
-    """For a chat request that continues its own final message: that message's content is a string
-    (the text sent is appended to it). Read only for such requests: it decodes the whole body."""
-    messages = _decode_any(body).get("messages")
-    return bool(messages) and isinstance(messages[-1], dict) and isinstance(messages[-1].get("content"), str)
-
-
-def _structured(raw: msgspec.Raw) -> bool:
-    if not _given(raw):
-        return False
-    try:
-        doc = _decode_any(raw)
-    except _UNREADABLE:
-        return True
-    return not (isinstance(doc, dict) and doc.get("type") == "text")
-
-
-def _prompt_text(raw: msgspec.Raw | Any) -> str | None:
+def prompt_text(raw: msgspec.Raw | Any) -> str | None:
     """The completion prompt when it is one string (or a batch of exactly one string), else None."""
     prompt = _decode_any(raw) if isinstance(raw, msgspec.Raw) else raw
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -252,20 +109,6 @@ def _prompt_text(raw: msgspec.Raw | Any) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def _with_usage_options(body: bytes, req: _Request) -> bytes:
-    """The body asking for per-chunk token counts, spliced in — a body may hold a long prompt, and is
-    never re-encoded here. Without ``stream_options`` ours go first; with the client's own (or a null,
-    or another component's), ours go last: of two members of one name a JSON parser keeps the last
-    (Python's json under FastAPI, pydantic, msgspec), and ours only ever turn counting on."""
-    opts = req.stream_options
-    if isinstance(opts, _StreamOptions) and opts.include_usage and opts.continuous_usage_stats:
-        return body
-    if opts is msgspec.UNSET:
-        i = body.find(b"{") + 1
-        sep = b"" if body[i:].lstrip().startswith(b"}") else b","
-        return body[:i] + _USAGE_OPTIONS_JSON + sep + body[i:]
-    j = body.rfind(b"}")
-    return body[:j] + b"," + _USAGE_OPTIONS_JSON + body[j:]
 
 
 def _cut_usage(event: bytes) -> bytes:
@@ -312,14 +155,14 @@ class ResumableStream:
                  "client_usage", "counted", "done", "engine_body", "error", "error_code", "finished", "fixed",
                  "gap_from", "ident", "obstacle", "parts", "prompt_tokens", "started", "tokens", "wrote_at")
 
-    def __init__(self, endpoint: str, body: bytes, req: _Request) -> None:
+    def __init__(self, endpoint: str, body: bytes, req: BodyFields, engine_body: bytes) -> None:
         self.chat = endpoint == CHAT
         self.body = body  # the client's own: continuations are built from it
         opts = req.stream_options
-        self.client_usage = isinstance(opts, _StreamOptions) and bool(opts.include_usage)
-        self.client_continuous = self.client_usage and isinstance(opts, _StreamOptions) \
+        self.client_usage = isinstance(opts, StreamOptions) and bool(opts.include_usage)
+        self.client_continuous = self.client_usage and isinstance(opts, StreamOptions) \
             and bool(opts.continuous_usage_stats)
-        self.engine_body = _with_usage_options(body, req)
+        self.engine_body = engine_body
         self.fixed = ""  # read for its usage only, never continued: why (see :func:`meter`)
         self.started = False  # the client has the response headers (set by upstream)
         self.parts: list[str] = []  # the generated text the client has
@@ -482,7 +325,7 @@ class ResumableStream:
     # ---- endings ----------------------------------------------------------------------------------
 
     def why_not(self) -> str:
-        """The :data:`NOT_CONTINUABLE` key of why this stream cannot be continued now, or ``""``."""
+        """The ``resume.NOT_CONTINUABLE`` key of why this stream cannot be continued now, or ``""``."""
         if self.obstacle:
             return self.obstacle
         if self.ident is not None and not self.counted:
@@ -545,7 +388,7 @@ class ResumableStream:
                 if isinstance(doc.get(key), int):
                     doc[key] -= sent
         else:
-            doc["prompt"] = (_prompt_text(doc["prompt"]) or "") + text
+            doc["prompt"] = (prompt_text(doc["prompt"]) or "") + text
             doc["max_tokens"] = (self._limit or _COMPLETIONS_DEFAULT_MAX_TOKENS) - sent
         if isinstance(doc.get("min_tokens"), int):
             doc["min_tokens"] = max(0, doc["min_tokens"] - sent)

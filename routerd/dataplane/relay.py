@@ -1,13 +1,13 @@
 """Relaying one streamed engine response to its sink, and how the stream ended.
 
-:mod:`routerd.upstream` decides — which instance, how many attempts, whether a failed stream is
+:mod:`routerd.dataplane.upstream` decides — which instance, how many attempts, whether a failed stream is
 resumed, what a failure costs the instance. This module only moves the bytes of one response and
 says how it ended (:class:`Ending`), in one of two ways:
 
 * :func:`passthrough`, byte for byte: a stream that will not be continued elsewhere (the request
   cannot be, or resume is off) reaches the client exactly as the engine sent it, in the pieces it
   arrived in;
-* :func:`by_event`, whole events through a :class:`~routerd.resume.ResumableStream` that reads and
+* :func:`by_event`, whole events through a :class:`~routerd.dataplane.resume.ResumableStream` that reads and
   rewrites them: a stream that may be continued on another instance never leaves half an event at
   the client, and a continuation's events join the client's stream.
 """
@@ -16,21 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ._engine_http import Response
-from .errors import quote
-from .resume import ResumableStream
-
-if TYPE_CHECKING:
-    from .upstream import ResponseSink
+from ..errors import quote
+from .engine_http import Response
+from .resume_stream import ResumableStream
+from .sinks import ResponseSink
 
 __all__ = ["ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "passthrough"]
 
 ERROR_MARK = b'data: {"error"'
 _DONE = b"data: [DONE]"
 _TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
-# What a read of the engine's body may fail with (routerd._engine_http raises only these).
+# What a read of the engine's body may fail with (routerd.dataplane.engine_http raises only these).
 NET_ERRORS = (TimeoutError, OSError)
 
 

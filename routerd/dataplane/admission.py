@@ -42,33 +42,18 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from .config import AdmissionConfig
-from .errors import DeadlineExceeded, NoReadyInstance, Overloaded, RouterdError
-from .registry import InstanceState, Registry
-from .tenants.fairshare import Line, Share, pick, victim
+from ..config import AdmissionConfig
+from ..errors import NoReadyInstance, Overloaded, RouterdError
+from ..registry import InstanceState, Registry
+from ..tenants.fairshare import Line, Share, pick, victim
+from .fleet_queue import FleetQueue, Source, Waiter
 
 if TYPE_CHECKING:
-    from .elastic import Elastic
+    from ..elastic import Elastic
 
-Source = Literal["http", "queue"]
-
-
-@dataclass(slots=True)
-class _Waiter:
-    key: tuple[float, float, int]  # the heap's order (see the module's docstring)
-    future: asyncio.Future[None]
-    source: Source = "http"
-    enqueued: float = 0.0
-    deadline: float | None = None
-
-    def __lt__(self, other: _Waiter) -> bool:
-        return self.key < other.key
-
-    def done(self) -> bool:
-        return self.future.done()
+__all__ = ["Admission", "Source"]
 
 
 class _Ticket:
@@ -81,7 +66,7 @@ class _Ticket:
                  tenant: str, preempt: Callable[[], bool] | None) -> None:
         self._adm, self._fleet, self._preempt = adm, fleet, preempt
         self._args = (priority, deadline, source, tenant)
-        self._line: Line[_Waiter] | None = None
+        self._line: Line[Waiter] | None = None
         self._held = 0
 
     async def __aenter__(self) -> None:
@@ -97,66 +82,41 @@ class _Ticket:
         self._adm._release(self._fleet, self._line)
 
 
-@dataclass
-class _FleetQueue:
-    active: int = 0
-    lines: dict[str, Line[_Waiter]] = field(default_factory=dict)  # every tenant seen in this fleet
-    waiting: dict[str, Line[_Waiter]] = field(default_factory=dict)  # those with waiters (maybe done)
-    queued_http: int = 0
-    queued_queue: int = 0
-    admitted_total: int = 0
-    rejected_total: int = 0
-    expired_total: int = 0
-    preempted_total: int = 0
-    unready_since: float | None = None  # when the fleet last lost its last ready instance
-    # the fleet's limit and ready count, as of registry version ``version`` (see Admission._slots)
-    limit: int = 0
-    ready: int = 0
-    version: int = -1
-    fresh_until: float = 0.0
-
-
 _DEFAULT_SHARE = Share()
 _SLICE_S = 1.0  # run() applies the clock (deadlines, the waiting room) at least twice per this
 _LIMIT_TTL_S = 1.0  # capacities come from scrapes, which do not change the registry's version
-_CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
 
 class Admission:
     """Per-fleet bounded priority admission. Use :meth:`ticket` around one request's whole life."""
 
     def __init__(self, registry: Registry, cfg: AdmissionConfig,
-                 clock: Callable[[], float] = time.monotonic, *, elastic: Elastic | None = None) -> None:
-        """``elastic`` starts fleets scaled to zero on demand (None: every fleet is fixed)."""
+                 clock: Callable[[], float] = time.monotonic, *, elastic: Elastic | None = None,
+                 shares: Mapping[str, Share] | None = None) -> None:
+        """``elastic`` starts fleets scaled to zero on demand (None: every fleet is fixed); ``shares``:
+        the ``[[tenants]]``' weights and concurrency bounds (None: no tenants are configured)."""
         self._registry = registry
-        self._cfg = cfg
         self._clock = clock
         self._elastic = elastic
-        self._fleets: dict[str, _FleetQueue] = {}
+        self._fleets: dict[str, FleetQueue] = {}
         self._seq = itertools.count()
         self._served = itertools.count(1)
         self._freed = asyncio.Event()
-        self._shares: dict[str, Share] = {}
-        self._tenants_configured = False
-        self._http_parts: dict[str, int] = {}  # tenant → HTTP waiters it may have per fleet
         self._tenant_active: dict[str, int] = {}  # tenant → slots held, all fleets (max_concurrent)
-        self._engine_queue: int | None = None
-        self._preempting = False
-        self.set_tenants({}, configured=False)
+        self.update_config(cfg, shares)
 
-    def update_config(self, cfg: AdmissionConfig) -> None:
+    def update_config(self, cfg: AdmissionConfig, shares: Mapping[str, Share] | None = None) -> None:
+        """Bounds and tenants' shares (start-up and reload), applied together; unknown names weigh 1."""
         self._cfg = cfg
-        self.set_tenants(self._shares, configured=self._tenants_configured)
-
-    def set_tenants(self, shares: Mapping[str, Share], *, configured: bool) -> None:
-        """The tenants' weights and concurrency bounds (start-up and reload); unknown names weigh 1."""
-        self._shares = dict(shares)
-        self._tenants_configured = configured
-        q_in_engine = self._cfg.engine_queue_per_instance
-        self._engine_queue = q_in_engine if q_in_engine is not None else (0 if configured else None)
-        self._preempting = configured and self._cfg.preempt_queue_jobs
+        self._shares: dict[str, Share] = dict(shares or {})
+        self._tenants_configured = configured = shares is not None
+        q_in_engine = cfg.engine_queue_per_instance
+        self._engine_queue: int | None = (q_in_engine if q_in_engine is not None
+                                          else (0 if configured else None))
+        self._preempting = configured and cfg.preempt_queue_jobs
         total = sum(s.weight for s in self._shares.values()) or 1.0
-        self._http_parts = {name: max(1, int(self._cfg.max_queued * s.weight / total))
+        # tenant → HTTP waiters it may have per fleet
+        self._http_parts = {name: max(1, int(cfg.max_queued * s.weight / total))
                             for name, s in self._shares.items()} if len(self._shares) > 1 else {}
         for q in self._fleets.values():
             for name, line in q.lines.items():
@@ -182,7 +142,7 @@ class Admission:
         return sum(min(per_instance, inst.capacity + extra) for inst in self._registry.instances(fleet)
                    if inst.state is InstanceState.READY)
 
-    def _slots(self, fleet: str, q: _FleetQueue, now: float) -> int:
+    def _slots(self, fleet: str, q: FleetQueue, now: float) -> int:
         """:meth:`limit` for the request path: recomputed when the registry changed (an instance came,
         went or changed state) and at least every ``_LIMIT_TTL_S`` (a scrape revealed a capacity)."""
         version = self._registry.version
@@ -200,28 +160,27 @@ class Admission:
             return self._cfg.max_inflight_per_instance
         return limit
 
+    def intake(self, fleet: str) -> tuple[int, int]:
+        """The queue path's read for ``fleet``: its :meth:`intake_limit` and the slots of it a new
+        request could take now without waiting (the limit computed once for both)."""
+        limit = self.intake_limit(fleet)
+        q = self._fleets.get(fleet)
+        taken = (q.active + q.queued_http + q.queued_queue) if q else 0
+        return limit, max(0, limit - taken)
+
     def free_slots(self, fleet: str) -> int:
         """Slots a new request could take now without waiting (the queue path pulls this many)."""
-        q = self._fleets.get(fleet)
-        active = q.active if q else 0
-        waiting = (q.queued_http + q.queued_queue) if q else 0
-        return max(0, self.intake_limit(fleet) - active - waiting)
+        return self.intake(fleet)[1]
 
     def stats(self, fleet: str) -> dict[str, int]:
-        q = self._fleets.get(fleet) or _FleetQueue()
-        return {"active": q.active, "queued_http": q.queued_http, "queued_queue": q.queued_queue,
-                "limit": self.limit(fleet), "admitted_total": q.admitted_total,
-                "rejected_total": q.rejected_total, "expired_total": q.expired_total,
-                "preempted_total": q.preempted_total}
+        return (self._fleets.get(fleet) or FleetQueue()).stats(self.limit(fleet))
 
     def tenant_stats(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         """``(tenant, fleet, {active, queued, admitted_total, slot_seconds})`` for every line."""
         now = self._clock()
         for fleet, q in self._fleets.items():
-            for name, line in q.lines.items():
-                yield name, fleet, {"active": line.active, "queued": line.queued_http + line.queued_queue,
-                                    "admitted_total": line.admitted_total,
-                                    "slot_seconds": line.occupancy(now)}
+            for name, figures in q.tenant_stats(now):
+                yield name, fleet, figures
 
     async def wait_freed(self, timeout: float) -> None:
         """Wait until some slot is released (or the registry changes); the queue consumer's pacing."""
@@ -249,12 +208,11 @@ class Admission:
         return (-aged, deadline if deadline is not None else math.inf, next(self._seq))
 
     async def _acquire(self, fleet: str, priority: int, deadline: float | None, source: Source,
-                       tenant: str) -> Line[_Waiter]:
-        q = self._fleets.get(fleet) or self._fleets.setdefault(fleet, _FleetQueue())
+                       tenant: str) -> Line[Waiter]:
+        q = self._fleets.get(fleet) or self._fleets.setdefault(fleet, FleetQueue())
         now = self._clock()
         if deadline is not None and deadline <= now:
-            q.expired_total += 1
-            raise DeadlineExceeded("the job's deadline passed before it could be dispatched")
+            raise q.expired()
         self._note_readiness(fleet, q, now)
         if q.unready_since is not None and self._elastic is not None:
             self._elastic.wake(fleet)  # a fleet scaled to zero starts an instance now
@@ -266,18 +224,18 @@ class Admission:
             return line
         if source == "http":
             self._check_room(fleet, q, line)
-        waiter = _Waiter(key=self._key(priority, deadline, now),
+        waiter = Waiter(key=self._key(priority, deadline, now),
                          future=asyncio.get_running_loop().create_future(), source=source,
                          enqueued=now, deadline=deadline)
         if line.top() is None:
-            line.join(q.waiting.values(), now, self._credit(q, line))
+            line.join(q.waiting.values(), now, q.credit(line))
             q.waiting[tenant] = line
         heapq.heappush(line.heap, waiter)
-        self._count(q, line, source, +1)
+        self._registry.queued[fleet] = q.count(line, source, +1)  # the autoscaler's demand
         if q.active < q.limit:  # slots may be free while other tenants wait at their max_concurrent
             self._dispatch(fleet, q)
         elif self._preempting:
-            self._preempt_for(q, line, now, self._credit(q, line) / 2 if source == "http" else None)
+            self._preempt_for(q, line, now, q.credit(line) / 2 if source == "http" else None)
         timer = self._timer(fleet, q, waiter, now)
         try:
             await waiter.future  # its result, or what sweep decided (deadline, no ready instance)
@@ -289,12 +247,12 @@ class Admission:
         finally:
             if timer is not None:
                 timer.cancel()
-            self._count(q, line, source, -1)
+            self._registry.queued[fleet] = q.count(line, source, -1)
             if q.waiting and q.active < q.limit:
                 self._dispatch(fleet, q)
         return line
 
-    def _check_room(self, fleet: str, q: _FleetQueue, line: Line[_Waiter]) -> None:
+    def _check_room(self, fleet: str, q: FleetQueue, line: Line[Waiter]) -> None:
         """An HTTP request may wait if the fleet's waiting room, and its tenant's part of it, have room."""
         if q.queued_http < self._cfg.max_queued \
                 and line.queued_http < self._http_parts.get(line.tenant, self._cfg.max_queued):
@@ -303,9 +261,9 @@ class Admission:
         if q.unready_since is not None:
             raise self._no_ready(fleet)
         raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
-                         f"{q.queued_http} waiting)", retry_after_s=self._retry_after(q))
+                         f"{q.queued_http} waiting)", retry_after_s=q.retry_after())
 
-    def _timer(self, fleet: str, q: _FleetQueue, w: _Waiter, now: float) -> asyncio.TimerHandle | None:
+    def _timer(self, fleet: str, q: FleetQueue, w: Waiter, now: float) -> asyncio.TimerHandle | None:
         """A wake-up for this waiter's deadline or waiting room, when it has one; anything else that
         changes (instances leaving, the waiting room starting later) :meth:`run` sees within
         ``_SLICE_S / 2``."""
@@ -331,35 +289,13 @@ class Admission:
     def shed(self, source: Source, error: Callable[[], RouterdError]) -> int:
         """Fail every waiter of ``source`` with ``error()`` (on drain: HTTP waiters are answered 503
         rather than cut off when the listener closes); how many were failed."""
-        shed = 0
-        for q in self._fleets.values():
-            for w in [w for line in q.waiting.values() for w in line.heap]:
-                if w.source == source and not w.future.done():
-                    q.rejected_total += 1
-                    w.future.set_exception(error())
-                    shed += 1
-        return shed
+        return sum(q.shed(source, error) for q in self._fleets.values())
 
-    def _sweep_fleet(self, fleet: str, q: _FleetQueue, now: float) -> None:
+    def _sweep_fleet(self, fleet: str, q: FleetQueue, now: float) -> None:
         self._note_readiness(fleet, q, now)
-        for w in [w for line in q.waiting.values() for w in line.heap]:
-            if w.future.done():
-                continue
-            err: RouterdError | None = None
-            if w.deadline is not None and w.deadline <= now:
-                q.expired_total += 1
-                err = DeadlineExceeded("the job's deadline passed before it could be dispatched")
-            elif (w.source == "http" and q.unready_since is not None
-                  and now - max(q.unready_since, w.enqueued) >= self._cfg.waiting_room_s):
-                q.rejected_total += 1
-                err = self._no_ready(fleet)
-            if err is not None:
-                w.future.set_exception(err)
-        for name, line in list(q.waiting.items()):
-            if line.top() is None:
-                del q.waiting[name]
+        q.sweep(now, self._cfg.waiting_room_s, lambda: self._no_ready(fleet))
 
-    def _note_readiness(self, fleet: str, q: _FleetQueue, now: float) -> None:
+    def _note_readiness(self, fleet: str, q: FleetQueue, now: float) -> None:
         self._slots(fleet, q, now)
         if q.ready == 0:
             if q.unready_since is None:
@@ -376,27 +312,7 @@ class Admission:
         return NoReadyInstance(f"fleet {fleet!r} is starting an instance (expected ready in {eta:.0f}s)",
                                retry_after_s=max(1.0, eta))
 
-    def _retry_after(self, q: _FleetQueue) -> float:
-        return max(1.0, min(30.0, q.queued_http / max(q.active, 1)))
-
-    @staticmethod
-    def _count(q: _FleetQueue, line: Line[_Waiter], source: Source, delta: int) -> None:
-        if source == "http":
-            q.queued_http += delta
-            line.queued_http += delta
-        else:
-            q.queued_queue += delta
-            line.queued_queue += delta
-
-    @staticmethod
-    def _credit(q: _FleetQueue, line: Line[_Waiter]) -> float:
-        """How far behind the waiting tenants (virtual seconds) a tenant starting to wait may stay:
-        ``_CREDIT_S`` seconds of its fair share of the fleet's slots (fairshare's module docstring)."""
-        total = line.weight + sum(other.weight for other in q.lines.values()
-                                  if other is not line and (other.active or other.heap))
-        return _CREDIT_S * q.limit / total
-
-    def _preempt_for(self, q: _FleetQueue, line: Line[_Waiter], now: float, margin: float | None) -> None:
+    def _preempt_for(self, q: FleetQueue, line: Line[Waiter], now: float, margin: float | None) -> None:
         """``line`` waits below its share on a full fleet (or, with ``margin``, behind over time): abort
         the most recently started preemptible request of the tenant furthest above its share (its slot
         comes here once its holder left)."""
@@ -416,13 +332,13 @@ class Admission:
         cap = self._share(tenant).max_concurrent
         return cap > 0 and self._tenant_active.get(tenant, 0) >= cap
 
-    def _grant(self, q: _FleetQueue, line: Line[_Waiter], now: float) -> None:
+    def _grant(self, q: FleetQueue, line: Line[Waiter], now: float) -> None:
         q.active += 1
         q.admitted_total += 1
         line.take(now, next(self._served))
         self._tenant_active[line.tenant] = self._tenant_active.get(line.tenant, 0) + 1
 
-    def _release(self, fleet: str, line: Line[_Waiter]) -> None:
+    def _release(self, fleet: str, line: Line[Waiter]) -> None:
         q = self._fleets[fleet]
         q.active -= 1
         line.give_back(self._clock())
@@ -437,7 +353,7 @@ class Admission:
         self._freed.set()
         self._freed = asyncio.Event()
 
-    def _dispatch(self, fleet: str, q: _FleetQueue) -> None:
+    def _dispatch(self, fleet: str, q: FleetQueue) -> None:
         waiting = q.waiting
         if not waiting:
             return
@@ -451,17 +367,13 @@ class Admission:
                 break
             heapq.heappop(line.heap)
             if waiter.deadline is not None and waiter.deadline <= now:  # never takes a slot
-                q.expired_total += 1
-                waiter.future.set_exception(DeadlineExceeded("the job's deadline passed before it could "
-                                                             "be dispatched"))
+                waiter.future.set_exception(q.expired())
             else:
                 self._grant(q, line, now)
                 waiter.future.set_result(None)
             if line.top() is None:
                 del waiting[line.tenant]
-        for name, line in list(waiting.items()):
-            if line.top() is None:
-                del waiting[name]
+        q.prune()
 
     def dispatch_all(self) -> None:
         now = self._clock()
