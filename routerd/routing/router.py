@@ -125,7 +125,7 @@ class Router:
     """Builds :class:`Candidate` views for one fleet and asks the policy to choose."""
 
     def __init__(self, registry: Registry, policy: RoutingPolicy, cfg: RoutingConfig, *,
-                 breaker: CircuitBreaker | None = None, rng: random.Random | None = None,
+                 rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic, views: RequestViews | None = None,
                  engine_cache: EngineCacheSource | None = None) -> None:
         """``views`` builds the request views (with the engines' keyers when their KV events are
@@ -134,7 +134,7 @@ class Router:
         self.policy = policy
         self.cfg = cfg
         self.clock = clock
-        self.breaker = breaker or CircuitBreaker(cfg, clock)
+        self.breaker = CircuitBreaker(cfg, clock)  # the router's own: it alone asks and charges it
         self.rng = rng or random.Random()
         self.views = views if views is not None else RequestViews(cfg)
         self.index = PrefixIndex(cfg.prefix_index_max_blocks)

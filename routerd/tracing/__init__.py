@@ -32,77 +32,30 @@ import os
 import random
 import threading
 import time
-import urllib.parse
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
-from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry.trace import SpanKind
 
 from .. import log
+from ._attributes import _route, usage_attributes
 from ._export import Collector, Exporter, resource
+from ._scopes import _CURRENT, Traced, _error, _Scope, _Waiting, current_context
+from ._setup import _pairs, engine_env, otlp_endpoint
 from ._span import CONSUMER, INTERNAL, SERVER, Span, clean_tracestate, parse_traceparent
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from ..config import TracingConfig
 
 _log = log.get("routerd.tracing")
 
 T = TypeVar("T")
 
-# the span in progress (routerd.log reads it for the log line's ids); set and reset only here
-_CURRENT = cast("ContextVar[Span | None]", log.current_span)
 _NULL: nullcontext[None] = nullcontext()
 _OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
-_TRACES_PATH = "/v1/traces"
 _ID_BITS = (1 << 64) - 1
 WAITED_NS = 1_000_000  # an admission wait this long (1 ms) or longer gets a span
-
-
-def otlp_endpoint(cfg: TracingConfig, environ: Mapping[str, str]) -> str:
-    """Where spans go (the full OTLP/HTTP traces URL), or ``""`` when tracing is off.
-
-    ``[tracing] endpoint`` first; else ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used as it is), else
-    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (a base: ``/v1/traces`` is added), as every OpenTelemetry SDK reads
-    them. ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it off whatever is set."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" \
-            or environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return ""
-    if cfg.endpoint:
-        return _traces_url(cfg.endpoint)
-    if url := environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
-        return url
-    if url := environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip():
-        return _traces_url(url)
-    return ""
-
-
-def engine_env(cfg: TracingConfig, fleet: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a launched engine is told when routerd traces (``{}`` when not): routerd's collector,
-    over OTLP/HTTP, as service ``vllm-<fleet>``; the vLLM launcher adds ``--otlp-traces-endpoint``."""
-    endpoint = otlp_endpoint(cfg, os.environ if environ is None else environ)
-    if not endpoint:
-        return {}
-    return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": f"vllm-{fleet}"}
-
-
-def _traces_url(base: str) -> str:
-    base = base.rstrip("/")
-    return base if base.endswith(_TRACES_PATH) else base + _TRACES_PATH
-
-
-def _pairs(text: str) -> dict[str, str]:
-    """``k1=v1,k2=v2``, URL-encoded: ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_HEADERS``."""
-    out: dict[str, str] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if sep and key.strip():
-            out[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(value.strip())
-    return out
 
 
 class Tracing:
@@ -339,172 +292,6 @@ class Tracing:
             span.set_error(message)
             if attributes:
                 span.attributes.update(attributes)
-
-
-def current_context() -> dict[str, str]:
-    """``traceparent`` (and ``tracestate``) of routerd's span in progress (``routerd submit``'s);
-    ``{}`` without one."""
-    span = _CURRENT.get()
-    if span is None:
-        return {}
-    return {"traceparent": span.traceparent, **({"tracestate": span.tracestate} if span.tracestate else {})}
-
-
-class _Scope:
-    """A span current for a ``with`` block, ended (and queued for export) when it leaves; an
-    exception leaving it marks it an error. A class, not ``@contextmanager``: this is per span."""
-
-    __slots__ = ("span", "token", "tracing")
-
-    def __init__(self, tracing: Tracing, span: Span) -> None:
-        self.tracing = tracing
-        self.span = span
-        self.token: Token[Span | None] | None = None
-
-    def __enter__(self) -> Span:
-        self.token = _CURRENT.set(self.span)
-        return self.span
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if exc is not None:
-            _error(self.span, exc)
-        if self.token is not None:
-            _CURRENT.reset(self.token)
-        self.tracing._end(self.span)
-
-
-class _Waiting(AbstractAsyncContextManager[T]):
-    """:meth:`Tracing.waiting`'s wrapper: times ``cm.__aenter__`` and passes everything else through
-    (a class, not ``@asynccontextmanager``: an async generator per request costs more than the span)."""
-
-    __slots__ = ("cm", "name", "parent", "tracing")
-
-    def __init__(self, tracing: Tracing, parent: Span, name: str, cm: AbstractAsyncContextManager[T]) -> None:
-        self.tracing, self.parent, self.name, self.cm = tracing, parent, name, cm
-
-    async def __aenter__(self) -> T:
-        start = time.time_ns()
-        try:
-            got = await self.cm.__aenter__()
-        except BaseException as e:
-            self.tracing._waited(self.parent, self.name, start, e)
-            raise
-        self.tracing._waited(self.parent, self.name, start, None)
-        return got
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> bool | None:
-        return await self.cm.__aexit__(exc_type, exc, tb)
-
-
-def _error(span: Span, e: BaseException) -> None:
-    if isinstance(e, asyncio.CancelledError):
-        span.attributes["error.type"] = "cancelled"
-        span.set_error("cancelled")
-    elif span.sampled:
-        span.record_exception(e)
-        if span.status == 0:  # unless Tracing.failed already said why
-            # upstream's _Retry / _Resume say why an attempt failed: the request goes on elsewhere
-            span.attributes["error.type"] = type(e).__name__.lstrip("_").lower()
-            reason = getattr(e, "reason", None)
-            if isinstance(reason, str):
-                span.attributes["routerd.failure.reason"] = reason
-            span.set_error(str(e))
-
-
-class Traced:
-    """A span made current by hand (the HTTP handler's, a queue job's) and ended by :meth:`end`, in the
-    same task, after what should carry its ids (the request's log line)."""
-
-    __slots__ = ("span", "token", "tracing")
-
-    def __init__(self, tracing: Tracing, span: Span) -> None:
-        self.tracing = tracing
-        self.span = span
-        self.token = _CURRENT.set(span)
-
-    @property
-    def trace_id(self) -> str:
-        """The trace's id as OpenTelemetry prints it; ``""`` when not sampled (no exemplar then)."""
-        return format(self.span.trace_id, "032x") if self.span.sampled else ""
-
-    @property
-    def traceparent(self) -> str:
-        return self.span.traceparent
-
-    def end(self, fields: Mapping[str, Any] | None = None, *, error: str | None = None) -> None:
-        """End the span: ``fields`` is the request's (or job's) log line, whose facts become its
-        attributes; a 5xx status or an ``error`` with a 2xx (a stream cut) marks it an error."""
-        span = self.span
-        try:
-            if fields is not None and span.sampled:
-                span.attributes.update(_attributes(fields))
-                status = fields.get("status")
-                error = error or fields.get("error")
-                if (isinstance(status, int) and status >= 500) or (error and status in (200, None)):
-                    span.set_error(str(error or f"HTTP {status}"))
-            elif error:
-                span.set_error(error)
-        finally:
-            _CURRENT.reset(self.token)
-            self.tracing._end(span)
-
-
-_FIELDS = {"status": "http.response.status_code", "model": "gen_ai.request.model",
-           "fleet": "routerd.fleet", "tenant": "routerd.tenant", "instance": "routerd.instance",
-           "attempts": "routerd.attempts", "resumes": "routerd.resumes", "stream": "routerd.stream",
-           "admission_ms": "routerd.admission_ms", "ttfb_ms": "routerd.ttfb_ms", "error": "routerd.error",
-           "delivery": "routerd.queue.delivery", "job_id": "routerd.queue.job_id",
-           "endpoint": "routerd.endpoint"}
-
-
-_ROUTE = {"policy", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cached_tokens_est",
-          "wait_est_ms", "ttft_est_ms", "session_affinity"}
-
-
-_SCALARS = frozenset({str, int, float, bool})  # what an attribute may be
-_NAMES: dict[str, str] = {}  # a log field's attribute name ("": none), learnt once per field
-_MAX_NAMES = 1024
-
-
-def _learn(keys: Iterable[str]) -> None:
-    if len(_NAMES) >= _MAX_NAMES:
-        _NAMES.clear()  # bounded whatever fields a log line grows (they are a fixed few in practice)
-    for key in keys:
-        _NAMES[key] = _FIELDS.get(key) or (
-            # the routing decision: on each attempt's span, where it applies
-            "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
-
-
-def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A log line's fields as attributes: one comprehension over a learnt name table (this runs for
-    every traced request)."""
-    if new := fields.keys() - _NAMES.keys():
-        _learn(new)
-    names = _NAMES
-    out = {names[k]: v for k, v in fields.items() if type(v) in _SCALARS and names[k]}
-    if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
-        out["gen_ai.latency.time_to_first_token"] = ttfb / 1000
-    return out
-
-
-_ROUTE_NAMES: dict[str, str] = {}
-
-
-def _route(key: str) -> str:
-    if (name := _ROUTE_NAMES.get(key)) is None:
-        name = "routerd.route." + key
-        if len(_ROUTE_NAMES) < _MAX_NAMES:
-            _ROUTE_NAMES[key] = name
-    return name
-
-
-def usage_attributes(usage: tuple[int, int] | None) -> dict[str, Any]:
-    """``gen_ai.usage.*`` of what the engine reported."""
-    if usage is None:
-        return {}
-    return {"gen_ai.usage.input_tokens": usage[0], "gen_ai.usage.output_tokens": usage[1]}
 
 
 def now_ns() -> int:

@@ -1,0 +1,136 @@
+"""The spans a ``with`` block or a request holds current: :class:`Traced` (the HTTP handler's, a queue
+job's, ended by hand after the request's log line), the scope of a span current for a block, the timer
+around an admission ticket's wait; each a small class, not a generator — they run per request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from .. import log
+from ._attributes import _attributes
+from ._span import Span
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from . import Tracing
+
+T = TypeVar("T")
+
+# the span in progress (routerd.log reads it for the log line's ids); set and reset only in tracing
+_CURRENT = cast("ContextVar[Span | None]", log.current_span)
+
+
+def current_context() -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) of routerd's span in progress (``routerd submit``'s);
+    ``{}`` without one."""
+    span = _CURRENT.get()
+    if span is None:
+        return {}
+    return {"traceparent": span.traceparent, **({"tracestate": span.tracestate} if span.tracestate else {})}
+
+
+class _Scope:
+    """A span current for a ``with`` block, ended (and queued for export) when it leaves; an
+    exception leaving it marks it an error. A class, not ``@contextmanager``: this is per span."""
+
+    __slots__ = ("span", "token", "tracing")
+
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.token: Token[Span | None] | None = None
+
+    def __enter__(self) -> Span:
+        self.token = _CURRENT.set(self.span)
+        return self.span
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is not None:
+            _error(self.span, exc)
+        if self.token is not None:
+            _CURRENT.reset(self.token)
+        self.tracing._end(self.span)
+
+
+class _Waiting(AbstractAsyncContextManager[T]):
+    """:meth:`Tracing.waiting`'s wrapper: times ``cm.__aenter__`` and passes everything else through
+    (a class, not ``@asynccontextmanager``: an async generator per request costs more than the span)."""
+
+    __slots__ = ("cm", "name", "parent", "tracing")
+
+    def __init__(self, tracing: Tracing, parent: Span, name: str, cm: AbstractAsyncContextManager[T]) -> None:
+        self.tracing, self.parent, self.name, self.cm = tracing, parent, name, cm
+
+    async def __aenter__(self) -> T:
+        start = time.time_ns()
+        try:
+            got = await self.cm.__aenter__()
+        except BaseException as e:
+            self.tracing._waited(self.parent, self.name, start, e)
+            raise
+        self.tracing._waited(self.parent, self.name, start, None)
+        return got
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        return await self.cm.__aexit__(exc_type, exc, tb)
+
+
+def _error(span: Span, e: BaseException) -> None:
+    if isinstance(e, asyncio.CancelledError):
+        span.attributes["error.type"] = "cancelled"
+        span.set_error("cancelled")
+    elif span.sampled:
+        span.record_exception(e)
+        if span.status == 0:  # unless Tracing.failed already said why
+            # upstream's _Retry / _Resume say why an attempt failed: the request goes on elsewhere
+            span.attributes["error.type"] = type(e).__name__.lstrip("_").lower()
+            reason = getattr(e, "reason", None)
+            if isinstance(reason, str):
+                span.attributes["routerd.failure.reason"] = reason
+            span.set_error(str(e))
+
+
+class Traced:
+    """A span made current by hand (the HTTP handler's, a queue job's) and ended by :meth:`end`, in the
+    same task, after what should carry its ids (the request's log line)."""
+
+    __slots__ = ("span", "token", "tracing")
+
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.token = _CURRENT.set(span)
+
+    @property
+    def trace_id(self) -> str:
+        """The trace's id as OpenTelemetry prints it; ``""`` when not sampled (no exemplar then)."""
+        return format(self.span.trace_id, "032x") if self.span.sampled else ""
+
+    @property
+    def traceparent(self) -> str:
+        return self.span.traceparent
+
+    def end(self, fields: Mapping[str, Any] | None = None, *, error: str | None = None) -> None:
+        """End the span: ``fields`` is the request's (or job's) log line, whose facts become its
+        attributes; a 5xx status or an ``error`` with a 2xx (a stream cut) marks it an error."""
+        span = self.span
+        try:
+            if fields is not None and span.sampled:
+                span.attributes.update(_attributes(fields))
+                status = fields.get("status")
+                error = error or fields.get("error")
+                if (isinstance(status, int) and status >= 500) or (error and status in (200, None)):
+                    span.set_error(str(error or f"HTTP {status}"))
+            elif error:
+                span.set_error(error)
+        finally:
+            _CURRENT.reset(self.token)
+            self.tracing._end(span)
