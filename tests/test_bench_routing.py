@@ -93,8 +93,8 @@ def test_every_workload_gives_every_figure_for_every_router(tmp_path: Path) -> N
     own prefill step (a time to the role chunk would be far less).
 
     The sizes are the least that still give every figure (this checks that they are produced, not
-    their values): half a second of arrivals is still over a hundred requests per run, and the
-    decision cost is timed at 1,024-token prompts, a sixth of the time 8,192 take."""
+    their values): half a second of arrivals is still 58–121 requests per run here, and the decision
+    cost is timed at 1,024-token prompts, a sixth of the time 8,192 take."""
     out = tmp_path / "routing.json"
     argv = [sys.executable, "-m", "routerd", "bench", "routing", "--json", str(out), "--duration", "0.5",
             "--calibrate-s", "0.2", "--scale", "0.05", "--load", "0.5", "--policies", "cache_aware",
