@@ -9,10 +9,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 pytest_plugins = [
     "tests.fixtures.sim",
+    "tests.fixtures.otlp",  # before vllm, which imports it
     "tests.fixtures.vllm",
     "tests.fixtures.redis_server",
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
     "tests.fixtures.daemon",
-    "tests.fixtures.otlp",
 ]

