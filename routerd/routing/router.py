@@ -56,11 +56,12 @@ class Decision:
     :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
     """
 
-    __slots__ = ("chosen", "events", "instance", "policy", "request", "rule", "views")
+    __slots__ = ("_fields", "chosen", "events", "instance", "policy", "request", "rule", "views")
 
     def __init__(self, instance: Instance, chosen: Candidate, views: list[Candidate], request: RequestView,
                  policy: str, rule: str, events: frozenset[str] = frozenset()) -> None:
         self.events = events  # the candidates whose cache was scored by the engine's own events
+        self._fields: dict[str, Any] | None = None  # log_fields(), made once (attempt span, log line)
         self.instance = instance
         self.chosen = chosen
         self.views = views
@@ -77,7 +78,10 @@ class Decision:
 
     def log_fields(self) -> dict[str, Any]:
         """Why this instance: the rule that chose it, its matched blocks, expected wait and estimated
-        TTFT, and the runner-up's."""
+        TTFT, and the runner-up's. Made once: a traced request's attempt span and its log line both
+        read it; callers copy it, never change it."""
+        if self._fields is not None:
+            return self._fields
         c, req = self.chosen, self.request
         out: dict[str, Any] = {
             "policy": self.policy, "rule": self.rule, "prompt_tokens_est": req.prompt_tokens,
@@ -93,6 +97,7 @@ class Decision:
             out.update(runner_up=r.id, runner_up_matched_blocks=r.matched_blocks,
                        runner_up_wait_est_ms=round(r.wait_s * 1000, 1),
                        runner_up_ttft_est_ms=round(r.ttft_s * 1000, 1))
+        self._fields = out
         return out
 
 
