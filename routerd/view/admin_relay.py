@@ -162,6 +162,8 @@ class AdminRelay:
             got: Any = await self.client.xread({self.keys.admin_calls(): last_id}, count=64, block=1000)
         for _stream, entries in got or []:
             for entry_id, fields in entries:
+                if not self.controls():  # lost control while reading: the next controller reads them back
+                    return last_id
                 last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 await self._take(execute, fields.get(b"call", b""))
         return last_id
