@@ -227,3 +227,24 @@ async def test_a_follower_with_another_fleet_config_says_so(redis_server: RedisS
     warnings = [e for e in logs if e["event"] == "fleet_config_mismatch"]
     assert len(warnings) == 1
     assert warnings[0]["controller_fingerprint"] == "one"
+
+
+async def test_a_pinned_count_holds_until_the_file_changes_the_fleets_count(
+        redis_server: RedisServer) -> None:
+    from routerd.config import FleetConfig
+    from routerd.view.replicas import ReplicaStore
+
+    def fleet(name: str, replicas: int) -> FleetConfig:
+        return FleetConfig(name=name, model=name, engine="sim", replicas=replicas)
+
+    async with client_of(redis_server) as client:
+        store = ReplicaStore(client, KEYS)
+        await store.set(fleet("g", 1), 3)
+        await store.set(fleet("h", 1), 2)
+        await store.set(fleet("gone", 1), 2)
+        assert await store.load([fleet("g", 1), fleet("h", 1)]) == {"g": 3, "h": 2}
+        # The file now says 4 for h (its count changed since the pin): the file wins, the pin goes.
+        assert await store.load([fleet("g", 1), fleet("h", 4)]) == {"g": 3}
+        assert sorted(await client.hkeys(KEYS.replicas())) == [b"g"]
+        await store.unset("g")
+        assert await store.load([fleet("g", 1)]) == {}
