@@ -248,3 +248,18 @@ async def test_a_pinned_count_holds_until_the_file_changes_the_fleets_count(
         assert sorted(await client.hkeys(KEYS.replicas())) == [b"g"]
         await store.unset("g")
         assert await store.load([fleet("g", 1)]) == {}
+
+
+def test_routerd_status_says_whose_state_it_follows_and_what_is_wrong_with_it() -> None:
+    from routerd.status import render
+
+    follower = {"role": "follower", "ident": "b", "controller": "a", "version": 12, "age_s": 4.2,
+                "stale": True, "fingerprint": "two", "controller_fingerprint": "one", "config_mismatch": True}
+    first = render({"fleets": {}, "view": follower}).splitlines()[0]
+    assert first.startswith("view: b follows a (version 12, 4.2s old)")
+    assert "STALE" in first
+    assert "CONFIG MISMATCH: fleet config two here, one on the controller" in first
+    controller = {**follower, "role": "controller", "stale": False, "config_mismatch": False}
+    assert render({"fleets": {}, "view": controller}).splitlines()[0] == \
+        "view: b controls the fleets (publishing version 12)"
+    assert render({"fleets": {}}).splitlines()[0].startswith("INSTANCE")
