@@ -263,3 +263,18 @@ def test_routerd_status_says_whose_state_it_follows_and_what_is_wrong_with_it() 
     assert render({"fleets": {}, "view": controller}).splitlines()[0] == \
         "view: b controls the fleets (publishing version 12)"
     assert render({"fleets": {}}).splitlines()[0].startswith("INSTANCE")
+
+
+async def test_redis_going_away_is_waited_out(redis_server: RedisServer) -> None:
+    ctl, fol = Registry(), Registry()
+    ctl.add(launched("g", 0))
+    async with view_running(redis_server, ctl, Flag(True), ident="a") as pub, \
+            view_running(redis_server, fol, Flag(False), ident="b", stale_after_s=0.5) as sub:
+        await until(lambda: fol.ready_count("g") == 1, "the instance followed")
+        redis_server.kill()
+        await until(lambda: sub.stale(), "the follower to call its state stale")
+        assert fol.ready_count("g") == 1  # routing goes on over the last state
+        redis_server.start()
+        ctl.add(launched("g", 1))
+        await until(lambda: fol.ready_count("g") == 2 and not sub.stale(), "the view back", timeout=10)
+        assert pub.version > 0

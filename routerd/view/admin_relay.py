@@ -36,7 +36,7 @@ _log = log.get("routerd.view")
 ANSWER_WITHIN_S = 5.0  # a controller reads its calls within a second; this covers a takeover too
 _STREAM_MAXLEN = 1000
 _REPLY_TTL_MS = 60_000
-_POLL_S = 1  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
+_POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
 
 
 class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +118,7 @@ class AdminRelay:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return None
-            block = max(1, min(_POLL_S, round(left)))
+            block = min(_POLL_S, left)
             async with _aio.timeout(self.op_timeout_s + block):
                 got: Any = await self.client.blpop([reply], timeout=block)
             if got is not None:
@@ -141,8 +141,11 @@ class AdminRelay:
                         last_id = await self._start_id()
                     last_id = await self._read(execute, last_id)
                     backoff = 0.1
-                except REDIS_DOWN as e:
-                    _log.warning("admin_relay_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                except Exception as e:  # noqa: BLE001  # a loop boundary: logged, read again
+                    if isinstance(e, REDIS_DOWN):
+                        _log.warning("admin_relay_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                    else:
+                        _log.exception("admin_relay_step_failed", retry_in_s=backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
         finally:

@@ -260,8 +260,11 @@ class FleetView:
                             self._following_since = self.clock()
                         await self._follow_step(pubsub)
                     backoff = 0.1
-                except REDIS_DOWN as e:
-                    _log.warning("fleet_view_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                except Exception as e:  # noqa: BLE001  # a loop boundary: logged, the step tried again
+                    if isinstance(e, REDIS_DOWN):
+                        _log.warning("fleet_view_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                    else:
+                        _log.exception("fleet_view_step_failed", retry_in_s=backoff)
                     if pubsub is not None:
                         await self._close(pubsub)
                         pubsub = None
@@ -322,6 +325,8 @@ class FleetView:
         else:
             self._say_stale()
         if blob == self._blob:
+            if self.state is not None:
+                self._check_fingerprint(self.state)  # this process's own may have changed (a reload)
             return False
         try:
             state = _decode(blob)
