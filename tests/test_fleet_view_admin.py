@@ -89,6 +89,13 @@ async def test_a_followers_admin_calls_are_carried_out_by_the_controller(
         assert inst is not None
         assert inst.state is InstanceState.DRAINING
         await until(lambda: b.registry.ready_count("f") == 1, "the drain followed")
+        # ...and held: the follower does not probe the engines itself (its own rotation rules would
+        # put the drained instance back between two refreshes).
+        states = set()
+        for _ in range(50):
+            states.add(b.registry.ready_count("f"))
+            await asyncio.sleep(0.02)
+        assert states == {1}
         status, body = await call(client, "POST", b.url + "/admin/instances/f:static0/undrain")
         assert status == 200
         assert body["undrained"]["id"] == "f:static0"
