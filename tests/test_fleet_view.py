@@ -278,3 +278,15 @@ async def test_redis_going_away_is_waited_out(redis_server: RedisServer) -> None
         ctl.add(launched("g", 1))
         await until(lambda: fol.ready_count("g") == 2 and not sub.stale(), "the view back", timeout=10)
         assert pub.version > 0
+
+
+async def test_a_local_change_to_a_followers_registry_is_undone_by_the_next_refresh(
+        redis_server: RedisServer) -> None:
+    ctl, fol = Registry(), Registry()
+    ctl.add(launched("g", 0))
+    async with view_running(redis_server, ctl, Flag(True), ident="a"), \
+            view_running(redis_server, fol, Flag(False), ident="b"):
+        await until(lambda: fol.ready_count("g") == 1, "the instance followed")
+        # A reload re-adds the follower's own static instance; the controller's state did not change.
+        fol.add(Instance(id="g:static0", fleet="g", url="http://127.0.0.1:1", static=True))
+        await until(lambda: sorted(i.id for i in fol) == ["g:0"], "the controller's instances again")

@@ -196,6 +196,7 @@ class FleetView:
         self.state: FleetState | None = None  # the last state published or followed
         self.version = 0
         self._blob = b""
+        self._applied_at = -1  # the registry's version right after the last state was applied
         self._fresh_at = clock()  # when this process last published or saw a new version
         self._following_since = clock()
         self._stale_logged = False
@@ -325,18 +326,23 @@ class FleetView:
         else:
             self._say_stale()
         if blob == self._blob:
-            if self.state is not None:
-                self._check_fingerprint(self.state)  # this process's own may have changed (a reload)
-            return False
-        try:
-            state = _decode(blob)
-        except msgspec.DecodeError as e:  # not ours to crash on: keep the last state, say why
-            _log.warning("fleet_view_undecodable", version=version, error=str(e))
+            state = self.state
+            if state is None or self.registry.version == self._applied_at:
+                if state is not None:
+                    self._check_fingerprint(state)  # this process's own may have changed (a reload)
+                return False
+            # Something here changed the registry since (a reload's static instances): the controller's again.
+        else:
+            try:
+                state = _decode(blob)
+            except msgspec.DecodeError as e:  # not ours to crash on: keep the last state, say why
+                _log.warning("fleet_view_undecodable", version=version, error=str(e))
+                self._blob = blob
+                return False
             self._blob = blob
-            return False
-        self._blob = blob
-        self.state = state
+            self.state = state
         apply_state(self.registry, state)
+        self._applied_at = self.registry.version
         self._check_fingerprint(state)
         return True
 
