@@ -127,6 +127,8 @@ async def test_with_no_controller_an_admin_call_is_refused_and_never_done_later(
         assert status == 503
         assert "no controlling routerd" in body["error"]["message"]
         assert time.monotonic() - started < 10
+        async with client.get(b.url + "/readyz") as r:
+            assert r.status == 200  # the follower still routes over the last state it had
         # A controller back: it reads back the calls still waiting, not the one already refused.
         flag_a.on = True
         status, body = await call(client, "POST", b.url + "/admin/instances/f:static0/drain",
