@@ -135,8 +135,12 @@ class FleetManager:
         await asyncio.to_thread(Path(self.ops.state_dir).mkdir, parents=True, exist_ok=True)
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
-        if self.replica_store is not None:  # counts an admin set, on this process or an earlier controller
-            self._replicas_override.update(await self.replica_store.load(self._fleets()))
+        if self.replica_store is not None:
+            # The counts an admin set, here or on an earlier controller: Redis holds them (one that cannot
+            # be read fails the start — a controller that cannot reach Redis holds no lease either).
+            pins = await self.replica_store.load(self._fleets())
+            self._replicas_override.clear()  # the autoscaler reads this very dict
+            self._replicas_override.update(pins)
         keep_pgs: set[str] = set()
         counts: dict[str, int] = {}  # fleet → highest adopted index + 1
         for name in await self.cluster.named_actors():
