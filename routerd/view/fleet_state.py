@@ -200,6 +200,7 @@ class FleetView:
         self._fresh_at = clock()  # when this process last published or saw a new version
         self._following_since = clock()
         self._stale_logged = False
+        self._fenced = False  # the last publish was refused (logged once until one is taken again)
         self._mismatch_logged = ""  # the controller fingerprint last warned about
 
     # what others read -------------------------------------------------------------------------
@@ -296,8 +297,12 @@ class FleetView:
                                              args=[self.token(), blob, self.expire_ms,
                                                    self.keys.fleet_channel(), 1 if changed else 0]))
         if version < 0:
-            _log.warning("fleet_view_fenced", ident=self.ident, token=self.token())
+            if not self._fenced:
+                self._fenced = True
+                _log.warning("fleet_view_fenced", ident=self.ident, token=self.token(),
+                             why="a controller with a newer lease token published the fleet state")
             return version
+        self._fenced = False
         self.state, self._blob, self.version = state, blob, version
         self._fresh_at = self.clock()
         return version
