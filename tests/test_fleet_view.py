@@ -290,3 +290,21 @@ async def test_a_local_change_to_a_followers_registry_is_undone_by_the_next_refr
         # A reload re-adds the follower's own static instance; the controller's state did not change.
         fol.add(Instance(id="g:static0", fleet="g", url="http://127.0.0.1:1", static=True))
         await until(lambda: sorted(i.id for i in fol) == ["g:0"], "the controller's instances again")
+
+
+async def test_a_reload_that_makes_a_followers_fleet_config_differ_is_warned_about(
+        redis_server: RedisServer) -> None:
+    from routerd.config import Config
+    from routerd.view.fleet_state import config_fingerprint
+
+    ctl, fol = Registry(), Registry()
+    ctl.add(launched("g", 0))
+    same = config_fingerprint(Config())
+    with structlog.testing.capture_logs() as logs:
+        async with view_running(redis_server, ctl, Flag(True), ident="a", fingerprint=same), \
+                view_running(redis_server, fol, Flag(False), ident="b", fingerprint=same) as sub:
+            await until(lambda: fol.ready_count("g") == 1, "the instance followed")
+            assert not sub.mismatch()
+            sub.update_config(msgspec.convert({"fleets": [{"name": "g", "model": "m"}]}, Config))
+            await until(lambda: any(e["event"] == "fleet_config_mismatch" for e in logs), "the warning")
+            assert sub.mismatch()
