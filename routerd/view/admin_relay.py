@@ -143,7 +143,8 @@ class AdminRelay:
                     backoff = 0.1
                 except Exception as e:  # noqa: BLE001  # a loop boundary: logged, read again
                     if isinstance(e, REDIS_DOWN):
-                        _log.warning("admin_relay_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                        if backoff == 0.1:  # once per outage
+                            _log.warning("admin_relay_redis_unavailable", error=repr(e))
                     else:
                         _log.exception("admin_relay_step_failed", retry_in_s=backoff)
                     await asyncio.sleep(backoff)

@@ -261,10 +261,14 @@ class FleetView:
                                 await pubsub.subscribe(self.keys.fleet_channel())
                             self._following_since = self.clock()
                         await self._follow_step(pubsub)
+                    if backoff > 0.1:
+                        _log.info("fleet_view_redis_back")
                     backoff = 0.1
                 except Exception as e:  # noqa: BLE001  # a loop boundary: logged, the step tried again
                     if isinstance(e, REDIS_DOWN):
-                        _log.warning("fleet_view_redis_unavailable", error=repr(e), retry_in_s=backoff)
+                        if backoff == 0.1:  # once per outage; the queue's own log says more
+                            _log.warning("fleet_view_redis_unavailable", error=repr(e),
+                                         keeping="the last fleet state")
                     else:
                         _log.exception("fleet_view_step_failed", retry_in_s=backoff)
                     if pubsub is not None:
