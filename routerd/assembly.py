@@ -37,7 +37,7 @@ import aiohttp
 
 from . import config as config_mod
 from . import log
-from .config import Config
+from .config import Config, FleetConfig
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
 from .dataplane.upstream import Upstream, make_session
@@ -54,12 +54,15 @@ from .tracing import Tracing
 _log = log.get("routerd.assembly")
 
 if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, the fleets Ray
+    import redis.asyncio as aioredis
     from aiohttp import web
 
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
     from .routing.engine_events import EngineEvents
     from .routing.keying_process import KeyingProcess
+    from .view.admin_relay import AdminRelay
+    from .view.fleet_state import FleetView
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +93,12 @@ class Routerd:
     # prompts keyed in a process of their own
     engine_events: EngineEvents | None
     keying: KeyingProcess | None
+    # with Redis: the fleet state published while this process controls, followed otherwise; admin
+    # calls made on a follower, carried out by the controller (routerd/view/)
+    fleet_view: FleetView | None = None
+    admin_relay: AdminRelay | None = None
+    # whether this process controls the fleets now (the control lease's); None: always
+    controls: Callable[[], bool] | None = None
 
     @property
     def url(self) -> str:
@@ -99,8 +108,11 @@ class Routerd:
     def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
         """The long-running loops, by task name, for the owner's TaskGroup (each runs until cancelled;
         the upstream's closes its engine connections then, the tenancy's its Redis client)."""
+        # A follower does not probe static engines: their rotation is the controller's, followed.
+        static_health = self.static_health.run() if self.controls is None \
+            else while_controlling(self.controls, self.static_health.run)
         loops = {"scraper": self.scraper.run(), "admission": self.admission.run(),
-                 "tenancy": self.tenancy.run(), "static_health": self.static_health.run(),
+                 "tenancy": self.tenancy.run(), "static_health": static_health,
                  "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
         if self.queue is not None:
             loops["queue"] = self.queue.run()
@@ -108,6 +120,12 @@ class Routerd:
             loops["fleets"] = self.fleets.run()
         if self.engine_events is not None:
             loops["kv_events"] = self.engine_events.run()
+        if self.fleet_view is not None:
+            loops["fleet_view"] = self.fleet_view.run()
+        if self.admin_relay is not None:
+            from .ingress.admin import AdminActions
+
+            loops["admin_relay"] = self.admin_relay.run(AdminActions(self.fleets, self.static_health).execute)
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -126,6 +144,8 @@ class Routerd:
                 self.registry.drop_fleet(name)
         if self.queue is not None:
             self.queue.update_config(cfg)
+        if self.fleet_view is not None:
+            self.fleet_view.update_config(cfg)
         if self.fleets is not None:
             await self.fleets.apply(cfg)
 
@@ -139,13 +159,16 @@ def launches(cfg: Config) -> bool:
 
 
 def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
-          redis_url: str = "",
+          redis_url: str = "", view_redis: aioredis.Redis | None = None,
+          controls: Callable[[], bool] | None = None,
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``)."""
+    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``). ``view_redis``
+    (the caller's client, with Redis) shares the fleet state and relays admin calls between processes;
+    ``controls()`` says whether this process controls the fleets now (None: it always does)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
@@ -190,10 +213,14 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(EngineEventsCollector(engine_events))
     if tracing.on:
         collectors.append(tracing.collector())
+    fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock)
+    if fleet_view is not None:
+        collectors.append(fleet_view.collector())
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
-                       desired_replicas=fleets.desired if fleets is not None else None, elastic=elastic)
+                       desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
+                       view_status=fleet_view.status if fleet_view is not None else None)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -203,7 +230,63 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
-                   engine_events=engine_events, keying=keying)
+                   engine_events=engine_events, keying=keying, fleet_view=fleet_view, admin_relay=admin_relay,
+                   controls=controls)
+
+
+async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coroutine[Any, Any, None]],
+                            poll_s: float = 0.1) -> None:
+    """``run()`` while ``controls()``: cancelled within ``poll_s`` of control being lost, started again
+    when it is back; until cancelled. What ``run()`` raises is raised here."""
+    while True:
+        if not controls():
+            await asyncio.sleep(poll_s)  # the seam is a callable: nothing to wait on
+            continue
+        task = asyncio.create_task(run())
+        try:
+            while controls() and not task.done():
+                await asyncio.wait({task}, timeout=poll_s)
+        finally:
+            task.cancel()
+            results = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(results[0], Exception):
+            raise results[0]
+
+
+def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
+          controls: Callable[[], bool] | None, fleets: FleetManager | None,
+          clock: Callable[[], float]) -> tuple[FleetView | None, AdminRelay | None]:
+    """With Redis: the fleet state this process publishes or follows, and the admin calls' relay."""
+    if client is None:
+        return None, None
+    from .keys import Keys
+    from .view.admin_relay import AdminRelay
+    from .view.fleet_state import FleetView, config_fingerprint
+
+    keys = Keys.from_config(cfg.redis)
+    ident = cfg.redis.consumer or socket.gethostname()
+    controls = controls if controls is not None else (lambda: True)
+
+    def replicas() -> dict[str, int]:
+        return {name: n for name, n, _, _ in fleets.replica_figures()} if fleets is not None else {}
+
+    view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
+                     controls=controls, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s, clock=clock)
+    return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)
+
+
+def _desired(view: FleetView | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:
+    """A launched fleet's replica count in ``/admin/fleets``: the controller's (followed), else this
+    process's fleet manager's, else the file's."""
+    if view is None and fleets is None:
+        return None
+
+    def desired(fleet: FleetConfig) -> int:
+        followed = view.replicas(fleet.name) if view is not None else None
+        if followed is not None:
+            return followed
+        return fleets.desired(fleet) if fleets is not None else fleet.replicas
+    return desired
 
 
 @contextlib.asynccontextmanager
@@ -211,7 +294,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                    port: int | None = None, status: Callable[[str], None] = lambda step: None,
                    ray_connected: Callable[[], None] = lambda: None,
                    built: Callable[[Routerd], None] = lambda routerd: None, tracing: Tracing | None = None,
-                   rng: random.Random | None = None,
+                   controls: Callable[[], bool] | None = None, rng: random.Random | None = None,
                    clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
     """routerd for ``cfg`` started, in the start-up order of the module's docstring; on the way out
     (or when a step fails) everything done is undone, in reverse: the listener closed, the fleets'
@@ -229,6 +312,12 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         state.mkdir(parents=True, exist_ok=True)
         status("redis")
         redis_url = await _redis(cfg, stack, state)
+        view_redis = None
+        if redis_url:  # the shared view's client (routerd/view/), closed last but Redis
+            from .redis_server import redis_client
+
+            view_redis = redis_client(redis_url, cfg.redis)
+            stack.push_async_callback(view_redis.aclose)
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
@@ -241,9 +330,16 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             cluster = await RayCluster.connect(cfg.ray, state)
             stack.push_async_callback(cluster.close)
             ray_connected()
-            fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
-        routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
-                        cluster=cluster, rng=rng, clock=clock)
+            replica_store = None
+            if view_redis is not None:
+                from .keys import Keys
+                from .view.replicas import ReplicaStore
+
+                replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis),
+                                             op_timeout_s=cfg.redis.op_timeout_s)
+            fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock)
+        routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, view_redis=view_redis,
+                        controls=controls, fleets=fleets, cluster=cluster, rng=rng, clock=clock)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         built(routerd)
@@ -263,13 +359,14 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
 @contextlib.asynccontextmanager
 async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
                   sockets: Sequence[socket.socket] = (), stop_engines: bool = True, consume: bool = True,
-                  tracing: Tracing | None = None, rng: random.Random | None = None,
+                  tracing: Tracing | None = None, controls: Callable[[], bool] | None = None,
+                  rng: random.Random | None = None,
                   clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
     """:func:`assemble` with its loops running (benchmarks, tests): on the way out the queue stops
     reading, the loops end, the engines stop (``stop_engines``), then the rest is undone. Without
     ``consume`` the queue consumer is built but not run: the caller runs ``routerd.queue.run()``."""
-    async with assemble(cfg, registry, sockets=sockets, port=port, tracing=tracing, rng=rng,
-                        clock=clock) as routerd:
+    async with assemble(cfg, registry, sockets=sockets, port=port, tracing=tracing, controls=controls,
+                        rng=rng, clock=clock) as routerd:
         loops = routerd.loops()
         if not consume and "queue" in loops:
             loops.pop("queue").close()  # never started
@@ -339,4 +436,4 @@ def _admin_routes(routerd: Routerd) -> Callable[[web.Application], None]:
 
     http = routerd.http
     return lambda app: add_admin_routes(app, routerd.fleets, routerd.static_health,
-                                        lambda: http.cfg.http.admin_api_key)
+                                        lambda: http.cfg.http.admin_api_key, routerd.admin_relay)

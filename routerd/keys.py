@@ -94,6 +94,36 @@ class Keys:
         """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
         return self._key("usage", day)
 
+    # the shared view of several routerd processes (routerd/view/)
+    def fleet_state(self) -> str:
+        """Hash: the controller's published fleet state (``token``, ``version``, ``state`` msgpack),
+        expiring a few seconds after its last publish (routerd/view/fleet_state.py)."""
+        return self._key("fleet", "state")
+
+    def fleet_version(self) -> str:
+        """Counter: the last version of :meth:`fleet_state` published (monotonic across controllers)."""
+        return self._key("fleet", "version")
+
+    def fleet_channel(self) -> str:
+        """Pub/sub channel: a new version of :meth:`fleet_state`, announced so followers apply it at once."""
+        return self._key("fleet", "changed")
+
+    def replicas(self) -> str:
+        """Hash: replica counts set at run time (``set_replicas``), by fleet (routerd/view/replicas.py)."""
+        return self._key("fleet", "replicas")
+
+    def admin_calls(self) -> str:
+        """Stream: admin calls a follower hands to the controller (routerd/view/admin_relay.py)."""
+        return self._key("admin", "calls")
+
+    def admin_claim(self, call_id: str) -> str:
+        """Who decided one admin call's fate first: the controller taking it, or its caller giving up."""
+        return self._key("admin", f"claim:{call_id}")
+
+    def admin_reply(self, call_id: str) -> str:
+        """List: the controller's answer to one admin call."""
+        return self._key("admin", f"reply:{call_id}")
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""

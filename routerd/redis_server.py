@@ -33,6 +33,8 @@ _log = log.get("routerd.redis")
 _PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"  # where the command-line tools look without a URL or config
+# What a Redis call raises when the server is not there (down, unreachable, too slow): waited out.
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
 
 
 def embedded_url(directory: str | Path) -> str | None:

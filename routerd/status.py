@@ -109,8 +109,26 @@ def _autoscale(a: dict[str, Any] | None, now: float) -> str:
     return out
 
 
+def _view_line(v: dict[str, Any] | None) -> list[str]:
+    """With several routerd on one Redis: whether this one controls, whose fleet state it follows, and
+    loudly, a state gone stale or a fleet config that differs from the controller's."""
+    if not v:
+        return []
+    if v.get("role") == "controller":
+        line = f"view: {v.get('ident')} controls the fleets (publishing version {v.get('version')})"
+    else:
+        line = (f"view: {v.get('ident')} follows {v.get('controller') or 'no controller yet'} "
+                f"(version {v.get('version')}, {v.get('age_s', 0):.1f}s old)")
+    if v.get("stale"):
+        line += " STALE: no controller publishes; routing on the last fleet state"
+    if v.get("config_mismatch"):
+        line += (f" CONFIG MISMATCH: fleet config {v.get('fingerprint')} here, "
+                 f"{v.get('controller_fingerprint')} on the controller (the controller's fleets win)")
+    return [line]
+
+
 def render(status: dict[str, Any], now: float | None = None) -> str:
-    """The table: one block per fleet, one row per instance."""
+    """The table: one block per fleet, one row per instance; the shared view's line first, if any."""
     now = time.time() if now is None else now
     cols = ["INSTANCE", "STATE", "CIRCUIT", "URL", "PID", "NODE", "GEN", "HEARTBEAT", "WAIT", "RUN/WAIT",
             "CAPACITY", "DECODE", "PREFILL", "HIT", "VIEW", "RESTARTS", "CPU%", "RSS", "GPU MEM", "REASON"]
@@ -137,7 +155,7 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
     for r in rows:
         lines.append(r[0] if len(r) == 1 else "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
                      .rstrip())
-    return "\n".join(lines)
+    return "\n".join(_view_line(status.get("view")) + lines)
 
 
 def main(argv: list[str]) -> int:

@@ -33,9 +33,11 @@ from .. import config as config_mod
 from .. import log
 from .._aio import wait_for
 from ..config import Config, FleetConfig
+from ..errors import RouterdError
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
+from ..view.replicas import ReplicaStore
 from .adopt import adopt
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
@@ -56,9 +58,12 @@ class FleetManager:
     """Keeps every launched fleet at its desired replicas on Ray; the daemon owns ``run()``."""
 
     def __init__(self, cfg: Config, registry: Registry, cluster: RayCluster,
-                 session: aiohttp.ClientSession, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """``session`` is the process's one client session (routerd/upstream.py), for ``/health``."""
+                 session: aiohttp.ClientSession, *, replica_store: ReplicaStore | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``session`` is the process's one client session (routerd/upstream.py), for ``/health``;
+        ``replica_store`` (with Redis) keeps run-time replica counts for whoever controls next."""
         self.cfg = cfg
+        self.replica_store = replica_store
         self.registry = registry
         self.cluster = cluster
         self.clock = clock
@@ -130,6 +135,12 @@ class FleetManager:
         await asyncio.to_thread(Path(self.ops.state_dir).mkdir, parents=True, exist_ok=True)
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
+        if self.replica_store is not None:
+            # The counts an admin set, here or on an earlier controller: Redis holds them (one that cannot
+            # be read fails the start — a controller that cannot reach Redis holds no lease either).
+            pins = await self.replica_store.load(self._fleets())
+            self._replicas_override.clear()  # the autoscaler reads this very dict
+            self._replicas_override.update(pins)
         keep_pgs: set[str] = set()
         counts: dict[str, int] = {}  # fleet → highest adopted index + 1
         for name in await self.cluster.named_actors():
@@ -196,6 +207,9 @@ class FleetManager:
                 # The file changed its count or bounds: the file wins (an autoscaled fleet resumes
                 # from the pinned count, so the pin's replicas are not all dropped at once).
                 self.autoscaler.unpinned(name, self._replicas_override.pop(name))
+                if self.replica_store is not None:
+                    with contextlib.suppress(RouterdError):  # the next controller drops it too: file_of
+                        await self.replica_store.unset(name)
         running: dict[str, int] = {}
         for sup in self.supervisors.values():
             if not sup.slot.retiring:
@@ -366,6 +380,8 @@ class FleetManager:
         fcfg = self.cfg.fleet(fleet)
         if fcfg is None or fcfg.engine == "static":
             raise KeyError(fleet)
+        if self.replica_store is not None:  # stored first: a count the next controller would not see is none
+            await self.replica_store.set(fcfg, replicas)
         self._replicas_override[fleet] = replicas
         if fcfg.autoscale is not None:
             _logger.info("autoscale_pinned", fleet=fleet, replicas=replicas)
@@ -378,6 +394,8 @@ class FleetManager:
         fcfg = self.cfg.fleet(fleet)
         if fcfg is None or fcfg.engine == "static":
             raise KeyError(fleet)
+        if self.replica_store is not None:
+            await self.replica_store.unset(fleet)
         pinned = self._replicas_override.pop(fleet, None)
         if pinned is not None:
             self.autoscaler.unpinned(fleet, pinned)

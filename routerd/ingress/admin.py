@@ -11,6 +11,8 @@ static-only too (no Ray, no fleet manager). Every admin route, read or write, go
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol
 
@@ -18,11 +20,13 @@ import msgspec
 from aiohttp import web
 
 from ..config import Config
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, NotFound, RouterdError, error_json
 from ..registry import Instance, Registry
+from ..view.admin_relay import AdminAnswer, AdminCall, AdminRelay
 from .auth import check_admin
 
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
+_RELAYED_CALL_S = 10.0  # a relayed call the controller took, but a drain: its answer comes within this
 
 
 class _Replicas(msgspec.Struct, forbid_unknown_fields=True):
@@ -33,17 +37,13 @@ class _Drain(msgspec.Struct, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(ge=0, le=_MAX_DRAIN_WAIT_S)] = 30.0
 
 
-async def _body(request: web.Request, typ: type[Any]) -> Any:
-    raw = await request.read()
+def _body(raw: bytes, typ: type[Any]) -> Any:
     try:
         return msgspec.json.decode(raw or b"{}", type=typ)
     except msgspec.DecodeError as e:
         raise BadRequest(f"invalid body: {e}") from e
     except (UnicodeDecodeError, RecursionError):  # bytes that are not UTF-8, JSON nested too deep
         raise BadRequest("invalid body: not UTF-8 JSON of a sane depth") from None
-
-
-Handler = Callable[[web.Request], Awaitable[Any]]
 
 
 class FleetControl(Protocol):
@@ -76,7 +76,7 @@ class StaticControl(Protocol):
 
 
 def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, static: StaticControl,
-                     admin_key: str | Callable[[], str]) -> None:
+                     admin_key: str | Callable[[], str], relay: AdminRelay | None = None) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
     ``POST /admin/instances/{id}/undrain`` (a static instance), ``POST /admin/fleets/{fleet}/replicas``
     (``{"replicas": n}``: an autoscaled fleet is pinned there) and ``DELETE /admin/fleets/{fleet}/replicas``
@@ -85,36 +85,68 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
 
     ``fleet_manager`` is None when nothing is launched (no Ray): a static instance is still drained and
     undrained, and what applies only to launched engines answers 400 saying why. ``admin_key`` may be a
-    callable so a reload that changes the key applies to these routes too."""
+    callable so a reload that changes the key applies to these routes too. With ``relay`` (several
+    routerd on one Redis), a process that does not control the fleets hands each call, once authorised
+    here, to the one that does and answers with its answer (routerd/view/admin_relay.py)."""
     key = admin_key if callable(admin_key) else (lambda: admin_key)
-    routes = _Routes(fleet_manager, static)
+    actions = AdminActions(fleet_manager, static)
 
-    def route(handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """Authorize and run; a missing instance or fleet is a :class:`NotFound`. routerd's errors are
-        answered in OpenAI's shape by the HTTP ingress's ``errors_as_json`` middleware, as on every
-        route of the app."""
+    def route(op: str, param: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """Authorize and run, here or on the controller. routerd's errors are answered in OpenAI's
+        shape by the HTTP ingress's ``errors_as_json`` middleware, as on every route of the app."""
         async def wrapped(request: web.Request) -> web.Response:
             check_admin(request, key())
-            try:
-                return web.json_response(await handler(request))
-            except KeyError as e:
-                raise NotFound(f"no instance or fleet {e.args[0]!r}") from None
+            target, body = request.match_info[param], await request.read()
+            if relay is not None and not relay.controls():
+                answer = await relay.call(op, target, body, wait_s=_wait_s(op, body))
+                return web.Response(status=answer.status, body=answer.body, content_type="application/json")
+            return web.json_response(await actions.run(op, target, body))
         return wrapped
 
-    app.router.add_post("/admin/instances/{instance}/restart", route(routes.restart))
-    app.router.add_post("/admin/instances/{instance}/drain", route(routes.drain))
-    app.router.add_post("/admin/instances/{instance}/undrain", route(routes.undrain))
-    app.router.add_post("/admin/fleets/{fleet}/replicas", route(routes.replicas))
-    app.router.add_delete("/admin/fleets/{fleet}/replicas", route(routes.unpin))
+    app.router.add_post("/admin/instances/{instance}/restart", route("restart", "instance"))
+    app.router.add_post("/admin/instances/{instance}/drain", route("drain", "instance"))
+    app.router.add_post("/admin/instances/{instance}/undrain", route("undrain", "instance"))
+    app.router.add_post("/admin/fleets/{fleet}/replicas", route("replicas", "fleet"))
+    app.router.add_delete("/admin/fleets/{fleet}/replicas", route("unpin", "fleet"))
 
 
-class _Routes:
-    """The write routes' handlers: a static instance is the static fleets' monitor's, the rest the fleet
-    manager's. A ``KeyError`` names what was not found."""
+def _wait_s(op: str, body: bytes) -> float:
+    """How long a relayed call may run once the controller took it: a drain its ``timeout_s``."""
+    if op == "drain":
+        with contextlib.suppress(msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return msgspec.json.decode(body or b"{}", type=_Drain).timeout_s + _RELAYED_CALL_S
+    return _RELAYED_CALL_S
+
+
+class AdminActions:
+    """The write routes' actions, by name: a static instance is the static fleets' monitor's, the rest
+    the fleet manager's. The same code answers a call made here and one relayed from a follower
+    (:meth:`execute`), so both get the same status and JSON."""
 
     def __init__(self, fleet_manager: FleetControl | None, static: StaticControl) -> None:
         self.fleet_manager = fleet_manager
         self.static = static
+        self._ops: dict[str, Callable[[str, bytes], Awaitable[Any]]] = {
+            "restart": self.restart, "drain": self.drain, "undrain": self.undrain,
+            "replicas": self.replicas, "unpin": self.unpin}
+
+    async def run(self, op: str, target: str, body: bytes) -> Any:
+        """The action's JSON answer; raises routerd's errors (a missing instance or fleet: NotFound)."""
+        action = self._ops.get(op)
+        if action is None:
+            raise BadRequest(f"no admin action {op!r}")
+        try:
+            return await action(target, body)
+        except KeyError as e:
+            raise NotFound(f"no instance or fleet {e.args[0]!r}") from None
+
+    async def execute(self, call: AdminCall) -> AdminAnswer:
+        """A follower's call, carried out here (the relay's controller side)."""
+        try:
+            result = await self.run(call.op, call.target, call.body)
+        except RouterdError as e:
+            return AdminAnswer(e.status, error_json(e.message, e.type, e.status, e.param))
+        return AdminAnswer(200, json.dumps(result).encode())  # what web.json_response writes
 
     def launched(self, name: str) -> FleetControl:
         """The fleet manager; with nothing launched, every launched instance or fleet is not found."""
@@ -128,16 +160,14 @@ class _Routes:
             raise BadRequest(f"fleet {fleet!r} is static: its instances are its configured urls "
                              "(change them in the config and reload)")
 
-    async def restart(self, request: web.Request) -> Any:
-        instance = request.match_info["instance"]
+    async def restart(self, instance: str, raw: bytes) -> Any:
         if self.static.instance(instance) is not None:
             raise BadRequest(f"instance {instance!r} is static: routerd did not launch its engine and "
                              "cannot restart it (drain it, then undrain it)")
         return {"restarting": await self.launched(instance).restart_instance(instance)}
 
-    async def drain(self, request: web.Request) -> Any:
-        body: _Drain = await _body(request, _Drain)
-        instance = request.match_info["instance"]
+    async def drain(self, instance: str, raw: bytes) -> Any:
+        body: _Drain = _body(raw, _Drain)
         inst = self.static.instance(instance)
         if inst is None:
             return {"draining": await self.launched(instance).drain_instance(instance, body.timeout_s)}
@@ -146,8 +176,7 @@ class _Routes:
         await registry.wait_idle(inst, body.timeout_s)
         return {"draining": {**inst.status(registry.clock()), "drained": inst.inflight == 0}}
 
-    async def undrain(self, request: web.Request) -> Any:
-        instance = request.match_info["instance"]
+    async def undrain(self, instance: str, raw: bytes) -> Any:
         inst = self.static.instance(instance)
         if inst is None:
             if self.static.registry.get(instance) is None:
@@ -157,9 +186,8 @@ class _Routes:
         self.static.undrain(inst)
         return {"undrained": inst.status(self.static.registry.clock())}
 
-    async def replicas(self, request: web.Request) -> Any:
-        body: _Replicas = await _body(request, _Replicas)
-        fleet = request.match_info["fleet"]
+    async def replicas(self, fleet: str, raw: bytes) -> Any:
+        body: _Replicas = _body(raw, _Replicas)
         self.not_static_fleet(fleet)
         fm = self.launched(fleet)
         limit, why = fm.max_replicas(fleet)
@@ -167,7 +195,6 @@ class _Routes:
             raise BadRequest(f"replicas must be 0..{limit} for fleet {fleet!r} ({why})", param="replicas")
         return await fm.set_replicas(fleet, body.replicas)
 
-    async def unpin(self, request: web.Request) -> Any:
-        fleet = request.match_info["fleet"]
+    async def unpin(self, fleet: str, raw: bytes) -> Any:
         self.not_static_fleet(fleet)
         return await self.launched(fleet).unset_replicas(fleet)

@@ -1,0 +1,206 @@
+"""Admin calls made on a follower, carried out by the controller.
+
+Only the controlling process may restart, drain or scale (it alone supervises the engines). An admin
+write route on a follower therefore hands its call — the operation, its target, its body, already
+authorised by the follower — to the controller through Redis and answers with the controller's answer,
+the same status and JSON a call on the controller gets.
+
+The exchange is exactly-once without a consumer group: the call is appended to the stream
+:meth:`routerd.keys.Keys.admin_calls`; the controller reads the stream and *claims* each call
+(``SET NX`` on :meth:`~routerd.keys.Keys.admin_claim`) before it acts; a caller that has no answer
+within ``answer_within_s`` tries the same claim for itself. Whoever claims first decides: the caller
+answers 503 ("no controller answered"), and the controller skips the call; or the controller carries
+it out and the caller waits for its answer in the list :meth:`~routerd.keys.Keys.admin_reply` as long
+as the call may take. So a call is never carried out after its caller said it was not, and never
+twice — also when control changes hands meanwhile (the new controller reads back ``answer_within_s``
+and finds the earlier calls claimed or still waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from .. import _aio, log
+from ..errors import error_json
+from ..keys import Keys
+from ..redis_server import REDIS_DOWN
+
+_log = log.get("routerd.view")
+
+ANSWER_WITHIN_S = 5.0  # a controller reads its calls within a second; this covers a takeover too
+_STREAM_MAXLEN = 1000
+_REPLY_TTL_MS = 60_000
+_POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
+
+
+class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One admin write call: ``op`` (restart, drain, undrain, replicas, unpin), its target (an instance
+    id or a fleet name), its JSON body, who sent it and how long it may take once taken."""
+
+    id: str
+    op: str
+    target: str
+    body: bytes = b""
+    origin: str = ""
+    wait_s: float = 10.0
+
+
+class AdminAnswer(msgspec.Struct, frozen=True):
+    status: int
+    body: bytes  # JSON
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_call = msgspec.msgpack.Decoder(AdminCall).decode
+_decode_answer = msgspec.msgpack.Decoder(AdminAnswer).decode
+
+Execute = Callable[[AdminCall], Awaitable[AdminAnswer]]
+
+
+def unavailable(message: str) -> AdminAnswer:
+    return AdminAnswer(503, error_json(message, "ServiceUnavailableError", 503))
+
+
+class AdminRelay:
+    """A follower's :meth:`call`; the controller's :meth:`run` carries calls out while ``controls()``."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, ident: str, controls: Callable[[], bool],
+                 op_timeout_s: float = 5.0, answer_within_s: float = ANSWER_WITHIN_S) -> None:
+        """``client``: the caller's (it closes it)."""
+        self.client = client
+        self.keys = keys
+        self.ident = ident
+        self.controls = controls
+        self.op_timeout_s = op_timeout_s
+        self.answer_within_s = answer_within_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # the follower's side ----------------------------------------------------------------------
+    async def call(self, op: str, target: str, body: bytes, *, wait_s: float) -> AdminAnswer:
+        """Have the controller carry out ``op``; its answer, or 503 when none answers in time.
+        ``wait_s``: how long the call may run once the controller took it (a drain's ``timeout_s``)."""
+        c = AdminCall(id=uuid.uuid4().hex, op=op, target=target, body=body, origin=self.ident, wait_s=wait_s)
+        reply = self.keys.admin_reply(c.id)
+        try:
+            async with _aio.timeout(self.op_timeout_s):
+                await self.client.xadd(self.keys.admin_calls(), {"call": _encode(c)}, maxlen=_STREAM_MAXLEN,
+                                       approximate=True)
+            answer = await self._answer(reply, self.answer_within_s)
+            if answer is not None:
+                return answer
+            async with _aio.timeout(self.op_timeout_s):
+                gave_up = await self.client.set(self.keys.admin_claim(c.id), f"abandoned:{self.ident}",
+                                                nx=True, px=_REPLY_TTL_MS)
+            if gave_up:
+                _log.warning("admin_call_unanswered", op=op, target=target, waited_s=self.answer_within_s)
+                return unavailable(f"no controlling routerd took this admin call within "
+                                   f"{self.answer_within_s:g}s (is one running with Redis reachable?); "
+                                   "nothing was done")
+            # The controller took it: its answer comes when the call is done.
+            answer = await self._answer(reply, wait_s + self.answer_within_s)
+        except REDIS_DOWN as e:
+            return unavailable(f"Redis did not answer while this admin call was relayed to the controller: "
+                               f"{e!r}")
+        if answer is None:
+            return unavailable(f"the controlling routerd took this admin call but did not answer within "
+                               f"{wait_s + self.answer_within_s:g}s; it may still be carried out")
+        return answer
+
+    async def _answer(self, reply: str, within_s: float) -> AdminAnswer | None:
+        deadline = asyncio.get_running_loop().time() + within_s
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            block = min(_POLL_S, left)
+            async with _aio.timeout(self.op_timeout_s + block):
+                got: Any = await self.client.blpop([reply], timeout=block)
+            if got is not None:
+                return _decode_answer(got[1])
+
+    # the controller's side --------------------------------------------------------------------
+    async def run(self, execute: Execute) -> None:
+        """While this process controls, carry out the calls in the stream with ``execute``; until
+        cancelled (calls being carried out are cancelled with it)."""
+        backoff = 0.1
+        last_id: str | None = None
+        try:
+            while True:
+                if not self.controls():
+                    last_id = None
+                    await asyncio.sleep(0.2)
+                    continue
+                try:
+                    if last_id is None:
+                        last_id = await self._start_id()
+                    last_id = await self._read(execute, last_id)
+                    backoff = 0.1
+                except Exception as e:  # noqa: BLE001  # a loop boundary: logged, read again
+                    if isinstance(e, REDIS_DOWN):
+                        if backoff == 0.1:  # once per outage
+                            _log.warning("admin_relay_redis_unavailable", error=repr(e))
+                    else:
+                        _log.exception("admin_relay_step_failed", retry_in_s=backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _start_id(self) -> str:
+        """A new controller reads back as far as a caller still waits: older calls are answered 503."""
+        async with _aio.timeout(self.op_timeout_s):
+            now: Any = await self.client.time()
+        secs, micros = now
+        return f"{max(0, int(secs * 1000 + micros // 1000 - self.answer_within_s * 1000))}-0"
+
+    async def _read(self, execute: Execute, last_id: str) -> str:
+        async with _aio.timeout(self.op_timeout_s + 1.0):
+            got: Any = await self.client.xread({self.keys.admin_calls(): last_id}, count=64, block=1000)
+        for _stream, entries in got or []:
+            for entry_id, fields in entries:
+                if not self.controls():  # lost control while reading: the next controller reads them back
+                    return last_id
+                last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                await self._take(execute, fields.get(b"call", b""))
+        return last_id
+
+    async def _take(self, execute: Execute, raw: bytes) -> None:
+        try:
+            c = _decode_call(raw)
+        except msgspec.DecodeError as e:  # anyone with Redis access can XADD here: not ours to crash on
+            _log.warning("admin_call_undecodable", error=str(e))
+            return
+        async with _aio.timeout(self.op_timeout_s):
+            taken = await self.client.set(self.keys.admin_claim(c.id), f"taken:{self.ident}", nx=True,
+                                          px=_REPLY_TTL_MS + int(c.wait_s * 1000))
+        if not taken:
+            return  # its caller gave up (answered 503) before this controller got to it
+        task = asyncio.create_task(self._carry_out(execute, c), name=f"admin:{c.op}:{c.target}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry_out(self, execute: Execute, c: AdminCall) -> None:
+        try:
+            answer = await execute(c)
+        except Exception as e:  # noqa: BLE001  # a loop boundary: the caller gets a 500, logged whole
+            _log.exception("admin_call_failed", op=c.op, target=c.target, origin=c.origin)
+            answer = AdminAnswer(500, error_json(f"internal error in routerd: {e!r}", "InternalServerError",
+                                                 500))
+        _log.info("admin_call_relayed", op=c.op, target=c.target, origin=c.origin, status=answer.status)
+        reply = self.keys.admin_reply(c.id)
+        try:
+            async with _aio.timeout(self.op_timeout_s):
+                pipe: Any = self.client.pipeline(transaction=True)
+                pipe.rpush(reply, _encode(answer))
+                pipe.pexpire(reply, _REPLY_TTL_MS)
+                await pipe.execute()
+        except REDIS_DOWN as e:
+            _log.warning("admin_answer_lost", op=c.op, target=c.target, origin=c.origin, error=repr(e))
