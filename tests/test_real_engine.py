@@ -16,7 +16,6 @@ import aiohttp
 import pytest
 
 from routerd.fleet.actor import group_members
-from routerd.registry import InstanceState
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.test_fleet import make_cfg, running
 
@@ -65,4 +64,5 @@ async def test_real_vllm_fleet_routes_streams_and_is_replaced(ray_cluster: RayTe
         await r.wait(lambda: (r.registry.get("real:0") or inst).pid not in (None, pid), 60,
                      "replacement launched")
         new = r.registry.get("real:0")
-        assert new is not None and new.generation > gen
+        assert new is not None
+        assert new.generation > gen
