@@ -50,6 +50,7 @@ from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
+from .view.control import ControlLease
 
 _log = log.get("routerd.assembly")
 
@@ -90,6 +91,8 @@ class Routerd:
     # prompts keyed in a process of their own
     engine_events: EngineEvents | None
     keying: KeyingProcess | None
+    # the lease that lets one process at a time control the fleets (sole without Redis)
+    control: ControlLease
 
     @property
     def url(self) -> str:
@@ -104,8 +107,10 @@ class Routerd:
                  "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
         if self.queue is not None:
             loops["queue"] = self.queue.run()
+        if not self.control.sole:
+            loops["control_lease"] = self.control.run()
         if self.fleets is not None:
-            loops["fleets"] = self.fleets.run()
+            loops["fleets"] = self.fleets.run_controlled()
         if self.engine_events is not None:
             loops["kv_events"] = self.engine_events.run()
         return loops
@@ -126,6 +131,7 @@ class Routerd:
                 self.registry.drop_fleet(name)
         if self.queue is not None:
             self.queue.update_config(cfg)
+        self.control.update_config(cfg.control)
         if self.fleets is not None:
             await self.fleets.apply(cfg)
 
@@ -141,14 +147,18 @@ def launches(cfg: Config) -> bool:
 def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
           redis_url: str = "",
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
+          control: ControlLease | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``)."""
+    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``); ``control`` the
+    lease fleet control follows (the fleet manager's own; None: sole control)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
+    if control is None:
+        control = fleets.control if fleets is not None else ControlLease(_ident(cfg))
     telemetry = Telemetry()
     # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
     # instances by the engines' own cache views (routerd/routing/engine_events.py).
@@ -190,10 +200,12 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(EngineEventsCollector(engine_events))
     if tracing.on:
         collectors.append(tracing.collector())
+    collectors.append(control.collector())
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
-                       desired_replicas=fleets.desired if fleets is not None else None, elastic=elastic)
+                       desired_replicas=fleets.desired if fleets is not None else None, elastic=elastic,
+                       control=control.status)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -203,7 +215,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
-                   engine_events=engine_events, keying=keying)
+                   engine_events=engine_events, keying=keying, control=control)
 
 
 @contextlib.asynccontextmanager
@@ -232,18 +244,19 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
+        control = await _control(cfg, stack, redis_url)
         cluster: RayCluster | None = None
         fleets: FleetManager | None = None
         if launches(cfg):
             from .fleet import FleetManager, RayCluster
 
             status("ray")
-            cluster = await RayCluster.connect(cfg.ray, state)
+            cluster = await RayCluster.connect(cfg.ray, state, fence=control.check)
             stack.push_async_callback(cluster.close)
             ray_connected()
-            fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
+            fleets = FleetManager(cfg, registry, cluster, session, clock=clock, control=control)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
-                        cluster=cluster, rng=rng, clock=clock)
+                        cluster=cluster, control=control, rng=rng, clock=clock)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         built(routerd)
@@ -253,7 +266,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             # If a later step fails (say the HTTP port is taken), stop supervising; after a normal
             # drain this second shutdown finds nothing left to do.
             stack.push_async_callback(fleets.shutdown, False)
-            await fleets.start()
+            if control.controls:  # else fleet control starts when this process takes the lease
+                await fleets.start()
         status("http")
         await stack.enter_async_context(routerd.listener)
         await routerd.listener.start(_admin_routes(routerd), port=port, sockets=sockets)
@@ -273,6 +287,8 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
         loops = routerd.loops()
         if not consume and "queue" in loops:
             loops.pop("queue").close()  # never started
+        lease = loops.pop("control_lease", None)
+        lease_task = asyncio.create_task(lease, name="control_lease") if lease is not None else None
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
         try:
             yield routerd
@@ -282,8 +298,12 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # Still renewing the lease: stopping the engines is a controller's act, checked like any.
             if routerd.fleets is not None:
-                await routerd.fleets.shutdown(stop_engines=stop_engines)
+                await routerd.fleets.shutdown(stop_engines=stop_engines and routerd.control.controls)
+            if lease_task is not None:
+                lease_task.cancel()
+                await asyncio.gather(lease_task, return_exceptions=True)
 
 
 async def _tracing(cfg: Config, stack: contextlib.AsyncExitStack) -> Tracing:
@@ -317,6 +337,22 @@ async def _check_engine_tracing(cfg: Config) -> None:
             _log.warning("engine_tracing_unavailable", fleet=fleet.name, engine=fleet.engine,
                          missing=missing, effect="its engines are launched without "
                          "--otlp-traces-endpoint: traces end at routerd's attempt span")
+
+
+def _ident(cfg: Config) -> str:
+    """This process's name among several routerd: its queue consumer name (default: the hostname)."""
+    return cfg.redis.consumer or socket.gethostname()
+
+
+async def _control(cfg: Config, stack: contextlib.AsyncExitStack, redis_url: str) -> ControlLease:
+    """The control lease, one attempt to take it made (so a routerd alone on its Redis adopts and
+    launches before it binds, as without Redis); given up last on the way out, once fleet control has
+    stopped. Without Redis: sole control."""
+    control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control)
+    if not control.sole:
+        stack.push_async_callback(control.release)
+        await control.step()
+    return control
 
 
 async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> str:

@@ -94,6 +94,14 @@ class Keys:
         """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
         return self._key("usage", day)
 
+    def control_lease(self) -> str:
+        """The fleet-control lease: ``"<token> <holder json>"``, with a TTL (routerd/view/control.py)."""
+        return self._key("control", "lease")
+
+    def control_token(self) -> str:
+        """The fencing-token counter: INCR'd by each take of the control lease, never reset."""
+        return self._key("control", "token")
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""

@@ -128,7 +128,8 @@ class HttpIngress:
                  router: Router, tenancy: Tenancy, telemetry: Telemetry, metrics: Metrics, tracing: Tracing,
                  clock: Callable[[], float] = time.monotonic,
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
-                 elastic: Elastic | None = None) -> None:
+                 elastic: Elastic | None = None,
+                 control: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
         self.tenancy = tenancy  # the data plane's, shared with the queue
@@ -149,6 +150,8 @@ class HttpIngress:
         # Fleets that scale to zero: ready while at zero (a request starts one); their autoscaling
         # state in /admin/fleets.
         self.elastic = elastic
+        # Who controls the fleets (routerd/view/control.py ControlLease.status), in /admin/fleets.
+        self.control = control
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -353,7 +356,10 @@ class HttpIngress:
                 "admission": self.admission.stats(name),
                 "autoscale": self.elastic.status(name) if self.elastic is not None else None,
             }
-        return {"fleets": out, "policy": self.router.policy.name}
+        status: dict[str, Any] = {"fleets": out, "policy": self.router.policy.name}
+        if self.control is not None:
+            status["control"] = self.control()
+        return status
 
 
 def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] | None) -> int | None:
