@@ -107,8 +107,6 @@ class Routerd:
                  "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
         if self.queue is not None:
             loops["queue"] = self.queue.run()
-        if not self.control.sole:
-            loops["control_lease"] = self.control.run()
         if self.fleets is not None:
             loops["fleets"] = self.fleets.run_controlled()
         if self.engine_events is not None:
@@ -244,7 +242,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
-        control = await _control(cfg, stack, redis_url)
+        control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control)
         cluster: RayCluster | None = None
         fleets: FleetManager | None = None
         if launches(cfg):
@@ -255,6 +253,9 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             stack.push_async_callback(cluster.close)
             ray_connected()
             fleets = FleetManager(cfg, registry, cluster, session, clock=clock, control=control)
+        # After Ray's connect, which can hold the interpreter for seconds: a lease taken before it
+        # could lapse before its first renew.
+        await _take_control(control, stack)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
                         cluster=cluster, control=control, rng=rng, clock=clock)
         if routerd.keying is not None:
@@ -287,8 +288,6 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
         loops = routerd.loops()
         if not consume and "queue" in loops:
             loops.pop("queue").close()  # never started
-        lease = loops.pop("control_lease", None)
-        lease_task = asyncio.create_task(lease, name="control_lease") if lease is not None else None
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
         try:
             yield routerd
@@ -298,12 +297,10 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            # Still renewing the lease: stopping the engines is a controller's act, checked like any.
+            # The lease is still renewed (until assemble() ends): stopping the engines is a
+            # controller's act, checked like any.
             if routerd.fleets is not None:
                 await routerd.fleets.shutdown(stop_engines=stop_engines and routerd.control.controls)
-            if lease_task is not None:
-                lease_task.cancel()
-                await asyncio.gather(lease_task, return_exceptions=True)
 
 
 async def _tracing(cfg: Config, stack: contextlib.AsyncExitStack) -> Tracing:
@@ -344,15 +341,22 @@ def _ident(cfg: Config) -> str:
     return cfg.redis.consumer or socket.gethostname()
 
 
-async def _control(cfg: Config, stack: contextlib.AsyncExitStack, redis_url: str) -> ControlLease:
-    """The control lease, one attempt to take it made (so a routerd alone on its Redis adopts and
-    launches before it binds, as without Redis); given up last on the way out, once fleet control has
-    stopped. Without Redis: sole control."""
-    control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control)
-    if not control.sole:
-        stack.push_async_callback(control.release)
-        await control.step()
-    return control
+async def _take_control(control: ControlLease, stack: contextlib.AsyncExitStack) -> None:
+    """One attempt to take the control lease (so a routerd alone on its Redis adopts and launches
+    before it binds, as without Redis), and the lease renewed from then on — through the rest of the
+    start-up, the whole run and the drain, which may all act on the fleets; given up last on the way
+    out, once fleet control has stopped. Sole control (no Redis): nothing to take."""
+    if control.sole:
+        return
+    stack.push_async_callback(control.release)
+    await control.step()
+    renewing = asyncio.create_task(control.run(), name="control_lease")
+
+    async def stop() -> None:
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+
+    stack.push_async_callback(stop)
 
 
 async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> str:

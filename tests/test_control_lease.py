@@ -99,18 +99,21 @@ async def test_one_holder_at_a_time_and_each_term_a_higher_token(redis_server: R
     a, b = lease("host-a", redis_server.url, 5.0), lease("host-b", redis_server.url, 5.0)
     await a.step()
     await b.step()
-    assert a.controls and not b.controls
+    assert a.controls
+    assert not b.controls
     a.check()
     with pytest.raises(NotController) as e:
         b.check()
-    assert e.value.holder is not None and e.value.holder.ident == "host-a"
+    assert e.value.holder is not None
+    assert e.value.holder.ident == "host-a"
     assert e.value.status == 503
     assert b.status()["controller"]["ident"] == "host-a"
     first = a.token
     await a.release()  # a clean stop hands over at once, not after lease_s
     assert not a.controls
     await b.step()
-    assert b.controls and b.token > first
+    assert b.controls
+    assert b.token > first
     assert (a.acquisitions, a.losses, b.acquisitions) == (1, 1, 1)
     await b.release()
 
@@ -123,7 +126,8 @@ async def test_a_renewed_lease_is_kept_and_a_lapsed_one_taken(redis_server: Redi
         async with running(b):
             end = time.monotonic() + 1.5  # several lease periods
             while time.monotonic() < end:
-                assert a.controls and not b.controls
+                assert a.controls
+                assert not b.controls
                 await asyncio.sleep(0.02)
             assert a.token == token
     # a's loop ended without a release (as if its process died): b takes it once the TTL lapses
@@ -152,13 +156,16 @@ async def test_a_partitioned_controller_stops_before_the_other_starts(redis_serv
                         started = now
                     assert now - paused < 5, "b never took control"
                     await asyncio.sleep(0.002)
-                assert stopped is not None and stopped < started
+                assert stopped is not None
+                assert stopped < started
                 # a stops within one lease of its last renew, b starts once the key has lapsed in Redis
                 assert stopped - paused <= 0.9 + 0.1
                 proxy.open.set()
                 await asyncio.sleep(1.0)  # a reaches Redis again: it stays a follower
-                assert b.controls and not a.controls
-                assert a.holder is not None and a.holder.ident == "host-b"
+                assert b.controls
+                assert not a.controls
+                assert a.holder is not None
+                assert a.holder.ident == "host-b"
 
 
 async def test_controls_turns_false_at_the_deadline_without_the_loop(redis_server: RedisServer) -> None:
@@ -186,18 +193,21 @@ async def test_the_same_replica_restarted_takes_its_lease_at_once(redis_server: 
     await other.step()
     assert not other.controls  # a different replica waits for the lease
     await new.step()
-    assert new.controls and new.token > old.token  # no 30 s wait
+    assert new.controls
+    assert new.token > old.token
     await old.step()  # the old incarnation's renew finds the lease gone: it stops, and never takes it back
     assert not old.controls
     await old.step()
-    assert not old.controls and new.controls
+    assert not old.controls
+    assert new.controls
     for x in (new, old, other):
         await x.release()
 
 
 async def test_sole_control_without_redis() -> None:
     sole = ControlLease("alone")
-    assert sole.controls and sole.token == 0
+    assert sole.controls
+    assert sole.token == 0
     sole.check()
     await sole.wait_changed(0.01)
     assert sole.controls

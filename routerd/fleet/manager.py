@@ -68,7 +68,9 @@ class FleetManager:
         """``session`` is the process's one client session (routerd/upstream.py), for ``/health``;
         ``control`` the lease this process controls the fleets under (None: sole control)."""
         self.control = control if control is not None else ControlLease("")
-        self._active = False  # in a term of control: between start() and shutdown()
+        # In a term of control: between start() and shutdown() — from the start under sole control.
+        self._active = self.control.sole
+        self._closed = False  # shut down by its owner: no term begins again
         self.cfg = cfg
         self.registry = registry
         self.cluster = cluster
@@ -140,8 +142,7 @@ class FleetManager:
         """Begin a term of control: adopt matching engines, stop the rest (and stray placement groups),
         launch what is missing. Raises ``NotController`` outside a term of the lease."""
         self.control.check()
-        self.supervisors = {}  # a previous term's were cancelled and forgotten by shutdown()
-        self._active = True
+        self._active = True  # a previous term's supervisors were cancelled and forgotten by shutdown()
         await asyncio.to_thread(Path(self.ops.state_dir).mkdir, parents=True, exist_ok=True)
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
@@ -191,7 +192,7 @@ class FleetManager:
         term: asyncio.Task[None] | None = None
         try:
             while True:
-                if control.controls and not self._active:
+                if control.controls and not self._active and not self._closed:
                     await self._begin_term()
                 if self._active and term is None:
                     term = asyncio.create_task(self.run(), name="fleet-control")
@@ -202,7 +203,7 @@ class FleetManager:
                     term.cancel()
                     await asyncio.gather(term, return_exceptions=True)
                     term = None
-                    await self.shutdown(stop_engines=False)
+                    await self._end_term(stop_engines=False)
                     _logger.warning("fleet_control_ended", ident=control.ident, token=control.token,
                                     engines_stopped=0)
                 await control.wait_changed(1.0)
@@ -219,7 +220,7 @@ class FleetManager:
         except Exception:  # a loop boundary: log, undo, and try again next turn
             _logger.exception("fleet_control_start_failed", ident=self.control.ident,
                               token=self.control.token)
-            await self.shutdown(stop_engines=False)
+            await self._end_term(stop_engines=False)
             return
         _logger.info("fleet_control_started", ident=self.control.ident, token=self.control.token,
                      adopted=sum(1 for s in self.supervisors.values() if s.slot.info))
@@ -275,9 +276,15 @@ class FleetManager:
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
-        """End the term: stop supervising; with ``stop_engines`` also stop every engine, actor and
-        placement group. Without, the engines and their registry entries stay as they are (a follower's
-        view of the fleet takes them over) and :meth:`start` may begin another term."""
+        """Stop supervising for good (the owner's drain); with ``stop_engines`` also stop every engine,
+        actor and placement group. Without, the engines keep running for the next routerd to adopt."""
+        self._closed = True
+        await self._end_term(stop_engines)
+
+    async def _end_term(self, stop_engines: bool) -> None:
+        """End a term of control: stop supervising (and the engines, with ``stop_engines``). Without,
+        the engines and their registry entries stay as they are (a follower's view of the fleet takes
+        them over) and :meth:`start` may begin another term."""
         self._active = False
         tasks = list(self._tasks)
         for t in tasks:

@@ -239,7 +239,7 @@ class ControlLease:
             self.holder = seen
             self._lose("held by another", seen)
             return False
-        if holder is not None and expect:
+        if holder is not None and expect and holder.incarnation != self.me.incarnation:
             _log.warning("control_lease_taken_from_same_ident", ident=self.ident, previous=holder.status(),
                          reason="the same replica (same redis.consumer) restarted; a consumer name must "
                                 "belong to one live routerd")
