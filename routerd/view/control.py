@@ -146,6 +146,7 @@ class ControlLease:
         self._scripts: dict[str, Any] = {}
         self._warned = -_WARN_EVERY_S
         self._raw_current = ""  # the lease's value as last read
+        self._released = False  # given up for good (the process is stopping): never taken again
         if self.sole:
             self.holder = msgspec.structs.replace(self.me, since_ms=self.me.started_ms)
             self._was = True
@@ -211,7 +212,7 @@ class ControlLease:
         try:
             if self._value is not None and self.controls:
                 await self._renew()
-            else:
+            elif not self._released:
                 await self.try_acquire()
         except _NO_ANSWER as e:
             self._warn("control_lease_redis_unreachable", e)
@@ -223,6 +224,8 @@ class ControlLease:
         """One attempt to take the lease (at start-up: the daemon knows at once whether it controls)."""
         if self.sole:
             return True
+        if self._released:
+            return False
         now_wall = self._wall()
         me = msgspec.structs.replace(self.me, since_ms=int(now_wall * 1000))
         cfg = self._cfg
@@ -278,8 +281,10 @@ class ControlLease:
             self._lose("lease taken by another", None)
 
     async def release(self) -> None:
-        """Give the lease up (after fleet control stopped), so another replica takes over at once
-        rather than after ``lease_s``. Best effort: an unanswered release just expires."""
+        """Give the lease up for good (the process is stopping, fleet control has stopped), so another
+        replica takes over at once rather than after ``lease_s``. Best effort: an unanswered release
+        just expires."""
+        self._released = True
         value, self._value = self._value, None
         self._note()
         try:
