@@ -17,6 +17,7 @@ from routerd.config import ControlConfig, RedisConfig
 from routerd.fleet.actor import EngineActor, FencedOut
 from routerd.fleet.ray_cluster import RayCluster
 from routerd.plugins import LaunchSpec
+from routerd.status import render
 from routerd.view.control import ControlLease, NotController
 from tests.fixtures.redis_server import RedisServer
 
@@ -238,3 +239,10 @@ async def test_the_ray_cluster_mutates_nothing_outside_a_term(redis_server: Redi
         await cluster.request_resources([])
     await a.release()
     await b.release()
+
+
+def test_status_says_who_controls() -> None:
+    control = {"controller": {"ident": "host-a", "token": 7, "since": 990.0, "incarnation": "1-ab"},
+               "this": "host-b", "controls": False, "lease_s": 5.0}
+    text = render({"fleets": {}, "control": control}, now=1000.0)
+    assert text.splitlines()[0] == "control: host-a token=7 since 10.0s ago; this routerd: host-b (follows)"

@@ -218,6 +218,8 @@ class ControlLease:
             self._warn("control_lease_redis_unreachable", e)
         except redis.exceptions.RedisError as e:
             self._warn("control_lease_redis_error", e)
+        except Exception:  # noqa: BLE001  # the loop boundary: a bug must not end renewing; logged
+            _log.exception("control_lease_step_failed", ident=self.ident)
         self._note()
 
     async def try_acquire(self) -> bool:
