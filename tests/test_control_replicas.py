@@ -70,6 +70,15 @@ async def poll(s: aiohttp.ClientSession, rp: RouterdProcess, cond: Any, what: st
     raise AssertionError(f"timed out waiting for {what}: {last}\n{rp.log()}")
 
 
+async def metric(s: aiohttp.ClientSession, rp: RouterdProcess, name: str) -> float:
+    """One unlabelled sample of ``rp``'s ``/metrics``."""
+    async with s.get(f"{rp.url}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
 def ready(fleet: str, n: int) -> Any:
     def ok(st: dict[str, Any]) -> bool:
         insts = st["fleets"][fleet]["instances"]
@@ -170,6 +179,8 @@ async def test_a_partitioned_controller_stops_before_the_other_starts(
         b = await asyncio.to_thread(routerd_process,
                                     replica_cfg(routerd_config, tmp_path, "pb", redis_server.url))
         await poll(s, b, lambda st: st["control"]["controller"] is not None, "b seeing a")
+        assert await metric(s, a, "routerd_control_is_controller") == 1
+        assert await metric(s, b, "routerd_control_is_controller") == 0
         proxy.open.clear()  # a's connections to Redis blocked, b's not
         paused = time.time()
         await poll(s, b, lambda st: st["control"]["controls"], "b taking control", timeout=20)
@@ -179,4 +190,9 @@ async def test_a_partitioned_controller_stops_before_the_other_starts(
         assert stopped["at"] - paused <= LEASE_S
         st = await status(s, a)
         assert st["control"]["controls"] is False
+        assert await metric(s, a, "routerd_control_is_controller") == 0
+        assert await metric(s, a, "routerd_control_losses_total") == 1
+        assert await metric(s, b, "routerd_control_is_controller") == 1
+        assert await metric(s, b, "routerd_control_acquisitions_total") == 1
+        assert await metric(s, b, "routerd_control_token") > await metric(s, a, "routerd_control_token")
         proxy.open.set()
