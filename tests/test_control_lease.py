@@ -205,6 +205,20 @@ async def test_the_same_replica_restarted_takes_its_lease_at_once(redis_server: 
         await x.release()
 
 
+async def test_a_worker_never_takes_the_lease(redis_server: RedisServer) -> None:
+    worker = ControlLease("host-a-w0", url=redis_server.url, redis_cfg=RedisConfig(url=redis_server.url),
+                          candidate=False)
+    await worker.step()
+    assert not worker.controls  # even with nobody holding it
+    a = lease("host-a", redis_server.url, 5.0)
+    await a.step()
+    await worker.step()
+    assert worker.holder is not None
+    assert worker.holder.ident == "host-a"
+    for x in (a, worker):
+        await x.release()
+
+
 async def test_sole_control_without_redis() -> None:
     sole = ControlLease("alone")
     assert sole.controls

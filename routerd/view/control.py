@@ -121,10 +121,12 @@ class ControlLease:
 
     def __init__(self, ident: str, *, url: str = "", redis_cfg: RedisConfig | None = None,
                  cfg: ControlConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, candidate: bool = True) -> None:
         """``url`` "": sole control (no Redis); else the lease lives in that Redis under ``redis_cfg``'s
-        namespace."""
+        namespace. Not a ``candidate`` (a worker process): never takes the lease, only reads who holds
+        it."""
         self.ident = ident
+        self.candidate = candidate
         self.sole = not url
         self._url = url
         self._redis_cfg = redis_cfg if redis_cfg is not None else RedisConfig()
@@ -227,6 +229,9 @@ class ControlLease:
         if self.sole:
             return True
         if self._released:
+            return False
+        if not self.candidate:
+            self.holder = await self._current()
             return False
         now_wall = self._wall()
         me = msgspec.structs.replace(self.me, since_ms=int(now_wall * 1000))
