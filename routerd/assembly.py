@@ -10,8 +10,10 @@ fleet. Two steps:
   one): nothing is opened, started or bound. A test that drives the parts by hand starts here.
 * :func:`assemble` — the whole start-up, each step's undo on one ``AsyncExitStack``, so a start-up
   that fails half-way undoes what it did (README, "Start-up order"): Redis (embedded or reachable) →
-  the one ``aiohttp.ClientSession`` → Ray and the fleet manager → :func:`build` → fleets adopted or
-  launched → the HTTP listener bound. The long-running loops are the caller's to run
+  the one ``aiohttp.ClientSession`` → Ray and the fleet manager → the control lease (with Redis: one
+  process at a time controls the fleets, routerd/view/control.py) → :func:`build` → fleets adopted or
+  launched (by the controller; a follower's fleet control starts when it takes the lease) → the HTTP
+  listener bound. The long-running loops are the caller's to run
   (:meth:`Routerd.loops`, in the caller's TaskGroup); :func:`running` runs them too (benchmarks, tests)::
 
     async with running(cfg, Registry()) as routerd:
@@ -37,6 +39,7 @@ import aiohttp
 
 from . import config as config_mod
 from . import log
+from ._aio import cancel_and_wait
 from .config import Config
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
@@ -353,8 +356,8 @@ async def _take_control(control: ControlLease, stack: contextlib.AsyncExitStack)
     renewing = asyncio.create_task(control.run(), name="control_lease")
 
     async def stop() -> None:
-        renewing.cancel()
-        await asyncio.gather(renewing, return_exceptions=True)
+        if await cancel_and_wait({renewing}, 5.0):
+            _log.error("control_lease_task_stuck")
 
     stack.push_async_callback(stop)
 
