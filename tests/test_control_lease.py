@@ -240,6 +240,22 @@ async def test_the_engine_actor_refuses_an_older_token(tmp_path: Path) -> None:
     assert (await actor.info())["token"] == 7
 
 
+async def test_an_engine_restarted_meanwhile_is_not_restarted_twice(tmp_path: Path) -> None:
+    """Two asks to restart the same generation (the old controller's, then the new one's after it
+    adopted the dead engine): one restart."""
+    spec = LaunchSpec(fleet="g", index=0, engine="sim", model="m", engine_args={"ttft-ms": 5})
+    actor = EngineActor(msgspec.json.encode(spec), 1, str(tmp_path), "127.0.0.1", 1)
+    await actor.start(1)
+    try:
+        first = await actor.restart_engine(1.0, 1, 1)
+        again = await actor.restart_engine(1.0, 2, 1)  # the new controller still saw generation 1
+        assert first["generation"] == again["generation"] == 2
+        assert first["pid"] == again["pid"]
+        assert (await actor.restart_engine(1.0, 2, 2))["generation"] == 3  # a restart of what runs
+    finally:
+        await actor.stop(2.0, 2)
+
+
 async def test_the_ray_cluster_mutates_nothing_outside_a_term(redis_server: RedisServer) -> None:
     a, b = lease("host-a", redis_server.url, 5.0), lease("host-b", redis_server.url, 5.0)
     await a.step()

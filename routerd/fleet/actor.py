@@ -131,10 +131,18 @@ class EngineActor:
                 await self._spawn()
         return await self.info()
 
-    async def restart_engine(self, grace_s: float = 5.0, token: int = 0) -> dict[str, Any]:
-        """Stop the engine, then start a new one (new port, generation + 1) under the same resources."""
+    async def restart_engine(self, grace_s: float = 5.0, token: int = 0,
+                             generation: int = 0) -> dict[str, Any]:
+        """Stop the engine, then start a new one (new port, generation + 1) under the same resources.
+
+        ``generation``: the one the caller means to replace (0: whatever runs). If a live engine of
+        another generation runs, someone restarted it since the caller looked — the controller that
+        was restarting it when control passed — and it is not restarted twice."""
         async with self._lock:
             self._fence(token)
+            if generation and generation != self.generation and self.proc is not None \
+                    and self.proc.poll() is None:
+                return await self.info()
             await self._stop(grace_s)
             self.generation += 1
             await self._spawn()

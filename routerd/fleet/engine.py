@@ -237,7 +237,7 @@ class EngineOps:
         if not placement.actor_dead and placement.actor is not None:
             try:
                 info: dict[str, Any] = await wait_for(
-                    _resolve(placement.actor.restart_engine.remote(grace_s, self.token())), 60.0)
+                    _resolve(placement.actor.restart_engine.remote(grace_s, self.token(), generation)), 60.0)
                 _logger.info("engine_restarted", instance=_instance(spec), pid=info["pid"], url=info["url"],
                              generation=info["generation"], token=info.get("token"))
                 return info
