@@ -52,7 +52,7 @@ _log = log.get("routerd.control")
 # KEYS: lease, token. ARGV: holder json, ttl ms, the value we may replace ("" = only an absent key).
 _TAKE = """
 local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[3] then return {0, cur} end
+if cur and cur ~= ARGV[3] then return {0, cur, redis.call('PTTL', KEYS[1])} end
 local token = redis.call('INCR', KEYS[2])
 local value = token .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
@@ -149,6 +149,7 @@ class ControlLease:
         self._warned = -_WARN_EVERY_S
         self._raw_current = ""  # the lease's value as last read
         self._released = False  # given up for good (the process is stopping): never taken again
+        self._expires_in: float | None = None  # the holder's lease lapses in this long, as last read
         if self.sole:
             self.holder = msgspec.structs.replace(self.me, since_ms=self.me.started_ms)
             self._was = True
@@ -204,6 +205,8 @@ class ControlLease:
                 interval = self._cfg.lease_s / 3
                 if self.controls:
                     interval = min(interval, max(0.0, self._deadline - self._clock()))
+                elif self._expires_in is not None:  # try again as soon as the holder's lease lapses
+                    interval = min(interval, self._expires_in + 0.005)
                 await self.wait_changed(interval)
         finally:
             await self._close()
@@ -241,8 +244,9 @@ class ControlLease:
         if holder is not None and self._may_replace(holder):
             expect = self._raw_current
         sent = self._clock()
-        took, value = await self._call("take", [self._keys.control_lease(), self._keys.control_token()],
-                                       [_encode(me), int(cfg.lease_s * 1000), expect])
+        took, value, *ttl = await self._call("take", [self._keys.control_lease(), self._keys.control_token()],
+                                             [_encode(me), int(cfg.lease_s * 1000), expect])
+        self._expires_in = int(ttl[0]) / 1000 if ttl and int(ttl[0]) >= 0 else None  # -1: no TTL
         raw = value.decode() if isinstance(value, bytes) else str(value)
         seen = Holder.parse(raw)
         if not int(took):
