@@ -276,3 +276,13 @@ def test_status_says_who_controls() -> None:
                "this": "host-b", "controls": False, "lease_s": 5.0}
     text = render({"fleets": {}, "control": control}, now=1000.0)
     assert text.splitlines()[0] == "control: host-a token=7 since 10.0s ago; this routerd: host-b (follows)"
+
+
+def test_lease_s_is_bounded_and_set_from_the_environment() -> None:
+    from routerd.config import ConfigError, parse
+
+    with pytest.raises(ConfigError) as e:
+        parse({"control": {"lease_s": 0.1}}, environ={})
+    assert any(p.startswith("$.control.lease_s") for p in e.value.problems), e.value.problems
+    assert parse({}, environ={"ROUTERD_CONTROL_LEASE_S": "2.5"}).control.lease_s == 2.5
+    assert parse({}, environ={}).control.lease_s == 5.0
