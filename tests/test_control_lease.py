@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from routerd.config import ControlConfig, RedisConfig
+from routerd.config import ConfigError, ControlConfig, RedisConfig, parse
 from routerd.fleet.actor import EngineActor, FencedOut
 from routerd.fleet.ray_cluster import RayCluster
 from routerd.plugins import LaunchSpec
@@ -279,8 +279,6 @@ def test_status_says_who_controls() -> None:
 
 
 def test_lease_s_is_bounded_and_set_from_the_environment() -> None:
-    from routerd.config import ConfigError, parse
-
     with pytest.raises(ConfigError) as e:
         parse({"control": {"lease_s": 0.1}}, environ={})
     assert any(p.startswith("$.control.lease_s") for p in e.value.problems), e.value.problems
