@@ -10,8 +10,10 @@ fleet. Two steps:
   one): nothing is opened, started or bound. A test that drives the parts by hand starts here.
 * :func:`assemble` — the whole start-up, each step's undo on one ``AsyncExitStack``, so a start-up
   that fails half-way undoes what it did (README, "Start-up order"): Redis (embedded or reachable) →
-  the one ``aiohttp.ClientSession`` → Ray and the fleet manager → :func:`build` → fleets adopted or
-  launched → the HTTP listener bound. The long-running loops are the caller's to run
+  the one ``aiohttp.ClientSession`` → Ray and the fleet manager → the control lease (with Redis: one
+  process at a time controls the fleets, routerd/view/control.py) → :func:`build` → fleets adopted or
+  launched (by the controller; a follower's fleet control starts when it takes the lease) → the HTTP
+  listener bound. The long-running loops are the caller's to run
   (:meth:`Routerd.loops`, in the caller's TaskGroup); :func:`running` runs them too (benchmarks, tests)::
 
     async with running(cfg, Registry()) as routerd:
@@ -37,6 +39,7 @@ import aiohttp
 
 from . import config as config_mod
 from . import log
+from ._aio import cancel_and_wait
 from .config import Config, FleetConfig
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
@@ -50,6 +53,7 @@ from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
+from .view.control import ControlLease
 
 _log = log.get("routerd.assembly")
 
@@ -93,11 +97,13 @@ class Routerd:
     # prompts keyed in a process of their own
     engine_events: EngineEvents | None
     keying: KeyingProcess | None
+    # the lease that lets one process at a time control the fleets (sole without Redis)
+    control: ControlLease
     # with Redis: the fleet state published while this process controls, followed otherwise; admin
     # calls made on a follower, carried out by the controller (routerd/view/)
     fleet_view: FleetView | None = None
     admin_relay: AdminRelay | None = None
-    # whether this process controls the fleets now (the control lease's); None: always
+    # whether this process controls the fleets now (the control lease's, unless a test says); None: always
     controls: Callable[[], bool] | None = None
 
     @property
@@ -117,7 +123,7 @@ class Routerd:
         if self.queue is not None:
             loops["queue"] = self.queue.run()
         if self.fleets is not None:
-            loops["fleets"] = self.fleets.run()
+            loops["fleets"] = self.fleets.run_controlled()
         if self.engine_events is not None:
             loops["kv_events"] = self.engine_events.run()
         if self.fleet_view is not None:
@@ -146,6 +152,7 @@ class Routerd:
             self.queue.update_config(cfg)
         if self.fleet_view is not None:
             self.fleet_view.update_config(cfg)
+        self.control.update_config(cfg.control)
         if self.fleets is not None:
             await self.fleets.apply(cfg)
 
@@ -162,16 +169,20 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
           redis_url: str = "", view_redis: aioredis.Redis | None = None,
           controls: Callable[[], bool] | None = None,
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
+          control: ControlLease | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``). ``view_redis``
-    (the caller's client, with Redis) shares the fleet state and relays admin calls between processes;
-    ``controls()`` says whether this process controls the fleets now (None: it always does)."""
+    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``); ``control`` the
+    lease fleet control follows (the fleet manager's own; None: sole control). ``view_redis`` (the
+    caller's client, with Redis) shares the fleet state and relays admin calls between processes;
+    ``controls()`` says whether this process controls the fleets now (None: the lease says)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
+    if control is None:
+        control = fleets.control if fleets is not None else ControlLease(_ident(cfg))
     telemetry = Telemetry()
     # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
     # instances by the engines' own cache views (routerd/routing/engine_events.py).
@@ -213,14 +224,20 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(EngineEventsCollector(engine_events))
     if tracing.on:
         collectors.append(tracing.collector())
-    fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock)
+    collectors.append(control.collector())
+    if controls is None and not control.sole:
+        lease = control
+        controls = lambda: lease.controls  # noqa: E731  # the lease's verdict, read each time
+    fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
+                                    token=lambda: control.token)
     if fleet_view is not None:
         collectors.append(fleet_view.collector())
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
-                       view_status=fleet_view.status if fleet_view is not None else None)
+                       view_status=fleet_view.status if fleet_view is not None else None,
+                       control=control.status)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -230,8 +247,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
-                   engine_events=engine_events, keying=keying, fleet_view=fleet_view, admin_relay=admin_relay,
-                   controls=controls)
+                   engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
+                   admin_relay=admin_relay, controls=controls)
 
 
 async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coroutine[Any, Any, None]],
@@ -255,7 +272,8 @@ async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coro
 
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
           controls: Callable[[], bool] | None, fleets: FleetManager | None,
-          clock: Callable[[], float]) -> tuple[FleetView | None, AdminRelay | None]:
+          clock: Callable[[], float], *,
+          token: Callable[[], int]) -> tuple[FleetView | None, AdminRelay | None]:
     """With Redis: the fleet state this process publishes or follows, and the admin calls' relay."""
     if client is None:
         return None, None
@@ -264,14 +282,15 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
     from .view.fleet_state import FleetView, config_fingerprint
 
     keys = Keys.from_config(cfg.redis)
-    ident = cfg.redis.consumer or socket.gethostname()
+    ident = _ident(cfg)
     controls = controls if controls is not None else (lambda: True)
 
     def replicas() -> dict[str, int]:
         return {name: n for name, n, _, _ in fleets.replica_figures()} if fleets is not None else {}
 
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
-                     controls=controls, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s, clock=clock)
+                     controls=controls, token=token, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s,
+                     clock=clock)
     return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)
 
 
@@ -321,13 +340,14 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
+        control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control)
         cluster: RayCluster | None = None
         fleets: FleetManager | None = None
         if launches(cfg):
             from .fleet import FleetManager, RayCluster
 
             status("ray")
-            cluster = await RayCluster.connect(cfg.ray, state)
+            cluster = await RayCluster.connect(cfg.ray, state, fence=control.check)
             stack.push_async_callback(cluster.close)
             ray_connected()
             replica_store = None
@@ -337,9 +357,14 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
 
                 replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis),
                                              op_timeout_s=cfg.redis.op_timeout_s)
-            fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock)
+            fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock,
+                                  control=control)
+        # After Ray's connect, which can hold the interpreter for seconds: a lease taken before it
+        # could lapse before its first renew.
+        await _take_control(control, stack)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, view_redis=view_redis,
-                        controls=controls, fleets=fleets, cluster=cluster, rng=rng, clock=clock)
+                        controls=controls, fleets=fleets, cluster=cluster, control=control, rng=rng,
+                        clock=clock)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         built(routerd)
@@ -349,7 +374,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             # If a later step fails (say the HTTP port is taken), stop supervising; after a normal
             # drain this second shutdown finds nothing left to do.
             stack.push_async_callback(fleets.shutdown, False)
-            await fleets.start()
+            if control.controls:  # else fleet control starts when this process takes the lease
+                await fleets.start()
         status("http")
         await stack.enter_async_context(routerd.listener)
         await routerd.listener.start(_admin_routes(routerd), port=port, sockets=sockets)
@@ -379,8 +405,10 @@ async def running(cfg: Config, registry: Registry, *, port: int | None = 0,
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # The lease is still renewed (until assemble() ends): stopping the engines is a
+            # controller's act, checked like any.
             if routerd.fleets is not None:
-                await routerd.fleets.shutdown(stop_engines=stop_engines)
+                await routerd.fleets.shutdown(stop_engines=stop_engines and routerd.control.controls)
 
 
 async def _tracing(cfg: Config, stack: contextlib.AsyncExitStack) -> Tracing:
@@ -414,6 +442,29 @@ async def _check_engine_tracing(cfg: Config) -> None:
             _log.warning("engine_tracing_unavailable", fleet=fleet.name, engine=fleet.engine,
                          missing=missing, effect="its engines are launched without "
                          "--otlp-traces-endpoint: traces end at routerd's attempt span")
+
+
+def _ident(cfg: Config) -> str:
+    """This process's name among several routerd: its queue consumer name (default: the hostname)."""
+    return cfg.redis.consumer or socket.gethostname()
+
+
+async def _take_control(control: ControlLease, stack: contextlib.AsyncExitStack) -> None:
+    """One attempt to take the control lease (so a routerd alone on its Redis adopts and launches
+    before it binds, as without Redis), and the lease renewed from then on — through the rest of the
+    start-up, the whole run and the drain, which may all act on the fleets; given up last on the way
+    out, once fleet control has stopped. Sole control (no Redis): nothing to take."""
+    if control.sole:
+        return
+    stack.push_async_callback(control.release)
+    await control.step()
+    renewing = asyncio.create_task(control.run(), name="control_lease")
+
+    async def stop() -> None:
+        if await cancel_and_wait({renewing}, 5.0):
+            _log.error("control_lease_task_stuck")
+
+    stack.push_async_callback(stop)
 
 
 async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> str:

@@ -25,6 +25,7 @@ from .config_schema import (
     AdmissionConfig,
     AutoscaleConfig,
     Config,
+    ControlConfig,
     Count,
     DaemonConfig,
     FleetConfig,
@@ -45,7 +46,7 @@ from .config_schema import (
 )
 
 __all__ = [
-    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "ConfigError", "Count",
+    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "ConfigError", "ControlConfig", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
     "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
     "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"

@@ -218,6 +218,15 @@ class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     shutdown_timeout_s: Seconds = 5.0  # at stop: what is queued gets this long to leave
 
 
+class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[control]``: the lease in Redis that lets one routerd at a time control the fleets
+    (routerd/view/control.py). Replicas on one Redis must agree on it."""
+
+    # How long a controller that stops renewing keeps the lease; it renews every lease_s / 3 and stops
+    # controlling lease_s / 10 before the lease can pass to another. 0.3 s .. 1 hour.
+    lease_s: Annotated[float, Meta(ge=0.3, le=3_600)] = 5.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = DaemonConfig()
     http: HttpConfig = HttpConfig()
@@ -229,6 +238,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     fleets: list[FleetConfig] = []
     tenants: list[TenantConfig] = []
     tracing: TracingConfig = TracingConfig()
+    control: ControlConfig = ControlConfig()
 
     def fleet(self, name: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.name == name), None)

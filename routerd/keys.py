@@ -123,6 +123,13 @@ class Keys:
     def admin_reply(self, call_id: str) -> str:
         """List: the controller's answer to one admin call."""
         return self._key("admin", f"reply:{call_id}")
+    def control_lease(self) -> str:
+        """The fleet-control lease: ``"<token> <holder json>"``, with a TTL (routerd/view/control.py)."""
+        return self._key("control", "lease")
+
+    def control_token(self) -> str:
+        """The fencing-token counter: INCR'd by each take of the control lease, never reset."""
+        return self._key("control", "token")
 
     @property
     def cancel_channel(self) -> str:

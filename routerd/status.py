@@ -125,6 +125,14 @@ def _view_line(v: dict[str, Any] | None) -> list[str]:
         line += (f" CONFIG MISMATCH: fleet config {v.get('fingerprint')} here, "
                  f"{v.get('controller_fingerprint')} on the controller (the controller's fleets win)")
     return [line]
+def _control(c: dict[str, Any], now: float) -> str:
+    """Who controls the fleets (the control lease), as the routerd asked sees it."""
+    holder = c.get("controller")
+    this = f"this routerd: {c.get('this')}" + (" (controls)" if c.get("controls") else " (follows)")
+    if not holder:
+        return f"control: nobody yet; {this}"
+    return (f"control: {holder.get('ident')} token={holder.get('token')} "
+            f"since {_age(holder.get('since'), now)}; {this}")
 
 
 def render(status: dict[str, Any], now: float | None = None) -> str:
@@ -151,7 +159,9 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
                 i.get("state_reason") or "",
             ])
     widths = [max([len(c)] + [len(r[k]) for r in rows if len(r) == len(cols)]) for k, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    control = status.get("control")
+    lines = [_control(control, now)] if control else []
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
     for r in rows:
         lines.append(r[0] if len(r) == 1 else "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
                      .rstrip())

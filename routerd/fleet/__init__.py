@@ -7,7 +7,8 @@ Ray, ``ray_cluster`` the connection to it, ``health`` the heartbeat tracker and 
 ``static`` (fleets at configured URLs). ``nodes`` is routerd's own heartbeat of the Ray nodes its engines
 run on, ``spread`` where a new placement group may go (spread over nodes, never onto a lost one).
 ``autoscale`` decides how many replicas an autoscaled fleet wants (pure), ``autoscaler`` feeds it signals
-and carries out its decisions through the manager.
+and carries out its decisions through the manager. All of it acts only in a term of the control lease
+(routerd/view/control.py): every Ray mutation is fenced by it, and the manager starts and stops with it.
 """
 
 from .actor import EngineActor

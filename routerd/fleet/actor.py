@@ -80,16 +80,28 @@ def _node_ip_and_id() -> tuple[str, str]:
     return "127.0.0.1", ""
 
 
+class FencedOut(RuntimeError):
+    """A mutating call carried a lower fencing token than one this actor has seen: it comes from a
+    routerd whose term of control has ended (routerd/view/control.py), and is refused."""
+
+
 class EngineActor:
     """Supervises one engine process for instance ``spec.fleet:spec.index``.
 
     Methods are async so Ray runs them concurrently on one event loop: a pending ``wait_exit`` (the
     fleet manager's death sentinel) never blocks a ``probe`` or a ``stop``.
+
+    Fencing at the resource: each mutating call (``start``, ``restart_engine``, ``stop``) carries the
+    caller's control token; the actor keeps the highest it has seen and refuses a lower one with
+    :class:`FencedOut`, so a call a deposed controller sent before it knew cannot undo the new one's.
     """
 
-    def __init__(self, spec_json: bytes, generation: int, state_dir: str, engine_host: str = "") -> None:
+    def __init__(self, spec_json: bytes, generation: int, state_dir: str, engine_host: str = "",
+                 token: int = 0) -> None:
         """``engine_host`` "" binds the engine to the node's IP (multi-node clusters); routerd passes
-        127.0.0.1 when the cluster is local, so engines never listen beyond loopback there."""
+        127.0.0.1 when the cluster is local, so engines never listen beyond loopback there. ``token``:
+        the control token of the routerd that creates it."""
+        self.token = token
         self.spec = msgspec.json.decode(spec_json, type=LaunchSpec)
         self.spec_json = spec_json
         self.generation = generation
@@ -105,24 +117,41 @@ class EngineActor:
         self._lock = asyncio.Lock()
 
     # lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> dict[str, Any]:
+    def _fence(self, token: int) -> None:
+        if token < self.token:
+            raise FencedOut(f"control token {token} is older than {self.token}: that routerd no longer "
+                            "controls the fleets")
+        self.token = token
+
+    async def start(self, token: int = 0) -> dict[str, Any]:
         """Start the engine (no-op if it runs); returns ``info()``. Readiness is the manager's check."""
         async with self._lock:
+            self._fence(token)
             if self.proc is None or self.proc.poll() is not None:
                 await self._spawn()
         return await self.info()
 
-    async def restart_engine(self, grace_s: float = 5.0) -> dict[str, Any]:
-        """Stop the engine, then start a new one (new port, generation + 1) under the same resources."""
+    async def restart_engine(self, grace_s: float = 5.0, token: int = 0,
+                             generation: int = 0) -> dict[str, Any]:
+        """Stop the engine, then start a new one (new port, generation + 1) under the same resources.
+
+        ``generation``: the one the caller means to replace (0: whatever runs). If a live engine of
+        another generation runs, someone restarted it since the caller looked — the controller that
+        was restarting it when control passed — and it is not restarted twice."""
         async with self._lock:
+            self._fence(token)
+            if generation and generation != self.generation and self.proc is not None \
+                    and self.proc.poll() is None:
+                return await self.info()
             await self._stop(grace_s)
             self.generation += 1
             await self._spawn()
         return await self.info()
 
-    async def stop(self, grace_s: float = 10.0) -> dict[str, Any]:
+    async def stop(self, grace_s: float = 10.0, token: int = 0) -> dict[str, Any]:
         """SIGTERM to the engine's group, SIGKILL after ``grace_s``, then prove nothing is left."""
         async with self._lock:
+            self._fence(token)
             return await self._stop(grace_s)
 
     async def wait_exit(self, generation: int) -> int | None:
@@ -211,6 +240,7 @@ class EngineActor:
             "actor_pid": os.getpid(),
             "started_at": self.started_at,
             "log_path": self.log_path,
+            "token": self.token,
             "resources": resources,
         }
 

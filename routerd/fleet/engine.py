@@ -31,7 +31,7 @@ from .._aio import wait_for
 from ..config import HealthConfig
 from ..plugins import LaunchSpec
 from . import naming
-from .actor import EngineActor, group_members
+from .actor import EngineActor, FencedOut, group_members
 from .health import ActorProbe
 from .nodes import NodeWatch
 from .ray_cluster import RayCluster
@@ -82,8 +82,11 @@ class EngineOps:
 
     def __init__(self, cluster: RayCluster, state_dir: str, clock: Callable[[], float],
                  session: aiohttp.ClientSession, *, spreader: Spreader | None = None,
-                 nodes: NodeWatch | None = None) -> None:
+                 nodes: NodeWatch | None = None, token: Callable[[], int] = lambda: 0) -> None:
+        """``token()``: this process's control token, sent with every mutating actor call (the actor
+        refuses one older than it has seen: routerd/fleet/actor.py)."""
         self.cluster = cluster
+        self.token = token
         self.state_dir = state_dir
         self.clock = clock
         self.session = session  # the process's one client session, for /health and warm-up
@@ -197,10 +200,11 @@ class EngineOps:
         actor = await self.cluster.create_actor(EngineActor, naming.actor_name(spec.fleet, spec.index),
                                                 placement.bundle, placement.pg, msgspec.json.encode(spec),
                                                 generation + 1, self.state_dir,
-                                                "127.0.0.1" if self.cluster.is_local() else "")
+                                                "127.0.0.1" if self.cluster.is_local() else "", self.token())
         placement.actor = actor
         placement.actor_dead = False
-        info: dict[str, Any] = await self._unless_node_gone(placement, _resolve(actor.start.remote()), 120.0)
+        started = _resolve(actor.start.remote(self.token()))
+        info: dict[str, Any] = await self._unless_node_gone(placement, started, 120.0)
         _logger.info("engine_started", instance=_instance(spec), pid=info["pid"], url=info["url"],
                      generation=info["generation"], log=info["log_path"])
         return info
@@ -226,16 +230,19 @@ class EngineOps:
                       report: Report, grace_s: float = 1.0) -> dict[str, Any]:
         """New engine for the same instance: in the same actor if it answers, else a new actor in the
         same PG — or, when its node is lost, a new actor in a new PG elsewhere."""
+        self.cluster.fence()
         report("restarting")
         if self.node_gone(placement):
             placement.actor_dead = True
         if not placement.actor_dead and placement.actor is not None:
             try:
                 info: dict[str, Any] = await wait_for(
-                    _resolve(placement.actor.restart_engine.remote(grace_s)), 60.0)
+                    _resolve(placement.actor.restart_engine.remote(grace_s, self.token(), generation)), 60.0)
                 _logger.info("engine_restarted", instance=_instance(spec), pid=info["pid"], url=info["url"],
-                             generation=info["generation"])
+                             generation=info["generation"], token=info.get("token"))
                 return info
+            except FencedOut:
+                raise  # a newer controller owns this engine: nothing of ours may replace it
             except Exception as e:  # noqa: BLE001  # any failure here means: replace the actor
                 _logger.warning("actor_restart_failed", instance=_instance(spec), error=repr(e))
         if placement.actor is not None:
@@ -335,13 +342,16 @@ class EngineOps:
     # stop ------------------------------------------------------------------------------------
     async def dispose(self, actor: Any, pg_name: str, *, stop: bool) -> dict[str, Any]:
         """Stop the engine (graceful, then forced), kill the actor, remove the placement group."""
+        self.cluster.fence()
         report: dict[str, Any] = {}
         pid = None
         if actor is not None and stop:
             try:
                 info = await wait_for(_resolve(actor.info.remote()), 5.0)
                 pid = info.get("pid")
-                report = await wait_for(_resolve(actor.stop.remote(10.0)), 30.0)
+                report = await wait_for(_resolve(actor.stop.remote(10.0, self.token())), 30.0)
+            except FencedOut:
+                raise
             except Exception as e:  # noqa: BLE001  # a dead/hung actor: the kill below and the reap do it
                 report = {"stop_error": repr(e)}
         if actor is not None:

@@ -37,6 +37,7 @@ from ..errors import RouterdError
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
+from ..view.control import ControlLease
 from ..view.replicas import ReplicaStore
 from .adopt import adopt
 from .autoscaler import Autoscaler, FleetCollector
@@ -55,13 +56,24 @@ MAX_REPLICAS = 1024
 
 
 class FleetManager:
-    """Keeps every launched fleet at its desired replicas on Ray; the daemon owns ``run()``."""
+    """Keeps every launched fleet at its desired replicas on Ray; the daemon owns ``run()``.
+
+    It acts only in a term of control (routerd/view/control.py): :meth:`start` begins one — adopting
+    what runs, launching what is missing — and ``shutdown(stop_engines=False)`` ends it, supervising
+    nothing more and stopping no engine, so the same manager can start again in a later term. Every
+    Ray mutation is checked against ``control`` (its ``check()``, through the cluster's fence) and
+    carries its token to the engine actors."""
 
     def __init__(self, cfg: Config, registry: Registry, cluster: RayCluster,
                  session: aiohttp.ClientSession, *, replica_store: ReplicaStore | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, control: ControlLease | None = None) -> None:
         """``session`` is the process's one client session (routerd/upstream.py), for ``/health``;
-        ``replica_store`` (with Redis) keeps run-time replica counts for whoever controls next."""
+        ``replica_store`` (with Redis) keeps run-time replica counts for whoever controls next;
+        ``control`` the lease this process controls the fleets under (None: sole control)."""
+        self.control = control if control is not None else ControlLease("")
+        # In a term of control: between start() and shutdown() — from the start under sole control.
+        self._active = self.control.sole
+        self._closed = False  # shut down by its owner: no term begins again
         self.cfg = cfg
         self.replica_store = replica_store
         self.registry = registry
@@ -73,7 +85,7 @@ class FleetManager:
                                clock=clock)
         spreader = Spreader(cluster, self.nodes, self._placement_of)
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
-                             nodes=self.nodes)
+                             nodes=self.nodes, token=lambda: self.control.token)
         self.supervisors: dict[str, Supervisor] = {}
         self._replicas_override: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -131,7 +143,10 @@ class FleetManager:
         return spec_for(fleet, index, self.cluster.address, engine_env(self.cfg.tracing, fleet.name))
 
     async def start(self) -> None:
-        """Adopt matching engines, stop the rest (and stray placement groups), launch what is missing."""
+        """Begin a term of control: adopt matching engines, stop the rest (and stray placement groups),
+        launch what is missing. Raises ``NotController`` outside a term of the lease."""
+        self.control.check()
+        self._active = True  # a previous term's supervisors were cancelled and forgotten by shutdown()
         await asyncio.to_thread(Path(self.ops.state_dir).mkdir, parents=True, exist_ok=True)
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
@@ -164,13 +179,61 @@ class FleetManager:
 
         def supervisor(spec: LaunchSpec) -> Supervisor:
             assert fcfg is not None  # else nothing is desired at this index: adopt() stops the engine
-            return self._new_supervisor(fcfg, spec)
+            return self._new_supervisor(fcfg, spec, adopting=True)
 
         sup = await adopt(name, fleet, index, self.cluster, self.ops,
                           desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor)
         if sup is not None:
             self._spawn_supervisor(sup)
         return sup is not None
+
+    @property
+    def active(self) -> bool:
+        """In a term of control: started, and not shut down since."""
+        return self._active
+
+    async def run_controlled(self) -> None:
+        """Fleet control that follows the lease, until cancelled: a term begins when this process takes
+        control (:meth:`start` — the engines running are adopted, none relaunched — then :meth:`run`)
+        and ends as soon as it stops controlling (``shutdown(stop_engines=False)``: supervision ends,
+        every engine keeps running); the process then follows. The owner stops the last term itself
+        (daemon drain, ``assembly.running``), with or without its engines."""
+        control = self.control
+        term: asyncio.Task[None] | None = None
+        try:
+            while True:
+                if control.controls and not self._active and not self._closed:
+                    await self._begin_term()
+                if self._active and term is None:
+                    term = asyncio.create_task(self.run(), name="fleet-control")
+                if term is not None and (term.done() or not control.controls):
+                    crashed = term.exception() if term.done() and not term.cancelled() else None
+                    if crashed is not None:
+                        raise crashed  # run() ends only by a bug: as before the lease, the owner's
+                    term.cancel()
+                    await asyncio.gather(term, return_exceptions=True)
+                    term = None
+                    await self._end_term(stop_engines=False)
+                    _logger.warning("fleet_control_ended", ident=control.ident, token=control.token,
+                                    engines_stopped=0)
+                await control.wait_changed(1.0)
+        finally:
+            if term is not None:
+                term.cancel()
+                await asyncio.gather(term, return_exceptions=True)
+
+    async def _begin_term(self) -> None:
+        """:meth:`start` under the lease; one that fails (Ray, or the lease lost meanwhile) is undone —
+        no engine stopped — and tried again on the next turn while this process still controls."""
+        try:
+            await self.start()
+        except Exception:  # a loop boundary: log, undo, and try again next turn
+            _logger.exception("fleet_control_start_failed", ident=self.control.ident,
+                              token=self.control.token)
+            await self._end_term(stop_engines=False)
+            return
+        _logger.info("fleet_control_started", ident=self.control.ident, token=self.control.token,
+                     adopted=sum(1 for s in self.supervisors.values() if s.slot.info))
 
     async def run(self) -> None:
         """The control loop: health monitor, reconcile each second or when woken; failed steps are logged."""
@@ -226,12 +289,25 @@ class FleetManager:
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
-        """Stop supervising; with ``stop_engines`` also stop every engine, actor and placement group."""
+        """Stop supervising for good (the owner's drain); with ``stop_engines`` also stop every engine,
+        actor and placement group. Without, the engines keep running for the next routerd to adopt."""
+        self._closed = True
+        await self._end_term(stop_engines)
+
+    async def _end_term(self, stop_engines: bool) -> None:
+        """End a term of control: stop supervising (and the engines, with ``stop_engines``). Without,
+        the engines and their registry entries stay as they are (a follower's view of the fleet takes
+        them over) and :meth:`start` may begin another term."""
+        self._active = False
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if stop_engines:
+        if not stop_engines:
+            for sup in self.supervisors.values():
+                self.ops.release(sup.slot.spec)  # the next term claims the nodes it finds again
+            self.supervisors = {}
+        else:
             with contextlib.suppress(Exception):  # best effort: the cluster may be going away too
                 await self.autoscaler.withdraw()
             # Slots still being placed have no Placement yet but may own a pending placement group.
@@ -247,12 +323,17 @@ class FleetManager:
         return await self.ops.dispose(actor, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
 
     # reconcile -------------------------------------------------------------------------------
-    def _new_supervisor(self, fleet: FleetConfig, spec: LaunchSpec) -> Supervisor:
-        sup = Supervisor(spec, fleet.max_num_seqs, self.registry, self.ops, self.cfg.health, self.clock)
+    def _new_supervisor(self, fleet: FleetConfig, spec: LaunchSpec, *, adopting: bool = False) -> Supervisor:
+        """``adopting``: the engine runs, and an entry the registry has for it (a follower's view of the
+        fleet, before this process took control) is kept — with the requests in flight on it."""
+        sup = Supervisor(spec, fleet.max_num_seqs, self.registry, self.ops, self.cfg.health, self.clock,
+                         keep_entry=adopting)
         self.supervisors[sup.slot.inst.id] = sup
         return sup
 
     def _reconcile(self) -> None:
+        if not self._active:  # a follower's reload or admin call: the controller's reconcile acts
+            return
         wanted: set[str] = set()
         for fleet in self._fleets():
             self.registry.ensure_fleet(fleet.name)
@@ -351,12 +432,14 @@ class FleetManager:
 
     async def restart_instance(self, instance_id: str) -> dict[str, Any]:
         """Admin: take one instance out of rotation now and restart its engine (no backoff)."""
+        self.control.check()
         sup = self._supervisor(instance_id)
         sup.request_restart()
         return sup.slot.inst.status(self.registry.clock())
 
     async def drain_instance(self, instance_id: str, timeout_s: float) -> dict[str, Any]:
         """Admin: no new requests; wait (≤ timeout_s) for in-flight ones. Stays drained until restarted."""
+        self.control.check()
         sup = self._supervisor(instance_id)
         sup.drain()
         inst = sup.slot.inst
@@ -380,6 +463,7 @@ class FleetManager:
         fcfg = self.cfg.fleet(fleet)
         if fcfg is None or fcfg.engine == "static":
             raise KeyError(fleet)
+        self.control.check()
         if self.replica_store is not None:  # stored first: a count the next controller would not see is none
             await self.replica_store.set(fcfg, replicas)
         self._replicas_override[fleet] = replicas
@@ -394,6 +478,7 @@ class FleetManager:
         fcfg = self.cfg.fleet(fleet)
         if fcfg is None or fcfg.engine == "static":
             raise KeyError(fleet)
+        self.control.check()
         if self.replica_store is not None:
             await self.replica_store.unset(fleet)
         pinned = self._replicas_override.pop(fleet, None)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,14 +164,20 @@ class RayCluster:
     lets a restarted routerd adopt them.
     """
 
-    def __init__(self, address: str, namespace: str, *, owns_connection: bool, local_head: bool) -> None:
+    def __init__(self, address: str, namespace: str, *, owns_connection: bool, local_head: bool,
+                 fence: Callable[[], None] = lambda: None) -> None:
+        """``fence()`` runs before every call that changes the cluster (create or kill an actor, create
+        or remove a placement group, ask for resources) and raises when this process may not: the
+        control lease's ``check`` (routerd/view/control.py)."""
         self.address = address
         self.namespace = namespace
         self._owns_connection = owns_connection
         self.local_head = local_head
+        self.fence = fence
 
     @classmethod
-    async def connect(cls, cfg: RayConfig, state_dir: Path) -> RayCluster:
+    async def connect(cls, cfg: RayConfig, state_dir: Path,
+                      fence: Callable[[], None] = lambda: None) -> RayCluster:
         """Connect to ``cfg.address``, or find/start the local head in ``state_dir``; bounded by a timeout."""
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -202,7 +209,7 @@ class RayCluster:
         except ConnectionError as e:
             raise RayConnectError(f"cannot connect to Ray at {address!r}: {e}") from e
         _logger.info("ray_connected", address=address, namespace=cfg.namespace, local_head=local)
-        return cls(address, cfg.namespace, owns_connection=owns, local_head=local)
+        return cls(address, cfg.namespace, owns_connection=owns, local_head=local, fence=fence)
 
     def is_local(self) -> bool:
         """True for routerd's own head or a cluster addressed on loopback: engines then bind 127.0.0.1."""
@@ -257,6 +264,7 @@ class RayCluster:
         def create() -> Any:
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0,
                                                         placement_group_capture_child_tasks=False)
+            self.fence()  # at the last moment: the call itself runs in a thread, after awaits
             return ray.remote(cls).options(
                 name=name, namespace=self.namespace, lifetime="detached", max_restarts=0,
                 max_task_retries=0, num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0),
@@ -267,6 +275,7 @@ class RayCluster:
     async def kill(self, actor: Any) -> None:
         import ray
 
+        self.fence()
         with contextlib.suppress(Exception):  # already dead is fine: the goal is "not running"
             await self.call(lambda: ray.kill(actor, no_restart=True))
 
@@ -279,6 +288,7 @@ class RayCluster:
         def get_or_create() -> Any:
             with contextlib.suppress(ValueError):
                 return ray.util.get_placement_group(name)
+            self.fence()
             selector = [{"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}] if avoid else None
             return ray.util.placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached",
                                             bundle_label_selector=selector)
@@ -320,6 +330,7 @@ class RayCluster:
     async def remove_placement_group(self, pg: Any) -> None:
         import ray.util
 
+        self.fence()
         with contextlib.suppress(Exception):  # already removed
             await self.call(ray.util.remove_placement_group, pg)
 
@@ -330,6 +341,7 @@ class RayCluster:
         records it and adds nothing."""
         from ray.autoscaler.sdk import request_resources
 
+        self.fence()
         await self.call(lambda: request_resources(bundles=bundles))
 
     async def placement_groups(self) -> list[tuple[str, str, Any]]:

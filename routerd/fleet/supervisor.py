@@ -27,7 +27,9 @@ from ..config import HealthConfig
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
 from ..speed import spec_capacity
+from ..view.control import NotController
 from . import naming
+from .actor import FencedOut
 from .engine import EngineOps, Placement, ProbeAnswer
 from .health import ProbeResult
 
@@ -68,10 +70,20 @@ class Supervisor:
     """Launches (or adopts), readies, watches and restarts one instance until cancelled."""
 
     def __init__(self, spec: LaunchSpec, capacity_hint: int, registry: Registry, ops: EngineOps,
-                 health: HealthConfig, clock: Callable[[], float]) -> None:
-        """Puts the instance in the registry at once (STARTING); ``run()`` does the rest."""
-        inst = Instance(id=naming.instance_id(spec.fleet, spec.index), fleet=spec.fleet, url="",
-                        capacity_hint=capacity_hint, launch_capacity=spec_capacity(spec.engine_args))
+                 health: HealthConfig, clock: Callable[[], float], *, keep_entry: bool = False) -> None:
+        """Puts the instance in the registry at once (STARTING); ``run()`` does the rest. With
+        ``keep_entry`` (adopting a running engine) a launched instance's entry already in the registry
+        is kept as it is — its state, its requests in flight — if :meth:`adopt` finds the same engine
+        generation in it."""
+        iid = naming.instance_id(spec.fleet, spec.index)
+        found = registry.get(iid) if keep_entry else None
+        if found is not None and found.fleet == spec.fleet and not found.static:
+            inst = found
+            inst.capacity_hint = capacity_hint
+            inst.launch_capacity = spec_capacity(spec.engine_args)
+        else:
+            inst = Instance(id=iid, fleet=spec.fleet, url="", capacity_hint=capacity_hint,
+                            launch_capacity=spec_capacity(spec.engine_args))
         self.slot = Slot(inst=inst, spec=spec)
         self.registry = registry
         self.ops = ops
@@ -94,9 +106,7 @@ class Supervisor:
         slot = self.slot
         slot.stale = stale
         slot.placement = placement
-        slot.info = info
-        apply_info(slot.inst, info)
-        self._claim_node(info)
+        self._renew(info)  # a kept entry of another generation is replaced by a fresh one
 
     def _claim_node(self, info: dict[str, Any]) -> None:
         """The node the actor reports is where its placement group is (the group holds the actor)."""
@@ -202,6 +212,10 @@ class Supervisor:
                     await self._watch()
             except asyncio.CancelledError:
                 raise
+            except (NotController, FencedOut) as e:
+                # The term of control ended under this step: nothing more is ours to do to the engine.
+                _logger.warning("supervision_fenced", instance=slot.inst.id, reason=str(e))
+                await asyncio.Event().wait()  # the fleet manager's shutdown cancels this task
             except Exception as e:  # a loop boundary: this instance's step failed; back off and retry
                 _logger.exception("instance_step_failed", instance=slot.inst.id)
                 slot.fail_reason = slot.fail_reason or f"error: {e!r}"[:200]

@@ -129,7 +129,8 @@ class HttpIngress:
                  clock: Callable[[], float] = time.monotonic,
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
                  elastic: Elastic | None = None,
-                 view_status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 view_status: Callable[[], dict[str, Any]] | None = None,
+                 control: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
         self.tenancy = tenancy  # the data plane's, shared with the queue
@@ -150,8 +151,10 @@ class HttpIngress:
         # Fleets that scale to zero: ready while at zero (a request starts one); their autoscaling
         # state in /admin/fleets.
         self.elastic = elastic
-        # With several routerd on one Redis: this process's view of the fleet state (routerd/view/).
+        # With several routerd on one Redis: this process's view of the fleet state (routerd/view/),
+        # and who controls the fleets (routerd/view/control.py ControlLease.status), in /admin/fleets.
         self.view_status = view_status
+        self.control = control
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -356,9 +359,11 @@ class HttpIngress:
                 "admission": self.admission.stats(name),
                 "autoscale": self.elastic.status(name) if self.elastic is not None else None,
             }
-        status = {"fleets": out, "policy": self.router.policy.name}
+        status: dict[str, Any] = {"fleets": out, "policy": self.router.policy.name}
         if self.view_status is not None:
             status["view"] = self.view_status()
+        if self.control is not None:
+            status["control"] = self.control()
         return status
 
 

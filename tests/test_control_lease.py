@@ -1,0 +1,286 @@
+"""The control lease on a real Redis: one holder at a time, tokens that only grow, a partitioned
+holder that stops before anyone else starts, a restarted replica taking its own lease back at once —
+and the fences it guards (the engine actor's token, the Ray cluster's mutating calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from routerd.config import ConfigError, ControlConfig, RedisConfig, parse
+from routerd.fleet.actor import EngineActor, FencedOut
+from routerd.fleet.ray_cluster import RayCluster
+from routerd.plugins import LaunchSpec
+from routerd.status import render
+from routerd.view.control import ControlLease, NotController
+from tests.fixtures.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PausableProxy:
+    """A TCP proxy in front of Redis whose forwarding can be paused: one process's connection to Redis
+    blocked (a partition), while every other client still reaches it (``CLIENT PAUSE`` would pause all)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.open = asyncio.Event()
+        self.open.set()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> PausableProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        for src, dst in ((reader, up_w), (up_r, writer)):
+            task = asyncio.create_task(self._pump(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                await self.open.wait()  # paused: bytes are held, as on a partitioned link
+                dst.write(data)
+                await dst.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            dst.close()
+
+
+def lease(ident: str, url: str, lease_s: float) -> ControlLease:
+    return ControlLease(ident, url=url, redis_cfg=RedisConfig(url=url, op_timeout_s=1.0),
+                        cfg=ControlConfig(lease_s=lease_s))
+
+
+@contextlib.asynccontextmanager
+async def running(*leases: ControlLease) -> AsyncIterator[None]:
+    tasks = [asyncio.create_task(x.run()) for x in leases]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for x in leases:
+            await x.release()
+
+
+async def until(cond: object, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]  # a zero-argument predicate
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_one_holder_at_a_time_and_each_term_a_higher_token(redis_server: RedisServer) -> None:
+    a, b = lease("host-a", redis_server.url, 5.0), lease("host-b", redis_server.url, 5.0)
+    await a.step()
+    await b.step()
+    assert a.controls
+    assert not b.controls
+    a.check()
+    with pytest.raises(NotController) as e:
+        b.check()
+    assert e.value.holder is not None
+    assert e.value.holder.ident == "host-a"
+    assert e.value.status == 503
+    assert b.status()["controller"]["ident"] == "host-a"
+    first = a.token
+    await a.release()  # a clean stop hands over at once, not after lease_s
+    assert not a.controls
+    await b.step()
+    assert b.controls
+    assert b.token > first
+    assert (a.acquisitions, a.losses, b.acquisitions) == (1, 1, 1)
+    await b.release()
+
+
+async def test_a_renewed_lease_is_kept_and_a_lapsed_one_taken(redis_server: RedisServer) -> None:
+    a, b = lease("host-a", redis_server.url, 0.6), lease("host-b", redis_server.url, 0.6)
+    async with running(a):
+        await until(lambda: a.controls, 5)
+        token = a.token
+        async with running(b):
+            end = time.monotonic() + 1.5  # several lease periods
+            while time.monotonic() < end:
+                assert a.controls
+                assert not b.controls
+                await asyncio.sleep(0.02)
+            assert a.token == token
+    # a's loop ended without a release (as if its process died): b takes it once the TTL lapses
+    c = lease("host-b", redis_server.url, 0.6)
+    async with running(c):
+        await until(lambda: c.controls, 5)
+        assert c.token > token
+
+
+async def test_a_partitioned_controller_stops_before_the_other_starts(redis_server: RedisServer) -> None:
+    async with PausableProxy(redis_server.port) as proxy:
+        a, b = lease("host-a", proxy.url, 0.9), lease("host-b", redis_server.url, 0.9)
+        async with running(a):
+            await until(lambda: a.controls, 5)
+            async with running(b):
+                await asyncio.sleep(0.3)
+                proxy.open.clear()  # a's Redis connection blocked; b still reaches Redis
+                paused = time.monotonic()
+                stopped = started = None
+                while started is None:
+                    now = time.monotonic()
+                    assert not (a.controls and b.controls), "both controlled at once"
+                    if stopped is None and not a.controls:
+                        stopped = now
+                    if b.controls:
+                        started = now
+                    assert now - paused < 5, "b never took control"
+                    await asyncio.sleep(0.002)
+                assert stopped is not None
+                assert stopped < started
+                # a stops within one lease of its last renew, b starts once the key has lapsed in Redis
+                assert stopped - paused <= 0.9 + 0.1
+                proxy.open.set()
+                await asyncio.sleep(1.0)  # a reaches Redis again: it stays a follower
+                assert b.controls
+                assert not a.controls
+                assert a.holder is not None
+                assert a.holder.ident == "host-b"
+
+
+async def test_controls_turns_false_at_the_deadline_without_the_loop(redis_server: RedisServer) -> None:
+    """Nothing renews (no run()): controls flips by the clock alone, and wait_changed returns then."""
+    a = lease("host-a", redis_server.url, 0.4)
+    sent = time.monotonic()
+    await a.step()
+    assert a.controls
+    await a.wait_changed(5.0)
+    took = time.monotonic() - sent
+    assert not a.controls
+    assert took <= 0.4  # the deadline is before the lease's own expiry (0.4 s after it was sent)
+    with pytest.raises(NotController):
+        a.check()
+    await a.release()
+
+
+async def test_the_same_replica_restarted_takes_its_lease_at_once(redis_server: RedisServer) -> None:
+    old = lease("host-a", redis_server.url, 30.0)
+    await old.step()
+    assert old.controls
+    await asyncio.sleep(0.01)  # the new process starts later
+    new = lease("host-a", redis_server.url, 30.0)  # same consumer name, a new incarnation
+    other = lease("host-b", redis_server.url, 30.0)
+    await other.step()
+    assert not other.controls  # a different replica waits for the lease
+    await new.step()
+    assert new.controls
+    assert new.token > old.token
+    await old.step()  # the old incarnation's renew finds the lease gone: it stops, and never takes it back
+    assert not old.controls
+    await old.step()
+    assert not old.controls
+    assert new.controls
+    for x in (new, old, other):
+        await x.release()
+
+
+async def test_a_worker_never_takes_the_lease(redis_server: RedisServer) -> None:
+    worker = ControlLease("host-a-w0", url=redis_server.url, redis_cfg=RedisConfig(url=redis_server.url),
+                          candidate=False)
+    await worker.step()
+    assert not worker.controls  # even with nobody holding it
+    a = lease("host-a", redis_server.url, 5.0)
+    await a.step()
+    await worker.step()
+    assert worker.holder is not None
+    assert worker.holder.ident == "host-a"
+    for x in (a, worker):
+        await x.release()
+
+
+async def test_sole_control_without_redis() -> None:
+    sole = ControlLease("alone")
+    assert sole.controls
+    assert sole.token == 0
+    sole.check()
+    await sole.wait_changed(0.01)
+    assert sole.controls
+
+
+async def test_the_engine_actor_refuses_an_older_token(tmp_path: Path) -> None:
+    spec = LaunchSpec(fleet="f", index=0, engine="sim", model="m", engine_args={}, env={}, num_cpus=0.1,
+                      num_gpus=0)
+    actor = EngineActor(msgspec.json.encode(spec), 1, str(tmp_path), "127.0.0.1", 5)
+    with pytest.raises(FencedOut):
+        await actor.stop(1.0, 4)
+    await actor.stop(1.0, 7)  # a newer controller's call passes, and raises the bar
+    with pytest.raises(FencedOut):
+        await actor.restart_engine(1.0, 5)
+    assert (await actor.info())["token"] == 7
+
+
+async def test_an_engine_restarted_meanwhile_is_not_restarted_twice(tmp_path: Path) -> None:
+    """Two asks to restart the same generation (the old controller's, then the new one's after it
+    adopted the dead engine): one restart."""
+    spec = LaunchSpec(fleet="g", index=0, engine="sim", model="m", engine_args={"ttft-ms": 5})
+    actor = EngineActor(msgspec.json.encode(spec), 1, str(tmp_path), "127.0.0.1", 1)
+    await actor.start(1)
+    try:
+        first = await actor.restart_engine(1.0, 1, 1)
+        again = await actor.restart_engine(1.0, 2, 1)  # the new controller still saw generation 1
+        assert first["generation"] == again["generation"] == 2
+        assert first["pid"] == again["pid"]
+        assert (await actor.restart_engine(1.0, 2, 2))["generation"] == 3  # a restart of what runs
+    finally:
+        await actor.stop(2.0, 2)
+
+
+async def test_the_ray_cluster_mutates_nothing_outside_a_term(redis_server: RedisServer) -> None:
+    a, b = lease("host-a", redis_server.url, 5.0), lease("host-b", redis_server.url, 5.0)
+    await a.step()
+    await b.step()
+    cluster = RayCluster("127.0.0.1:1", "ns", owns_connection=False, local_head=True, fence=b.check)
+    with pytest.raises(NotController):
+        await cluster.kill(object())  # refused before any Ray call (there is no Ray here)
+    with pytest.raises(NotController):
+        await cluster.remove_placement_group(object())
+    with pytest.raises(NotController):
+        await cluster.request_resources([])
+    await a.release()
+    await b.release()
+
+
+def test_status_says_who_controls() -> None:
+    control = {"controller": {"ident": "host-a", "token": 7, "since": 990.0, "incarnation": "1-ab"},
+               "this": "host-b", "controls": False, "lease_s": 5.0}
+    text = render({"fleets": {}, "control": control}, now=1000.0)
+    assert text.splitlines()[0] == "control: host-a token=7 since 10.0s ago; this routerd: host-b (follows)"
+
+
+def test_lease_s_is_bounded_and_set_from_the_environment() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse({"control": {"lease_s": 0.1}}, environ={})
+    assert any(p.startswith("$.control.lease_s") for p in e.value.problems), e.value.problems
+    assert parse({}, environ={"ROUTERD_CONTROL_LEASE_S": "2.5"}).control.lease_s == 2.5
+    assert parse({}, environ={}).control.lease_s == 5.0
