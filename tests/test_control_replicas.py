@@ -129,16 +129,22 @@ async def test_two_replicas_one_controller_failover_adopts_and_restarts_once(
         for rp in procs:  # the loser removed none of the winner's new placement groups as strays
             assert events(rp, "stray_placement_group_removed") == []
             assert events(rp, "adopt_unwanted_stopping") == []
+        # The follower follows the controller's fleet state, and its admin calls are the controller's.
+        await poll(s, fol, lambda st: ready("c", 2)(st) and pids(st, "c") == before, "the follower following")
         async with s.post(f"{fol.url}/admin/instances/c:0/restart") as r:
-            assert r.status == 503  # an admin action on a follower: the controller is named
-            assert "does not control" in (await r.json())["error"]["message"]
+            assert r.status == 200, await r.text()
+        st = await poll(s, ctl, lambda st: ready("c", 2)(st) and pids(st, "c")["c:0"] != before["c:0"],
+                        "c:0 restarted by the controller")
+        assert launches(ctl, fol) == {"c:0": 2, "c:1": 1}
+        assert Counter(e["instance"] for e in events(fol, "engine_restarted")) == Counter()
+        before = pids(st, "c")
 
         # One engine SIGKILLed with both running: restarted exactly once (they used to fight over it).
         os.kill(before["c:0"], signal.SIGKILL)
         st = await poll(s, ctl, lambda st: ready("c", 2)(st) and pids(st, "c")["c:0"] != before["c:0"],
                         "c:0 restarted")
         await asyncio.sleep(LEASE_S)  # a fight would show as more restarts within this window
-        assert launches(ctl, fol) == {"c:0": 2, "c:1": 1}
+        assert launches(ctl, fol) == {"c:0": 3, "c:1": 1}
         before = pids(await poll(s, ctl, ready("c", 2), "still ready"), "c")
 
         # The controller SIGKILLed, and an engine with it, while nobody controls.
