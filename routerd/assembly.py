@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import random
 import socket
 import time
@@ -55,11 +56,20 @@ _log = log.get("routerd.assembly")
 
 if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, the fleets Ray
     from aiohttp import web
+    from prometheus_client.registry import Collector
 
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
     from .routing.engine_events import EngineEvents
     from .routing.keying_process import KeyingProcess
+
+
+class Role(enum.Enum):
+    """What one process of a routerd does (``[daemon] workers``, routerd/workers.py)."""
+
+    ONE = "one"  # workers = 1: everything, in this one process (routerd as it always was)
+    PARENT = "parent"  # workers > 1, the daemon: Redis, Ray and the fleets; it serves neither way in
+    WORKER = "worker"  # workers > 1, one of them: HTTP and the queue; no Ray, no fleet manager
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +100,7 @@ class Routerd:
     # prompts keyed in a process of their own
     engine_events: EngineEvents | None
     keying: KeyingProcess | None
+    role: Role = Role.ONE
 
     @property
     def url(self) -> str:
@@ -101,7 +112,9 @@ class Routerd:
         the upstream's closes its engine connections then, the tenancy's its Redis client)."""
         loops = {"scraper": self.scraper.run(), "admission": self.admission.run(),
                  "tenancy": self.tenancy.run(), "static_health": self.static_health.run(),
-                 "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
+                 "upstream": self.upstream.run()}
+        if self.role is not Role.WORKER:  # one file for Prometheus, written by the daemon
+            loops["file_sd"] = self.file_sd.run()
         if self.queue is not None:
             loops["queue"] = self.queue.run()
         if self.fleets is not None:
@@ -141,11 +154,13 @@ def launches(cfg: Config) -> bool:
 def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
           redis_url: str = "",
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
-          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
+          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+          role: Role = Role.ONE, collectors: Sequence[Collector] = ()) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
-    and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``)."""
+    and feeds the queue consumer (not in the daemon of workers: ``role``); ``fleets`` is the fleet manager
+    of the launched fleets (its autoscaler wakes fleets at zero for admission; its replica counts show in
+    ``/admin/fleets``); ``collectors`` add to ``/metrics`` (a worker's own figures)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
@@ -175,12 +190,12 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     queue = None
-    if redis_url:
+    if redis_url and role is not Role.PARENT:
         from .ingress.queue import QueueIngress
 
         queue = QueueIngress.from_config(cfg, url=redis_url, dispatch=dispatch, admission=admission,
                                          tenancy=tenancy, tracing=tracing)
-    collectors = [registry_collector(registry, admission.stats, clock),
+    extra, collectors = collectors, [registry_collector(registry, admission.stats, clock),
                   tenancy.collector(admission.tenant_stats)]
     if queue is not None:
         collectors.append(queue_collector(queue))
@@ -190,7 +205,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(EngineEventsCollector(engine_events))
     if tracing.on:
         collectors.append(tracing.collector())
-    metrics = Metrics(telemetry, collectors)
+    metrics = Metrics(telemetry, [*collectors, *extra])
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        desired_replicas=fleets.desired if fleets is not None else None, elastic=elastic)
@@ -203,7 +218,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
-                   engine_events=engine_events, keying=keying)
+                   engine_events=engine_events, keying=keying, role=role)
 
 
 @contextlib.asynccontextmanager
@@ -211,8 +226,9 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                    port: int | None = None, status: Callable[[str], None] = lambda step: None,
                    ray_connected: Callable[[], None] = lambda: None,
                    built: Callable[[Routerd], None] = lambda routerd: None, tracing: Tracing | None = None,
-                   rng: random.Random | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
+                   rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                   role: Role = Role.ONE, collectors: Sequence[Collector] = (),
+                   worker: int | None = None) -> AsyncIterator[Routerd]:
     """routerd for ``cfg`` started, in the start-up order of the module's docstring; on the way out
     (or when a step fails) everything done is undone, in reverse: the listener closed, the fleets'
     supervision ended (the engines keep running), Ray, the session and an embedded Redis closed.
@@ -223,7 +239,13 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
     ``built(routerd)`` as soon as every component exists, before the fleets and the listener start (so
     that a start-up failing after that can be looked at);
     ``tracing``: a caller's own exporter (tests), else the one ``cfg.tracing`` and ``OTEL_*`` ask for,
-    started and closed here."""
+    started and closed here.
+
+    ``role`` (routerd/workers.py): the daemon of workers (``PARENT``) starts Redis, Ray and the fleets
+    but neither the queue consumer nor the listener — its workers do; a ``WORKER`` (index ``worker``,
+    named in each response's ``X-Routerd-Worker``) serves on the daemon's ``sockets`` and never touches
+    Ray: its launched fleets' instances come from the fleet state the controller publishes in Redis.
+    ``collectors`` add to its ``/metrics``."""
     async with contextlib.AsyncExitStack() as stack:
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
@@ -234,7 +256,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         stack.push_async_callback(session.close)
         cluster: RayCluster | None = None
         fleets: FleetManager | None = None
-        if launches(cfg):
+        if launches(cfg) and role is not Role.WORKER:
             from .fleet import FleetManager, RayCluster
 
             status("ray")
@@ -243,7 +265,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             ray_connected()
             fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
-                        cluster=cluster, rng=rng, clock=clock)
+                        cluster=cluster, rng=rng, clock=clock, role=role, collectors=collectors)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         built(routerd)
@@ -254,9 +276,10 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             # drain this second shutdown finds nothing left to do.
             stack.push_async_callback(fleets.shutdown, False)
             await fleets.start()
-        status("http")
-        await stack.enter_async_context(routerd.listener)
-        await routerd.listener.start(_admin_routes(routerd), port=port, sockets=sockets)
+        if role is not Role.PARENT:
+            status("http")
+            await stack.enter_async_context(routerd.listener)
+            await routerd.listener.start(_admin_routes(routerd, worker), port=port, sockets=sockets)
         yield routerd
 
 
@@ -331,12 +354,22 @@ async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> 
     return url
 
 
-def _admin_routes(routerd: Routerd) -> Callable[[web.Application], None]:
+def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.Application], None]:
     """The admin write routes — static-only too: a static instance is drained without Ray; what only
     launched engines have answers 400 without a fleet manager. The key is read per request, so a
-    reload applies."""
+    reload applies. A worker names itself in every response (``X-Routerd-Worker``)."""
     from .ingress.admin import add_admin_routes
 
     http = routerd.http
-    return lambda app: add_admin_routes(app, routerd.fleets, routerd.static_health,
-                                        lambda: http.cfg.http.admin_api_key)
+
+    def add(app: web.Application) -> None:
+        add_admin_routes(app, routerd.fleets, routerd.static_health, lambda: http.cfg.http.admin_api_key)
+        if worker is not None:
+            name = str(worker)
+
+            async def name_worker(_: web.Request, response: web.StreamResponse) -> None:
+                response.headers["X-Routerd-Worker"] = name
+
+            app.on_response_prepare.append(name_worker)
+
+    return add
