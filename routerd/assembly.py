@@ -276,6 +276,12 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             # drain this second shutdown finds nothing left to do.
             stack.push_async_callback(fleets.shutdown, False)
             await fleets.start()
+        if worker is not None:  # /metrics: every worker's page, whichever answers
+            from .ingress.worker_pages import WorkerPages
+
+            metrics = routerd.metrics
+            routerd.http.pages = await stack.enter_async_context(WorkerPages(
+                worker, config_mod.worker_count(cfg), state / "workers", lambda: metrics.render(False)))
         if role is not Role.PARENT:
             status("http")
             await stack.enter_async_context(routerd.listener)
