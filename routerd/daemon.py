@@ -36,7 +36,7 @@ from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
 from .stop_deadline import StopDeadline
-from .workers import Workers, WorkerSpec, worker_consumer, worker_notifier
+from .workers import FORCE, RELOAD, STOP, Workers, WorkerSpec, read_words, worker_consumer, worker_link
 
 if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
     from .assembly import Role, Routerd
@@ -67,8 +67,11 @@ class Daemon:
         self.config_path = config_path
         self.worker = worker  # this process is worker ``worker.index`` of a parent daemon
         cfg = self._own(cfg)
-        if worker is not None:
-            notifier = notifier or worker_notifier(worker, cfg.daemon.worker_watchdog_s / 4)
+        # A worker's sd_notify words go to its parent, which says STOP/FORCE/RELOAD on the same pair.
+        self._link = worker_link(worker) if worker is not None else None
+        if self._link is not None:
+            notifier = notifier or Notifier(sock=self._link,
+                                            watchdog_interval_s=cfg.daemon.worker_watchdog_s / 4)
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.workers: Workers | None = None  # the parent's workers (``[daemon] workers`` > 1)
@@ -89,7 +92,7 @@ class Daemon:
         if self._stop.is_set():
             _logger.warning("second_stop_signal_exiting_now")
             if self.workers is not None:
-                self.workers.send(signal.SIGTERM)  # their second one too: each exits now
+                self.workers.tell(FORCE)  # each exits now too
             self._force.set()
             self.stop_deadline.arm(_FORCED_STOP_S, "second stop signal")
         else:
@@ -101,6 +104,20 @@ class Daemon:
 
     def request_reload(self) -> None:
         self._reload.set()
+
+    def _parent_says(self) -> None:
+        """A worker: its parent's word. STOP begins the drain unless a signal already did (a terminal's
+        Ctrl-C reaches the worker too); FORCE ends it now."""
+        assert self._link is not None
+        for word in read_words(self._link):
+            if word == STOP and not self._stop.is_set():
+                self.request_stop()
+            elif word == FORCE and not self._force.is_set():
+                if not self._stop.is_set():
+                    self.request_stop()
+                self.request_stop()
+            elif word == RELOAD:
+                self.request_reload()
 
     def _own(self, cfg: Config) -> Config:
         """``cfg`` as this process runs it: a worker consumes the queue under its own stable name (a
@@ -123,11 +140,15 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        if self._link is not None:
+            loop.add_reader(self._link.fileno(), self._parent_says)
 
     def _remove_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        if self._link is not None:
+            loop.remove_reader(self._link.fileno())
 
     # lifecycle -------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -219,7 +240,7 @@ class Daemon:
                     self._reload.clear()
                     try:
                         if await self.reload() and self.workers is not None:
-                            self.workers.send(signal.SIGHUP)  # each re-reads the file itself
+                            self.workers.tell(RELOAD)  # each re-reads the file itself
                     except Exception:  # a loop boundary: a failed reload must not end the daemon
                         _logger.exception("reload_failed", path=str(self.config_path))
                         self.notifier.ready("reload failed; see the log")

@@ -15,9 +15,11 @@ would to systemd (:func:`worker_notifier`), and the parent (:class:`Workers`) re
 ``READY=1`` to systemd waits for every worker's, and the watchdog covers the workers: a worker whose
 loop stops pinging for ``daemon.worker_watchdog_s`` is killed and started again, as is one that exits;
 each start after the first is counted (``routerd_workers_restarts_total``, told to the worker on its
-command line). Signals are passed on: TERM drains every worker (each as one routerd does) and the
-parent exits once all did; HUP reloads each. Workers run in a session of their own, so a terminal's
-Ctrl-C reaches only the parent, which passes it on once; a worker whose parent is gone drains and exits.
+command line). The other way the parent says what the signals it got mean for the workers — ``STOP=1``
+(drain, each as one routerd does; the parent exits once all did), ``FORCE=1`` (a second stop signal:
+end now), ``RELOAD=1`` — as words rather than signals, so that a worker which got the signal itself too
+(a terminal's Ctrl-C reaches the whole process group, as does a group kill) drains once, not twice. A
+worker whose parent is gone drains and exits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import sys
 import time
@@ -37,9 +38,10 @@ from prometheus_client.registry import Collector
 
 from . import log
 from .config_schema import EXIT_CONFIG
-from .sdnotify import Notifier
 
 _log = log.get("routerd.workers")
+
+STOP, FORCE, RELOAD = b"STOP=1", b"FORCE=1", b"RELOAD=1"  # what the parent tells its workers
 
 _BACKOFF_INITIAL_S = 0.5  # a worker that exits is started again after this, doubling ...
 _BACKOFF_MAX_S = 30.0  # ... up to this
@@ -99,12 +101,29 @@ def worker_consumer(consumer: str, index: int) -> str:
     return f"{consumer or socket.gethostname()}-w{index}"
 
 
-def worker_notifier(spec: WorkerSpec, ping_s: float) -> Notifier:
-    """The worker's notifier: its sd_notify messages go to the parent, its watchdog pings every ``ping_s``."""
+def worker_link(spec: WorkerSpec) -> socket.socket:
+    """The worker's end of its pair with the parent: its sd_notify words go out on it (a
+    :class:`~routerd.sdnotify.Notifier` over it), the parent's :data:`STOP`, :data:`FORCE` and
+    :data:`RELOAD` come in."""
     os.set_inheritable(spec.notify_fd, False)
     sock = socket.socket(fileno=spec.notify_fd)
     sock.setblocking(False)
-    return Notifier(sock=sock, watchdog_interval_s=ping_s)
+    return sock
+
+
+def read_words(sock: socket.socket) -> list[bytes]:
+    """Every word waiting on ``sock`` (none when nothing is, or the other end is gone)."""
+    words: list[bytes] = []
+    while True:
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return words
+        except OSError:
+            return words
+        if not data:
+            return words
+        words += data.split(b"\n")
 
 
 @dataclass(eq=False)
@@ -202,8 +221,7 @@ class Workers:
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "routerd", "run", "--config", self.config_path, "--worker", spec.arg(),
-                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL,
-                start_new_session=True)  # a terminal's Ctrl-C goes to the parent only, which passes it on
+                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL)
         except BaseException:
             parent_end.close()
             raise
@@ -217,18 +235,12 @@ class Workers:
 
     def _read(self, w: _Worker) -> None:
         """What worker ``w`` said: any datagram is a sign of life; ``READY=1`` its readiness."""
-        sock = w.sock
-        if sock is None:
+        if w.sock is None:
             return
-        while True:
-            try:
-                data = sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
+        words = read_words(w.sock)
+        if words:
             w.last_ping = self._clock()
-            if b"READY=1" in data.split(b"\n") and not w.ready.is_set():
+            if b"READY=1" in words and not w.ready.is_set():
                 w.ready.set()
                 w.ever_ready = True
                 _log.info("worker_ready", worker=w.index, pid=w.proc.pid if w.proc else None,
@@ -259,17 +271,17 @@ class Workers:
             w.sock = None
 
     # signals ---------------------------------------------------------------------------------
-    def send(self, sig: signal.Signals) -> None:
-        """Pass ``sig`` on to every running worker."""
+    def tell(self, word: bytes) -> None:
+        """Say ``word`` (:data:`STOP`, :data:`FORCE`, :data:`RELOAD`) to every running worker."""
         for w in self._workers:
-            if w.proc is not None and w.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(sig)
+            if w.sock is not None and w.proc is not None and w.proc.returncode is None:
+                with contextlib.suppress(OSError):  # a full pair or a worker just gone: it is restarted
+                    w.sock.send(word)
 
     def begin_stop(self) -> None:
-        """No worker is started again from now on; TERM to each (each drains as one routerd does)."""
+        """No worker is started again from now on; each is told to drain (as one routerd does)."""
         self._stopping = True
-        self.send(signal.SIGTERM)
+        self.tell(STOP)
 
     async def stop(self, timeout_s: float) -> bool:
         """Drain every worker: TERM, then wait up to ``timeout_s`` for all to exit; any left is killed.

@@ -90,10 +90,12 @@ def roles(parent: int) -> dict[str, int]:
             continue
         if b"--worker" in argv:
             out[f"w{argv[argv.index(b'--worker') + 1].split(b',')[0].decode()}"] = pid
-        elif argv and argv[0].endswith(b"redis-server"):
-            out["redis"] = pid
         else:
-            out[f"pid{pid}"] = pid
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            out["redis" if comm.startswith("redis-server") else f"{comm}-{pid}"] = pid
     return out
 
 
