@@ -203,7 +203,9 @@ class Daemon:
         self._spawn(tg, self._watchdog(), "watchdog")
         if role is Role.PARENT:
             self._starting("workers")
-            env = {**os.environ, "ROUTERD_REDIS_URL": routerd.redis_url}
+            env = dict(os.environ)
+            if self.cfg.redis.url == "embedded":  # the workers use the parent's redis-server
+                env["ROUTERD_REDIS_URL"] = routerd.redis_url
             self.workers = Workers(str(self.config_path), sockets, count=config_mod.worker_count(self.cfg),
                                    stall_s=self.cfg.daemon.worker_watchdog_s, env=env)
             for sock in sockets:  # the workers hold them now; ours would only keep a stopped socket open

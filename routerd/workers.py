@@ -160,10 +160,6 @@ class Workers:
         self.failed = asyncio.Event()  # ... and the daemon stops with it
 
     # the parent's view -----------------------------------------------------------------------
-    @property
-    def restarts_total(self) -> int:
-        return sum(w.restarts for w in self._workers)
-
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
 
@@ -250,17 +246,20 @@ class Workers:
         """Until worker ``w`` exits (its code), killing it first when its pings stop once it was ready."""
         proc = w.proc
         assert proc is not None
-        while True:
-            try:
-                return await asyncio.wait_for(proc.wait(), _POLL_S)
-            except TimeoutError:
-                pass
-            silent_s = self._clock() - w.last_ping
-            if w.ready.is_set() and silent_s > self.stall_s and not self._stopping:
-                _log.error("worker_stalled", worker=w.index, pid=proc.pid, silent_s=round(silent_s, 3),
-                           action="killed, and started again")
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({exited}, timeout=_POLL_S)
+                if done:
+                    return exited.result()
+                silent_s = self._clock() - w.last_ping
+                if w.ready.is_set() and silent_s > self.stall_s and not self._stopping:
+                    _log.error("worker_stalled", worker=w.index, pid=proc.pid, silent_s=round(silent_s, 3),
+                               action="killed, and started again")
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+        finally:
+            exited.cancel()
 
     def _close(self, w: _Worker) -> None:
         w.ready.clear()
