@@ -189,6 +189,7 @@ class Daemon:
         # Socket activation: taken first, so no child started below sees LISTEN_FDS or holds the socket.
         # A worker serves on its parent's; the parent of workers binds its own if systemd gave none.
         sockets = self.worker.sockets() if self.worker is not None else systemd_sockets()
+        systemd_fds = bool(sockets) and self.worker is None
         if role is Role.PARENT and not sockets:
             sockets = bind_sockets(self.cfg.http.host, self.cfg.http.port)
         collectors = [self.worker.collector()] if self.worker is not None else []
@@ -210,6 +211,8 @@ class Daemon:
                                    stall_s=self.cfg.daemon.worker_watchdog_s, env=env)
             for sock in sockets:  # the workers hold them now; ours would only keep a stopped socket open
                 stack.callback(sock.close)
+            _logger.info("workers_listening", addresses=[str(s.getsockname()) for s in sockets],
+                         workers=self.workers.count, socket_activated=bool(systemd_fds))
             self._spawn(tg, self.workers.run(), "workers")
 
     async def _workers_ready(self) -> bool:
