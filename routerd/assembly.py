@@ -264,6 +264,12 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             stack.push_async_callback(cluster.close)
             ray_connected()
             fleets = FleetManager(cfg, registry, cluster, session, clock=clock)
+        elif launches(cfg):
+            # A worker's launched instances come from the fleet state the controller publishes in Redis
+            # (routerd/view/fleet_state.py, issue 20): the follower that fills ``registry`` goes here.
+            _log.warning("worker_launched_fleets_not_followed",
+                         fleets=[f.name for f in cfg.fleets if f.engine != "static"],
+                         effect="this worker routes only to static fleets until it follows the fleet state")
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, fleets=fleets,
                         cluster=cluster, rng=rng, clock=clock, role=role, collectors=collectors)
         if routerd.keying is not None:
