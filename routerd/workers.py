@@ -19,7 +19,8 @@ command line). The other way the parent says what the signals it got mean for th
 (drain, each as one routerd does; the parent exits once all did), ``FORCE=1`` (a second stop signal:
 end now), ``RELOAD=1`` — as words rather than signals, so that a worker which got the signal itself too
 (a terminal's Ctrl-C reaches the whole process group, as does a group kill) drains once, not twice. A
-worker whose parent is gone drains and exits.
+worker whose parent is gone drains and exits (it gets SIGTERM when the parent dies, and sees its parent
+change besides).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from . import log
 from .config_schema import EXIT_CONFIG
+from .redis_server import die_with_parent
 
 _log = log.get("routerd.workers")
 
@@ -217,7 +219,8 @@ class Workers:
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "routerd", "run", "--config", self.config_path, "--worker", spec.arg(),
-                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL)
+                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent)  # a SIGKILLed daemon's workers drain and exit
         except BaseException:
             parent_end.close()
             raise

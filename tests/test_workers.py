@@ -131,7 +131,8 @@ async def test_socket_activated_workers_both_serve_reload_and_a_stalled_one_is_r
     on many connections reach both (each answer names its worker); SIGHUP reaches both (an API key
     added is asked for by each); a worker whose loop stalls (SIGSTOP) is killed and started again under
     the same index, counted in ``routerd_workers_restarts_total``, and the other serves meanwhile;
-    ``/metrics`` from either worker is both workers' page, each sample labelled with its worker."""
+    ``/metrics`` from either worker is both workers' page, each sample labelled with its worker; the daemon
+    SIGKILLed, its workers drain and exit."""
     sim = await sim_process(model="m", ttft_ms=2, itl_ms=2)
     cfg = base_config(tmp_path, http={"port": free_port()},  # not where it serves: systemd's socket is
                       daemon={"workers": 2, "worker_watchdog_s": 1.5},
@@ -199,12 +200,19 @@ async def test_socket_activated_workers_both_serve_reload_and_a_stalled_one_is_r
                 served = {w: bool(re.search(r'routerd_requests_total\{[^}]*code="200"[^}]*worker="' + w + '"',
                                             text)) for w in "01"}
                 assert served == {"0": True, "1": True}, text[-3000:]
+
+        workers = list(_worker_pids(log_path).values())
+        proc.kill()  # the daemon SIGKILLed: its workers drain and exit rather than serve on, orphaned
+        await asyncio.to_thread(proc.wait, 10)
+        assert await eventually(lambda: not any(_alive(pid) for pid in workers), 30, 0.1), \
+            log_path.read_text()[-4000:]
+        gone = [line for line in _log_lines(log_path) if line.get("event") == "routerd_stopped"]
+        assert {line.get("worker") for line in gone} == {0, 1}  # each drained and stopped itself
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 60)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 60)
         notify.sock.close()
-    assert rc == 0, log_path.read_text()[-4000:]
-    assert not any(_alive(pid) for pid in _worker_pids(log_path).values())
 
 
 # -- the queue across a worker's death, and the drain ---------------------------------------------------
