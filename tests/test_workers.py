@@ -16,7 +16,7 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -308,3 +308,39 @@ async def _drain_streams(rp: RouterdProcess) -> None:
     assert not any(_alive(pid) for pid in workers.values())
     drained = [line for line in _log_lines(rp.log_path) if line.get("event") == "drain_finished"]
     assert {line.get("worker") for line in drained} == {0, 1, None}, drained
+
+
+# -- the pieces, in-process --------------------------------------------------------------------------
+
+async def test_a_workers_page_has_its_siblings_and_counts_the_one_that_did_not_answer(tmp_path: Path) -> None:
+    """Two of three workers up: the page each gives holds both (a family once, each sample labelled with
+    its worker), and the third is counted missing rather than holding the scrape."""
+    from routerd.ingress.worker_pages import WorkerPages
+
+    def page(i: int) -> Callable[[], bytes]:
+        return lambda: (b"# HELP routerd_requests_total Requests\n# TYPE routerd_requests_total counter\n"
+                        b'routerd_requests_total{code="200"} %d\n' % (10 + i))
+
+    async with WorkerPages(0, 3, tmp_path, page(0)) as w0, WorkerPages(1, 3, tmp_path, page(1)) as w1:
+        for pages in (w0, w1):
+            text = (await pages.page()).decode()
+            assert text.count("# TYPE routerd_requests_total counter") == 1
+            assert 'routerd_requests_total{code="200",worker="0"} 10.0' in text
+            assert 'routerd_requests_total{code="200",worker="1"} 11.0' in text
+            assert "routerd_workers_pages_missing 1.0" in text
+    assert not await asyncio.to_thread(lambda: list(tmp_path.glob("w*.sock")))  # each removed its own
+
+
+def test_bind_sockets_listens_on_one_port_for_every_address() -> None:
+    from routerd.ingress.listener import bind_sockets
+
+    sockets = bind_sockets("localhost", 0)
+    try:
+        ports = {s.getsockname()[1] for s in sockets}
+        assert len(ports) == 1
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) for s in sockets)
+        with socket.create_connection(("localhost", ports.pop()), timeout=2):
+            pass  # the kernel accepts into the backlog: inherited by the workers, served by them
+    finally:
+        for s in sockets:
+            s.close()
