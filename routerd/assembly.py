@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import random
 import socket
 import time
@@ -60,6 +61,7 @@ _log = log.get("routerd.assembly")
 if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, the fleets Ray
     import redis.asyncio as aioredis
     from aiohttp import web
+    from prometheus_client.registry import Collector
 
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
@@ -67,6 +69,14 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from .routing.keying_process import KeyingProcess
     from .view.admin_relay import AdminRelay
     from .view.fleet_state import FleetView
+
+
+class Role(enum.Enum):
+    """What one process of a routerd does (``[daemon] workers``, routerd/workers.py)."""
+
+    ONE = "one"  # workers = 1: everything, in this one process (routerd as it always was)
+    PARENT = "parent"  # workers > 1, the daemon: Redis, Ray and the fleets; it serves neither way in
+    WORKER = "worker"  # workers > 1, one of them: HTTP and the queue; no Ray, no fleet manager
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,6 +115,7 @@ class Routerd:
     admin_relay: AdminRelay | None = None
     # whether this process controls the fleets now (the control lease's, unless a test says); None: always
     controls: Callable[[], bool] | None = None
+    role: Role = Role.ONE
 
     @property
     def url(self) -> str:
@@ -119,7 +130,9 @@ class Routerd:
             else while_controlling(self.controls, self.static_health.run)
         loops = {"scraper": self.scraper.run(), "admission": self.admission.run(),
                  "tenancy": self.tenancy.run(), "static_health": static_health,
-                 "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
+                 "upstream": self.upstream.run()}
+        if self.role is not Role.WORKER:  # one file for Prometheus, written by the daemon
+            loops["file_sd"] = self.file_sd.run()
         if self.queue is not None:
             loops["queue"] = self.queue.run()
         if self.fleets is not None:
@@ -170,14 +183,16 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
           controls: Callable[[], bool] | None = None,
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
           control: ControlLease | None = None,
-          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
+          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+          role: Role = Role.ONE, collectors: Sequence[Collector] = ()) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
-    and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``); ``control`` the
-    lease fleet control follows (the fleet manager's own; None: sole control). ``view_redis`` (the
-    caller's client, with Redis) shares the fleet state and relays admin calls between processes;
-    ``controls()`` says whether this process controls the fleets now (None: the lease says)."""
+    and feeds the queue consumer (not in the daemon of workers: ``role``); ``fleets`` is the fleet manager
+    of the launched fleets (its autoscaler wakes fleets at zero for admission; its replica counts show in
+    ``/admin/fleets``); ``control`` the lease fleet control follows (the fleet manager's own; None: sole
+    control). ``view_redis`` (the caller's client, with Redis) shares the fleet state and relays admin
+    calls between processes; ``controls()`` says whether this process controls the fleets now (None: the
+    lease says; a worker never does); ``collectors`` add to ``/metrics`` (a worker's own figures)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
@@ -209,12 +224,12 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     queue = None
-    if redis_url:
+    if redis_url and role is not Role.PARENT:
         from .ingress.queue import QueueIngress
 
         queue = QueueIngress.from_config(cfg, url=redis_url, dispatch=dispatch, admission=admission,
                                          tenancy=tenancy, tracing=tracing)
-    collectors = [registry_collector(registry, admission.stats, clock),
+    extra, collectors = collectors, [registry_collector(registry, admission.stats, clock),
                   tenancy.collector(admission.tenant_stats)]
     if queue is not None:
         collectors.append(queue_collector(queue))
@@ -225,14 +240,16 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     if tracing.on:
         collectors.append(tracing.collector())
     collectors.append(control.collector())
-    if controls is None and not control.sole:
+    if role is Role.WORKER:
+        controls = _never
+    elif controls is None and not control.sole:
         lease = control
         controls = lambda: lease.controls  # noqa: E731  # the lease's verdict, read each time
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
                                     token=lambda: control.token)
     if fleet_view is not None:
         collectors.append(fleet_view.collector())
-    metrics = Metrics(telemetry, collectors)
+    metrics = Metrics(telemetry, [*collectors, *extra])
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
@@ -248,7 +265,12 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
-                   admin_relay=admin_relay, controls=controls)
+                   admin_relay=admin_relay, controls=controls, role=role)
+
+
+def _never() -> bool:
+    """A worker's answer to "do I control the fleets?"."""
+    return False
 
 
 async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coroutine[Any, Any, None]],
@@ -313,8 +335,10 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                    port: int | None = None, status: Callable[[str], None] = lambda step: None,
                    ray_connected: Callable[[], None] = lambda: None,
                    built: Callable[[Routerd], None] = lambda routerd: None, tracing: Tracing | None = None,
-                   controls: Callable[[], bool] | None = None, rng: random.Random | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routerd]:
+                   controls: Callable[[], bool] | None = None,
+                   rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                   role: Role = Role.ONE, collectors: Sequence[Collector] = (),
+                   worker: int | None = None) -> AsyncIterator[Routerd]:
     """routerd for ``cfg`` started, in the start-up order of the module's docstring; on the way out
     (or when a step fails) everything done is undone, in reverse: the listener closed, the fleets'
     supervision ended (the engines keep running), Ray, the session and an embedded Redis closed.
@@ -325,7 +349,13 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
     ``built(routerd)`` as soon as every component exists, before the fleets and the listener start (so
     that a start-up failing after that can be looked at);
     ``tracing``: a caller's own exporter (tests), else the one ``cfg.tracing`` and ``OTEL_*`` ask for,
-    started and closed here."""
+    started and closed here.
+
+    ``role`` (routerd/workers.py): the daemon of workers (``PARENT``) starts Redis, Ray and the fleets
+    but neither the queue consumer nor the listener — its workers do; a ``WORKER`` (index ``worker``,
+    named in each response's ``X-Routerd-Worker``) serves on the daemon's ``sockets`` and never touches
+    Ray: its launched fleets' instances come from the fleet state the controller publishes in Redis.
+    ``collectors`` add to its ``/metrics``."""
     async with contextlib.AsyncExitStack() as stack:
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
@@ -340,10 +370,11 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
-        control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control)
+        control = ControlLease(_ident(cfg), url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control,
+                               candidate=role is not Role.WORKER)
         cluster: RayCluster | None = None
         fleets: FleetManager | None = None
-        if launches(cfg):
+        if launches(cfg) and role is not Role.WORKER:
             from .fleet import FleetManager, RayCluster
 
             status("ray")
@@ -364,7 +395,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         await _take_control(control, stack)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, view_redis=view_redis,
                         controls=controls, fleets=fleets, cluster=cluster, control=control, rng=rng,
-                        clock=clock)
+                        clock=clock, role=role, collectors=collectors)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
         built(routerd)
@@ -376,9 +407,16 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             stack.push_async_callback(fleets.shutdown, False)
             if control.controls:  # else fleet control starts when this process takes the lease
                 await fleets.start()
-        status("http")
-        await stack.enter_async_context(routerd.listener)
-        await routerd.listener.start(_admin_routes(routerd), port=port, sockets=sockets)
+        if worker is not None:  # /metrics: every worker's page, whichever answers
+            from .ingress.worker_pages import WorkerPages
+
+            metrics = routerd.metrics
+            routerd.http.pages = await stack.enter_async_context(WorkerPages(
+                worker, config_mod.worker_count(cfg), state / "workers", lambda: metrics.render(False)))
+        if role is not Role.PARENT:
+            status("http")
+            await stack.enter_async_context(routerd.listener)
+            await routerd.listener.start(_admin_routes(routerd, worker), port=port, sockets=sockets)
         yield routerd
 
 
@@ -479,12 +517,23 @@ async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> 
     return url
 
 
-def _admin_routes(routerd: Routerd) -> Callable[[web.Application], None]:
+def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.Application], None]:
     """The admin write routes — static-only too: a static instance is drained without Ray; what only
     launched engines have answers 400 without a fleet manager. The key is read per request, so a
-    reload applies."""
+    reload applies. A worker names itself in every response (``X-Routerd-Worker``)."""
     from .ingress.admin import add_admin_routes
 
     http = routerd.http
-    return lambda app: add_admin_routes(app, routerd.fleets, routerd.static_health,
-                                        lambda: http.cfg.http.admin_api_key, routerd.admin_relay)
+
+    def add(app: web.Application) -> None:
+        add_admin_routes(app, routerd.fleets, routerd.static_health, lambda: http.cfg.http.admin_api_key,
+                         routerd.admin_relay)
+        if worker is not None:
+            name = str(worker)
+
+            async def name_worker(_: web.Request, response: web.StreamResponse) -> None:
+                response.headers["X-Routerd-Worker"] = name
+
+            app.on_response_prepare.append(name_worker)
+
+    return add

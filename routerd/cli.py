@@ -87,7 +87,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "submit": (_submit, "enqueue one request on the Redis queue (and wait for its result)"),
     "usage": (_usage, "usage per tenant and fleet per day (requests, tokens), from Redis"),
     "sim-engine": (_sim_engine, "the vLLM-compatible simulated engine"),
-    "bench": (_bench, "benchmarks: overhead, routing, queue, failover, autoscale, fairness"),
+    "bench": (_bench, "benchmarks: overhead, routing, queue, failover, autoscale, fairness, scale"),
 }
 
 

@@ -205,7 +205,18 @@ def _semantic_problems(cfg: Config) -> list[str]:
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
                         f"got {redact.url(cfg.ray.address)!r}")
+    if worker_count(cfg) > 1 and not cfg.redis.enabled:
+        problems.append("$.daemon.workers: more than one worker needs Redis ([redis] enabled): the "
+                        "workers share the queue and their view of the fleets through it")
     return problems
+
+
+def worker_count(cfg: Config) -> int:
+    """``daemon.workers`` as a number: ``"auto"`` is the cores this process may run on."""
+    workers = cfg.daemon.workers
+    if workers == "auto":
+        return len(os.sched_getaffinity(0))
+    return workers
 
 
 def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Config:

@@ -40,6 +40,11 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stop_engines_on_exit: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     file_sd_path: str = ""  # "" → <state_dir>/file_sd/engines.json
+    # Request-path processes sharing the listener (routerd/workers.py); "auto": the cores this process
+    # may use. More than 1 needs Redis (the queue, and what the processes share).
+    workers: Annotated[int, Meta(ge=1, le=256)] | Literal["auto"] = 1
+    # A worker whose event loop has not pinged the daemon for this long is killed and started again.
+    worker_watchdog_s: Seconds = 10.0
 
 
 class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

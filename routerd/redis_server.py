@@ -105,7 +105,7 @@ def redis_target(url: str, config_path: str | None) -> RedisTarget:
     return RedisTarget(url=url or LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
 
 
-def _die_with_parent() -> None:  # runs in the forked child before exec
+def die_with_parent() -> None:  # runs in the forked child before exec (a worker's too)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -171,7 +171,7 @@ class EmbeddedRedis:
     async def _start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             *self._argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + self._ready_timeout_s
         client = aioredis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:

@@ -17,21 +17,28 @@ from collections.abc import Mapping
 class Notifier:
     """Sends sd_notify messages; sends never block (a full socket drops the message, as libsystemd does)."""
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, *, sock: socket.socket | None = None,
+                 watchdog_interval_s: float | None = None) -> None:
+        """From ``$NOTIFY_SOCKET``/``$WATCHDOG_USEC``, or over ``sock``, a connected datagram socket (a
+        worker's pair to its daemon, routerd/workers.py), pinging every ``watchdog_interval_s``."""
+        self._addr: str | bytes | None = None
+        self._sock: socket.socket | None = None
+        self.watchdog_interval_s: float | None = None
+        if sock is not None:
+            self._sock = sock
+            self.watchdog_interval_s = watchdog_interval_s
+            return
         env = os.environ if environ is None else environ
         path = env.get("NOTIFY_SOCKET", "")
-        self._addr: str | bytes | None = None
         if path.startswith("@"):
             self._addr = b"\0" + path[1:].encode()  # abstract namespace
         elif path.startswith("/"):
             self._addr = path
-        self._sock: socket.socket | None = None
         if self._addr is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self._sock.setblocking(False)
         usec = env.get("WATCHDOG_USEC", "")
         pid = env.get("WATCHDOG_PID", "")
-        self.watchdog_interval_s: float | None = None
         if usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
             # systemd recommends pinging at half the timeout.
             self.watchdog_interval_s = int(usec) / 1_000_000 / 2
@@ -41,10 +48,14 @@ class Notifier:
         return self._sock is not None
 
     def notify(self, *fields: str) -> bool:
-        if self._sock is None or self._addr is None:
+        if self._sock is None:
             return False
+        data = "\n".join(fields).encode()
         try:
-            self._sock.sendto("\n".join(fields).encode(), self._addr)
+            if self._addr is None:
+                self._sock.send(data)
+            else:
+                self._sock.sendto(data, self._addr)
         except (BlockingIOError, ConnectionRefusedError, FileNotFoundError, OSError):
             return False
         return True

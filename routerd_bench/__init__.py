@@ -1,4 +1,4 @@
-"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness}``:
+"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness,scale}``:
 each prints a table and writes JSON with --json.
 
 A package beside ``routerd``, not inside it: the benchmarks drive routerd from outside (and assemble it
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "failover": "time from an engine's death or hang to it leaving rotation",
     "autoscale": "an elastic fleet under rising and falling load, and a burst from zero",
     "fairness": "an interactive tenant's time to first token under a batch tenant's flood; shares by weight",
+    "scale": "relayed events/s and requests/s with 1 and N workers (and vLLM Router); idle watching CPU",
 }
 
 

@@ -49,6 +49,7 @@ from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
 from .auth import authenticate, check_admin
 from .validate import read_head
+from .worker_pages import WorkerPages
 
 _log = log.get("routerd.http")
 
@@ -138,6 +139,7 @@ class HttpIngress:
         self.router = router  # its policy's name in /admin/fleets
         self.telemetry = telemetry
         self.exposition = metrics  # the /metrics body
+        self.pages: WorkerPages | None = None  # a worker's: its siblings' pages too (worker_pages.py)
         self.tracing = tracing  # the server span of each request
         self.clock = clock
         self.created = int(time.time())
@@ -331,6 +333,8 @@ class HttpIngress:
     async def metrics(self, request: web.Request) -> web.Response:
         # Prometheus asks for OpenMetrics first: the format that carries exemplars (trace ids).
         om = "application/openmetrics-text" in request.headers.get("Accept", "")
+        if self.pages is not None:
+            return web.Response(body=await self.pages.page(), headers={"Content-Type": CONTENT_TYPE})
         body = await asyncio.to_thread(self.exposition.render, om) if len(self.handlers) > 64 \
             else self.exposition.render(om)
         return web.Response(body=body,

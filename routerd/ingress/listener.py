@@ -69,6 +69,31 @@ def systemd_sockets(environ: MutableMapping[str, str] | None = None) -> list[soc
     return sockets
 
 
+def bind_sockets(host: str, port: int, backlog: int = 1024) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to (as aiohttp's own site binds), for
+    processes that serve on them together (``[daemon] workers``): bound once here, inherited by each.
+    Port 0 picks one free port, the same on every address."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def _url(address: object) -> str:
     if isinstance(address, tuple):
         host = str(address[0])
