@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from .ingress.queue import QueueIngress
     from .routing.engine_events import EngineEvents
     from .routing.keying_process import KeyingProcess
+    from .view import SharedView
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +91,9 @@ class Routerd:
     # prompts keyed in a process of their own
     engine_events: EngineEvents | None
     keying: KeyingProcess | None
+    # load, scrapes and sessions shared with the other routerd processes on the same Redis (None
+    # without Redis)
+    view: SharedView | None = None
 
     @property
     def url(self) -> str:
@@ -108,6 +112,8 @@ class Routerd:
             loops["fleets"] = self.fleets.run()
         if self.engine_events is not None:
             loops["kv_events"] = self.engine_events.run()
+        if self.view is not None:
+            loops["view"] = self.view.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -118,6 +124,8 @@ class Routerd:
         self.admission.update_config(cfg.admission, self.tenancy.shares())
         self.upstream.update_config(cfg.routing)
         self.scraper.update_config(cfg.routing)
+        if self.view is not None:
+            self.view.update_config(cfg)
         self.static_health.update_config(cfg)
         self.http.update_config(cfg)
         self.static_health.sync(cfg)
@@ -141,14 +149,23 @@ def launches(cfg: Config) -> bool:
 def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
           redis_url: str = "",
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
-          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Routerd:
+          rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+          ident: str | None = None, scrapes_here: Callable[[], bool] | None = None) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
-    instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
-    and feeds the queue consumer; ``fleets`` is the fleet manager of the launched fleets (its autoscaler
-    wakes fleets at zero for admission; its replica counts show in ``/admin/fleets``)."""
+    instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage,
+    feeds the queue consumer and shares load, scrapes and sessions with the other processes on it
+    (``ident``: this process's name there, default ``redis.consumer``; ``scrapes_here()``: whether this
+    process scrapes the engines for all — the controller —, None: each scrapes for itself);
+    ``fleets`` is the fleet manager of the launched fleets (its autoscaler wakes fleets at zero for
+    admission; its replica counts show in ``/admin/fleets``)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
+    view = None
+    if redis_url:
+        from .view import SharedView
+
+        view = SharedView(cfg, registry, redis_url, ident=ident, is_scraper=scrapes_here, clock=clock)
     telemetry = Telemetry()
     # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
     # instances by the engines' own cache views (routerd/routing/engine_events.py).
@@ -165,14 +182,16 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     views = RequestViews(cfg.routing, keyers=keyers, keying=keying,
                          learned_block_size=engine_events.fleet_block_size if engine_events else None)
     router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock, views=views,
-                                engine_cache=engine_events)
+                                engine_cache=engine_events,
+                                shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     elastic = fleets.autoscaler if fleets is not None else None
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
-    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
+    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng,
+                      shared=view.scrapes if view is not None else None)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     queue = None
     if redis_url:
@@ -190,6 +209,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(EngineEventsCollector(engine_events))
     if tracing.on:
         collectors.append(tracing.collector())
+    if view is not None:
+        collectors.append(view.collector())
     metrics = Metrics(telemetry, collectors)
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
@@ -203,7 +224,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
-                   engine_events=engine_events, keying=keying)
+                   engine_events=engine_events, keying=keying, view=view)
 
 
 @contextlib.asynccontextmanager

@@ -94,6 +94,24 @@ class Keys:
         """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
         return self._key("usage", day)
 
+    def load(self, ident: str) -> str:
+        """One routerd process's in-flight per instance (routerd/view/load.py), expiring unless renewed."""
+        return self._key("load", ident)
+
+    @property
+    def processes(self) -> str:
+        """Sorted set: the routerd processes sharing this Redis, scored by their last heartbeat (ms)."""
+        return self._key("view", "processes")
+
+    @property
+    def scrapes(self) -> str:
+        """Hash: instance id → the scraping process's last scrape of it (routerd/view/scrapes.py)."""
+        return self._key("view", "scrapes")
+
+    def session(self, digest: str) -> str:
+        """A session's last instance and generation (routerd/view/sessions.py); ``digest`` of its key."""
+        return self._key("session", digest)
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""
