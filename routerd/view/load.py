@@ -13,10 +13,11 @@ and ``MGET`` of the loads of the processes the previous round found (a new proce
 next round, one period later). A member whose load key has expired is removed (``SREM``) in the next
 round. No clock is compared across hosts: liveness is the key's expiry, kept by Redis.
 
-The period is half the scrape interval (``routing.scrape_interval_s``, 0.1 s by default): the figures
-the others publish are then never older than half a scrape, and a scrape's in-flight correction
-(``Instance.inflight_at_scrape``, taken fleet-wide) lags the truth by no more than that. Its cost is
-one small pipeline per period per process, whatever the number of instances. When Redis does not
+The period is half the scrape interval (``routing.scrape_interval_s``; 0.1 s by default), kept
+within 0.05–0.1 s: the figures the others publish are then never older than half a scrape, and a
+scrape's in-flight correction (``Instance.inflight_at_scrape``, taken fleet-wide) lags the truth by no
+more than that. Its cost is one small pipeline per period per process, whatever the number of
+instances, so a slow scrape interval does not slow it. When Redis does not
 answer for three periods the others' figures are dropped (each process routes on its own again) and
 the failure is logged once.
 """
@@ -39,6 +40,7 @@ from ..registry import Registry
 _log = log.get("routerd.view.load")
 
 MIN_PERIOD_S = 0.05
+MAX_PERIOD_S = 0.1
 EXPIRY_PERIODS = 3  # a process's figures outlive it by this many periods at most
 
 
@@ -53,8 +55,10 @@ _decode = msgspec.msgpack.Decoder(LoadRecord).decode
 
 
 def period_of(scrape_interval_s: float) -> float:
-    """The publish period for a scrape interval: half of it, at least :data:`MIN_PERIOD_S`."""
-    return max(MIN_PERIOD_S, scrape_interval_s / 2)
+    """The publish period for a scrape interval: half of it, within [:data:`MIN_PERIOD_S`,
+    :data:`MAX_PERIOD_S`] — a slow scrape (many idle instances) does not slow the load figures, whose
+    cost does not grow with the instances."""
+    return min(MAX_PERIOD_S, max(MIN_PERIOD_S, scrape_interval_s / 2))
 
 
 class SharedLoad:
