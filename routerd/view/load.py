@@ -7,19 +7,20 @@ process publishes its own counts every ``period`` and reads the others': the reg
 to their own. ``Registry.processes`` is how many processes publish (itself included), from which
 admission takes this process's part of each fleet's bounds.
 
-One round trip per period, a pipeline: ``SET <ns>:load:<ident>`` (its counts, ``PX`` three periods, so
-a dead process's figures expire on their own), ``SADD <ns>:view:processes``, ``SMEMBERS`` of that set,
-and ``MGET`` of the loads of the processes the previous round found (a new process is counted from the
-next round, one period later). A member whose load key has expired is removed (``SREM``) in the next
-round. No clock is compared across hosts: liveness is the key's expiry, kept by Redis.
+One round trip per period, a pipeline: ``SET <ns>:load:<ident>`` (its counts, ``PX`` three periods but
+at least a second — a loaded host stalls its event loop for more than 0.3 s at times, and the others
+would count it gone and back —, so a dead process's figures expire on their own), ``SADD
+<ns>:view:processes``, ``SMEMBERS`` of that set, and ``MGET`` of the loads of the processes the previous
+round found (a new process is counted from the next round, one period later). A member whose load key
+has expired is removed (``SREM``) in the next round. No clock is compared across hosts: liveness is the
+key's expiry, kept by Redis.
 
-The period is half the scrape interval (``routing.scrape_interval_s``; 0.1 s by default), kept
-within 0.05–0.1 s: the figures the others publish are then never older than half a scrape, and a
-scrape's in-flight correction (``Instance.inflight_at_scrape``, taken fleet-wide) lags the truth by no
-more than that. Its cost is one small pipeline per period per process, whatever the number of
-instances, so a slow scrape interval does not slow it. When Redis does not
-answer for three periods the others' figures are dropped (each process routes on its own again) and
-the failure is logged once.
+The period is half the scrape interval (``routing.scrape_interval_s``; 0.1 s by default), kept within
+0.05–0.1 s: the figures the others publish are then never older than half a scrape, and a scrape's
+in-flight correction (``Instance.inflight_at_scrape``, taken fleet-wide) lags the truth by no more than
+that. Its cost is one small pipeline per period per process, whatever the number of instances, so a slow
+scrape interval does not slow it. When Redis does not answer for as long as figures live, the others'
+figures are dropped (each process routes on its own again) and the failure is logged once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import log
+from .. import _aio, log
 from ..keys import Keys
 from ..registry import Registry
 
@@ -41,7 +42,8 @@ _log = log.get("routerd.view.load")
 
 MIN_PERIOD_S = 0.05
 MAX_PERIOD_S = 0.1
-EXPIRY_PERIODS = 3  # a process's figures outlive it by this many periods at most
+EXPIRY_PERIODS = 3  # a process's figures outlive it by this many periods …
+MIN_EXPIRY_S = 1.0  # … or this long: a stall of a busy host's event loop is not a death
 
 
 class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -84,6 +86,11 @@ class SharedLoad:
     def update_config(self, scrape_interval_s: float) -> None:
         self.period_s = period_of(scrape_interval_s)
 
+    @property
+    def expiry_s(self) -> float:
+        """How long this process's figures outlive their last renewal."""
+        return max(MIN_EXPIRY_S, self.period_s * EXPIRY_PERIODS)
+
     async def run(self) -> None:
         """Exchange every period until cancelled; then withdraw this process's figures at once."""
         try:
@@ -92,9 +99,9 @@ class SharedLoad:
                 await self.exchange()
                 await asyncio.sleep(max(0.0, self.period_s - (self.clock() - started)))
         finally:
-            # Gone now rather than in three periods: the others stop counting this process's requests.
+            # Gone now rather than when they expire: the others stop counting this process's requests.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(self.op_timeout_s):
+                async with _aio.timeout(self.op_timeout_s):
                     pipe = self.redis.pipeline(transaction=False)
                     pipe.delete(self.keys.load(self.ident))
                     pipe.srem(self.keys.processes, self.ident)
@@ -106,11 +113,11 @@ class SharedLoad:
 
     async def exchange(self) -> bool:
         """One round trip: publish, read the others, apply. False (and nothing applied) when Redis did
-        not answer in time; the others' figures are then dropped once three periods have passed."""
+        not answer in time; the others' figures are then dropped once they would have expired."""
         keys = self.keys
         members = self._members
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(keys.load(self.ident), _encode(self.record()), px=int(self.period_s * EXPIRY_PERIODS * 1000))
+        pipe.set(keys.load(self.ident), _encode(self.record()), px=int(self.expiry_s * 1000))
         pipe.sadd(keys.processes, self.ident)
         if self._gone:
             pipe.srem(keys.processes, *self._gone)
@@ -118,14 +125,14 @@ class SharedLoad:
         if members:
             pipe.mget([keys.load(m) for m in members])
         try:
-            async with asyncio.timeout(self.op_timeout_s):
+            async with _aio.timeout(self.op_timeout_s):
                 replies = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as e:
             if not self._failing:
                 _log.warning("shared_load_unavailable", error=f"{type(e).__name__}: {e}",
                              effect="routing on this process's own in-flight counts until Redis answers")
                 self._failing = True
-            if self.clock() - self._ok_at > self.period_s * EXPIRY_PERIODS:
+            if self.clock() - self._ok_at > self.expiry_s:
                 self.apply({})
             return False
         if self._failing:

@@ -15,7 +15,8 @@ A process that is not the scraper does not scrape an instance while its shared r
 most three scrape intervals old, :meth:`SharedScrapes.covers`, the scraper's per-instance loop asks):
 when the controller is gone or Redis is slow it scrapes for itself rather than route blind, says so in
 its log (``shared_scrapes_stale``) and counts it (``routerd_view_own_scrapes_total``), and stops once
-fresh records come back. A new process waits three intervals for the first records before it does.
+fresh records come back. A new process, and one that has just stopped being the scraper, waits three
+intervals for the first records before it does.
 
 A record's age is the reader's wall clock minus the scraper's: hosts are assumed within a fraction of a
 scrape interval of each other (NTP); a record that looks older than three intervals is not used.
@@ -31,7 +32,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import log
+from .. import _aio, log
 from ..keys import Keys
 from ..registry import Instance, Registry
 from ..snapshot import LoadSnapshot
@@ -119,11 +120,16 @@ class SharedScrapes:
     async def run(self) -> None:
         """Every scrape interval: publish (the scraper) or read and apply (the others)."""
         failing = False
+        was_scraper = False
         while True:
             started = self.clock()
+            scraper = self.is_scraper()
+            if was_scraper and not scraper:  # control passed on: the next scraper's records come soon
+                self._grace_until = started + FRESH_INTERVALS * self.interval_s
+            was_scraper = scraper
             try:
-                async with asyncio.timeout(self.op_timeout_s):
-                    if self.is_scraper():
+                async with _aio.timeout(self.op_timeout_s):
+                    if scraper:
                         await self.publish()
                     else:
                         self._pending.clear()

@@ -26,7 +26,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .. import log
+from .. import _aio, log
 from ..keys import Keys
 
 _log = log.get("routerd.view.sessions")
@@ -92,7 +92,7 @@ class SharedSessions:
         if self.processes() <= 1:
             return None
         try:
-            async with asyncio.timeout(self.lookup_timeout_s):
+            async with _aio.timeout(self.lookup_timeout_s):
                 raw = await self.redis.get(self.keys.session(digest(session)))
         except TimeoutError:
             self.lookups["timeout"] += 1
@@ -126,7 +126,7 @@ class SharedSessions:
             for session, rec in pending.items():
                 pipe.set(self.keys.session(digest(session)), _encode(rec), px=px)
             try:
-                async with asyncio.timeout(self.op_timeout_s):
+                async with _aio.timeout(self.op_timeout_s):
                     await pipe.execute()
                 if failing:
                     _log.info("shared_sessions_recovered")
