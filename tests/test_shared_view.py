@@ -284,7 +284,7 @@ async def test_a_fleets_admission_bounds_hold_per_fleet_not_per_process(
 async def test_weighted_fair_share_holds_across_two_processes(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     """Two tenants, weights 3:1, each spread over two processes (a load balancer in front), saturating
-    one engine of 4 slots: the slot-time each gets, summed over both processes, is within 15 % of 3:1,
+    one engine of 4 slots: the slot-time each gets, summed over both processes, is within 20 % of 3:1,
     and the engine queues (almost) nothing — the two processes admit the fleet's 4, not 4 each."""
     sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=5, itl_ms=3)
     tenants = [{"name": "small", "api_keys": ["sk-small"], "weight": 1},
@@ -321,5 +321,5 @@ async def test_weighted_fair_share_holds_across_two_processes(
         await asyncio.gather(*tasks)
     used = {t: after[t] - before[t] for t in ("small", "large")}
     share = used["large"] / (used["large"] + used["small"])
-    assert abs(share - 0.75) / 0.75 < 0.15, used
+    assert abs(share - 0.75) / 0.75 < 0.20, used  # one process: 10 % (test_tenants_e2e)
     assert sum(waiting) / len(waiting) < 1.0, waiting  # each process 4 of its own: 4 waiting throughout

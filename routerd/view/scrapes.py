@@ -102,8 +102,9 @@ class SharedScrapes:
         return False
 
     def scraped(self, inst: Instance) -> None:
-        """``inst`` was just scraped here: the scraper publishes the result with the next write."""
-        if not self.is_scraper():
+        """``inst`` was just scraped here: the scraper publishes the result with the next write (alone,
+        it publishes nothing: a process that joins waits three intervals, and one is enough)."""
+        if self.registry.processes <= 1 or not self.is_scraper():
             return
         snap = inst.snapshot if not inst.scrape_error else None
         self._pending[inst.id] = _encode(ScrapeRecord(
@@ -130,7 +131,8 @@ class SharedScrapes:
             try:
                 async with _aio.timeout(self.op_timeout_s):
                     if scraper:
-                        await self.publish()
+                        if self._pending:
+                            await self.publish()
                     else:
                         self._pending.clear()
                         await self.follow()
