@@ -1,7 +1,8 @@
 """The instances of each fleet and everything known about them: the one piece of shared state.
 
 Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
-the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`);
+the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`) — in a
+process that applies another's scrapes, :mod:`routerd.view.scrapes` does, instead of scraping;
 the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields; the shared
 view (:mod:`routerd.view.load`) writes ``inflight_elsewhere`` and ``Registry.processes``. The router
 reads, and writes only ``predicted_prefix_hit_ratio``. Everything runs on one event loop, so plain
@@ -146,7 +147,7 @@ class Instance:
         if capacity is None:
             capacity = self.capacity
         snap = self.snapshot
-        inflight = self.inflight + self.inflight_elsewhere
+        inflight = self.inflight_total
         if snap is None:
             return self.learned.wait_s(float(inflight), 0.0, capacity)
         if queue is None:
@@ -165,7 +166,7 @@ class Instance:
         the engine's gauges count every process's requests.
         """
         snap = self.snapshot
-        inflight = float(self.inflight + self.inflight_elsewhere)
+        inflight = float(self.inflight_total)
         if snap is None:
             return inflight
         est = snap.running + snap.waiting + (inflight - self.inflight_at_scrape)

@@ -29,17 +29,17 @@ engines run at once (``engine_queue_per_instance``, 0 by default): a request adm
 would wait in the engine's own first-come queue, where no share or priority applies. Without tenants
 there is one line, and each step is the single-line case of the same code.
 
-Several routerd processes sharing one Redis (workers, replicas: :mod:`routerd.view`) share each
-fleet's bounds rather than multiply them: a process may hold its part of the fleet's slots
-(``ceil(limit / processes)``), or more while the others leave slots unused — the fleet's limit less
-what they have in flight on its instances (``Instance.inflight_elsewhere``, at most half a scrape
-interval old) — and its part of ``max_queued`` waiters (``ceil(max_queued / processes)``, likewise each
-tenant's part of it). The borrowing can overshoot the fleet's limit for as long as the others' figures
-lag — when idle processes get busy at once, by at most ``limit × (1 - 1/processes)`` until the borrowed
-requests end — and never by more. Fair share between tenants is each process's own: with each
-tenant's requests spread over the processes (a load balancer in front), each process serves them in
-their weights' ratio and so does the fleet; a tenant that reaches only one process gets at most that
-process's part of the fleet.
+Several routerd processes sharing one Redis (workers, replicas: :mod:`routerd.view`) share each fleet's
+bounds rather than multiply them: a process may hold its part of the fleet's slots (``ceil(limit /
+processes)``), or more while the others leave slots unused — the fleet's limit less what they have in
+flight on its instances (``Instance.inflight_elsewhere``, published every 0.1 s; the limit is recomputed
+at least every second) — and its part of ``max_queued`` waiters (``ceil(max_queued / processes)``,
+likewise each tenant's part of it). The borrowing can overshoot the fleet's limit for as long as the
+others' figures lag — when idle processes get busy at once, by at most ``limit × (1 - 1/processes)``
+until the borrowed requests end — and never by more. Fair share between tenants is each process's own:
+with each tenant's requests spread over the processes (a load balancer in front), each process serves
+them in their weights' ratio and so does the fleet; a tenant that reaches only one process gets at most
+that process's part of the fleet.
 
 Time comes from the injected ``clock``; :meth:`sweep` applies deadlines and the waiting room by that
 clock (``run`` calls it; tests call it after moving a fake clock).

@@ -210,8 +210,7 @@ class Router:
             if scraped_at != track.snap_at and snap is not None:
                 # A new scrape: learn from it, and see a restart before trusting the index.
                 self._observe(i, track, scraped_at, snap.prompt_tokens)
-            state = (snap, i.inflight + i.inflight_elsewhere, i.inflight_at_scrape, i.capacity_hint,
-                     i.launch_capacity)
+            state = (snap, i.inflight_total, i.inflight_at_scrape, i.capacity_hint, i.launch_capacity)
             if state != track.figures_of:
                 track.figures_of = state
                 capacity, source = i.capacity_source()
@@ -256,7 +255,7 @@ class Router:
                 matched = match(i, keys) if keys else 0
                 cached = min(matched * req.block_tokens, tokens - 1.0) if matched else 0.0
             out.append((Candidate(
-                id=i.id, load=queue / cap + kv, inflight=i.inflight + i.inflight_elsewhere, queue=queue,
+                id=i.id, load=queue / cap + kv, inflight=i.inflight_total, queue=queue,
                 capacity=cap, kv_usage=kv,
                 stale=stale, wait_s=wait, prefill_tokens_per_s=rate, matched_blocks=matched,
                 cached_tokens=cached, ttft_s=wait + (tokens - cached) / rate,

@@ -136,7 +136,7 @@ class Scraper:
             _log.info("scrape_recovered", instance=inst.id)
         inst.snapshot = snap
         inst.shared_scrape = False
-        inst.inflight_at_scrape = inst.inflight + inst.inflight_elsewhere
+        inst.inflight_at_scrape = inst.inflight_total
         inst.scrape_error = ""
         inst.learned.observe(snap)
         return True
