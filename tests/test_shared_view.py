@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -323,3 +324,22 @@ async def test_weighted_fair_share_holds_across_two_processes(
     share = used["large"] / (used["large"] + used["small"])
     assert abs(share - 0.75) / 0.75 < 0.20, used  # one process: 10 % (test_tenants_e2e)
     assert sum(waiting) / len(waiting) < 1.0, waiting  # each process 4 of its own: 4 waiting throughout
+
+
+async def test_a_session_lookup_redis_does_not_answer_is_routed_without_it(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Redis stopped (SIGSTOP): a turn of a session B does not know waits for the lookup's bound only,
+    then is routed as a new session."""
+    sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=1)
+    async with plane(config(redis_server.url, "a", [sim.url])) as a, \
+            plane(config(redis_server.url, "b", [sim.url])) as b, aiohttp.ClientSession() as s:
+        await wait_until(lambda: a.registry.processes == b.registry.processes == 2, what="both counted")
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)  # the fixture's own redis-server
+        try:
+            async with s.post(b.url + "/v1/completions", json=body(user="never-seen")) as resp:
+                assert resp.status == 200
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        # the lookup's own bound ended it, not the Redis client's (op_timeout_s, 2 s: an "error")
+        assert view(b).sessions.lookups == {"found": 0, "unknown": 0, "timeout": 1, "error": 0}
