@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from .ingress.queue import QueueIngress
     from .routing.engine_events import EngineEvents
     from .routing.keying_process import KeyingProcess
+    from .view import SharedView
     from .view.admin_relay import AdminRelay
     from .view.fleet_state import FleetView
 
@@ -116,6 +117,9 @@ class Routerd:
     # whether this process controls the fleets now (the control lease's, unless a test says); None: always
     controls: Callable[[], bool] | None = None
     role: Role = Role.ONE
+    # load, scrapes and sessions shared with the other routerd processes on the same Redis (None
+    # without Redis)
+    view: SharedView | None = None
 
     @property
     def url(self) -> str:
@@ -145,6 +149,8 @@ class Routerd:
             from .ingress.admin import AdminActions
 
             loops["admin_relay"] = self.admin_relay.run(AdminActions(self.fleets, self.static_health).execute)
+        if self.view is not None:
+            loops["view"] = self.view.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -155,6 +161,8 @@ class Routerd:
         self.admission.update_config(cfg.admission, self.tenancy.shares())
         self.upstream.update_config(cfg.routing)
         self.scraper.update_config(cfg.routing)
+        if self.view is not None:
+            self.view.update_config(cfg)
         self.static_health.update_config(cfg)
         self.http.update_config(cfg)
         self.static_health.sync(cfg)
@@ -184,7 +192,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
           fleets: FleetManager | None = None, cluster: RayCluster | None = None,
           control: ControlLease | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
-          role: Role = Role.ONE, collectors: Sequence[Collector] = ()) -> Routerd:
+          role: Role = Role.ONE, collectors: Sequence[Collector] = (),
+          ident: str | None = None, scrapes_here: Callable[[], bool] | None = None) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer (not in the daemon of workers: ``role``); ``fleets`` is the fleet manager
@@ -192,12 +201,27 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     ``/admin/fleets``); ``control`` the lease fleet control follows (the fleet manager's own; None: sole
     control). ``view_redis`` (the caller's client, with Redis) shares the fleet state and relays admin
     calls between processes; ``controls()`` says whether this process controls the fleets now (None: the
-    lease says; a worker never does); ``collectors`` add to ``/metrics`` (a worker's own figures)."""
+    lease says; a worker never does); ``collectors`` add to ``/metrics`` (a worker's own figures).
+    With Redis, load, scrapes and sessions are shared with the other processes on it (``ident``: this
+    process's name there, default ``redis.consumer``; ``scrapes_here()``: whether this process scrapes
+    the engines for all — default: while it controls)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
     if control is None:
         control = fleets.control if fleets is not None else ControlLease(_ident(cfg))
+    if role is Role.WORKER:
+        controls = _never
+    elif controls is None and not control.sole:
+        lease = control
+        controls = lambda: lease.controls  # noqa: E731  # the lease's verdict, read each time
+    view = None
+    if redis_url:
+        from .view import SharedView
+
+        view = SharedView(cfg, registry, redis_url, ident=ident, is_scraper=scrapes_here or controls,
+                          serves=role is not Role.PARENT, clock=clock)
+
     telemetry = Telemetry()
     # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
     # instances by the engines' own cache views (routerd/routing/engine_events.py).
@@ -214,14 +238,16 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     views = RequestViews(cfg.routing, keyers=keyers, keying=keying,
                          learned_block_size=engine_events.fleet_block_size if engine_events else None)
     router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock, views=views,
-                                engine_cache=engine_events)
+                                engine_cache=engine_events,
+                                shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     elastic = fleets.autoscaler if fleets is not None else None
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
-    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
+    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng,
+                      shared=view.scrapes if view is not None else None)
     static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
     queue = None
     if redis_url and role is not Role.PARENT:
@@ -240,11 +266,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     if tracing.on:
         collectors.append(tracing.collector())
     collectors.append(control.collector())
-    if role is Role.WORKER:
-        controls = _never
-    elif controls is None and not control.sole:
-        lease = control
-        controls = lambda: lease.controls  # noqa: E731  # the lease's verdict, read each time
+    if view is not None:
+        collectors.append(view.collector())
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
                                     token=lambda: control.token)
     if fleet_view is not None:
@@ -265,7 +288,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
-                   admin_relay=admin_relay, controls=controls, role=role)
+                   admin_relay=admin_relay, controls=controls, role=role, view=view)
 
 
 def _never() -> bool:

@@ -130,6 +130,23 @@ class Keys:
     def control_token(self) -> str:
         """The fencing-token counter: INCR'd by each take of the control lease, never reset."""
         return self._key("control", "token")
+    def load(self, ident: str) -> str:
+        """One routerd process's in-flight per instance (routerd/view/load.py), expiring unless renewed."""
+        return self._key("load", ident)
+
+    @property
+    def processes(self) -> str:
+        """Sorted set: the routerd processes sharing this Redis, scored by their last heartbeat (ms)."""
+        return self._key("view", "processes")
+
+    @property
+    def scrapes(self) -> str:
+        """Hash: instance id → the scraping process's last scrape of it (routerd/view/scrapes.py)."""
+        return self._key("view", "scrapes")
+
+    def session(self, digest: str) -> str:
+        """A session's last instance and generation (routerd/view/sessions.py); ``digest`` of its key."""
+        return self._key("session", digest)
 
     @property
     def cancel_channel(self) -> str:

@@ -58,7 +58,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     id: str
     load: float  # normalised: estimated queue / capacity + KV usage (blind to speed)
-    inflight: int  # routerd's own requests in flight to it
+    inflight: int  # routerd's requests in flight to it (every routerd process sharing one Redis)
     queue: float  # estimated requests the engine holds (scrape + in-flight delta)
     capacity: int  # requests it runs at once (launch spec, engine, learned or config)
     kv_usage: float

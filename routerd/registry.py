@@ -1,8 +1,10 @@
 """The instances of each fleet and everything known about them: the one piece of shared state.
 
 Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
-the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`);
-the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields. The router
+the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`) — in a
+process that applies another's scrapes, :mod:`routerd.view.scrapes` does, instead of scraping;
+the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields; the shared
+view (:mod:`routerd.view.load`) writes ``inflight_elsewhere`` and ``Registry.processes``. The router
 reads, and writes only ``predicted_prefix_hit_ratio``. Everything runs on one event loop, so plain
 attributes are enough; what needs care is that a reader never sees an instance in rotation that is not
 ready.
@@ -67,6 +69,7 @@ class Instance:
     learned: Learned = field(default_factory=Learned, repr=False, compare=False)
     inflight_at_scrape: int = 0
     scrape_error: str = ""
+    shared_scrape: bool = False  # the snapshot came from another process's scrape (routerd.view.scrapes)
     scrape_errors_total: int = 0
     last_scrape_attempt: float = 0.0
     # health monitor
@@ -80,6 +83,9 @@ class Instance:
     cache_view: dict[str, Any] = field(default_factory=dict)
     # upstream
     inflight: int = 0
+    # routerd.view.load: what the other routerd processes sharing this Redis have in flight on it, as
+    # they last published it (0 with one process); load figures count it with routerd's own
+    inflight_elsewhere: int = 0
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0  # monotonic; 0 = closed (read it through circuit())
     # what ends the engine calls in flight on this instance when its heartbeats declare it failed
@@ -102,6 +108,11 @@ class Instance:
         for callback in callbacks:
             callback(reason)
         return len(callbacks)
+
+    @property
+    def inflight_total(self) -> int:
+        """Requests in flight on this instance from every routerd process: its own and the others'."""
+        return self.inflight + self.inflight_elsewhere
 
     @property
     def capacity(self) -> int:
@@ -136,11 +147,12 @@ class Instance:
         if capacity is None:
             capacity = self.capacity
         snap = self.snapshot
+        inflight = self.inflight_total
         if snap is None:
-            return self.learned.wait_s(float(self.inflight), 0.0, capacity)
+            return self.learned.wait_s(float(inflight), 0.0, capacity)
         if queue is None:
             queue = self.estimated_queue()
-        sent = self.inflight - self.inflight_at_scrape  # routerd's in-flight delta since the scrape
+        sent = inflight - self.inflight_at_scrape  # routerd's in-flight delta since the scrape
         unstarted = min(snap.waiting + max(sent, 0), queue)
         return self.learned.wait_s(queue, unstarted, capacity, snap)
 
@@ -149,12 +161,16 @@ class Instance:
 
         ``inflight - inflight_at_scrape`` is the in-flight delta since the scrape: a burst between two
         scrapes raises it at once, so the next choice already sees it. Never below routerd's own count.
+        With several routerd processes both terms are fleet-wide — this process's in-flight plus
+        ``inflight_elsewhere``, and ``inflight_at_scrape`` the same sum when the scrape was taken — since
+        the engine's gauges count every process's requests.
         """
         snap = self.snapshot
+        inflight = float(self.inflight_total)
         if snap is None:
-            return float(self.inflight)
-        est = snap.running + snap.waiting + (self.inflight - self.inflight_at_scrape)
-        return max(est, float(self.inflight))
+            return inflight
+        est = snap.running + snap.waiting + (inflight - self.inflight_at_scrape)
+        return max(est, inflight)
 
     def load(self) -> float:
         """Normalised load: queue over capacity, plus KV pressure (a full cache means preemption).
@@ -208,6 +224,7 @@ class Instance:
             "node": self.node,
             "last_heartbeat": self.last_heartbeat or None,
             "inflight": self.inflight,
+            "inflight_elsewhere": self.inflight_elsewhere,
             "load": round(self.load(), 4),
             "running": snap.running if snap else None,
             "waiting": snap.waiting if snap else None,
@@ -237,6 +254,9 @@ class Registry:
         # Requests waiting in admission for a slot of each fleet: written by admission alone, read by
         # the autoscaler as demand (the one state both share, so neither holds the other).
         self.queued: dict[str, int] = {}
+        # routerd processes sharing this one's Redis and serving now, itself included (1 alone): written
+        # by routerd.view.load alone, read by admission, which bounds a fleet per fleet, not per process
+        self.processes = 1
 
     # writers -------------------------------------------------------------------------------
     def ensure_fleet(self, fleet: str) -> None:

@@ -29,6 +29,18 @@ engines run at once (``engine_queue_per_instance``, 0 by default): a request adm
 would wait in the engine's own first-come queue, where no share or priority applies. Without tenants
 there is one line, and each step is the single-line case of the same code.
 
+Several routerd processes sharing one Redis (workers, replicas: :mod:`routerd.view`) share each fleet's
+bounds rather than multiply them: a process may hold its part of the fleet's slots (``ceil(limit /
+processes)``), or more while the others leave slots unused — the fleet's limit less what they have in
+flight on its instances (``Instance.inflight_elsewhere``, published every 0.1 s; the limit is recomputed
+at least every second) — and its part of ``max_queued`` waiters (``ceil(max_queued / processes)``,
+likewise each tenant's part of it). The borrowing can overshoot the fleet's limit for as long as the
+others' figures lag — when idle processes get busy at once, by at most ``limit × (1 - 1/processes)``
+until the borrowed requests end — and never by more. Fair share between tenants is each process's own:
+with each tenant's requests spread over the processes (a load balancer in front), each process serves
+them in their weights' ratio and so does the fleet; a tenant that reaches only one process gets at most
+that process's part of the fleet.
+
 Time comes from the injected ``clock``; :meth:`sweep` applies deadlines and the waiting room by that
 clock (``run`` calls it; tests call it after moving a fake clock).
 """
@@ -138,9 +150,24 @@ class Admission:
         per_instance = self._cfg.max_inflight_per_instance
         extra = self._engine_queue
         if extra is None:
-            return self._registry.ready_count(fleet) * per_instance
-        return sum(min(per_instance, inst.capacity + extra) for inst in self._registry.instances(fleet)
-                   if inst.state is InstanceState.READY)
+            return self._part(fleet, self._registry.ready_count(fleet) * per_instance)
+        return self._part(fleet, sum(min(per_instance, inst.capacity + extra)
+                                     for inst in self._registry.instances(fleet)
+                                     if inst.state is InstanceState.READY))
+
+    def _part(self, fleet: str, limit: int) -> int:
+        """This process's slots of a fleet of ``limit``: all of them alone; with other processes its
+        part, or what they leave unused when that is more (the module docstring)."""
+        processes = self._registry.processes
+        if processes <= 1 or limit <= 0:
+            return limit
+        elsewhere = sum(inst.inflight_elsewhere for inst in self._registry.instances(fleet))
+        return min(limit, max(-(-limit // processes), limit - elsewhere))
+
+    def _room(self, bound: int) -> int:
+        """This process's part of a waiting-room bound shared by every process."""
+        processes = self._registry.processes
+        return bound if processes <= 1 else -(-bound // processes)
 
     def _slots(self, fleet: str, q: FleetQueue, now: float) -> int:
         """:meth:`limit` for the request path: recomputed when the registry changed (an instance came,
@@ -254,8 +281,8 @@ class Admission:
 
     def _check_room(self, fleet: str, q: FleetQueue, line: Line[Waiter]) -> None:
         """An HTTP request may wait if the fleet's waiting room, and its tenant's part of it, have room."""
-        if q.queued_http < self._cfg.max_queued \
-                and line.queued_http < self._http_parts.get(line.tenant, self._cfg.max_queued):
+        if q.queued_http < self._room(self._cfg.max_queued) \
+                and line.queued_http < self._room(self._http_parts.get(line.tenant, self._cfg.max_queued)):
             return
         q.rejected_total += 1
         if q.unready_since is not None:

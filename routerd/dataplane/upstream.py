@@ -127,6 +127,9 @@ class Upstream:
             body = plan.engine_body
         self.active += 1
         try:
+            if request is not None and request.session is not None \
+                    and self.router.shared_sessions is not None:
+                await self.router.recall(request.session)  # another process may have routed it
             for attempt in range(1, self.cfg.max_attempts + 1):
                 if attempt > 1:
                     tel.retries.labels(fleet).inc()

@@ -190,8 +190,12 @@ class Sessions:
         return self._last.get(session)
 
     def note(self, session: str, inst: Instance) -> None:
+        self.remember(session, inst.id, inst.generation)
+
+    def remember(self, session: str, instance_id: str, generation: int) -> None:
+        """``session`` went to ``instance_id`` at ``generation`` (here, or in another process)."""
         last = self._last
-        last[session] = (inst.id, inst.generation)
+        last[session] = (instance_id, generation)
         last.move_to_end(session)
         while len(last) > self.max_entries:
             last.popitem(last=False)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from .. import plugins
 from ..config import RoutingConfig
@@ -126,15 +126,26 @@ class _Track:
         self.ids_at_snap = 0
 
 
+class SharedSessionTable(Protocol):
+    """Sessions shared with other routerd processes (:class:`routerd.view.SharedSessions`)."""
+
+    def noted(self, session: str, instance: str, generation: int) -> None: ...
+
+    async def recall(self, session: str) -> tuple[str, int] | None: ...
+
+
 class Router:
     """Builds :class:`Candidate` views for one fleet and asks the policy to choose."""
 
     def __init__(self, registry: Registry, policy: RoutingPolicy, cfg: RoutingConfig, *,
                  rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic, views: RequestViews | None = None,
-                 engine_cache: EngineCacheSource | None = None) -> None:
+                 engine_cache: EngineCacheSource | None = None,
+                 shared_sessions: SharedSessionTable | None = None) -> None:
         """``views`` builds the request views (with the engines' keyers when their KV events are
-        followed); ``engine_cache`` is the engines' own cache views (routerd.routing.engine_events)."""
+        followed); ``engine_cache`` is the engines' own cache views (routerd.routing.engine_events);
+        ``shared_sessions`` the session table other routerd processes share (None: this one's only)."""
+        self.shared_sessions = shared_sessions
         self.registry = registry
         self.policy = policy
         self.cfg = cfg
@@ -199,7 +210,7 @@ class Router:
             if scraped_at != track.snap_at and snap is not None:
                 # A new scrape: learn from it, and see a restart before trusting the index.
                 self._observe(i, track, scraped_at, snap.prompt_tokens)
-            state = (snap, i.inflight, i.inflight_at_scrape, i.capacity_hint, i.launch_capacity)
+            state = (snap, i.inflight_total, i.inflight_at_scrape, i.capacity_hint, i.launch_capacity)
             if state != track.figures_of:
                 track.figures_of = state
                 capacity, source = i.capacity_source()
@@ -244,7 +255,8 @@ class Router:
                 matched = match(i, keys) if keys else 0
                 cached = min(matched * req.block_tokens, tokens - 1.0) if matched else 0.0
             out.append((Candidate(
-                id=i.id, load=queue / cap + kv, inflight=i.inflight, queue=queue, capacity=cap, kv_usage=kv,
+                id=i.id, load=queue / cap + kv, inflight=i.inflight_total, queue=queue,
+                capacity=cap, kv_usage=kv,
                 stale=stale, wait_s=wait, prefill_tokens_per_s=rate, matched_blocks=matched,
                 cached_tokens=cached, ttft_s=wait + (tokens - cached) / rate,
                 session=last is not None and last[0] == i.id and last[1] == i.generation,
@@ -275,6 +287,15 @@ class Router:
         self._sent(inst, chosen, req, inst.id in events)
         return Decision(inst, chosen, views, req, self.policy.name, rule, events)
 
+    async def recall(self, session: str) -> None:
+        """Before a turn of ``session`` is routed: if this process has not routed it, learn where
+        another process did (bounded; see :mod:`routerd.view.sessions`)."""
+        if self.shared_sessions is None or self.sessions.last(session) is not None:
+            return
+        found = await self.shared_sessions.recall(session)
+        if found is not None and self.sessions.last(session) is None:
+            self.sessions.remember(session, *found)
+
     def pick(self, fleet: str, exclude: Collection[str] = (), request: RequestView | None = None) -> Instance:
         """The instance :meth:`choose` decides on."""
         return self.choose(fleet, exclude, request).instance
@@ -289,6 +310,8 @@ class Router:
         snap = inst.snapshot
         if req.session is not None:
             self.sessions.note(req.session, inst)
+            if self.shared_sessions is not None:
+                self.shared_sessions.noted(req.session, inst.id, inst.generation)
         if req.prompt_tokens <= 0:
             return
         if req.prompt_bytes:

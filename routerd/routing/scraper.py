@@ -9,7 +9,10 @@ The scraper is the one writer of ``snapshot``, ``inflight_at_scrape`` and the ``
 feeds each new snapshot to the instance's learned capacity and speed (:mod:`.speed`).
 ``inflight_at_scrape`` is routerd's in-flight count when the answer arrived: the engine's gauges
 already include those requests, so only what routerd sends *after* it is added on top (see
-``Instance.estimated_queue``).
+``Instance.estimated_queue``). With several routerd processes that count is every process's
+(``Instance.inflight_total``), and ``shared`` (:class:`ScrapeShare`, :mod:`routerd.view.scrapes`)
+decides per round whether this process scrapes at all: one process scrapes and publishes, the others
+apply what it published while that is fresh.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import aiohttp
 
@@ -32,13 +36,23 @@ _log = log.get("routerd.scraper")
 MAX_PAGE_BYTES = 8 * 1024 * 1024
 
 
+class ScrapeShare(Protocol):
+    """Scrapes shared between routerd processes: whether another process's scrape of ``inst`` stands
+    in for this one's this round, and what to do with one this process made (publish it)."""
+
+    def covers(self, inst: Instance) -> bool: ...
+
+    def scraped(self, inst: Instance) -> None: ...
+
+
 class Scraper:
     """Keeps every instance's ``snapshot`` fresh; ``run()`` until cancelled."""
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession, cfg: RoutingConfig,
                  telemetry: Telemetry | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, shared: ScrapeShare | None = None) -> None:
         self.registry = registry
+        self.shared = shared
         self.session = session
         self.cfg = cfg
         self.telemetry = telemetry
@@ -81,8 +95,11 @@ class Scraper:
         await asyncio.sleep(self.rng.uniform(0, self.cfg.scrape_interval_s))
         while True:
             started = self.clock()
-            if inst.url:  # an instance waiting for placement has no URL yet: nothing to scrape
+            # an instance waiting for placement has no URL yet: nothing to scrape
+            if inst.url and (self.shared is None or not self.shared.covers(inst)):
                 await self.scrape(inst)
+                if self.shared is not None:
+                    self.shared.scraped(inst)
             await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
 
     async def scrape(self, inst: Instance) -> bool:
@@ -118,7 +135,8 @@ class Scraper:
         if inst.scrape_error:
             _log.info("scrape_recovered", instance=inst.id)
         inst.snapshot = snap
-        inst.inflight_at_scrape = inst.inflight
+        inst.shared_scrape = False
+        inst.inflight_at_scrape = inst.inflight_total
         inst.scrape_error = ""
         inst.learned.observe(snap)
         return True

@@ -96,6 +96,7 @@ class SimEngine:
             self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
             self.engine.kv_publish = self.kv_events.publish
         self.server_load = 0
+        self.metrics_requests = 0  # GET /metrics answered: how often the engine was scraped
         # The W3C trace context of the last requests, as vLLM would continue it (GET /sim/stats): tests
         # check that routerd hands its span's context to the engine.
         self.traceparents: collections.deque[str] = collections.deque(maxlen=256)
@@ -244,6 +245,7 @@ class SimEngine:
         return _json_response({"server_load": self.server_load})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_requests += 1
         resp = web.Response(body=self.metrics.exposition())
         resp.headers["Content-Type"] = self.metrics.content_type
         return resp
@@ -371,6 +373,7 @@ class SimEngine:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return _json_response({**asdict(self.stats), "server_load": self.server_load,
+                               "metrics_requests": self.metrics_requests,
                                "traceparents": list(self.traceparents)})
 
 
