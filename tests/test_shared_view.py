@@ -53,7 +53,9 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str 
 @contextlib.asynccontextmanager
 async def plane(cfg: Config) -> AsyncIterator[Routerd]:
     registry = Registry()
-    async with running(cfg, registry, consume=False) as dp:
+    # Each process keeps its own fleet (the tests give them different URLs) and probes it itself: what
+    # is shared here is load, scrapes and sessions, not the fleet state (tests/test_fleet_view*.py).
+    async with running(cfg, registry, consume=False, controls=lambda: True) as dp:
         await wait_until(lambda: registry.ready_count("f") == len(cfg.fleets[0].urls), what="ready")
         yield dp
 
