@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import redis
 
 from routerd.config import ConfigError, ControlConfig, RedisConfig, parse
 from routerd.fleet.actor import EngineActor, FencedOut
@@ -110,6 +111,7 @@ async def test_one_holder_at_a_time_and_each_term_a_higher_token(redis_server: R
     assert e.value.status == 503
     assert b.status()["controller"]["ident"] == "host-a"
     first = a.token
+    assert abs(first - time.time() * 1000) < 5000  # tokens start at the server's clock in ms
     await a.release()  # a clean stop hands over at once, not after lease_s
     assert not a.controls
     await b.step()
@@ -184,6 +186,22 @@ async def test_controls_turns_false_at_the_deadline_without_the_loop(redis_serve
     await a.release()
 
 
+async def test_tokens_keep_growing_over_a_redis_that_lost_its_data(redis_server: RedisServer) -> None:
+    a = lease("host-a", redis_server.url, 5.0)
+    await a.step()
+    await a.release()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()  # a Redis restarted without its data
+    finally:
+        client.close()
+    b = lease("host-b", redis_server.url, 5.0)
+    await b.step()
+    assert b.controls
+    assert b.token > a.token  # an engine actor that saw a's token still takes b's
+    await b.release()
+
+
 async def test_the_same_replica_restarted_takes_its_lease_at_once(redis_server: RedisServer) -> None:
     old = lease("host-a", redis_server.url, 30.0)
     await old.step()
@@ -222,7 +240,7 @@ async def test_a_worker_never_takes_the_lease(redis_server: RedisServer) -> None
 async def test_sole_control_without_redis() -> None:
     sole = ControlLease("alone")
     assert sole.controls
-    assert sole.token == 0
+    assert abs(sole.token - time.time() * 1000) < 5000  # its start time: above earlier leases' tokens
     sole.check()
     await sole.wait_changed(0.01)
     assert sole.controls

@@ -74,6 +74,8 @@ class FleetManager:
         # In a term of control: between start() and shutdown() — from the start under sole control.
         self._active = self.control.sole
         self._closed = False  # shut down by its owner: no term begins again
+        self._start_failures = 0  # terms in a row whose start failed: the next waits 2**n s (≤ 30 s)
+        self._next_start = 0.0
         self.cfg = cfg
         self.replica_store = replica_store
         self.registry = registry
@@ -202,7 +204,8 @@ class FleetManager:
         term: asyncio.Task[None] | None = None
         try:
             while True:
-                if control.controls and not self._active and not self._closed:
+                if control.controls and not self._active and not self._closed \
+                        and self.clock() >= self._next_start:
                     await self._begin_term()
                 if self._active and term is None:
                     term = asyncio.create_task(self.run(), name="fleet-control")
@@ -224,14 +227,18 @@ class FleetManager:
 
     async def _begin_term(self) -> None:
         """:meth:`start` under the lease; one that fails (Ray, or the lease lost meanwhile) is undone —
-        no engine stopped — and tried again on the next turn while this process still controls."""
+        no engine stopped — and tried again, after 1, 2, 4 … 30 s, while this process still controls."""
         try:
             await self.start()
-        except Exception:  # a loop boundary: log, undo, and try again next turn
+        except Exception:  # a loop boundary: log, undo, and try again later
+            retry_s = min(30.0, 2.0 ** self._start_failures)
+            self._start_failures += 1
+            self._next_start = self.clock() + retry_s
             _logger.exception("fleet_control_start_failed", ident=self.control.ident,
-                              token=self.control.token)
+                              token=self.control.token, retry_in_s=retry_s)
             await self._end_term(stop_engines=False)
             return
+        self._start_failures = 0
         _logger.info("fleet_control_started", ident=self.control.ident, token=self.control.token,
                      adopted=sum(1 for s in self.supervisors.values() if s.slot.info))
 

@@ -23,7 +23,9 @@ impossible rather than unlikely:
   from a newer incarnation).
 
 Without Redis (or for a process that is alone by construction) the lease is *sole*: it controls from
-the start, token 0, nothing to renew.
+the start, nothing to renew; its token is its start time in ms. A token taken in Redis is never below
+the server's clock in ms either, so tokens keep growing across a Redis that lost its data, or a switch
+from a routerd without Redis to replicas with it.
 """
 
 from __future__ import annotations
@@ -50,11 +52,19 @@ from ..redis_server import redis_client
 _log = log.get("routerd.control")
 
 # KEYS: lease, token. ARGV: holder json, ttl ms, the value we may replace ("" = only an absent key).
+# A token is never below the Redis server's clock in ms: a Redis that lost its data (or a routerd that
+# ran without Redis, whose token is its start time) never leaves an engine actor holding a higher one.
 _TAKE = """
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[3] then return {0, cur, redis.call('PTTL', KEYS[1])} end
 local token = redis.call('INCR', KEYS[2])
-local value = token .. ' ' .. ARGV[1]
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if token < ms then
+  token = ms
+  redis.call('SET', KEYS[2], string.format('%d', token))
+end
+local value = string.format('%d', token) .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 return {1, value}
 """
@@ -154,7 +164,9 @@ class ControlLease:
         self._released = False  # given up for good (the process is stopping): never taken again
         self._expires_in: float | None = None  # the holder's lease lapses in this long, as last read
         if self.sole:
-            self.holder = msgspec.structs.replace(self.me, since_ms=self.me.started_ms)
+            # Alone by construction: its token is its start time, above what a lease handed out before.
+            self.token = self.me.started_ms
+            self.holder = msgspec.structs.replace(self.me, since_ms=self.me.started_ms, token=self.token)
             self._was = True
             self.acquisitions = 1
 
