@@ -10,6 +10,17 @@ feeds each new snapshot to the instance's learned capacity and speed (:mod:`.spe
 ``inflight_at_scrape`` is routerd's in-flight count when the answer arrived: the engine's gauges
 already include those requests, so only what routerd sends *after* it is added on top (see
 ``Instance.estimated_queue``).
+
+Idle instances are scraped slowly. One with nothing in flight from routerd whose last scrape saw nothing
+running or waiting (``Instance.idle``) is scraped every ``idle_scrape_interval_s`` (≤ half of
+``stale_after_s``, so the router never counts it stale) instead of every ``scrape_interval_s``: the
+cost of watching hundreds of instances is then that of the busy ones. Routing loses nothing it uses:
+the engine's gauges of an idle instance are 0, and what routerd sends it is counted in ``inflight``
+the moment it is sent (the in-flight correction above), so its figures stay exact for routerd's own
+requests; only work the engine gets from elsewhere (another client, another routerd before the shared
+view counts it) is seen up to one idle period late instead of one fast period. The first request sent
+to an idle instance ends its nap within ``scrape_interval_s`` (``run()`` looks at the napping ones
+each fast period), and from then on it is scraped at the fast period until it is idle again.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .. import log
+from .. import _aio, log
 from ..config import RoutingConfig
 from ..registry import Instance, InstanceState, Registry
 from ..telemetry import Telemetry
@@ -45,6 +56,7 @@ class Scraper:
         self.clock = clock
         self.rng = rng or random.Random()
         self._loops: dict[str, tuple[Instance, asyncio.Task[None]]] = {}
+        self._naps = _aio.Naps()  # idle instances' loops, by instance id
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
@@ -55,7 +67,10 @@ class Scraper:
         try:
             while True:
                 self._sync()
-                version = await self.registry.wait_changed(version, timeout=1.0)
+                self._wake_busy()
+                # Each fast period while some loop naps, to end the nap of an instance sent a request.
+                version = await self.registry.wait_changed(
+                    version, timeout=self.cfg.scrape_interval_s if len(self._naps) else 1.0)
         finally:
             loops = [task for _, task in self._loops.values()]
             for task in loops:
@@ -76,6 +91,17 @@ class Scraper:
                 task = asyncio.create_task(self._loop(inst), name=f"scrape:{iid}")
                 self._loops[iid] = (inst, task)
 
+    def _wake_busy(self) -> None:
+        for iid in self._naps.napping():
+            entry = self._loops.get(str(iid))
+            if entry is not None and not entry[0].idle():
+                self._naps.wake(iid)
+
+    def idle_interval(self) -> float:
+        """The period of an idle instance's scrapes: ``idle_scrape_interval_s`` within its bounds."""
+        cfg = self.cfg
+        return max(cfg.scrape_interval_s, min(cfg.idle_scrape_interval_s, cfg.stale_after_s / 2))
+
     async def _loop(self, inst: Instance) -> None:
         # Spread the instances over the interval so their scrapes do not all land at once.
         await asyncio.sleep(self.rng.uniform(0, self.cfg.scrape_interval_s))
@@ -83,7 +109,11 @@ class Scraper:
             started = self.clock()
             if inst.url:  # an instance waiting for placement has no URL yet: nothing to scrape
                 await self.scrape(inst)
-            await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
+            idle = self.idle_interval()
+            if idle > self.cfg.scrape_interval_s and inst.idle():
+                await self._naps.nap(inst.id, idle - (self.clock() - started))
+            else:
+                await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
 
     async def scrape(self, inst: Instance) -> bool:
         """Scrape ``inst`` once; on failure keep the old snapshot and record the error. Returns success."""
@@ -104,7 +134,7 @@ class Scraper:
                             raise promtext.ParseError("page larger than 8 MiB")
                         parts.append(part)
                     page = b"".join(parts)
-            snap = promtext.parse(page.decode("utf-8", "replace"), self.clock())
+            snap = promtext.parse_page(page, self.clock())
         except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
             message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             if not inst.scrape_error:
