@@ -40,6 +40,7 @@ from . import log
 from .config import Config
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
+from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
 from .file_sd import FileSdWriter
 from .fleet.static import StaticHealth
@@ -79,6 +80,7 @@ class Routerd:
     dispatch: Dispatch
     scraper: Scraper
     static_health: StaticHealth
+    watch_pool: EnginePool  # the scraper's and static heartbeats' keep-alive connections
     queue: QueueIngress | None
     metrics: Metrics
     http: HttpIngress
@@ -101,7 +103,8 @@ class Routerd:
         the upstream's closes its engine connections then, the tenancy's its Redis client)."""
         loops = {"scraper": self.scraper.run(), "admission": self.admission.run(),
                  "tenancy": self.tenancy.run(), "static_health": self.static_health.run(),
-                 "upstream": self.upstream.run(), "file_sd": self.file_sd.run()}
+                 "upstream": self.upstream.run(), "file_sd": self.file_sd.run(),
+                 "watch_pool": self.watch_pool.run()}
         if self.queue is not None:
             loops["queue"] = self.queue.run()
         if self.fleets is not None:
@@ -119,6 +122,8 @@ class Routerd:
         self.upstream.update_config(cfg.routing)
         self.scraper.update_config(cfg.routing)
         self.static_health.update_config(cfg)
+        self.watch_pool.configure(connect_timeout_s=cfg.routing.connect_timeout_s,
+                                  read_timeout_s=cfg.routing.scrape_timeout_s)
         self.http.update_config(cfg)
         self.static_health.sync(cfg)
         for name in self.registry.fleets():
@@ -172,8 +177,13 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
-    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng)
-    static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
+    # Watching engines (scrapes, static heartbeats) on lean keep-alive connections of its own, apart
+    # from the engine calls': with hundreds of instances aiohttp's per-request cost was most of it.
+    watch_pool = EnginePool(connect_timeout_s=cfg.routing.connect_timeout_s,
+                            read_timeout_s=cfg.routing.scrape_timeout_s)
+    scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng,
+                      fetch=watch_pool.fetch)
+    static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng, fetch=watch_pool.fetch)
     queue = None
     if redis_url:
         from .ingress.queue import QueueIngress
@@ -200,7 +210,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     return Routerd(registry=registry, session=session, tracing=tracing, redis_url=redis_url,
                    telemetry=telemetry,
                    router=router, tenancy=tenancy, admission=admission, upstream=upstream,
-                   dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
+                   dispatch=dispatch, scraper=scraper, static_health=static_health,
+                   watch_pool=watch_pool, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .. import _aio, log
+from .. import _aio, _net, log
 from ..config import RoutingConfig
 from ..registry import Instance, InstanceState, Registry
 from ..telemetry import Telemetry
@@ -48,9 +48,10 @@ class Scraper:
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession, cfg: RoutingConfig,
                  telemetry: Telemetry | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, fetch: _net.Fetch | None = None) -> None:
         self.registry = registry
         self.session = session
+        self._fetch = fetch or _net.session_fetch(session)
         self.cfg = cfg
         self.telemetry = telemetry
         self.clock = clock
@@ -120,20 +121,9 @@ class Scraper:
         inst.last_scrape_attempt = self.clock()
         try:
             async with asyncio.timeout(self.cfg.scrape_timeout_s):
-                async with self.session.get(inst.url + "/metrics",
-                                            headers={"Accept-Encoding": "identity"}) as resp:
-                    if resp.status != 200:
-                        raise promtext.ParseError(f"HTTP {resp.status}")
-                    # to EOF: content.read(n) returns only what has arrived so far, which for a
-                    # page sent in several chunks would be a truncated page
-                    parts: list[bytes] = []
-                    size = 0
-                    async for part in resp.content.iter_any():
-                        size += len(part)
-                        if size > MAX_PAGE_BYTES:
-                            raise promtext.ParseError("page larger than 8 MiB")
-                        parts.append(part)
-                    page = b"".join(parts)
+                status, page = await self._fetch(inst.url + "/metrics", MAX_PAGE_BYTES)
+            if status != 200:
+                raise promtext.ParseError(f"HTTP {status}")
             snap = promtext.parse_page(page, self.clock())
         except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
             message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
