@@ -109,6 +109,7 @@ def spawn_upstream(procs: Processes, ports: int, page: str = "") -> tuple[list[s
     procs.procs.append(proc)
     assert proc.stdout is not None
     line = proc.stdout.readline()
+    proc.stdout.close()  # it says nothing more
     if not line:
         raise RuntimeError(f"the upstream exited with {proc.wait(5)} before listing its ports")
     listed = json.loads(line)

@@ -175,3 +175,16 @@ async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sim_process: 
         # the scrape saw the request run (1.5 s of tokens: it is still running)
         await plane.wait_for(lambda: (snap := inst.snapshot) is not None and snap.running >= 1)
         await r.read()
+
+
+async def test_the_idle_benchmark_counts_what_routerd_asked() -> None:
+    """``routerd_bench.scale_idle`` end to end at a small size: routerd in its own process, one
+    upstream process for every instance, the requests counted there."""
+    from routerd_bench import scale_idle
+
+    # every idle instance heartbeaten at least once: 2 s × 1.2 jitter after it came into rotation
+    row = await scale_idle.measure(4, seconds=2.5, warmup=0.5)
+    assert row["instances"] == 4
+    assert row["scrapes_per_s"] > 0
+    assert row["health_per_s"] > 0
+    assert row["routerd_cpu_pct"] >= 0
