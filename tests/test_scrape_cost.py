@@ -188,3 +188,23 @@ async def test_the_idle_benchmark_counts_what_routerd_asked() -> None:
     assert row["scrapes_per_s"] > 0
     assert row["health_per_s"] > 0
     assert row["routerd_cpu_pct"] >= 0
+
+
+async def test_a_missed_idle_heartbeat_is_followed_up_at_the_fast_period(sims: SimFactory,
+                                                                           dataplane: PlaneFactory) -> None:
+    """An idle engine whose ``/health`` says 503 (vLLM: the engine core is dead) while its ``/metrics``
+    still answers: its scrapes stay good, so only the heartbeats see it. After the first miss the next
+    probes come at the fast period — failed at once, not two idle periods (≥ 4.8 s here) later."""
+    eng = await sims()
+    plane = await dataplane([eng.url], routing={"scrape_interval_s": 0.05, "stale_after_s": 2.0},
+                            health={"heartbeat_interval_s": 0.05, "idle_heartbeat_interval_s": 3.0})
+    inst = next(iter(plane.registry))
+    monitor = plane.dp.static_health.monitor
+    await plane.wait_for(lambda: len(monitor._naps) == 1, what="the idle instance's heartbeats napping")
+    eng.faults.set(unhealthy=True)
+    await plane.wait_for(lambda: (t := monitor.tracker(inst.id)) is not None and t.misses >= 1,
+                         timeout=10.0, what="the first missed heartbeat")
+    await plane.wait_for(lambda: inst.state.value == "unhealthy", timeout=2.0,
+                         what="the instance failed by fast follow-up probes")
+    assert inst.health == "unhealthy_http"
+    assert not inst.scrape_error  # its scrapes never failed: the heartbeats alone found it

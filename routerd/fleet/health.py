@@ -15,7 +15,8 @@ one interval. A dead actor or process fails the instance at once (the fleet mana
 sentinel call for that, so deaths are seen within ~0.1 s without waiting for a probe).
 
 An idle instance (``Instance.idle``: nothing in flight from routerd, its last scrape saw nothing running
-or waiting, and that scrape succeeded) is probed every ``idle_heartbeat_interval_s`` instead: with
+or waiting, and that scrape succeeded) whose last probe was good is probed every
+``idle_heartbeat_interval_s`` instead — a missed one is followed up at the fast period: with
 hundreds of instances most are idle, and their probes were most of routerd's idle CPU. What that
 costs: an idle engine that hangs is taken out of the fresh routing pool by its failing scrape (within
 ``idle_scrape_interval_s + scrape_timeout_s``), and a failed scrape, like a request sent to it, ends
@@ -268,7 +269,7 @@ class HealthMonitor:
             jitter = self._rng.uniform(0.8, 1.2)
             elapsed = self._clock() - started
             idle = self.cfg.idle_heartbeat_interval_s
-            if idle > self.cfg.heartbeat_interval_s and inst.idle():
+            if idle > self.cfg.heartbeat_interval_s and inst.idle() and tracker.misses == 0:
                 await self._naps.nap(inst.id, idle * jitter - elapsed)
             else:
                 await asyncio.sleep(max(0.0, self.cfg.heartbeat_interval_s * jitter - elapsed))
