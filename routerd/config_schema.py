@@ -144,11 +144,13 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: Interval = 0.5
     # An idle instance (Instance.idle: nothing in flight, nothing running or waiting) is heartbeaten
-    # at this slower period, back at heartbeat_interval_s once routerd sends it a request or a scrape
-    # fails. So a hang of an idle engine is seen first by its scrape (out of the fresh routing pool
-    # within idle_scrape_interval_s + scrape_timeout_s), and from that failed scrape on it is heartbeaten
-    # at the fast period. Not above heartbeat_interval_s: every instance at the fast period.
-    idle_heartbeat_interval_s: Interval = 2.0
+    # at this slower period, back at heartbeat_interval_s once routerd sends it a request, a scrape
+    # fails or a heartbeat is missed. So a hang of an idle engine is seen first by its scrape (out of
+    # the fresh routing pool within idle_scrape_interval_s + scrape_timeout_s), and from that failed
+    # scrape on it is heartbeaten at the fast period; what only /health shows (vLLM: a dead engine core
+    # behind a live server) is seen within this period, or at once when a request is sent there.
+    # Not above heartbeat_interval_s: every instance at the fast period.
+    idle_heartbeat_interval_s: Interval = 5.0
     heartbeat_timeout_s: Seconds = 3.0
     failure_threshold: Annotated[int, Meta(ge=1, le=1000)] = 3
     progress_timeout_s: Seconds = 10.0

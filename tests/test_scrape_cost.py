@@ -184,8 +184,8 @@ async def test_the_idle_benchmark_counts_what_routerd_asked() -> None:
     upstream process for every instance, the requests counted there."""
     from routerd_bench import scale_idle
 
-    # every idle instance heartbeaten at least once: 2 s × 1.2 jitter after it came into rotation
-    row = await scale_idle.measure(4, seconds=2.5, warmup=0.5)
+    # every idle instance heartbeaten in the window: 1 s × 1.2 jitter
+    row = await scale_idle.measure(4, seconds=2.5, warmup=0.5, health={"idle_heartbeat_interval_s": 1.0})
     assert row["instances"] == 4
     assert row["scrapes_per_s"] > 0
     assert row["health_per_s"] > 0
