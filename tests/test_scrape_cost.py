@@ -2,7 +2,7 @@
 heartbeats (routerd/routing/promtext.py, routing/scraper.py, fleet/health.py, dataplane/engine_http.py).
 
 Rates are compared, never timed: an idle instance's scrapes and heartbeats against a busy one's over
-the same window, counted at the simulated engines (``GET /sim/stats`` → ``watched``).
+the same window, counted at the simulated engines (``SimEngine.watched``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from routerd.dataplane.engine_http import EnginePool, ProtocolError
 from routerd.routing import promtext
 from routerd.sim.config import SimConfig
 from routerd.sim.metrics import SimMetrics
+from routerd.sim.server import SimEngine
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
-from tests.fixtures.sim import SimProcess, SimProcessFactory
 from tests.test_promtext import vllm_page
 
 REAL_PAGE = (Path(__file__).parent / "data" / "vllm" / "metrics.txt").read_bytes()
@@ -103,9 +103,8 @@ async def test_fetch_reads_whole_pages_on_one_kept_alive_connection(sims: SimFac
 
 
 # idle-rate scrapes and heartbeats ------------------------------------------------------------------
-async def _watched(sim: SimProcess) -> dict[str, int]:
-    counts: dict[str, int] = (await sim.stats())["watched"]
-    return counts
+def _watched(sim: SimEngine) -> dict[str, int]:
+    return {"/metrics": sim.watched["/metrics"], "/health": sim.watched["/health"]}
 
 
 async def _busy(url: str, tokens: int) -> None:
@@ -115,9 +114,9 @@ async def _busy(url: str, tokens: int) -> None:
         await r.read()
 
 
-async def test_idle_instances_are_watched_at_the_idle_periods(sim_process: SimProcessFactory,
+async def test_idle_instances_are_watched_at_the_idle_periods(sims: SimFactory,
                                                               dataplane: PlaneFactory) -> None:
-    idle, busy = await sim_process(itl_ms=10), await sim_process(itl_ms=10)
+    idle, busy = await sims(itl_ms=10), await sims(itl_ms=10)
     plane = await dataplane([idle.url, busy.url],
                             routing={"scrape_interval_s": 0.05, "idle_scrape_interval_s": 0.5,
                                      "stale_after_s": 2.0},
@@ -128,16 +127,16 @@ async def test_idle_instances_are_watched_at_the_idle_periods(sim_process: SimPr
         await plane.wait_for(lambda: (s := by_url[busy.url].snapshot) is not None and s.running >= 1,
                              what="the busy engine's scrape showing its request")
         await plane.wait_for(lambda: by_url[idle.url].idle(), what="the idle instance idle")
-        idle0, busy0 = await _watched(idle), await _watched(busy)
+        idle0, busy0 = _watched(idle), _watched(busy)
         # a window of at least three idle scrapes and two idle heartbeats
         end = time.monotonic() + 30
         while True:
-            idle1 = await _watched(idle)
+            idle1 = _watched(idle)
             if idle1["/metrics"] - idle0["/metrics"] >= 3 and idle1["/health"] - idle0["/health"] >= 2:
                 break
             assert time.monotonic() < end, f"idle instance watched {idle1} since {idle0}"
             await asyncio.sleep(0.1)
-        busy1 = await _watched(busy)
+        busy1 = _watched(busy)
     finally:
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
@@ -152,11 +151,11 @@ async def _napping(plane: RunningPlane) -> bool:
     return len(plane.dp.scraper._naps) == 1 and len(plane.dp.static_health.monitor._naps) == 1
 
 
-async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sim_process: SimProcessFactory,
+async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sims: SimFactory,
                                                                    dataplane: PlaneFactory) -> None:
     """Idle periods of 30 s: a scrape and a heartbeat within the 10 s this test waits can only come
     from the request ending them."""
-    sim = await sim_process(itl_ms=10)
+    sim = await sims(itl_ms=10)
     plane = await dataplane([sim.url], routing={"scrape_interval_s": 0.05, "idle_scrape_interval_s": 30,
                                                 "stale_after_s": 60},
                             health={"heartbeat_interval_s": 0.05, "idle_heartbeat_interval_s": 30})
@@ -164,7 +163,7 @@ async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sim_process: 
     while not await _napping(plane):
         assert time.monotonic() < end, "the instance's scrapes and heartbeats never went idle"
         await asyncio.sleep(0.02)
-    before = await _watched(sim)
+    before = _watched(sim)
     body: dict[str, Any] = {"model": "m", "prompt": "x", "max_tokens": 150, "stream": True}
     inst = next(iter(plane.registry))
     async with aiohttp.ClientSession() as s, s.post(plane.url + "/v1/completions", json=body) as r:
@@ -173,23 +172,10 @@ async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sim_process: 
         while after["/metrics"] == before["/metrics"] or after["/health"] == before["/health"]:
             assert time.monotonic() < end + 10, f"not watched since the request: {after}"
             await asyncio.sleep(0.05)
-            after = await _watched(sim)
+            after = _watched(sim)
         # the scrape saw the request run (1.5 s of tokens: it is still running)
         await plane.wait_for(lambda: (snap := inst.snapshot) is not None and snap.running >= 1)
         await r.read()
-
-
-async def test_the_idle_benchmark_counts_what_routerd_asked() -> None:
-    """``routerd_bench.scale_idle`` end to end at a small size: routerd in its own process, one
-    upstream process for every instance, the requests counted there."""
-    from routerd_bench import scale_idle
-
-    # every idle instance heartbeaten in the window: 1 s × 1.2 jitter
-    row = await scale_idle.measure(4, seconds=2.5, warmup=0.5, health={"idle_heartbeat_interval_s": 1.0})
-    assert row["instances"] == 4
-    assert row["scrapes_per_s"] > 0
-    assert row["health_per_s"] > 0
-    assert row["routerd_cpu_pct"] >= 0
 
 
 async def test_a_missed_idle_heartbeat_is_followed_up_at_the_fast_period(sims: SimFactory,

@@ -96,8 +96,8 @@ class SimEngine:
             self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
             self.engine.kv_publish = self.kv_events.publish
         self.server_load = 0
-        # How often it was watched: "/metrics" and "/health" requests answered (GET /sim/stats), so a
-        # test can count routerd's scrapes and heartbeats of this engine.
+        # How often it was watched: "/metrics" and "/health" requests answered, so a test can count
+        # routerd's scrapes and heartbeats of this engine.
         self.watched: collections.Counter[str] = collections.Counter()
         # The W3C trace context of the last requests, as vLLM would continue it (GET /sim/stats): tests
         # check that routerd hands its span's context to the engine.
@@ -376,7 +376,7 @@ class SimEngine:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return _json_response({**asdict(self.stats), "server_load": self.server_load,
-                               "traceparents": list(self.traceparents), "watched": dict(self.watched)})
+                               "traceparents": list(self.traceparents)})
 
 
 # ---- the process ----------------------------------------------------------------------------------
