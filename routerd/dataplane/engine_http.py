@@ -1,6 +1,6 @@
 """The engine call's HTTP/1.1 client: keep-alive connections on asyncio Protocols, pooled per engine.
 
-Why not aiohttp's ``ClientSession`` (which the scraper and the health checks keep using): on the
+Why not aiohttp's ``ClientSession``: on the
 request path its per-request machinery — URL objects, request and response objects with header
 multidicts, a task of its own that writes the body (one more event-loop iteration), timer contexts —
 was the largest single share of routerd's CPU per request. This client does what the engine call
