@@ -1,10 +1,10 @@
 """The engine call's HTTP/1.1 client: keep-alive connections on asyncio Protocols, pooled per engine.
 
-Why not aiohttp's ``ClientSession``: on the
-request path its per-request machinery — URL objects, request and response objects with header
-multidicts, a task of its own that writes the body (one more event-loop iteration), timer contexts —
-was the largest single share of routerd's CPU per request. This client does what the engine call
-needs and nothing else:
+Why not aiohttp's ``ClientSession``: on the request path its per-request machinery — URL objects,
+request and response objects with header multidicts, a task of its own that writes the body (one more
+event-loop iteration), timer contexts — was the largest single share of routerd's CPU per request (and
+of the idle CPU of watching hundreds of engines: the scrapes and static heartbeats use ``fetch``).
+This client does what the engine call needs and nothing else:
 
 * one ``write`` per request: head and body together;
 * a response framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the connection's end,
