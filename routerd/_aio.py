@@ -16,7 +16,7 @@ every call into such a library in them. ``wait_for`` is the same for one awaitab
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -88,3 +88,44 @@ def where(task: asyncio.Task[Any]) -> str:
             steps.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
         coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
     return f"{task.get_name()}: " + " > ".join(steps)
+
+
+class Naps:
+    """Sleeps that another task may cut short, by key.
+
+    A watcher that slows down while what it watches is idle (the scraper, the heartbeats) naps with
+    :meth:`nap`; whoever sees it busy again — the watcher's own ``run()`` loop, which wakes anyway —
+    ends the nap with :meth:`wake`. A plain future and one timer per nap: no task, no exception.
+    """
+
+    def __init__(self) -> None:
+        self._naps: dict[Hashable, asyncio.Future[None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._naps)
+
+    def napping(self) -> list[Hashable]:
+        return list(self._naps)
+
+    async def nap(self, key: Hashable, seconds: float) -> None:
+        """Sleep ``seconds``, or until ``wake(key)``."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(max(0.0, seconds), _settle, fut)
+        self._naps[key] = fut
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if self._naps.get(key) is fut:
+                del self._naps[key]
+
+    def wake(self, key: Hashable) -> None:
+        fut = self._naps.get(key)
+        if fut is not None:
+            _settle(fut)
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

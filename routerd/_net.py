@@ -1,8 +1,38 @@
-"""The one port helper every part of routerd (and its tests, benchmarks and scripts) asks."""
+"""The one port helper every part of routerd (and its tests, benchmarks and scripts) asks; the one
+shape of a watcher's GET (``Fetch``: the scraper's ``/metrics``, the static heartbeats' ``/health``)."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+Fetch = Callable[[str, int], Awaitable[tuple[int, bytes]]]
+"""``fetch(url, limit) -> (status, body)``: GET ``url`` and read its body, raising ``OSError`` (or
+``aiohttp.ClientError``) past ``limit`` bytes or when the engine cannot be reached; the caller bounds
+the time. The assembly gives the watchers a lean keep-alive client's
+(:meth:`routerd.dataplane.engine_http.EnginePool.fetch`); :func:`session_fetch` is the same over an
+aiohttp session, for a watcher built without one."""
+
+
+def session_fetch(session: aiohttp.ClientSession) -> Fetch:
+    """:data:`Fetch` over ``session`` (identity encoding: the body is read as the engine sent it)."""
+
+    async def fetch(url: str, limit: int) -> tuple[int, bytes]:
+        async with session.get(url, headers={"Accept-Encoding": "identity"}) as resp:
+            # to EOF: content.read(n) returns only what has arrived so far, which for a page sent in
+            # several chunks would be a truncated page
+            parts: list[bytes] = []
+            size = 0
+            async for part in resp.content.iter_any():
+                size += len(part)
+                if size > limit:
+                    raise aiohttp.ClientPayloadError(f"response body larger than {limit} bytes")
+                parts.append(part)
+            return resp.status, b"".join(parts)
+
+    return fetch
 
 
 def free_port(host: str = "127.0.0.1") -> int:

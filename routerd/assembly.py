@@ -44,6 +44,7 @@ from ._aio import cancel_and_wait
 from .config import Config, FleetConfig
 from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
+from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
 from .file_sd import FileSdWriter
 from .fleet.static import StaticHealth
@@ -97,6 +98,7 @@ class Routerd:
     dispatch: Dispatch
     scraper: Scraper
     static_health: StaticHealth
+    watch_pool: EnginePool  # the scraper's and static heartbeats' keep-alive connections
     queue: QueueIngress | None
     metrics: Metrics
     http: HttpIngress
@@ -134,7 +136,7 @@ class Routerd:
             else while_controlling(self.controls, self.static_health.run)
         loops = {"scraper": self.scraper.run(), "admission": self.admission.run(),
                  "tenancy": self.tenancy.run(), "static_health": static_health,
-                 "upstream": self.upstream.run()}
+                 "upstream": self.upstream.run(), "watch_pool": self.watch_pool.run()}
         if self.role is not Role.WORKER:  # one file for Prometheus, written by the daemon
             loops["file_sd"] = self.file_sd.run()
         if self.queue is not None:
@@ -164,6 +166,8 @@ class Routerd:
         if self.view is not None:
             self.view.update_config(cfg)
         self.static_health.update_config(cfg)
+        self.watch_pool.configure(connect_timeout_s=cfg.routing.connect_timeout_s,
+                                  read_timeout_s=cfg.routing.scrape_timeout_s)
         self.http.update_config(cfg)
         self.static_health.sync(cfg)
         for name in self.registry.fleets():
@@ -246,9 +250,13 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
+    # Watching engines (scrapes, static heartbeats) on lean keep-alive connections of its own, apart
+    # from the engine calls': with hundreds of instances aiohttp's per-request cost was most of it.
+    watch_pool = EnginePool(connect_timeout_s=cfg.routing.connect_timeout_s,
+                            read_timeout_s=cfg.routing.scrape_timeout_s)
     scraper = Scraper(registry, session, cfg.routing, telemetry, clock=clock, rng=rng,
-                      shared=view.scrapes if view is not None else None)
-    static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng)
+                      shared=view.scrapes if view is not None else None, fetch=watch_pool.fetch)
+    static_health = StaticHealth(cfg, registry, session, clock=clock, rng=rng, fetch=watch_pool.fetch)
     queue = None
     if redis_url and role is not Role.PARENT:
         from .ingress.queue import QueueIngress
@@ -284,7 +292,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     return Routerd(registry=registry, session=session, tracing=tracing, redis_url=redis_url,
                    telemetry=telemetry,
                    router=router, tenancy=tenancy, admission=admission, upstream=upstream,
-                   dispatch=dispatch, scraper=scraper, static_health=static_health, queue=queue,
+                   dispatch=dispatch, scraper=scraper, static_health=static_health,
+                   watch_pool=watch_pool, queue=queue,
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,

@@ -101,6 +101,11 @@ class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     policy: str = "cache_aware"
     scrape_interval_s: Interval = 0.2
+    # An idle instance (nothing in flight from routerd, its last scrape saw nothing running or waiting)
+    # is scraped at this slower period, at most stale_after_s / 2 so its figures never go stale; at the
+    # fast period again once routerd sends it a request (within scrape_interval_s) or a scrape shows
+    # work. Not above scrape_interval_s: every instance at the fast period.
+    idle_scrape_interval_s: Interval = 1.0
     scrape_timeout_s: Seconds = 1.0
     stale_after_s: Seconds = 2.0
     max_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
@@ -123,6 +128,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # stays within this factor of the fleet's mean load (plus one request) and nothing waits there.
     affinity_load_factor: Annotated[float, Meta(ge=1.0, le=100.0)] = 1.5
 
+    @property
+    def idle_scrape_period_s(self) -> float:
+        """The period of an idle instance's scrapes: ``idle_scrape_interval_s``, never below the fast
+        period nor above half of ``stale_after_s`` (its figures then never go stale)."""
+        return max(self.scrape_interval_s, min(self.idle_scrape_interval_s, self.stale_after_s / 2))
+
 
 class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-fleet bounds for the one scheduler that serves both ways in."""
@@ -143,6 +154,14 @@ class AdmissionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: Interval = 0.5
+    # An idle instance (Instance.idle: nothing in flight, nothing running or waiting) is heartbeaten
+    # at this slower period, back at heartbeat_interval_s once routerd sends it a request, a scrape
+    # fails or a heartbeat is missed. So a hang of an idle engine is seen first by its scrape (out of
+    # the fresh routing pool within idle_scrape_interval_s + scrape_timeout_s), and from that failed
+    # scrape on it is heartbeaten at the fast period; what only /health shows (vLLM: a dead engine core
+    # behind a live server) is seen within this period, or at once when a request is sent there.
+    # Not above heartbeat_interval_s: every instance at the fast period.
+    idle_heartbeat_interval_s: Interval = 5.0
     heartbeat_timeout_s: Seconds = 3.0
     failure_threshold: Annotated[int, Meta(ge=1, le=1000)] = 3
     progress_timeout_s: Seconds = 10.0

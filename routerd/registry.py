@@ -156,6 +156,16 @@ class Instance:
         unstarted = min(snap.waiting + max(sent, 0), queue)
         return self.learned.wait_s(queue, unstarted, capacity, snap)
 
+    def idle(self) -> bool:
+        """Nothing to watch closely: routerd (every process of it) has nothing in flight on it and its
+        last scrape saw nothing running or waiting. Its watchers (scraper, heartbeats) may then slow to
+        their idle periods: routerd's own requests are counted in ``inflight`` the moment they are sent,
+        so the routing figures stay exact for what routerd sends, and a new request ends the idle
+        period."""
+        snap = self.snapshot
+        return (self.inflight_total == 0 and snap is not None and snap.running == 0 and snap.waiting == 0
+                and not self.scrape_error)
+
     def estimated_queue(self) -> float:
         """Requests the engine holds now: the scrape plus what routerd sent (or saw end) since.
 

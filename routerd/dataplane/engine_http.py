@@ -1,10 +1,10 @@
 """The engine call's HTTP/1.1 client: keep-alive connections on asyncio Protocols, pooled per engine.
 
-Why not aiohttp's ``ClientSession`` (which the scraper and the health checks keep using): on the
-request path its per-request machinery — URL objects, request and response objects with header
-multidicts, a task of its own that writes the body (one more event-loop iteration), timer contexts —
-was the largest single share of routerd's CPU per request. This client does what the engine call
-needs and nothing else:
+Why not aiohttp's ``ClientSession``: on the request path its per-request machinery — URL objects,
+request and response objects with header multidicts, a task of its own that writes the body (one more
+event-loop iteration), timer contexts — was the largest single share of routerd's CPU per request (and
+of the idle CPU of watching hundreds of engines: the scrapes and static heartbeats use ``fetch``).
+This client does what the engine call needs and nothing else:
 
 * one ``write`` per request: head and body together;
 * a response framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the connection's end,
@@ -56,7 +56,7 @@ _MAX_TARGETS = 4096  # parsed URLs kept (instances come and go with restarts)
 class _Target:
     """An engine URL taken apart once: where to connect and the constant part of a request's head."""
 
-    __slots__ = ("host", "key", "port", "prefix", "server_hostname", "tls")
+    __slots__ = ("get", "host", "key", "port", "prefix", "server_hostname", "tls")
 
     def __init__(self, url: str) -> None:
         try:
@@ -76,14 +76,15 @@ class _Target:
         path = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
         if parts.query:
             path += "?" + urllib.parse.quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
-        head = f"POST {path} HTTP/1.1\r\nHost: {authority}\r\n"
+        head = f" {path} HTTP/1.1\r\nHost: {authority}\r\n"
         if parts.username is not None or parts.password is not None:
             # As aiohttp does with a URL's userinfo: percent-decoded, latin-1.
             user = urllib.parse.unquote(parts.username or "")
             password = urllib.parse.unquote(parts.password or "")
             token = base64.b64encode(f"{user}:{password}".encode("latin-1")).decode("ascii")
             head += f"Authorization: Basic {token}\r\n"
-        self.prefix = head.encode("latin-1")
+        self.prefix = ("POST" + head).encode("latin-1")
+        self.get = ("GET" + head + "Accept-Encoding: identity\r\n\r\n").encode("latin-1")
 
 
 class EnginePool:
@@ -126,7 +127,33 @@ class EnginePool:
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):
             raise ValueError("a header name or value holds a line break")
         head += f"Content-Length: {len(body)}\r\n\r\n"
-        request = target.prefix + head.encode("latin-1") + body
+        return await self._exchange(target, target.prefix + head.encode("latin-1") + body)
+
+    async def fetch(self, url: str, limit: int) -> tuple[int, bytes]:
+        """``GET url``: its status and whole body (``identity``-encoded). Past ``limit`` body bytes it
+        raises :class:`ProtocolError`. The caller bounds the time (each wait for a byte is bounded by
+        ``read_timeout_s``).
+
+        What the scraper and the static heartbeats use to watch engines: a ``/metrics`` scrape costs a
+        fraction of an aiohttp ``ClientSession.get`` (measured by ``routerd_bench.scale_idle``), which
+        counts when hundreds of instances are watched."""
+        target = self._target(url)
+        resp = await self._exchange(target, target.get)
+        try:
+            parts: list[bytes] = []
+            size = 0
+            while chunk := await resp.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise ProtocolError(f"response body larger than {limit} bytes")
+                parts.append(chunk)
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return resp.status, b"".join(parts)
+
+    async def _exchange(self, target: _Target, request: bytes) -> Response:
         conn = self._take_idle(target)
         reused = conn is not None
         if conn is None:

@@ -56,8 +56,9 @@ _log = log.get("routerd.upstream")
 
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
-    """The pooled client session of a process: scrapes and health checks (the engine call itself has
-    the leaner connections of :class:`~routerd.dataplane.engine_http.EnginePool`).
+    """The pooled client session of a process: warm-up, KV-event sources and the like (the engine call,
+    the scrapes and static heartbeats have the leaner connections of
+    :class:`~routerd.dataplane.engine_http.EnginePool`).
 
     Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive, so routerd never
     writes a request onto a connection the engine is closing. No pool limit: admission bounds

@@ -13,6 +13,15 @@ start-to-start on a jittered ``heartbeat_interval_s`` (never overlapping), so ``
 timeouts in a row take ``heartbeat_timeout_s``: a hang is detected within ``heartbeat_timeout_s`` plus
 one interval. A dead actor or process fails the instance at once (the fleet manager also watches a
 sentinel call for that, so deaths are seen within ~0.1 s without waiting for a probe).
+
+An idle instance (``Instance.idle``: nothing in flight from routerd, its last scrape saw nothing running
+or waiting, and that scrape succeeded) whose last probe was good is probed every
+``idle_heartbeat_interval_s`` instead — a missed one is followed up at the fast period: with
+hundreds of instances most are idle, and their probes were most of routerd's idle CPU. What that
+costs: an idle engine that hangs is taken out of the fresh routing pool by its failing scrape (within
+``idle_scrape_interval_s + scrape_timeout_s``), and a failed scrape, like a request sent to it, ends
+the idle period — ``run()``, which wakes every ``heartbeat_interval_s`` anyway, ends the nap — so
+from then on it is probed at the fast period and failed as quickly as a busy one.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .. import log
+from .. import _aio, log
 from ..config import HealthConfig
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 
@@ -196,6 +205,7 @@ class HealthMonitor:
         self._trackers: dict[str, HealthTracker] = {}
         self._generation: dict[str, int] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._naps = _aio.Naps()  # idle instances' probe loops, by instance id
 
     def update_config(self, cfg: HealthConfig) -> None:
         self.cfg = cfg
@@ -211,6 +221,10 @@ class HealthMonitor:
             since = -1
             while True:
                 self._sync()
+                for iid in self._naps.napping():
+                    inst = self.registry.get(str(iid))
+                    if inst is None or not inst.idle():
+                        self._naps.wake(iid)
                 since = await self.registry.wait_changed(since, timeout=self.cfg.heartbeat_interval_s)
         finally:
             tasks = list(self._tasks.values())
@@ -254,7 +268,11 @@ class HealthMonitor:
                 return
             jitter = self._rng.uniform(0.8, 1.2)
             elapsed = self._clock() - started
-            await asyncio.sleep(max(0.0, self.cfg.heartbeat_interval_s * jitter - elapsed))
+            idle = self.cfg.idle_heartbeat_interval_s
+            if idle > self.cfg.heartbeat_interval_s and inst.idle() and tracker.misses == 0:
+                await self._naps.nap(inst.id, idle * jitter - elapsed)
+            else:
+                await asyncio.sleep(max(0.0, self.cfg.heartbeat_interval_s * jitter - elapsed))
 
     async def check_once(self, inst: Instance, tracker: HealthTracker) -> Verdict:
         """One heartbeat: probe through the actor, fold in the latest snapshot, update the registry."""

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .. import log, redact
+from .. import _net, log, redact
 from ..config import Config, FleetConfig
 from ..registry import Instance, InstanceState, Registry
 from .health import ActorProbe, HealthMonitor, ProbeResult
@@ -37,6 +37,7 @@ from .health import ActorProbe, HealthMonitor, ProbeResult
 _log = log.get("routerd.static_health")
 
 STATIC = "static"
+_HEALTH_BYTES = 64 * 1024  # vLLM's /health answers with an empty body
 _WATCHED = (InstanceState.READY, InstanceState.DRAINING, InstanceState.UNHEALTHY)
 
 
@@ -47,14 +48,22 @@ def static_instances(fleet: FleetConfig) -> list[Instance]:
             for i, url in enumerate(fleet.urls)]
 
 
+def _static_fleets(cfg: Config) -> frozenset[str]:
+    return frozenset(f.name for f in cfg.fleets if f.engine == STATIC)
+
+
 class StaticHealth:
     """Rotation and heartbeats of every static instance in the registry; the data plane owns ``run()``."""
 
     def __init__(self, cfg: Config, registry: Registry, session: aiohttp.ClientSession, *,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 fetch: _net.Fetch | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.session = session
+        self._fetch = fetch or _net.session_fetch(session)
+        # asked for every instance on every heartbeat pass: a set, not a scan of the config's fleets
+        self._static_fleets = _static_fleets(cfg)
         self.clock = clock
         self._failed: set[str] = set()  # failed their heartbeats: watched again once back in rotation
         self._drained: set[str] = set()  # drained by an admin: kept out of rotation until undrained
@@ -63,6 +72,7 @@ class StaticHealth:
 
     def update_config(self, cfg: Config) -> None:
         self.cfg = cfg
+        self._static_fleets = _static_fleets(cfg)
         self.monitor.update_config(cfg.health)
 
     def sync(self, cfg: Config) -> None:
@@ -86,8 +96,7 @@ class StaticHealth:
             self.registry.add(inst)
 
     def is_static(self, inst: Instance) -> bool:
-        fleet = self.cfg.fleet(inst.fleet)
-        return inst.static and fleet is not None and fleet.engine == STATIC
+        return inst.static and inst.fleet in self._static_fleets
 
     def instances(self) -> list[Instance]:
         return [i for i in self.registry if self.is_static(i)]
@@ -155,8 +164,8 @@ class StaticHealth:
         """Back into rotation if ``/health`` answers 200 now."""
         try:
             async with asyncio.timeout(self.cfg.routing.scrape_timeout_s):
-                async with self.session.get(inst.url + "/health") as resp:
-                    healthy = resp.status == 200
+                status, _ = await self._fetch(inst.url + "/health", _HEALTH_BYTES)
+            healthy = status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):
             healthy = False
         if healthy and inst.state is not InstanceState.READY and self.registry.get(inst.id) is inst \
@@ -170,8 +179,8 @@ class StaticHealth:
         see, so it counts as alive and only the HTTP answer (and token progress) decide."""
         try:
             async with asyncio.timeout(deadline_s):
-                async with self.session.get(inst.url + "/health") as resp:
-                    return ActorProbe(process_alive=True, http_status=resp.status), False, False
+                status, _ = await self._fetch(inst.url + "/health", _HEALTH_BYTES)
+            return ActorProbe(process_alive=True, http_status=status), False, False
         except TimeoutError:
             return ActorProbe(process_alive=True, http_status=None, error="timeout"), False, False
         except (aiohttp.ClientError, OSError):

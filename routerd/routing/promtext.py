@@ -17,8 +17,10 @@ over the ``engine`` label (a data-parallel server exports one series per engine)
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Iterable
 
 from ..snapshot import LoadSnapshot
 
@@ -46,12 +48,30 @@ _FAMILIES: dict[str, str] = {
     "vllm:request_generation_tokens_sum": "finished_generation_tokens",
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_computed_tokens",
 }
+
+
+def _family(sample: str) -> str:
+    for suffix in ("_sum", "_count"):
+        if sample.endswith(suffix):
+            return sample[:-len(suffix)]
+    return sample
+
+
+# The ``# HELP`` names of the families read (prometheus_client names a counter's family ``X_total``).
+_WANTED_BLOCKS = frozenset(b for name in _FAMILIES for b in (_family(name).encode(),
+                                                                  _family(name).encode() + b"_total"))
 _LABEL_RE = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _CAPACITY_LABELS = ("max_num_seqs",)
 
 
 class ParseError(ValueError):
     """The text is not Prometheus exposition (an HTML error page, a truncated body…)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    """An ``*_info`` gauge's labels (dozens of them, the same on every scrape: read once)."""
+    return tuple(_LABEL_RE.findall(text))
 
 
 def _value(rest: str) -> float:
@@ -83,8 +103,70 @@ def parse(text: str, scraped_at: float) -> LoadSnapshot:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     info: dict[str, str] = {}
+    if not _read(text.splitlines(), sums, counts, info):
+        raise ParseError("no vllm: samples in the page")
+    return _snapshot(sums, counts, info, scraped_at)
+
+
+def parse_page(page: bytes, scraped_at: float) -> LoadSnapshot:
+    """:func:`parse` of a page as it came off the wire, reading only the families routing uses.
+
+    The fast path for prometheus_client's layout (vLLM's, the sim's): every family opens with its
+    ``# HELP <name>`` line and its samples follow it. The page is cut at those lines (one C-level
+    split), a family is kept by a set lookup on its name, and only the kept ones (≈20 of ≈110, and of
+    the finished-request histograms only their ``_sum`` and ``_count`` lines) are decoded and read by
+    :func:`parse`'s own line reader — so the result is the same snapshot, for a third of the CPU, and
+    far less for an idle engine, whose blocks do not change (:func:`_family_block`).
+    A page in another layout (no leading ``# HELP``, or no wanted sample found under the ``# HELP``
+    lines) goes through :func:`parse` whole.
+    """
+    if page.startswith(b"# HELP "):
+        blocks = page.split(b"\n# HELP ")
+        blocks[0] = blocks[0][7:]
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        info: dict[str, str] = {}
+        seen = 0
+        for block in blocks:
+            name = block[:block.find(b" ")]  # prometheus_client writes "# HELP <name> <doc>"
+            if name not in _WANTED_BLOCKS and not name.endswith(b"_info"):
+                continue
+            samples, labels, n = _family_block(name, block)
+            seen += n
+            for key, v, c in samples:  # in page order, as parse() adds them
+                sums[key] = sums.get(key, 0.0) + v
+                counts[key] = counts.get(key, 0) + c
+            info.update(labels)
+        if seen:
+            return _snapshot(sums, counts, info, scraped_at)
+    return parse(page.decode("utf-8", "replace"), scraped_at)
+
+
+@functools.lru_cache(maxsize=1024)
+def _family_block(name: bytes, block: bytes) -> tuple[tuple[tuple[str, float, int], ...],
+                                                      tuple[tuple[str, str], ...], int]:
+    """One family's block of a page (its ``# HELP`` line on): its sums and counts by snapshot key,
+    its ``*_info`` labels, and how many ``vllm:`` samples it held.
+
+    Memoized on the block's bytes: an idle engine's blocks are byte-identical scrape after scrape
+    (its gauges 0, its counters still; the ``_created`` stamps are families of their own), and so
+    are those of the idle instances of one model, so watching many idle instances reads each block
+    once. A busy engine's blocks change and are read as they come (least recently used out first)."""
+    bucket = name.decode("utf-8", "replace") + "_bucket"
+    lines = [line for line in block.decode("utf-8", "replace").split("\n")[1:] if not line.startswith(bucket)]
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    info: dict[str, str] = {}
+    seen = _read(lines, sums, counts, info)
+    return tuple((k, v, counts[k]) for k, v in sums.items()), tuple(info.items()), seen
+
+
+def _read(lines: Iterable[str], sums: dict[str, float], counts: dict[str, int],
+          info: dict[str, str]) -> int:
+    """Add the wanted samples of ``lines`` into ``sums``/``counts`` and the ``*_info`` labels into
+    ``info``; returns how many ``vllm:`` samples were seen (wanted or not)."""
     seen = 0
-    for line in text.splitlines():
+    for line in lines:
         if not line.startswith("vllm:"):
             continue
         brace = line.find("{")
@@ -96,7 +178,7 @@ def parse(text: str, scraped_at: float) -> LoadSnapshot:
                 raise ParseError(f"unterminated label set in {line[:80]!r}")
             rest = line[end + 1:].strip()
             if name.endswith("_info"):
-                info.update(_LABEL_RE.findall(line[brace + 1:end]))
+                info.update(_labels(line[brace + 1:end]))
                 seen += 1
                 continue
         else:
@@ -115,9 +197,7 @@ def parse(text: str, scraped_at: float) -> LoadSnapshot:
             continue
         sums[key] = sums.get(key, 0.0) + v
         counts[key] = counts.get(key, 0) + 1
-    if not seen:
-        raise ParseError("no vllm: samples in the page")
-    return _snapshot(sums, counts, info, scraped_at)
+    return seen
 
 
 def _snapshot(sums: dict[str, float], counts: dict[str, int], info: dict[str, str],

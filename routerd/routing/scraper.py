@@ -13,6 +13,17 @@ already include those requests, so only what routerd sends *after* it is added o
 (``Instance.inflight_total``), and ``shared`` (:class:`ScrapeShare`, :mod:`routerd.view.scrapes`)
 decides per round whether this process scrapes at all: one process scrapes and publishes, the others
 apply what it published while that is fresh.
+
+Idle instances are scraped slowly. One with nothing in flight from routerd whose last scrape saw nothing
+running or waiting (``Instance.idle``) is scraped every ``idle_scrape_interval_s`` (≤ half of
+``stale_after_s``, so the router never counts it stale) instead of every ``scrape_interval_s``: the
+cost of watching hundreds of instances is then that of the busy ones. Routing loses nothing it uses:
+the engine's gauges of an idle instance are 0, and what routerd sends it is counted in ``inflight``
+the moment it is sent (the in-flight correction above), so its figures stay exact for routerd's own
+requests; only work the engine gets from elsewhere (another client, another routerd before the shared
+view counts it) is seen up to one idle period late instead of one fast period. The first request sent
+to an idle instance ends its nap within ``scrape_interval_s`` (``run()`` looks at the napping ones
+each fast period), and from then on it is scraped at the fast period until it is idle again.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Protocol
 
 import aiohttp
 
-from .. import log
+from .. import _aio, _net, log
 from ..config import RoutingConfig
 from ..registry import Instance, InstanceState, Registry
 from ..telemetry import Telemetry
@@ -50,15 +61,18 @@ class Scraper:
 
     def __init__(self, registry: Registry, session: aiohttp.ClientSession, cfg: RoutingConfig,
                  telemetry: Telemetry | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 rng: random.Random | None = None, shared: ScrapeShare | None = None) -> None:
+                 rng: random.Random | None = None, shared: ScrapeShare | None = None,
+                 fetch: _net.Fetch | None = None) -> None:
         self.registry = registry
         self.shared = shared
         self.session = session
+        self._fetch = fetch or _net.session_fetch(session)
         self.cfg = cfg
         self.telemetry = telemetry
         self.clock = clock
         self.rng = rng or random.Random()
         self._loops: dict[str, tuple[Instance, asyncio.Task[None]]] = {}
+        self._naps = _aio.Naps()  # idle instances' loops, by instance id
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
@@ -69,7 +83,10 @@ class Scraper:
         try:
             while True:
                 self._sync()
-                version = await self.registry.wait_changed(version, timeout=1.0)
+                self._wake_busy()
+                # Each fast period while some loop naps, to end the nap of an instance sent a request.
+                version = await self.registry.wait_changed(
+                    version, timeout=self.cfg.scrape_interval_s if len(self._naps) else 1.0)
         finally:
             loops = [task for _, task in self._loops.values()]
             for task in loops:
@@ -90,6 +107,16 @@ class Scraper:
                 task = asyncio.create_task(self._loop(inst), name=f"scrape:{iid}")
                 self._loops[iid] = (inst, task)
 
+    def _wake_busy(self) -> None:
+        for iid in self._naps.napping():
+            entry = self._loops.get(str(iid))
+            if entry is not None and not entry[0].idle():
+                self._naps.wake(iid)
+
+    def idle_interval(self) -> float:
+        """The period of an idle instance's scrapes: ``idle_scrape_interval_s`` within its bounds."""
+        return self.cfg.idle_scrape_period_s
+
     async def _loop(self, inst: Instance) -> None:
         # Spread the instances over the interval so their scrapes do not all land at once.
         await asyncio.sleep(self.rng.uniform(0, self.cfg.scrape_interval_s))
@@ -100,28 +127,21 @@ class Scraper:
                 await self.scrape(inst)
                 if self.shared is not None:
                     self.shared.scraped(inst)
-            await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
+            idle = self.idle_interval()
+            if idle > self.cfg.scrape_interval_s and inst.idle():
+                await self._naps.nap(inst.id, idle - (self.clock() - started))
+            else:
+                await asyncio.sleep(max(0.0, self.cfg.scrape_interval_s - (self.clock() - started)))
 
     async def scrape(self, inst: Instance) -> bool:
         """Scrape ``inst`` once; on failure keep the old snapshot and record the error. Returns success."""
         inst.last_scrape_attempt = self.clock()
         try:
             async with asyncio.timeout(self.cfg.scrape_timeout_s):
-                async with self.session.get(inst.url + "/metrics",
-                                            headers={"Accept-Encoding": "identity"}) as resp:
-                    if resp.status != 200:
-                        raise promtext.ParseError(f"HTTP {resp.status}")
-                    # to EOF: content.read(n) returns only what has arrived so far, which for a
-                    # page sent in several chunks would be a truncated page
-                    parts: list[bytes] = []
-                    size = 0
-                    async for part in resp.content.iter_any():
-                        size += len(part)
-                        if size > MAX_PAGE_BYTES:
-                            raise promtext.ParseError("page larger than 8 MiB")
-                        parts.append(part)
-                    page = b"".join(parts)
-            snap = promtext.parse(page.decode("utf-8", "replace"), self.clock())
+                status, page = await self._fetch(inst.url + "/metrics", MAX_PAGE_BYTES)
+            if status != 200:
+                raise promtext.ParseError(f"HTTP {status}")
+            snap = promtext.parse_page(page, self.clock())
         except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
             message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             if not inst.scrape_error:

@@ -5,21 +5,23 @@ The *scraping* process (the controller: ``is_scraper()``) scrapes every instance
 publishes each result — the parsed :class:`~routerd.snapshot.LoadSnapshot`, the wall-clock time of the
 scrape, and the fleet-wide in-flight count when it was taken (its own plus ``inflight_elsewhere``) — in
 one hash, ``<ns>:view:scrapes`` (instance id → record), written once per scrape interval in one
-``HSET`` and expiring after three intervals. Every other process reads the records of its instances
-(one ``HMGET`` per interval) and applies them as its own scraper would: the snapshot (its
-``scraped_at`` moved onto this process's monotonic clock by the record's age), ``inflight_at_scrape``
-= the published fleet-wide count — the engine's gauges at that moment counted every process's requests,
+``HSET`` and expiring three intervals after the slowest next scrape. Every other process reads the
+records of its instances (one ``HMGET`` per interval) and applies them as its own scraper would: the
+snapshot (its ``scraped_at`` moved onto this process's monotonic clock by the record's age),
+``inflight_at_scrape`` = the published fleet-wide count — the engine's gauges at that moment counted every process's requests,
 so :meth:`Instance.estimated_queue` adds only what the fleet sent since — and ``learned`` fed with it.
 
-A process that is not the scraper does not scrape an instance while its shared record is fresh (at
-most three scrape intervals old, :meth:`SharedScrapes.covers`, the scraper's per-instance loop asks):
+A process that is not the scraper does not scrape an instance while its shared record is fresh (until
+three scrape intervals past the scraper's next scrape of it — an idle instance's next scrape is an idle
+period away, ``routing.idle_scrape_interval_s`` —; :meth:`SharedScrapes.covers`, the scraper's
+per-instance loop asks):
 when the controller is gone or Redis is slow it scrapes for itself rather than route blind, says so in
 its log (``shared_scrapes_stale``) and counts it (``routerd_view_own_scrapes_total``), and stops once
 fresh records come back. A new process, and one that has just stopped being the scraper, waits three
 intervals for the first records before it does.
 
 A record's age is the reader's wall clock minus the scraper's: hosts are assumed within a fraction of a
-scrape interval of each other (NTP); a record that looks older than three intervals is not used.
+scrape interval of each other (NTP); a record that looks older than that is not used.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class ScrapeRecord(msgspec.Struct, frozen=True, array_like=True):
     inflight: int  # every process's requests in flight on it when the answer arrived
     snapshot: LoadSnapshot | None  # None: the scrape failed (``error``), the last good one stands
     error: str = ""
+    # when the scraper scrapes it next, from ``at``: an idle instance's period is the idle one
+    # (``routing.idle_scrape_interval_s``), and its record stays fresh that much longer
+    period: float = 0.0
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -62,12 +67,14 @@ class SharedScrapes:
 
     def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, *,
                  is_scraper: Callable[[], bool], scrape_interval_s: float, op_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 idle_period_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.redis = redis
         self.keys = keys
         self.is_scraper = is_scraper
         self.interval_s = scrape_interval_s
+        self.idle_period_s = idle_period_s if idle_period_s is not None else scrape_interval_s
         self.op_timeout_s = op_timeout_s
         self.clock = clock
         self.wall = wall
@@ -79,8 +86,9 @@ class SharedScrapes:
         self.own_scrapes_total = 0
         self.applied_total = 0
 
-    def update_config(self, scrape_interval_s: float) -> None:
+    def update_config(self, scrape_interval_s: float, idle_period_s: float | None = None) -> None:
         self.interval_s = scrape_interval_s
+        self.idle_period_s = idle_period_s if idle_period_s is not None else scrape_interval_s
 
     # the scraper's seam ------------------------------------------------------------------------
     def covers(self, inst: Instance) -> bool:
@@ -110,7 +118,8 @@ class SharedScrapes:
         self._pending[inst.id] = _encode(ScrapeRecord(
             at=self.wall() - (self.clock() - inst.last_scrape_attempt), url=inst.url,
             inflight=inst.inflight_at_scrape if snap is not None else inst.inflight_total,
-            snapshot=snap, error=inst.scrape_error))
+            snapshot=snap, error=inst.scrape_error,
+            period=self.idle_period_s if inst.idle() else self.interval_s))
 
     @property
     def own(self) -> frozenset[str]:
@@ -153,7 +162,7 @@ class SharedScrapes:
         pipe = self.redis.pipeline(transaction=False)
         if pending:
             pipe.hset(key, mapping=pending)  # type: ignore[arg-type]  # redis-py's stub wants str values
-        pipe.pexpire(key, int(self.interval_s * FRESH_INTERVALS * 1000))
+        pipe.pexpire(key, int((self.interval_s * FRESH_INTERVALS + self.idle_period_s) * 1000))
         pipe.hkeys(key)
         replies = await pipe.execute()
         stale = [k for k in replies[-1]
@@ -172,7 +181,7 @@ class SharedScrapes:
             self._fresh_until.pop(gone, None)
         raws = await self.redis.hmget(self.keys.scrapes, ids)
         now, wall = self.clock(), self.wall()
-        fresh_s = self.interval_s * FRESH_INTERVALS
+        fresh_s = self.interval_s * FRESH_INTERVALS  # past the scraper's next scrape of the instance
         for inst, raw in zip(instances, raws, strict=True):
             if raw is None:
                 continue
@@ -182,9 +191,10 @@ class SharedScrapes:
                 _log.warning("shared_scrape_undecodable", instance=inst.id)
                 continue
             at = now - max(0.0, wall - rec.at)  # the scrape on this process's monotonic clock
-            if rec.url != inst.url or now - at > fresh_s:
+            until = at + max(0.0, rec.period - self.interval_s) + fresh_s
+            if rec.url != inst.url or now > until:
                 continue
-            self._fresh_until[inst.id] = at + fresh_s
+            self._fresh_until[inst.id] = until
             if rec.at > self._applied.get(inst.id, 0.0):  # each record once
                 self._applied[inst.id] = rec.at
                 self.apply(inst, rec, at)

@@ -46,14 +46,15 @@ class SharedView:
         self.load = SharedLoad(registry, self.redis, keys, self.ident, scrape_interval_s=interval,
                                op_timeout_s=op, publish=serves, clock=clock)
         self.scrapes = SharedScrapes(registry, self.redis, keys, is_scraper=is_scraper or (lambda: True),
-                                     scrape_interval_s=interval, op_timeout_s=op, clock=clock, wall=wall)
+                                     scrape_interval_s=interval, op_timeout_s=op,
+                                     idle_period_s=cfg.routing.idle_scrape_period_s, clock=clock, wall=wall)
         self.sessions = SharedSessions(self.redis, keys, processes=lambda: registry.processes,
                                        max_entries=cfg.routing.sessions_max, op_timeout_s=op, clock=clock)
         self.registry = registry
 
     def update_config(self, cfg: Config) -> None:
         self.load.update_config(cfg.routing.scrape_interval_s)
-        self.scrapes.update_config(cfg.routing.scrape_interval_s)
+        self.scrapes.update_config(cfg.routing.scrape_interval_s, cfg.routing.idle_scrape_period_s)
         self.sessions.max_entries = cfg.routing.sessions_max
 
     async def run(self) -> None:
