@@ -9,7 +9,8 @@ one hash, ``<ns>:view:scrapes`` (instance id → record), written once per scrap
 records of its instances (one ``HMGET`` per interval) and applies them as its own scraper would: the
 snapshot (its ``scraped_at`` moved onto this process's monotonic clock by the record's age),
 ``inflight_at_scrape`` = the published fleet-wide count — the engine's gauges at that moment counted
-every process's requests, so :meth:`Instance.estimated_queue` adds only what the fleet sent since — and ``learned`` fed with it.
+every process's requests, so :meth:`Instance.estimated_queue` adds only what the fleet sent since —
+and ``learned`` fed with it.
 
 A process that is not the scraper does not scrape an instance while its shared record is fresh (until
 three scrape intervals past the scraper's next scrape of it — an idle instance's next scrape is an idle
