@@ -13,6 +13,7 @@ import pytest
 
 from routerd.ingress.validate import ChatHead, ChatMessage, CompletionHead
 from routerd.routing import engine_keys, kv_hash
+from routerd.routing.keying_process import KeyingProcess
 from tests.fixtures.sim import SimEngineFactory
 
 ROOT = kv_hash.none_hash(None)
@@ -124,13 +125,15 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
 
 
 async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
-    from routerd.routing.keying_process import KeyingProcess
-
     keyer = engine_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)
     expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
     kp = KeyingProcess({"f": keyer.spec}, timeout_s=60)
     try:
+        # No request waits for the worker to start: until it is up, the caller keys in a thread.
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
+        assert kp.failures == 0
+        await kp.wait_ready(60)  # a spawned interpreter importing routerd
         assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
         assert await kp.keys("other", head, 16, ROOT) is None  # a fleet it does not key
         pool = kp._pool
@@ -139,6 +142,8 @@ async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker(
             proc.kill()
         assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
         assert kp.failures == 1
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected  # a new worker
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # a new worker, starting
+        await kp.wait_ready(60)  # a spawned interpreter importing routerd
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
     finally:
         kp.close()
