@@ -409,6 +409,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     t.ratio("random", "routerd cache_aware", "routerd least_load", "ttft_ms", "p99", 1.05,
             "cache_aware p99 TTFT ÷ least_load's ≤ 1.05")
     kv_targets(t, default)
+    for name, k in t.results.get("keying_cost", {}).get("keyers", {}).items():
+        p99 = k["process"]["loop_us"]["p99"]
+        t.add(f"keying ({name})", f"{k['prompt_tokens']}-token prompt: event-loop p99 ≤ 1 ms", p99, 1000.0,
+              p99 <= 1000.0)
     return t.out
 
 
@@ -454,6 +458,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         from .decision import decision_cost
 
         results["decision_cost_us"] = await asyncio.to_thread(decision_cost, args.decision_prompt_tokens)
+        from .keying import keying_cost
+
+        results["keying_cost"] = await keying_cost(args.decision_prompt_tokens,
+                                                   model_dir=args.keying_model_dir,
+                                                   requests=args.keying_requests)
     results["targets"] = targets(results)
     return results
 
@@ -481,6 +490,15 @@ def report(results: dict[str, Any]) -> None:
         print_table(f"routerd's routing decision at {cost['prompt_tokens']}-token prompts, µs per request",
                     ["part", "p50", "p99", "mean"],
                     [[part, v["p50"], v["p99"], v["mean"]] for part, v in cost["parts"].items()])
+    keying = results.get("keying_cost")
+    if keying:
+        rows = [[name, k["prompt_tokens"], mode, k[mode]["loop_us"]["p50"], k[mode]["loop_us"]["p99"],
+                 k[mode]["wait_ms"]["p50"], k[mode]["wait_ms"]["p99"]]
+                for name, k in keying["keyers"].items() for mode in ("process", "thread", "inline")]
+        print_table(f"keying a prompt for the engines' cache view, {keying['requests']} requests: this "
+                    "process's CPU µs while it is keyed (the event loop's bound), the request's wait in ms",
+                    ["keyer", "tokens", "way", "loop p50 µs", "loop p99 µs", "wait p50 ms", "wait p99 ms"],
+                    rows)
     if results["targets"]:
         print_table("targets", ["workload", "target", "value", "met"],
                     [[t["workload"], t["target"], t["value"], "yes" if t["met"] else "NO"]
@@ -514,6 +532,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--decision-cost", action=argparse.BooleanOptionalAction, default=True,
                     help="time routerd's routing decision in-process")
     ap.add_argument("--decision-prompt-tokens", type=int, default=8192)
+    ap.add_argument("--keying-model-dir", default="",
+                    help="also time keying with this Hugging Face tokenizer directory (beside the sim's)")
+    ap.add_argument("--keying-requests", type=int, default=200, help="prompts keyed per way of keying")
     args = ap.parse_args(argv)
     import uvloop
 

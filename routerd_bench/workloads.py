@@ -199,12 +199,14 @@ def prompt_blocks(plan: Sequence[Request], block_size: int) -> int:
 
 def fit_kv(work: Workload, plan: Sequence[Request]) -> tuple[list[dict[str, Any]], float]:
     """``work.fleet`` with each engine's ``num_gpu_blocks`` set so that the plan's distinct prompt blocks
-    fill ``work.kv_fill`` of the fleet's KV, but never below what a full batch of the plan's longest
-    requests needs; and the fill that gives (the floor may lower it)."""
+    fill ``work.kv_fill`` of the fleet's KV, but never below what a full batch of the plan's requests
+    needs (of its mean length; the longest alone must fit too); and the fill that gives (the floor may
+    lower it)."""
     size = int(work.fleet[0]["block_size"])
     blocks = prompt_blocks(plan, size)
-    longest = max((r.prompt_tokens + r.max_tokens for r in plan), default=1)
-    floor = max(int(k["max_num_seqs"]) for k in work.fleet) * (math.ceil(longest / size) + 1)
+    lengths = [math.ceil((r.prompt_tokens + r.max_tokens) / size) + 1 for r in plan] or [1]
+    floor = max(max(int(k["max_num_seqs"]) for k in work.fleet) * round(sum(lengths) / len(lengths)),
+                max(lengths))
     per_engine = max(floor, math.ceil(blocks / work.kv_fill / len(work.fleet)))
     fleet = [{**k, "num_gpu_blocks": per_engine, "max_model_len": min(k["max_model_len"], per_engine * size)}
              for k in work.fleet]
