@@ -344,6 +344,7 @@ async def run_workload(session: aiohttp.ClientSession, name: str, args: argparse
     out: dict[str, Any] = {
         "description": work.description, "fleet": dict(zip(work.kinds, fleet, strict=True)),
         "kv_fill": fill, "kv_events": work.kv_events,
+        "hit_ceiling": wl.hit_ceiling(plan, int(fleet[0].get("block_size", 16))),
         "capacity_rps": round(capacity, 2), "capacity_rps_per_instance_kind": per_kind,
         "load": args.load, "rate_rps": round(rate, 2), "requests": len(plan),
         "conversations": len({r.conversation for r in plan}), "plan_digest": plan_digest(plan),
@@ -474,6 +475,7 @@ def report(results: dict[str, Any]) -> None:
                  " ".join(f"{k}={v:.2f}" for k, v in r["share"].items()), r["failed"]]
                 for r in w["runs"]]
         fill = f"; KV {w['kv_fill']:.0%} full with every prompt once" if w.get("kv_fill") else ""
+        fill += f"; hit ratio ceiling {w['hit_ceiling']}" if w.get("hit_ceiling") else ""
         print_table(f"{name}: {w['description']}\n  {w['requests']} requests at {w['rate_rps']} req/s "
                     f"({w['load']:.0%} of {w['capacity_rps']} req/s){fill}; "
                     f"load avg {w['load_avg_at_start'][0]:.2f}",

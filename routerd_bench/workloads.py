@@ -186,15 +186,36 @@ def conversations(*, scale: float, engine_seed: int, apps: list[tuple[str, float
     return plan
 
 
-def prompt_blocks(plan: Sequence[Request], block_size: int) -> int:
-    """How many distinct full KV blocks the plan's prompts make (the sim's tokens, vLLM's block keys):
-    what the fleet's caches would hold if every prompt were kept once."""
-    root = kv_hash.none_hash(None)  # any root: only how many keys differ is counted
-    seen: set[int] = set()
-    for r in plan:
+def _request_blocks(plan: Sequence[Request], block_size: int) -> list[tuple[Request, list[int]]]:
+    """Each request with its prompt's full KV blocks (the sim's tokens, vLLM's block keys; any root:
+    only which keys are equal counts), in the order they are sent: by conversation start, then turn."""
+    root = kv_hash.none_hash(None)
+    out = []
+    for r in sorted(plan, key=lambda r: (r.at, r.conversation, r.turn)):
         messages = msgspec.json.decode(r.body)["messages"]
-        seen.update(kv_hash.block_keys(token_ids(prompt_words(render_chat(messages))), block_size, root))
-    return len(seen)
+        out.append((r, kv_hash.block_keys(token_ids(prompt_words(render_chat(messages))), block_size, root)))
+    return out
+
+
+def prompt_blocks(plan: Sequence[Request], block_size: int) -> int:
+    """How many distinct full KV blocks the plan's prompts make: what the fleet's caches would hold if
+    every prompt were kept once."""
+    return len({k for _, keys in _request_blocks(plan, block_size) for k in keys})
+
+
+def hit_ceiling(plan: Sequence[Request], block_size: int) -> float:
+    """The most a prefix cache can serve of the plan's prompt tokens: one cache that never evicts, each
+    block missed once — a fleet hit ratio no router can pass (the unique openings must be computed)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r, keys in _request_blocks(plan, block_size):
+        n = 0
+        while n < len(keys) and keys[n] in seen:
+            n += 1
+        hit += min(n * block_size, (r.prompt_tokens - 1) // block_size * block_size)
+        total += r.prompt_tokens
+        seen.update(keys)
+    return round(hit / total, 4) if total else math.nan
 
 
 def fit_kv(work: Workload, plan: Sequence[Request]) -> tuple[list[dict[str, Any]], float]:

@@ -147,3 +147,21 @@ async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker(
         assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
     finally:
         kp.close()
+
+
+async def test_the_sims_usage_says_what_its_cache_served(sim_engine: SimEngineFactory) -> None:
+    """``--enable-prompt-tokens-details``, as vLLM's: a stream's usage carries the prompt tokens its
+    prefix cache served — what the routing benchmark holds routerd's predicted hit against."""
+    from routerd_bench._common import timed_request
+
+    eng = await sim_engine(enable_prompt_tokens_details=True, block_size=16)
+    plain = await sim_engine(block_size=16)
+    body = json.dumps({"model": "m", "prompt": "the queue holds many users " * 30, "max_tokens": 2,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    async with aiohttp.ClientSession() as s:
+        first = await timed_request(s, f"{eng.url}/v1/completions", body, True)
+        second = await timed_request(s, f"{eng.url}/v1/completions", body, True)
+        without = await timed_request(s, f"{plain.url}/v1/completions", body, True)
+    assert (first.prompt_tokens, first.cached_tokens) == (150, 0)
+    assert (second.prompt_tokens, second.cached_tokens) == (150, 149 // 16 * 16)  # the last token computed
+    assert (without.prompt_tokens, without.cached_tokens) == (150, -1)  # not reported, as vLLM's default
