@@ -226,8 +226,10 @@ async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: li
 
 def predictions(logs: Sequence[Path], outcomes: Sequence[Outcome], block_size: int) -> dict[str, Any]:
     """routerd's predicted hit per request (``cached_tokens_est`` in its request log line) against what
-    the engine then served from its cache (the usage's ``cached_tokens``), in blocks, per cache view."""
+    the engine then served from its cache (the usage's ``cached_tokens``), in blocks, per cache view;
+    and under ``rules``, how often each of the policy's rules chose (why a request left its cache)."""
     predicted: dict[str, tuple[float, str]] = {}
+    rules: collections.Counter[str] = collections.Counter()
     for path in logs:
         for line in path.read_text(errors="replace").splitlines():
             if '"cached_tokens_est"' not in line:
@@ -238,15 +240,18 @@ def predictions(logs: Sequence[Path], outcomes: Sequence[Outcome], block_size: i
                 continue
             predicted[str(rec.get("request_id"))] = (float(rec["cached_tokens_est"]),
                                                      str(rec.get("cache_view", "model")))
+            rules[str(rec.get("rule"))] += 1
     off: dict[str, list[float]] = collections.defaultdict(list)
     for o in outcomes:
         p = predicted.get(o.request_id)
         if p is not None and o.timing.ok and o.timing.cached_tokens >= 0:
             off[p[1]].append(abs(p[0] - o.timing.cached_tokens) / block_size)
-    return {view: {"requests": len(xs), "exact": round(sum(x == 0 for x in xs) / len(xs), 4),
-                   "blocks_off_mean": round(sum(xs) / len(xs), 3),
-                   "blocks_off_p99": round(quantile(xs, 0.99), 2), "blocks_off_max": round(max(xs), 2)}
-            for view, xs in sorted(off.items()) if xs}
+    out: dict[str, Any] = {
+        view: {"requests": len(xs), "exact": round(sum(x == 0 for x in xs) / len(xs), 4),
+               "blocks_off_mean": round(sum(xs) / len(xs), 3),
+               "blocks_off_p99": round(quantile(xs, 0.99), 2), "blocks_off_max": round(max(xs), 2)}
+        for view, xs in sorted(off.items()) if xs}
+    return {**out, "rules": dict(rules.most_common())}
 
 
 def later_turn_hit_ratio(outcomes: Sequence[Outcome]) -> float:
@@ -482,11 +487,13 @@ def report(results: dict[str, Any]) -> None:
                     ["router", "ttft mean ms", "ttft p99 ms", "e2e mean ms", "e2e p99 ms", "hit ratio",
                      "later turns", "share", "failed"], rows)
         pred = [[r["label"], view, p["requests"], p["exact"], p["blocks_off_mean"], p["blocks_off_p99"],
-                 p["blocks_off_max"]] for r in w["runs"] for view, p in r.get("prediction", {}).items()]
+                 p["blocks_off_max"], " ".join(f"{k}={v}" for k, v in r["prediction"]["rules"].items())]
+                for r in w["runs"] for view, p in r.get("prediction", {}).items() if view != "rules"]
         if pred:
             print_table(f"{name}: routerd's predicted hit against the engine's cached tokens, per request, "
                         "in blocks",
-                        ["router", "view", "requests", "exact", "mean off", "p99 off", "max off"], pred)
+                        ["router", "view", "requests", "exact", "mean off", "p99 off", "max off",
+                         "rules that chose"], pred)
     cost = results.get("decision_cost_us")
     if cost:
         print_table(f"routerd's routing decision at {cost['prompt_tokens']}-token prompts, µs per request",

@@ -156,7 +156,7 @@ def test_cache_pressure_by_events_and_by_the_model_with_two_routerd(tmp_path: Pa
     the plan."""
     out = tmp_path / "routing.json"
     argv = [sys.executable, "-m", "routerd", "bench", "routing", "--json", str(out), "--workload",
-            "cache-pressure", "--duration", "0.5", "--calibrate-s", "0.2", "--scale", "0.05", "--load", "0.5",
+            "cache-pressure", "--duration", "0.5", "--capacity-rps", "20", "--scale", "0.05", "--load", "0.5",
             "--policies", "cache_aware", "--replicas", "2", "--peers", "--no-decision-cost"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=250, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
