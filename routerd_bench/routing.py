@@ -1,10 +1,13 @@
-"""``routerd bench routing``: what each routing policy — and vLLM Router's — gives on four workloads.
+"""``routerd bench routing``: what each routing policy — and vLLM Router's — gives on five workloads.
 
 Method (``docs/benchmarks.md`` has the figures):
 
 * **Workloads** (:mod:`routerd_bench.workloads`): ``heterogeneous`` (unequal instances, capacities not
   configured), ``multiturn`` (agent-like conversations on prefix-caching engines with a prefill cost),
-  ``shared-prefix`` (a few long system prompts, skewed popularity), ``random`` (nothing shared).
+  ``shared-prefix`` (a few long system prompts, skewed popularity), ``random`` (nothing shared),
+  ``cache-pressure`` (conversations over shared prefixes, each engine's KV sized so that the plan's
+  distinct prompt blocks fill 75 % of the fleet's). The prefix-caching engines publish vLLM's KV-cache
+  events and report each request's cached prompt tokens.
 * **Load.** Each instance kind's capacity is measured first (or given, ``--capacity-rps``): one fresh
   engine of that kind with prefix caching *off* is saturated (closed loop, twice its batch size) with
   the workload's own requests for ``--calibrate-s``; capacity = generated tokens/s ÷ mean output
@@ -16,15 +19,22 @@ Method (``docs/benchmarks.md`` has the figures):
   conversation's next turn goes its think time after the previous answer arrived, as an agent's does.
 * **Fresh engines for every router**: each router runs on newly started engine processes, so no router
   inherits another's cache or queue. Routers: routerd (its data plane in its own process, uvloop,
-  default settings, one run per policy in ``--policies``) and, when ``vllm-router`` is installed, vLLM
-  Router with each policy of ``--peers``, one after the other in the same run.
+  default settings, one run per policy in ``--policies``; ``cache_aware`` once per ``--views``: by the
+  engines' KV events where they publish them, and by routerd's request-side model; each with every
+  ``--replicas`` count: N independent routerd processes on the same engines, the client sending its
+  i-th request to the (i mod N)-th) and, when ``vllm-router`` is installed, vLLM Router with each policy
+  of ``--peers``, one after the other in the same run.
 * **Figures per router**: time to first token (the first SSE event carrying generated text) and
   end-to-end latency, mean and p99; the fleet's prefix-cache hit ratio (Σ ``vllm:prefix_cache_hits``
-  ÷ Σ ``vllm:prefix_cache_queries`` over the run, from the engines); each instance's share of the
-  requests (the engines' ``vllm:request_success`` deltas, so it is the same measure for every router);
-  failures; and what routerd learned of each instance (``/admin/fleets``) at the end.
+  ÷ Σ ``vllm:prefix_cache_queries`` over the run, from the engines) beside the plan's ceiling (one
+  cache that never evicts), and the later turns' (the engines' per-request cached tokens); each
+  instance's share of the requests (the engines' ``vllm:request_success`` deltas, so it is the same
+  measure for every router); failures; what routerd learned of each instance (``/admin/fleets``) at
+  the end; per request, routerd's predicted hit (its log line's ``cached_tokens_est``) against the
+  engine's cached tokens, in blocks, and which of the policy's rules chose.
 * **Decision cost**: routerd's routing decision per request at 8k-token prompts, timed in-process
-  (:mod:`routerd_bench.decision`).
+  (:mod:`routerd_bench.decision`); and what keying such a prompt for the engines' cache view costs the
+  event loop and the request (:mod:`routerd_bench.keying`).
 """
 
 from __future__ import annotations
