@@ -132,6 +132,18 @@ def test_unknown_kinds_fields_and_bad_events_are_skipped_and_counted() -> None:
     assert last.medium is None
 
 
+def test_odd_but_readable_numbers_decode_as_before() -> None:
+    """Block keys and token ids are read in C when they are plain ints; what is not (a negative key,
+    a float or bool token id) takes the tolerant path and decodes as it always did."""
+    big, negative = (1 << 64) - 1, -1
+    payload = _enc.encode([1.0, [{"type": "BlockStored", "block_hashes": [big, negative, 7],
+                                  "token_ids": [1.0, 2, True], "block_size": 16}], None])
+    (ev,) = decode_batch(0, payload).events
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == (kv_hash.external(big), kv_hash.external(negative), 7)
+    assert ev.token_ids == (1, 2, 1)
+
+
 @pytest.mark.parametrize("payload", [b"\xc1", _enc.encode("text"), _enc.encode([1.0, "events"])])
 def test_an_unreadable_batch_is_a_decode_error(payload: bytes) -> None:
     with pytest.raises(DecodeError):
