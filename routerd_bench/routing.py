@@ -61,6 +61,7 @@ from . import workloads as wl
 from ._common import (
     Processes,
     Timing,
+    cpu_seconds,
     find_vllm_router,
     print_table,
     quantile,
@@ -213,7 +214,7 @@ def events_args(work: wl.Workload) -> dict[str, Any]:
 
 
 async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: list[str], policy: str,
-                   engine_args: dict[str, Any], log_path: Path) -> str:
+                   engine_args: dict[str, Any], log_path: Path) -> tuple[str, int]:
     # A new user's config: a static fleet of URLs, no capacities, every routing setting at its default
     # (the KV-event settings when the run routes by the engines' events). Its request log lines (info)
     # go to ``log_path``: each holds the request's id and the hit routerd predicted for it.
@@ -221,7 +222,7 @@ async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: li
            "routing": {"policy": policy},
            "fleets": [{"name": wl.MODEL, "model": wl.MODEL, "engine": "static", "urls": engines,
                        "engine_args": engine_args}]}
-    url, _ = await procs.plane(cfg, log_level="info", log_path=log_path)
+    url, proc = await procs.plane(cfg, log_level="info", log_path=log_path)
     events = bool(engine_args.get("kv-events"))
     async with asyncio.timeout(30):  # every instance ready and scraped once before the traffic starts
         while True:
@@ -230,8 +231,17 @@ async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: li
             ready = [i for i in fleet["instances"] if i["state"] == "ready" and i["scrape_age_s"] is not None
                      and (not events or (i.get("cache_view") or {}).get("cache_view") == "events")]
             if len(ready) == len(engines):
-                return url
+                return url, proc.pid
             await asyncio.sleep(0.1)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and of its live descendants (routerd and its keying worker)."""
+    total = cpu_seconds(pid)
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            total += tree_cpu_seconds(int(child))
+    return total
 
 
 def predictions(logs: Sequence[Path], outcomes: Sequence[Outcome], block_size: int) -> dict[str, Any]:
@@ -292,14 +302,17 @@ async def run_one(session: aiohttp.ClientSession, work: wl.Workload, fleet: Sequ
         if router.kind == "routerd":
             args = events_args(work) if router.view == "events" and work.kv_events else {}
             logs = [Path(procs.tmp.name) / f"routerd-{n}.log" for n in range(router.replicas)]
-            urls = list(await asyncio.gather(*(_routerd(procs, session, engines, router.policy, args, log)
-                                               for log in logs)))
+            planes = await asyncio.gather(*(_routerd(procs, session, engines, router.policy, args, log)
+                                            for log in logs))
+            urls, pids = [u for u, _ in planes], [p for _, p in planes]
         else:
-            urls = [await procs.vllm_router(engines, router.policy)]
+            urls, pids = [await procs.vllm_router(engines, router.policy)], []
         before = await scrape(session, engines)
+        cpu0 = sum(tree_cpu_seconds(p) for p in pids)
         t0 = time.perf_counter()
         outcomes = await drive(session, urls, plan, session_key)
         elapsed = time.perf_counter() - t0
+        cpu = sum(tree_cpu_seconds(p) for p in pids) - cpu0
         after = await scrape(session, engines)
         view = await _routerd_view(session, urls[0], names) if router.kind == "routerd" else None
         predicted = predictions(logs, outcomes, int(fleet[0].get("block_size", 16))) if logs else None
@@ -320,6 +333,8 @@ async def run_one(session: aiohttp.ClientSession, work: wl.Workload, fleet: Sequ
         "later_turn_hit_ratio": later_turn_hit_ratio(outcomes),
         "share": {n: round(s / max(sum(served), 1), 4) for n, s in zip(work.kinds, served, strict=True)},
         "view": router.view if router.kind == "routerd" else None, "replicas": router.replicas,
+        # every routerd process (and its keying worker) together, per request of the run
+        "routerd_cpu_ms_per_request": round(cpu / max(len(outcomes), 1) * 1000, 2) if pids else None,
     }
     if view is not None:
         result["routerd_view"] = view
@@ -487,7 +502,8 @@ def report(results: dict[str, Any]) -> None:
     for name, w in results["workloads"].items():
         rows = [[r["label"], r["ttft_ms"]["mean"], r["ttft_ms"]["p99"], r["e2e_ms"]["mean"],
                  r["e2e_ms"]["p99"], r["prefix_hit_ratio"], r["later_turn_hit_ratio"],
-                 " ".join(f"{k}={v:.2f}" for k, v in r["share"].items()), r["failed"]]
+                 " ".join(f"{k}={v:.2f}" for k, v in r["share"].items()), r["failed"],
+                 r.get("routerd_cpu_ms_per_request") or "-"]
                 for r in w["runs"]]
         fill = f"; KV {w['kv_fill']:.0%} full with every prompt once" if w.get("kv_fill") else ""
         fill += f"; hit ratio ceiling {w['hit_ceiling']}" if w.get("hit_ceiling") else ""
@@ -495,7 +511,7 @@ def report(results: dict[str, Any]) -> None:
                     f"({w['load']:.0%} of {w['capacity_rps']} req/s){fill}; "
                     f"load avg {w['load_avg_at_start'][0]:.2f}",
                     ["router", "ttft mean ms", "ttft p99 ms", "e2e mean ms", "e2e p99 ms", "hit ratio",
-                     "later turns", "share", "failed"], rows)
+                     "later turns", "share", "failed", "routerd CPU ms/req"], rows)
         pred = [[r["label"], view, p["requests"], p["exact"], p["blocks_off_mean"], p["blocks_off_p99"],
                  p["blocks_off_max"], " ".join(f"{k}={v}" for k, v in r["prediction"]["rules"].items())]
                 for r in w["runs"] for view, p in r.get("prediction", {}).items() if view != "rules"]
