@@ -230,7 +230,9 @@ async def _routerd(procs: Processes, session: aiohttp.ClientSession, engines: li
                 fleet = (await r.json())["fleets"][wl.MODEL]
             ready = [i for i in fleet["instances"] if i["state"] == "ready" and i["scrape_age_s"] is not None
                      and (not events or (i.get("cache_view") or {}).get("cache_view") == "events")]
-            if len(ready) == len(engines):
+            # with events, its keying worker up too: its start (seconds of CPU) is not the run's
+            worker = not events or '"keying_process_ready"' in await asyncio.to_thread(log_path.read_text)
+            if len(ready) == len(engines) and worker:
                 return url, proc.pid
             await asyncio.sleep(0.1)
 

@@ -18,8 +18,10 @@ once and the request is keyed in a thread, as if there were no worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -47,6 +49,16 @@ def _init_worker(specs: dict[str, tuple[str, str]]) -> None:
 
 def _worker_ready() -> bool:
     return True  # the initializer has run: the keyers are built
+
+
+def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
+    """When the worker is up (or could not start): from the executor's thread, once per worker."""
+    if ready.cancelled():
+        return
+    if ready.exception() is not None:
+        _log.warning("keying_process_start_failed", fleets=fleets, error=repr(ready.exception()))
+    else:
+        _log.info("keying_process_ready", fleets=fleets, start_s=round(time.monotonic() - started, 3))
 
 
 def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
@@ -77,6 +89,7 @@ class KeyingProcess:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_init_worker, initargs=(self.specs,))
             self._ready = self._pool.submit(_worker_ready)
+            self._ready.add_done_callback(functools.partial(_log_ready, sorted(self.specs), time.monotonic()))
             _log.info("keying_process_started", fleets=sorted(self.specs))
         return self._pool, self._ready
 
