@@ -430,6 +430,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                         clock=clock, role=role, collectors=collectors)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
+            routerd.keying.start()  # seconds to spawn: begun now, not by the first long request
         built(routerd)
         if routerd.queue is not None:
             await stack.enter_async_context(routerd.queue)

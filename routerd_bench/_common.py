@@ -108,8 +108,14 @@ class Processes:
                 p.wait(5)
         self.tmp.cleanup()
 
-    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def _spawn(self, argv: list[str], log_path: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv``; its output goes to ``log_path`` when given (its JSON log, to be read after),
+        else nowhere."""
+        if log_path is None:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            with log_path.open("wb") as out:  # the child holds its own descriptor
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 
@@ -129,14 +135,16 @@ class Processes:
         return url
 
     def spawn_plane(self, cfg: dict[str, Any], capacities: dict[str, int] | None = None,
-                    log_level: str = "info") -> tuple[str, subprocess.Popen[bytes]]:
-        """Start a routerd data plane for ``cfg`` (a raw config dict) in its own process."""
+                    log_level: str = "info",
+                    log_path: Path | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+        """Start a routerd data plane for ``cfg`` (a raw config dict) in its own process (its log
+        lines to ``log_path`` when given)."""
         port = free_port()
         cfg = {**cfg, "http": {**cfg.get("http", {}), "host": "127.0.0.1", "port": port}}
         path = Path(self.tmp.name) / f"plane-{port}.json"
         path.write_text(json.dumps({"config": cfg, "capacities": capacities or {}}))
         proc = self._spawn([sys.executable, "-m", "routerd_bench._common", "plane", str(path),
-                            "--log-level", log_level])
+                            "--log-level", log_level], log_path)
         return f"http://127.0.0.1:{port}", proc
 
     async def vllm_router(self, engines: list[str], policy: str = "power_of_two") -> str:
@@ -158,8 +166,9 @@ class Processes:
         return url
 
     async def plane(self, cfg: dict[str, Any], capacities: dict[str, int] | None = None,
-                    log_level: str = "info") -> tuple[str, subprocess.Popen[bytes]]:
-        url, proc = self.spawn_plane(cfg, capacities, log_level)
+                    log_level: str = "info",
+                    log_path: Path | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+        url, proc = self.spawn_plane(cfg, capacities, log_level, log_path)
         await wait_http(url + "/readyz", proc=proc)
         return url, proc
 
@@ -181,6 +190,10 @@ class Timing(msgspec.Struct):
     ok: bool
     instance: str = ""  # which instance routerd chose (its X-Routerd-Instance header)
     status: int = 0  # the HTTP status; 0 when the connection failed
+    # a stream's usage chunk (stream_options.include_usage): prompt tokens, and those the engine's
+    # prefix cache served (prompt_tokens_details, when the engine reports it; else -1)
+    prompt_tokens: int = 0
+    cached_tokens: int = -1
 
 
 class _Delta(msgspec.Struct):
@@ -197,6 +210,37 @@ class _Chunk(msgspec.Struct):
 
 
 _chunk_dec = msgspec.json.Decoder(_Chunk)
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _UsageChunk(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_dec = msgspec.json.Decoder(_UsageChunk)
+
+
+def usage_of(line: bytes) -> tuple[int, int] | None:
+    """A usage chunk's prompt tokens and cached prompt tokens (-1: not reported); None for another line."""
+    if not line.startswith(b"data: {") or b'"usage"' not in line:
+        return None
+    try:
+        usage = _usage_dec.decode(line[6:]).usage
+    except msgspec.DecodeError:
+        return None
+    if usage is None:
+        return None
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None and details.cached_tokens is not None else -1
+    return usage.prompt_tokens, cached
 
 
 def carries_text(line: bytes) -> bool:
@@ -224,6 +268,7 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
     ttft = math.nan
     instance = ""
     status = 0
+    usage: tuple[int, int] | None = None
     try:
         sent = {"Content-Type": "application/json", **(headers or {})}
         async with session.post(url, data=body, headers=sent) as r:
@@ -232,6 +277,8 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
                 async for line in r.content:
                     if math.isnan(ttft) and carries_text(line):
                         ttft = time.perf_counter() - t0
+                    elif not math.isnan(ttft):
+                        usage = usage_of(line) or usage
                     if line != b"\n":
                         last = line
                 ok = r.status == 200 and not math.isnan(ttft) and last.startswith(b"data: [DONE]")
@@ -243,7 +290,9 @@ async def timed_request(session: aiohttp.ClientSession, url: str, body: bytes, s
             status = r.status
     except (aiohttp.ClientError, OSError):
         ok = False
-    return Timing(ttft=ttft, e2e=time.perf_counter() - t0, ok=ok, instance=instance, status=status)
+    prompt, cached = usage or (0, -1)
+    return Timing(ttft=ttft, e2e=time.perf_counter() - t0, ok=ok, instance=instance, status=status,
+                  prompt_tokens=prompt, cached_tokens=cached)
 
 
 # the data-plane process ---------------------------------------------------------------------

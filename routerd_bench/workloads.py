@@ -18,19 +18,30 @@ the same seed, like replicas of one model), so a conversation reads the same wha
 * ``shared-prefix`` — many requests sharing a few long system prompts (skewed popularity) and a short
   question of their own: a popular prefix must not turn one instance into a hot spot.
 * ``random`` — long prompts that share nothing: a cache-aware policy must cost nothing here.
+* ``cache-pressure`` — many conversations over eight shared system prompts on engines whose KV is sized
+  so that the plan's distinct prompt blocks would fill three-quarters of the fleet's (:func:`fit_kv`):
+  every block placed on a second engine evicts another, so what a router believes each engine holds
+  decides the hit ratio.
+
+The prefix-caching engines publish vLLM's KV-cache events (``KV_EVENTS``) and report each request's
+cached prompt tokens in its usage (``enable_prompt_tokens_details``), so routerd can route by the
+engines' own cache view and the benchmark can hold routerd's prediction against the engine's count.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from routerd.sim_tokens import count_prompt_tokens, expected_text, render_chat
+from routerd.routing import kv_hash
+from routerd.sim_tokens import count_prompt_tokens, expected_text, prompt_words, render_chat, token_ids
 
 MODEL = "bench"
 CHAT = "/v1/chat/completions"
@@ -41,11 +52,16 @@ SLOW = {"max_num_seqs": 2, "ttft_ms": 80.0, "itl_ms": 40.0, "batch_factor": 0.5}
 # Long prompts: prefill costs 0.05 ms per uncached token (20k tokens/s, an 8B model on one GPU) and it
 # stalls the batch's decode, as chunked prefill does; a 2,000-token context costs 100 ms to prefill
 # and a cache hit saves that. 64k tokens of KV each.
-CACHED = {"max_num_seqs": 8, "ttft_ms": 15.0, "itl_ms": 10.0, "batch_factor": 0.5,
+CACHED: dict[str, Any] = {"max_num_seqs": 8, "ttft_ms": 15.0, "itl_ms": 10.0, "batch_factor": 0.5,
           "prefill_ms_per_token": 0.05, "num_gpu_blocks": 4096, "block_size": 16, "max_model_len": 16384,
-          "enable_prefix_caching": True}
+          "enable_prefix_caching": True, "kv_events_config": "", "enable_prompt_tokens_details": True}
+# vLLM's KV-cache events, both sockets on ports the engine picks (routerd finds them through
+# GET /kv_event_sources), on loopback only.
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+                        "replay_endpoint": "tcp://127.0.0.1:0"})
+CACHED["kv_events_config"] = KV_EVENTS
 
-WORKLOADS = ("heterogeneous", "multiturn", "shared-prefix", "random")
+WORKLOADS = ("heterogeneous", "multiturn", "shared-prefix", "random", "cache-pressure")
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,12 @@ class Workload:
     kinds: list[str]  # a name per instance: "fast0", "slow2", "i1", …
     plan: Callable[[float, float, int], list[Request]]
     description: str
+    kv_fill: float = 0.0  # > 0: each engine's KV is sized to the plan (fit_kv), else as in ``fleet``
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether the fleet's engines publish KV-cache events (routerd may route by them)."""
+        return all(bool(k.get("kv_events_config")) for k in self.fleet)
 
 
 def _vocabulary() -> tuple[str, ...]:
@@ -91,8 +113,10 @@ def _n(tokens: float, scale: float) -> int:
 
 
 def _chat(messages: list[dict[str, str]], max_tokens: int) -> bytes:
+    # include_usage: the stream ends with its usage, where an engine says what its cache served
     return msgspec.json.encode({"model": MODEL, "messages": messages, "max_tokens": max_tokens,
-                                "stream": True, "ignore_eos": True})
+                                "stream": True, "stream_options": {"include_usage": True},
+                                "ignore_eos": True})
 
 
 def _poisson(rng: random.Random, rate: float, duration: float) -> list[float]:
@@ -162,6 +186,54 @@ def conversations(*, scale: float, engine_seed: int, apps: list[tuple[str, float
     return plan
 
 
+def _request_blocks(plan: Sequence[Request], block_size: int) -> list[tuple[Request, list[int]]]:
+    """Each request with its prompt's full KV blocks (the sim's tokens, vLLM's block keys; any root:
+    only which keys are equal counts), in the order they are sent: by conversation start, then turn."""
+    root = kv_hash.none_hash(None)
+    out = []
+    for r in sorted(plan, key=lambda r: (r.at, r.conversation, r.turn)):
+        messages = msgspec.json.decode(r.body)["messages"]
+        out.append((r, kv_hash.block_keys(token_ids(prompt_words(render_chat(messages))), block_size, root)))
+    return out
+
+
+def prompt_blocks(plan: Sequence[Request], block_size: int) -> int:
+    """How many distinct full KV blocks the plan's prompts make: what the fleet's caches would hold if
+    every prompt were kept once."""
+    return len({k for _, keys in _request_blocks(plan, block_size) for k in keys})
+
+
+def hit_ceiling(plan: Sequence[Request], block_size: int) -> float:
+    """The most a prefix cache can serve of the plan's prompt tokens: one cache that never evicts, each
+    block missed once — a fleet hit ratio no router can pass (the unique openings must be computed)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r, keys in _request_blocks(plan, block_size):
+        n = 0
+        while n < len(keys) and keys[n] in seen:
+            n += 1
+        hit += min(n * block_size, (r.prompt_tokens - 1) // block_size * block_size)
+        total += r.prompt_tokens
+        seen.update(keys)
+    return round(hit / total, 4) if total else math.nan
+
+
+def fit_kv(work: Workload, plan: Sequence[Request]) -> tuple[list[dict[str, Any]], float]:
+    """``work.fleet`` with each engine's ``num_gpu_blocks`` set so that the plan's distinct prompt blocks
+    fill ``work.kv_fill`` of the fleet's KV, but never below what a full batch of the plan's requests
+    needs (of its mean length; the longest alone must fit too); and the fill that gives (the floor may
+    lower it)."""
+    size = int(work.fleet[0]["block_size"])
+    blocks = prompt_blocks(plan, size)
+    lengths = [math.ceil((r.prompt_tokens + r.max_tokens) / size) + 1 for r in plan] or [1]
+    floor = max(max(int(k["max_num_seqs"]) for k in work.fleet) * round(sum(lengths) / len(lengths)),
+                max(lengths))
+    per_engine = max(floor, math.ceil(blocks / work.kv_fill / len(work.fleet)))
+    fleet = [{**k, "num_gpu_blocks": per_engine, "max_model_len": min(k["max_model_len"], per_engine * size)}
+             for k in work.fleet]
+    return fleet, round(blocks / (per_engine * len(fleet)), 3)
+
+
 def build(name: str, *, scale: float = 1.0, engine_seed: int = 0) -> Workload:
     """The workload ``name`` with every prompt and answer length multiplied by ``scale`` (tests use a
     small one)."""
@@ -189,6 +261,15 @@ def build(name: str, *, scale: float = 1.0, engine_seed: int = 0) -> Workload:
         return Workload(name, fleet, kinds, one_off((20, 80), (16, 48), scale, prefixes),
                         "4 × (8 seqs, 10 ms/token, prefill 0.05 ms/token); 4 system prompts of 1,000 "
                         "tokens at 55/25/12/8 % + a unique 20–80-token question")
+    if name == "cache-pressure":
+        apps = [(text(rng, _n(800, scale)), w) for w in (0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05)]
+        return Workload(name, fleet, kinds,
+                        conversations(scale=scale, engine_seed=engine_seed, apps=apps,
+                                      context_tokens=(1000, 3000), turns=(3, 8)),
+                        "4 × (8 seqs, 10 ms/token, prefill 0.05 ms/token), KV sized so that the plan's "
+                        "distinct prompt blocks fill 75 % of the fleet's; conversations of 3–8 turns, each "
+                        "opening with its own 1–3k-token context; eight 800-token system prompts at "
+                        "30/20/15/10/10/5/5/5 %", kv_fill=0.75)
     if name == "random":
         return Workload(name, fleet, kinds, one_off((300, 1000), (16, 48), scale),
                         "4 × (8 seqs, 10 ms/token, prefill 0.05 ms/token); unique 300–1,000-token prompts")

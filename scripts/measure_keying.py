@@ -63,7 +63,7 @@ async def main() -> None:
         once.append(time.perf_counter() - t0)
 
     process = KeyingProcess({"f": keyer.spec}, timeout_s=60)
-    await process.keys("f", head, args.block_size, root)  # the worker started and its keyer built
+    await process.wait_ready(60)  # the worker started and its keyer built
 
     async def run(mode: str) -> None:
         for _ in range(args.n):

@@ -88,26 +88,30 @@ def test_plans_are_seeded(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_every_workload_gives_every_figure_for_every_router(tmp_path: Path) -> None:
-    """Every workload at a tiny size: real sim processes, routerd with two policies, vLLM Router when
+    """Every workload but ``cache-pressure`` (the next test's) at a tiny size: real sim processes,
+    routerd with two policies (by the engines' KV events where they publish), vLLM Router when
     installed; the JSON must hold each figure for each router, and TTFT must be at least the engines'
     own prefill step (a time to the role chunk would be far less).
 
     The sizes are the least that still give every figure (this checks that they are produced, not
     their values): half a second of arrivals is still 58–121 requests per run here, and the decision
-    cost is timed at 1,024-token prompts, a sixth of the time 8,192 take."""
+    and keying costs are timed at 1,024-token prompts, a sixth of the time 8,192 take."""
     out = tmp_path / "routing.json"
+    works = [w for w in wl.WORKLOADS if w != "cache-pressure"]
     argv = [sys.executable, "-m", "routerd", "bench", "routing", "--json", str(out), "--duration", "0.5",
-            "--calibrate-s", "0.2", "--scale", "0.05", "--load", "0.5", "--policies", "cache_aware",
-            "least_load", "--peers", "vllm-router:cache_aware", "--decision-prompt-tokens", "1024"]
+            "--calibrate-s", "0.2", "--scale", "0.05", "--load", "0.5", "--workload", *works, "--policies",
+            "cache_aware", "least_load", "--views", "events", "--peers", "vllm-router:cache_aware",
+            "--decision-prompt-tokens", "1024", "--keying-requests", "20"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=400, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results: dict[str, Any] = json.loads(out.read_text())
     labels = results["routers"]
     assert labels[:2] == ["routerd cache_aware", "routerd least_load"]
     assert labels[2:] == (["vllm-router cache_aware"] if results["note"] is None else [])
-    assert set(results["workloads"]) == set(wl.WORKLOADS)
+    assert set(results["workloads"]) == set(works)
     for name, work in results["workloads"].items():
         assert [r["label"] for r in work["runs"]] == labels, name
+        assert work["kv_events"] == (name != "heterogeneous"), name
         min_ttft_ms = min(k["ttft_ms"] for k in work["fleet"].values())
         for run in work["runs"]:
             where = f"{name}/{run['label']}"
@@ -122,11 +126,46 @@ def test_every_workload_gives_every_figure_for_every_router(tmp_path: Path) -> N
             assert 0.0 <= run["prefix_hit_ratio"] <= 1.0, where
             if name in ("multiturn", "shared-prefix"):
                 assert run["prefix_hit_ratio"] > 0, where  # shared system prompts hit on any router
+            if name == "multiturn":
+                assert 0.0 < run["later_turn_hit_ratio"] <= 1.0, where
             if name == "random":
                 assert run["prefix_hit_ratio"] == 0, where  # nothing shared, nothing hit
             if run["router"] == "routerd":
                 assert set(run["routerd_view"]) == set(work["fleet"]), where
+                if work["kv_events"]:  # each request's predicted hit against the engine's own count
+                    pred = run["prediction"]["events"]
+                    assert pred["requests"] == run["requests"], where
+                    assert 0.0 <= pred["exact"] <= 1.0, where
     cost = results["decision_cost_us"]
     assert cost["prompt_tokens"] == 1024
     assert all(cost["parts"][p]["p99"] > 0 for p in ("view", "choose", "total"))
+    keying = results["keying_cost"]["keyers"]["sim"]
+    for way in ("process", "thread", "inline"):
+        assert keying[way]["blocks"] == (keying["prompt_tokens"] - 1) // 16
+        assert keying[way]["loop_us"]["p99"] > 0
+        assert keying[way]["wait_ms"]["p99"] > 0
     assert isinstance(results["targets"], list)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cache_pressure_by_events_and_by_the_model_with_two_routerd(tmp_path: Path) -> None:
+    """``cache-pressure`` with ``--replicas 2``: two routerd processes on the same engines, the client
+    alternating between them, once by the engines' events and once by the request-side model; every
+    request is answered, each found in one routerd's log with its prediction, and the KV is sized to
+    the plan."""
+    out = tmp_path / "routing.json"
+    argv = [sys.executable, "-m", "routerd", "bench", "routing", "--json", str(out), "--workload",
+            "cache-pressure", "--duration", "0.5", "--capacity-rps", "20", "--scale", "0.05", "--load", "0.5",
+            "--policies", "cache_aware", "--replicas", "2", "--peers", "--no-decision-cost"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=250, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    work = json.loads(out.read_text())["workloads"]["cache-pressure"]
+    assert 0.0 < work["kv_fill"] <= 0.75
+    assert {k["num_gpu_blocks"] for k in work["fleet"].values()} == {work["fleet"]["i0"]["num_gpu_blocks"]}
+    assert [r["label"] for r in work["runs"]] == ["routerd cache_aware ×2", "routerd cache_aware model ×2"]
+    for run, view in zip(work["runs"], ("events", "model"), strict=True):
+        assert run["replicas"] == 2
+        assert run["failed"] == 0
+        assert run["prediction"][view]["requests"] == run["requests"]  # both routerd's logs were read
+        assert 0.0 < run["later_turn_hit_ratio"] <= 1.0

@@ -13,6 +13,7 @@ import pytest
 
 from routerd.ingress.validate import ChatHead, ChatMessage, CompletionHead
 from routerd.routing import engine_keys, kv_hash
+from routerd.routing.keying_process import KeyingProcess
 from tests.fixtures.sim import SimEngineFactory
 
 ROOT = kv_hash.none_hash(None)
@@ -124,13 +125,15 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
 
 
 async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
-    from routerd.routing.keying_process import KeyingProcess
-
     keyer = engine_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)
     expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
     kp = KeyingProcess({"f": keyer.spec}, timeout_s=60)
     try:
+        # No request waits for the worker to start: until it is up, the caller keys in a thread.
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
+        assert kp.failures == 0
+        await kp.wait_ready(60)  # a spawned interpreter importing routerd
         assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
         assert await kp.keys("other", head, 16, ROOT) is None  # a fleet it does not key
         pool = kp._pool
@@ -139,6 +142,26 @@ async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker(
             proc.kill()
         assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
         assert kp.failures == 1
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected  # a new worker
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # a new worker, starting
+        await kp.wait_ready(60)  # a spawned interpreter importing routerd
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
     finally:
         kp.close()
+
+
+async def test_the_sims_usage_says_what_its_cache_served(sim_engine: SimEngineFactory) -> None:
+    """``--enable-prompt-tokens-details``, as vLLM's: a stream's usage carries the prompt tokens its
+    prefix cache served — what the routing benchmark holds routerd's predicted hit against."""
+    from routerd_bench._common import timed_request
+
+    eng = await sim_engine(enable_prompt_tokens_details=True, block_size=16)
+    plain = await sim_engine(block_size=16)
+    body = json.dumps({"model": "m", "prompt": "the queue holds many users " * 30, "max_tokens": 2,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    async with aiohttp.ClientSession() as s:
+        first = await timed_request(s, f"{eng.url}/v1/completions", body, True)
+        second = await timed_request(s, f"{eng.url}/v1/completions", body, True)
+        without = await timed_request(s, f"{plain.url}/v1/completions", body, True)
+    assert (first.prompt_tokens, first.cached_tokens) == (150, 0)
+    assert (second.prompt_tokens, second.cached_tokens) == (150, 149 // 16 * 16)  # the last token computed
+    assert (without.prompt_tokens, without.cached_tokens) == (150, -1)  # not reported, as vLLM's default

@@ -17,7 +17,14 @@ from routerd._net import free_port
 from routerd.routing import kv_hash
 from routerd.routing.engine_cache import EngineCacheView
 from routerd.routing.kv_events import KvEventSubscriber, ViewHealth
-from routerd.routing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch
+from routerd.routing.kv_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EventBatch,
+    decode_batch,
+)
 from routerd.sim.server import SimEngine
 from routerd.sim_tokens import token_ids
 from tests.fixtures.ray_cluster import eventually
@@ -123,6 +130,18 @@ def test_unknown_kinds_fields_and_bad_events_are_skipped_and_counted() -> None:
     assert isinstance(last, BlockStored)
     assert last.parent_block_hash == 8
     assert last.medium is None
+
+
+def test_odd_but_readable_numbers_decode_as_before() -> None:
+    """Block keys and token ids are read in C when they are plain ints; what is not (a negative key,
+    a float or bool token id) takes the tolerant path and decodes as it always did."""
+    big, negative = (1 << 64) - 1, -1
+    payload = _enc.encode([1.0, [{"type": "BlockStored", "block_hashes": [big, negative, 7],
+                                  "token_ids": [1.0, 2, True], "block_size": 16}], None])
+    (ev,) = decode_batch(0, payload).events
+    assert isinstance(ev, BlockStored)
+    assert ev.block_hashes == (kv_hash.external(big), kv_hash.external(negative), 7)
+    assert ev.token_ids == (1, 2, 1)
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", _enc.encode("text"), _enc.encode([1.0, "events"])])
@@ -423,3 +442,20 @@ async def test_garbage_on_the_wire_is_counted_never_fatal(subscribe: Callable[..
         await asyncio.wait([replier])
         pub.close(linger=0)
         router.close(linger=0)
+
+
+def test_the_view_is_bounded_by_the_engines_kv_capacity() -> None:
+    """An engine holds at most its KV's blocks, so its view does too (the oldest go first); and the
+    speculative entries of requests sent there — however fast they come — at most four times that."""
+    now = 100.0
+    view = EngineCacheView(64, clock=lambda: now)
+    keys = list(range(1, 1001))
+    view.apply(EventBatch(seq=0, ts=0.0, events=(
+        BlockStored(block_hashes=tuple(keys), parent_block_hash=None, token_ids=(), block_size=16,
+                    medium="GPU"),)))
+    assert len(view) == 64
+    assert view.keys() == set(keys[-64:])  # the most recently stored
+    for n in range(100):  # 100 requests of 50 new blocks each, within the speculative TTL
+        view.speculate(list(range(10_000 + 50 * n, 10_050 + 50 * n)))
+    assert len(view._speculative) <= 4 * 64
+    assert view.matched_blocks(list(range(10_000 + 50 * 99, 10_050 + 50 * 99))) == 50  # the newest kept

@@ -103,13 +103,19 @@ class EngineCacheView:
         """Blocks a request just sent here will store: held until its BlockStored or the TTL."""
         spec = self._speculative
         now = self._clock()
-        if len(spec) > 4 * (self.capacity_blocks or 65536):
-            for k in [k for k, until in spec.items() if until <= now]:
-                del spec[k]
         until = now + SPECULATIVE_TTL_S
         for k in keys:
             if k not in self._blocks:
+                spec.pop(k, None)  # to the end: the dict's order is the entries' age
                 spec[k] = until
+        limit = 4 * (self.capacity_blocks or 65536)
+        if len(spec) > limit:
+            # Bounded by the engine's KV, however fast requests come: the expired first, then the
+            # oldest (an engine cannot be about to store four times what it can hold).
+            for k in [k for k, t in spec.items() if t <= now]:
+                del spec[k]
+            while len(spec) > limit:
+                del spec[next(iter(spec))]
 
     @property
     def speculative(self) -> int:

@@ -8,14 +8,21 @@ microseconds for 8k tokens). The worker builds each fleet's keyer once from its 
 (:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
 ``timeout_s``, makes :meth:`KeyingProcess.keys` return None — the caller keys in a thread instead — and
 the next call starts a new worker.
+
+A worker takes seconds to start (a spawned interpreter importing routerd and building its keyers), so
+no request waits for that: :meth:`KeyingProcess.start` begins it (routerd's start-up calls it), and until
+it is ready — and after it died, while the next one starts — :meth:`KeyingProcess.keys` answers None at
+once and the request is keyed in a thread, as if there were no worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from .. import log
@@ -40,6 +47,20 @@ def _init_worker(specs: dict[str, tuple[str, str]]) -> None:
             _worker_keyers[fleet] = keyer
 
 
+def _worker_ready() -> bool:
+    return True  # the initializer has run: the keyers are built
+
+
+def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
+    """When the worker is up (or could not start): from the executor's thread, once per worker."""
+    if ready.cancelled():
+        return
+    if ready.exception() is not None:
+        _log.warning("keying_process_start_failed", fleets=fleets, error=repr(ready.exception()))
+    else:
+        _log.info("keying_process_ready", fleets=fleets, start_s=round(time.monotonic() - started, 3))
+
+
 def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
                  hittable: bool) -> tuple[int, ...] | None:
     keyer = _worker_keyers.get(fleet)
@@ -56,22 +77,44 @@ class KeyingProcess:
         self.timeout_s = timeout_s
         self.failures = 0
         self._pool: ProcessPoolExecutor | None = None
+        self._ready: Future[bool] | None = None  # done when the worker has started and built its keyers
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
+    def start(self) -> None:
+        """Start the worker (if it is not running) without waiting for it: see the module docstring."""
+        self._start()
+
+    def _start(self) -> tuple[ProcessPoolExecutor, Future[bool]]:
+        if self._pool is None or self._ready is None:
             # spawn: a fork of a process holding Ray, redis and event-loop threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_init_worker, initargs=(self.specs,))
+            self._ready = self._pool.submit(_worker_ready)
+            self._ready.add_done_callback(functools.partial(_log_ready, sorted(self.specs), time.monotonic()))
             _log.info("keying_process_started", fleets=sorted(self.specs))
-        return self._pool
+        return self._pool, self._ready
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Start the worker and wait until it is up (a tool or a test; a request never waits for it)."""
+        _, ready = self._start()
+        async with asyncio.timeout(timeout_s):
+            await asyncio.wrap_future(ready)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the worker is up: :meth:`keys` hands it work only then."""
+        return self._ready is not None and self._ready.done() and not self._ready.exception()
 
     async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
                    hittable: bool = False) -> tuple[int, ...] | None:
         """The keys, computed in the worker; None when it could not (the caller keys in a thread)."""
         if fleet not in self.specs:
             return None
+        pool, ready = self._start()
+        if not ready.done():
+            return None  # still starting: this request is keyed in a thread
         try:
-            future = self._executor().submit(_worker_keys, fleet, head, block_size, root, hittable)
+            ready.result()  # raises what broke the start
+            future = pool.submit(_worker_keys, fleet, head, block_size, root, hittable)
             async with asyncio.timeout(self.timeout_s):
                 return await asyncio.wrap_future(future)
         except (BrokenProcessPool, TimeoutError, OSError) as e:
@@ -83,7 +126,7 @@ class KeyingProcess:
     def close(self) -> None:
         """End the worker now (one that hangs too: the executor has no public way to end a busy one)."""
         if self._pool is not None:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._ready = self._pool, None, None
             for proc in list(getattr(pool, "_processes", {}).values()):
                 proc.terminate()
             pool.shutdown(wait=False, cancel_futures=True)

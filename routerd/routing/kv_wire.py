@@ -21,6 +21,8 @@ import msgspec
 from .kv_hash import external
 
 _unpack = msgspec.msgpack.Decoder()
+_INT_TUPLE = tuple[int, ...]
+_MASK64 = (1 << 64) - 1
 END_SEQ = -1
 # Larger messages are dropped by ZMQ itself (the connection is reset): one scheduler step's batch is a
 # few hundred KB at most, and a peer that sends more must not run routerd out of memory.
@@ -87,7 +89,19 @@ def _as_fields(raw: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def _ints(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints when it is a list of them (checked in C: a batch of a long prompt
+    carries thousands of token ids, and every routerd decodes every engine's batches); else None."""
+    try:
+        return msgspec.convert(value, _INT_TUPLE)
+    except msgspec.ValidationError:
+        return None
+
+
 def _hashes(value: Any) -> tuple[int, ...]:
+    ints = _ints(value)
+    if ints is not None and (not ints or (min(ints) >= 0 and max(ints) <= _MASK64)):
+        return ints  # already what external() makes of an int
     if not isinstance(value, list | tuple) or not all(isinstance(h, int | bytes) for h in value):
         raise TypeError("block_hashes must be a list of ints or bytes")
     return tuple(external(h) for h in value)
@@ -106,14 +120,16 @@ def decode_event(raw: Any) -> KvEvent | None:
     try:
         if kind == "BlockStored":
             parent = f.get("parent_block_hash")
-            tokens = f.get("token_ids", ())
+            raw_tokens = f.get("token_ids", ())
             size = f.get("block_size")
-            if not isinstance(size, int) or size < 1 or not isinstance(tokens, list | tuple):
+            if not isinstance(size, int) or size < 1 or not isinstance(raw_tokens, list | tuple):
                 return None
+            tokens = _ints(raw_tokens)
+            if tokens is None:  # not plain ints: as tolerant as ever, at Python's pace
+                tokens = tuple(int(t) for t in raw_tokens)
             return BlockStored(block_hashes=_hashes(f.get("block_hashes")),
                                parent_block_hash=None if parent is None else external(parent),
-                               token_ids=tuple(int(t) for t in tokens), block_size=size,
-                               medium=_medium(f.get("medium")))
+                               token_ids=tokens, block_size=size, medium=_medium(f.get("medium")))
         if kind == "BlockRemoved":
             return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), medium=_medium(f.get("medium")))
         if kind == "AllBlocksCleared":

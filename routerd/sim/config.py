@@ -44,6 +44,10 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     num_gpu_blocks: PositiveInt = 8192
     block_size: PositiveInt = 16
     enable_prefix_caching: bool = True
+    # vLLM's --enable-prompt-tokens-details: the stream's usage chunk says how many prompt tokens the
+    # prefix cache served (``prompt_tokens_details.cached_tokens``) — per request, what a benchmark
+    # compares routerd's predicted hit with
+    enable_prompt_tokens_details: bool = False
     # Chance per generated token that the model "emits EOS" (finish_reason "stop") unless ignore_eos.
     # 0 keeps output length == max_tokens, which is what most tests want.
     eos_prob: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0

@@ -328,10 +328,12 @@ def chat_chunk(rid: str, created: int, cfg: SimConfig, text: str, finish: str | 
 
 
 def usage_chunk(rid: str, created: int, cfg: SimConfig, chat: bool, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    usage: dict[str, Any] = _usage_short(prompt_tokens, completion_tokens)
+    if cfg.enable_prompt_tokens_details:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": cfg.model, "choices": [], "usage": _usage_short(prompt_tokens, completion_tokens),
-            "system_fingerprint": fingerprint(cfg)}
+            "model": cfg.model, "choices": [], "usage": usage, "system_fingerprint": fingerprint(cfg)}
 
 
 def models_body(cfg: SimConfig, created: int) -> dict[str, Any]:

@@ -346,7 +346,8 @@ class SimEngine:
             await resp.write_eof()
             return resp
         if req.include_usage:
-            await resp.write(_event(p.usage_chunk(rid, created, cfg, chat, req.prompt_tokens, seq.generated)))
+            await resp.write(_event(p.usage_chunk(rid, created, cfg, chat, req.prompt_tokens, seq.generated,
+                                                  seq.cached_tokens)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
