@@ -128,7 +128,7 @@ async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker(
     keyer = engine_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)
     expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
-    kp = KeyingProcess({"f": keyer.spec}, timeout_s=60)
+    kp = KeyingProcess({"f": keyer.spec}, timeout_s=60, restart_backoff_s=3600)
     try:
         # No request waits for the worker to start: until it is up, the caller keys in a thread.
         assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
@@ -142,7 +142,13 @@ async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker(
             proc.kill()
         assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
         assert kp.failures == 1
+        # no new worker within the backoff: one that cannot start is not spawned again by each request
+        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
+        assert kp._pool is None
+        kp.restart_backoff_s = 0.0
+        kp._restart_at = 0.0
         assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # a new worker, starting
+        assert kp._pool is not None
         await kp.wait_ready(60)  # a spawned interpreter importing routerd
         assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
     finally:

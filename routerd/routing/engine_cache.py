@@ -110,11 +110,12 @@ class EngineCacheView:
                 spec[k] = until
         limit = 4 * (self.capacity_blocks or 65536)
         if len(spec) > limit:
-            # Bounded by the engine's KV, however fast requests come: the expired first, then the
-            # oldest (an engine cannot be about to store four times what it can hold).
+            # Bounded by the engine's KV, however fast requests come (an engine cannot be about to
+            # store four times what it can hold): the expired go, then the oldest down to half the
+            # bound, so that the sweep comes again only after as many new entries (amortized O(1)).
             for k in [k for k, t in spec.items() if t <= now]:
                 del spec[k]
-            while len(spec) > limit:
+            while len(spec) > limit // 2:
                 del spec[next(iter(spec))]
 
     @property

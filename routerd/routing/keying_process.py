@@ -7,7 +7,7 @@ worker process; the loop pays for sending the parsed head and receiving the keys
 microseconds for 8k tokens). The worker builds each fleet's keyer once from its ``spec``
 (:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
 ``timeout_s``, makes :meth:`KeyingProcess.keys` return None — the caller keys in a thread instead — and
-the next call starts a new worker.
+the first call after ``restart_backoff_s`` starts a new worker.
 
 A worker takes seconds to start (a spawned interpreter importing routerd and building its keyers), so
 no request waits for that: :meth:`KeyingProcess.start` begins it (routerd's start-up calls it), and until
@@ -72,9 +72,14 @@ def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, r
 class KeyingProcess:
     """One worker process keying for ``specs``' fleets (fleet → keyer spec). :meth:`close` ends it."""
 
-    def __init__(self, specs: dict[str, tuple[str, str]], *, timeout_s: float = 10.0) -> None:
+    def __init__(self, specs: dict[str, tuple[str, str]], *, timeout_s: float = 10.0,
+                 restart_backoff_s: float = 5.0) -> None:
         self.specs = dict(specs)
         self.timeout_s = timeout_s
+        # after a failure no new worker for this long (requests are keyed in threads meanwhile): a
+        # worker that cannot start would otherwise be spawned again — seconds of CPU — by every request
+        self.restart_backoff_s = restart_backoff_s
+        self._restart_at = 0.0
         self.failures = 0
         self._pool: ProcessPoolExecutor | None = None
         self._ready: Future[bool] | None = None  # done when the worker has started and built its keyers
@@ -107,7 +112,7 @@ class KeyingProcess:
     async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
                    hittable: bool = False) -> tuple[int, ...] | None:
         """The keys, computed in the worker; None when it could not (the caller keys in a thread)."""
-        if fleet not in self.specs:
+        if fleet not in self.specs or (self._pool is None and time.monotonic() < self._restart_at):
             return None
         pool, ready = self._start()
         if not ready.done():
@@ -120,7 +125,8 @@ class KeyingProcess:
         except (BrokenProcessPool, TimeoutError, OSError) as e:
             self.failures += 1
             _log.warning("keying_process_failed", fleet=fleet, error=repr(e))
-            self.close()  # a new worker on the next call
+            self.close()  # a new worker on a call after the backoff
+            self._restart_at = time.monotonic() + self.restart_backoff_s
             return None
 
     def close(self) -> None:
