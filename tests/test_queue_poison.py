@@ -7,6 +7,7 @@ an engine; the consumer keeps serving good jobs meanwhile. Messages go in with p
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Any
 
@@ -143,7 +144,8 @@ def _every_key(keys: Keys, job_id: str = "x1") -> dict[str, str]:
         if attr.startswith("_") or attr in ("from_config", "reserved", "group"):  # group: not a key
             continue
         value = getattr(keys, attr)
-        value = value(job_id) if callable(value) else value
+        if callable(value):  # a key family takes its suffix; a single key (the shared view's) none
+            value = value(job_id) if inspect.signature(value).parameters else value()
         assert isinstance(value, str), attr
         names[attr] = value
     assert {"done", "status", "ratelimit", "usage", "dead", "stream"} <= set(names)
