@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import Counter
@@ -17,7 +18,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from routerd.client import QueueClient
+from routerd.config import RayConfig
 from routerd.fleet.actor import group_members
+from routerd.fleet.engine import EngineOps
+from routerd.fleet.ray_cluster import RayCluster
+from routerd.plugins import LaunchSpec
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
@@ -95,6 +101,10 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     first = engine(view)
     assert first is not None
     assert set(await _who_answers(rp.url, 24)) == {"200:w0", "200:w1"}
+    # The parent kept the lease it launched under (spawning the workers and the first placement group's
+    # wait held its loop past a short lease once) and removed nothing as a stray.
+    assert len(events(rp, "control_acquired")) == 1, rp.log()
+    assert events(rp, "stray_placement_group_removed") == []
 
     # An admin restart sent to a worker: the parent carries it out (relay), once.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
@@ -114,6 +124,64 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     assert parent_restarts(rp) == {"w:0": 2}
     assert engine((await worker_views(rp.url))["1"]) == third
 
+    # SIGHUP: the parent and both workers reload; the workers keep the launched instance (it is not in
+    # their file, only in the parent's published state) and route to it.
+    rp.signal(signal.SIGHUP)
+    rp.wait_notify("READY=1", timeout=60)
+    assert set(await _who_answers(rp.url, 24)) == {"200:w0", "200:w1"}
+    assert engine((await worker_views(rp.url))["0"]) == third
+
+    # A replica count sent to a worker: the parent launches the second engine, both workers see it.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.post(f"{rp.url}/admin/fleets/w/replicas", json={"replicas": 2}) as r:
+        assert r.status == 200, await r.text()
+    await both_see(rp, lambda v: v["fleets"]["w"]["ready"] == 2 and v["fleets"]["w"]["replicas"] == 2,
+                   "two ready engines on both workers")
+
+    # Queue jobs, read by both workers, run on the launched engines: one result each.
+    client = QueueClient.from_url(redis_server.url)
+    try:
+        jobs = await client.submit_many([{"model": "m", "prompt": f"job {i}", "max_tokens": 4}
+                                         for i in range(20)])
+        results = await client.wait_many(jobs, timeout=60)
+        assert {r.status for r in results.values()} == {"ok"}, [r.error for r in results.values()][:3]
+        assert {r.instance for r in results.values()} <= {"w:0", "w:1"}
+    finally:
+        await client.aclose()
+    last = await worker_views(rp.url)
+
     rp.signal(signal.SIGTERM)
     assert await asyncio.to_thread(rp.wait_exit, 90) == 0, rp.log()
-    assert await eventually(lambda: not group_members(third[1]), 15)  # stopped by the parent
+    for inst in last["0"]["fleets"]["w"]["instances"]:  # stopped by the parent on its way out
+        assert await eventually(lambda pid=int(inst["pid"]): not group_members(pid), 15)
+
+
+async def test_placing_an_engine_waits_for_its_group_off_the_event_loop(
+        ray_cluster: RayTestCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's first ``pg.ready()`` held the event loop 0.2 s here, 1.2 s under load — past the
+    renew margin of a short control lease, so a parent of workers lost control in the middle of its
+    first launch and removed its own new placement group as a stray. It is made in a thread now."""
+    loop_thread = threading.current_thread()
+    cluster = await RayCluster.connect(RayConfig(address=ray_cluster.address,
+                                                 namespace=f"pl-{uuid.uuid4().hex[:8]}"), tmp_path / "state")
+    made_on: list[threading.Thread] = []
+    from ray.util.placement_group import PlacementGroup
+
+    ready = PlacementGroup.ready
+
+    def noting(pg: PlacementGroup) -> Any:  # Ray's own ready(), where it is called noted
+        made_on.append(threading.current_thread())
+        return ready(pg)
+
+    monkeypatch.setattr(PlacementGroup, "ready", noting)
+    try:
+        async with aiohttp.ClientSession() as session:
+            ops = EngineOps(cluster, str(tmp_path / "state"), time.monotonic, session)
+            spec = LaunchSpec(fleet="pl", index=0, model="m", engine="sim")
+            pg, node = await ops.place(spec, {"CPU": 0.1}, lambda _: None)
+        assert node  # placed
+        assert made_on
+        assert loop_thread not in made_on
+        await cluster.remove_placement_group(pg)
+    finally:
+        await cluster.close()
