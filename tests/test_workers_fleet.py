@@ -66,6 +66,19 @@ async def both_see(rp: RouterdProcess, cond: Any, what: str, timeout: float = 60
     raise AssertionError(f"timed out waiting for {what}: {views}\n{rp.log()}")
 
 
+async def both_serve(url: str, rounds: int = 20) -> None:
+    """Every request answered 200, until each worker has answered some (the kernel picks the worker per
+    connection: a worker slowed by a loaded machine may miss one round)."""
+    seen: set[str] = set()
+    for _ in range(rounds):
+        answers = await _who_answers(url, 12)
+        assert all(k.startswith("200:") for k in answers), answers
+        seen |= set(answers)
+        if seen == {"200:w0", "200:w1"}:
+            return
+    raise AssertionError(f"only {sorted(seen)} answered")
+
+
 def parent_restarts(rp: RouterdProcess) -> Counter[str]:
     """``engine_restarted`` per instance, and that only the parent (no ``worker``) restarted any."""
     restarted = events(rp, "engine_restarted")
@@ -100,7 +113,7 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     assert view["control"]["controls"] is False
     first = engine(view)
     assert first is not None
-    assert set(await _who_answers(rp.url, 24)) == {"200:w0", "200:w1"}
+    await both_serve(rp.url)
     # The parent kept the lease it launched under (spawning the workers and the first placement group's
     # wait held its loop past a short lease once) and removed nothing as a stray.
     assert len(events(rp, "control_acquired")) == 1, rp.log()
@@ -119,7 +132,7 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     os.kill(second[1], signal.SIGKILL)
     third = engine(await both_see(rp, up(second[1]), "the killed engine replaced"))
     assert third is not None
-    assert set(await _who_answers(rp.url, 24)) == {"200:w0", "200:w1"}
+    await both_serve(rp.url)
     await asyncio.sleep(1.5)  # a second restart (a fight, a stale view) would show within this
     assert parent_restarts(rp) == {"w:0": 2}
     assert engine((await worker_views(rp.url))["1"]) == third
@@ -128,7 +141,7 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     # their file, only in the parent's published state) and route to it.
     rp.signal(signal.SIGHUP)
     rp.wait_notify("READY=1", timeout=60)
-    assert set(await _who_answers(rp.url, 24)) == {"200:w0", "200:w1"}
+    await both_serve(rp.url)
     assert engine((await worker_views(rp.url))["0"]) == third
 
     # A replica count sent to a worker: the parent launches the second engine, both workers see it.
