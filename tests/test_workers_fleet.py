@@ -28,7 +28,7 @@ from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.test_control_replicas import events
-from tests.test_workers import _who_answers
+from tests.test_workers import _alive, _who_answers
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -162,11 +162,25 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
     finally:
         await client.aclose()
     last = await worker_views(rp.url)
+    engines = {i["id"]: int(i["pid"]) for i in last["0"]["fleets"]["w"]["instances"]}
+    workers = {int(e["worker"]): int(e["pid"]) for e in events(rp, "worker_started")}
 
-    rp.signal(signal.SIGTERM)
-    assert await asyncio.to_thread(rp.wait_exit, 90) == 0, rp.log()
-    for inst in last["0"]["fleets"]["w"]["instances"]:  # stopped by the parent on its way out
-        assert await eventually(lambda pid=int(inst["pid"]): not group_members(pid), 15)
+    # The daemon SIGKILLed: its workers drain and exit, the engines run on; the same config started
+    # again takes the lease at once (the same ident) and adopts them — none relaunched.
+    rp.proc.kill()
+    await asyncio.to_thread(rp.proc.wait, 10)
+    assert await eventually(lambda: not any(_alive(pid) for pid in workers.values()), 30), rp.log()
+    again = await asyncio.to_thread(routerd_process, cfg)
+    view = await both_see(again, lambda v: v["fleets"]["w"]["ready"] == 2, "the engines adopted")
+    assert {i["id"]: int(i["pid"]) for i in view["fleets"]["w"]["instances"]} == engines
+    assert events(again, "engine_started") == []
+    assert len(events(again, "adopted")) == 2
+    await both_serve(again.url)
+
+    again.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(again.wait_exit, 90) == 0, again.log()
+    for pid in engines.values():  # stopped by the parent on its way out
+        assert await eventually(lambda pid=pid: not group_members(pid), 15)
 
 
 async def test_placing_an_engine_waits_for_its_group_off_the_event_loop(
