@@ -18,7 +18,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
+from routerd.client import QueueClient
 from routerd.fleet.actor import group_members
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
@@ -200,3 +202,131 @@ async def test_a_partitioned_controller_stops_before_the_other_starts(
         assert await metric(s, b, "routerd_control_acquisitions_total") == 1
         assert await metric(s, b, "routerd_control_token") > await metric(s, a, "routerd_control_token")
         proxy.open.set()
+
+
+class Load:
+    """HTTP requests (streamed and not) on one replica and queue jobs for every replica, sent without a
+    pause until :meth:`stop`: what each ended with, to count what failed."""
+
+    def __init__(self, url: str, client: QueueClient, *, http_clients: int = 4,
+                 submit_every_s: float = 0.03) -> None:
+        self.url, self.client = url, client
+        self.http: list[tuple[int, str]] = []  # (status, what went wrong: "" when nothing)
+        self.jobs: list[str] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._requests(i % 2 == 0)) for i in range(http_clients)]
+        self._tasks.append(asyncio.create_task(self._submit(submit_every_s)))
+
+    async def _requests(self, stream: bool) -> None:
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 12, "stream": stream}
+        async with aiohttp.ClientSession() as s:
+            while not self._stop.is_set():
+                try:
+                    async with s.post(f"{self.url}/v1/completions", json=body,
+                                      timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        text = await r.text()
+                    wrong = "" if r.status == 200 else text[:300]
+                    if stream and not wrong and ('"error"' in text or not text.rstrip().endswith("[DONE]")):
+                        wrong = text[-300:]
+                    self.http.append((r.status, wrong))
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    self.http.append((0, repr(e)))
+
+    async def _submit(self, every_s: float) -> None:
+        i = 0
+        while not self._stop.is_set():
+            job = await self.client.submit({"model": "m", "prompt": f"job {i}", "max_tokens": 20})
+            self.jobs.append(job.id)
+            i += 1
+            await asyncio.sleep(every_s)
+
+    def failed(self) -> list[tuple[int, str]]:
+        return [h for h in self.http if h[0] != 200 or h[1]]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 60)
+
+
+async def results_per_job(redis: aioredis.Redis, client: QueueClient, jobs: list[str]) -> Counter[int]:
+    """How many results each job's reply stream holds, counted over the jobs (``{1: len(jobs)}``: every
+    job exactly one)."""
+    counts: Counter[int] = Counter()
+    for job in jobs:
+        entries = await redis.xrange(client.keys.reply(job))
+        counts[sum(1 for _, fields in entries if b"result" in fields)] += 1
+    return counts
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+async def test_the_controller_killed_under_load_no_request_fails_and_no_job_is_lost_or_doubled(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
+        routerd_config: Any, tmp_path: Path) -> None:
+    """Streams and plain requests on the follower and queue jobs for both while the controller is
+    SIGKILLed: the follower controls within the lease + 1 s and adopts the engines (same PIDs, none
+    launched); none of its requests fails; the jobs the dead one held are reclaimed by the survivor
+    (``reclaim_idle_ms`` short here) and every job ends with exactly one result."""
+    fleet = {"name": "u", "model": "m", "engine": "sim", "replicas": 2, "num_cpus_per_instance": 0.25,
+             "engine_args": {"max-num-seqs": 32, "ttft-ms": 5, "itl-ms": 10}}
+    extra: dict[str, Any] = {
+        "ray": {"address": ray_cluster.address, "namespace": f"load-{uuid.uuid4().hex[:8]}"},
+        "fleets": [fleet]}
+    cfgs = []
+    for name in ("la", "lb"):
+        cfg = replica_cfg(routerd_config, tmp_path, name, redis_server.url, stop_engines=True, **extra)
+        cfg["redis"].update(reclaim_idle_ms=2000, reclaim_interval_s=0.3)
+        cfgs.append(cfg)
+    procs = [routerd_process(cfg, wait_ready=False) for cfg in cfgs]
+    await asyncio.gather(*(asyncio.to_thread(rp.wait_notify, "READY=1", 120) for rp in procs))
+    client = QueueClient.from_url(redis_server.url)
+    redis = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            views = [await poll(s, rp, lambda st: st["control"]["controller"] is not None, "a controller")
+                     for rp in procs]
+            ctl, fol = (procs[0], procs[1]) if views[0]["control"]["controls"] else (procs[1], procs[0])
+            before = pids(await poll(s, ctl, ready("u", 2), "two ready engines"), "u")
+            await poll(s, fol, lambda st: ready("u", 2)(st) and pids(st, "u") == before, "the follower")
+
+            load = Load(fol.url, client)
+            held, consumer = 0, ctl.config["redis"]["consumer"]
+            for _ in range(200):  # until the controller has queue jobs of its own running
+                held = len(await redis.xpending_range("routerd:requests", "routerd", min="-", max="+",
+                                                      count=100, consumername=consumer))
+                if held >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert held >= 2, ctl.log()
+            served_before = len(load.http)
+            killed_at = time.time()
+            ctl.proc.send_signal(signal.SIGKILL)
+            ctl.proc.wait(10)
+            await poll(s, fol, lambda st: st["control"]["controls"], "the follower taking control")
+            (took,) = events(fol, "control_acquired")
+            assert took["at"] - killed_at <= LEASE_S + 1.0, took
+            await asyncio.sleep(1.0)  # load after the takeover too
+            await load.stop()
+            assert len(load.http) > served_before, "no request was served across the takeover"
+            assert load.failed() == [], load.failed()[:5]
+
+            st = await poll(s, fol, ready("u", 2), "the engines adopted")
+            assert pids(st, "u") == before  # adopted: the same processes
+            assert events(fol, "engine_started") == []
+            assert events(fol, "engine_restarted") == []
+            assert events(fol, "fleet_control_started")[-1]["adopted"] == 2
+
+        results = await client.wait_many(load.jobs, timeout=60)
+        assert {r.status for r in results.values()} == {"ok"}, [r.error for r in results.values()][:5]
+        assert await results_per_job(redis, client, load.jobs) == {1: len(load.jobs)}
+        reclaimed = events(fol, "queue_job_reclaimed")
+        assert len(reclaimed) >= held, fol.log()  # the dead one's jobs, run by the survivor
+        assert await redis.xlen("routerd:dead") == 0
+        for _ in range(100):  # every job acknowledged: nothing left pending for the dead consumer
+            if (await redis.xpending("routerd:requests", "routerd"))["pending"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert (await redis.xpending("routerd:requests", "routerd"))["pending"] == 0
+    finally:
+        await client.aclose()
+        await redis.aclose()

@@ -137,7 +137,7 @@ class EngineOps:
         pg = await self.cluster.placement_group(name, bundle, where.avoid)
         last_log = -_PLACEMENT_LOG_EVERY_S
         while True:
-            ready = asyncio.ensure_future(_resolve(pg.ready()))
+            ready = asyncio.ensure_future(self.cluster.placement_group_ready(pg))
             try:
                 done, _ = await asyncio.wait({ready}, timeout=2.0)
             finally:
