@@ -40,6 +40,7 @@ import redis.exceptions
 from .. import log
 from ..errors import RateLimitFailed
 from ..keys import Keys
+from ..redis_server import REDIS_DOWN
 from .directory import Tenant
 
 __all__ = ["Grant", "LocalBuckets", "RateLimiter", "duration"]
@@ -50,9 +51,8 @@ _REDIS_TIMEOUT_S = 0.25  # a check waits this long for Redis before this routerd
 _DOWN_S = 1.0  # after a failed call, decide locally this long before asking Redis again
 _MINUTE_MS = 60_000.0
 # Redis did not answer (or the connection broke): every tenant's check is decided here for _DOWN_S.
-# Any other RedisError is Redis answering with an error, logged as one (the same split as the queue's
-# REDIS_DOWN in routerd/ingress/queue/store.py, not imported: that package imports this one).
-_NO_ANSWER = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
+# Any other RedisError is Redis answering with an error, logged as one.
+_NO_ANSWER = REDIS_DOWN
 _MAX_DEBT_MINUTES = 60  # the token bucket's debt is capped at an hour of the limit (as in the script)
 # A correction's tokens are clamped to what a double holds exactly: an engine's absurd usage report must
 # not make the batch it travels in unsendable (msgpack stops at 2**64) for the others in it.

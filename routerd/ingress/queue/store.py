@@ -33,11 +33,11 @@ from ... import _aio, log
 from ...config import RedisConfig
 from ...jobs import Attempt, Result, json_encode, now_ms
 from ...keys import Keys
+from ...redis_server import REDIS_DOWN as REDIS_DOWN  # Redis did not answer; re-exported for the queue
 
 _log = log.get("routerd.queue")
 _pack = msgspec.msgpack.Encoder().encode
 
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
 
 # Keys a producer can name or create (reply_to, and the per-job keys derived from its id) are written
 # with redis.pcall: a key of the wrong type fails that one record, never the script — a raised error
