@@ -355,7 +355,8 @@ def report(results: dict[str, Any]) -> None:
     scale_replicas.report(results)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """Every part's options (the idle part's from its module)."""
     ap = argparse.ArgumentParser(prog="routerd bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="routerd runs, one per count")
@@ -389,7 +390,11 @@ def main(argv: list[str]) -> int:
     idle = _idle_module()
     if idle is not None:  # its own options (--instances, --seconds, --warmup, --page)
         idle.add_arguments(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     from routerd import log
 
     log.setup("warning")  # the bench's own Redis and Ray lines are not the figures
