@@ -196,6 +196,9 @@ async def quality_run(session: aiohttp.ClientSession, work: wl.Workload, fleet: 
             outcomes = await routing.drive(session, [r.url for r in rs], plan, "none")
             elapsed = time.perf_counter() - t0
             after = await routing.scrape(session, engines)
+            # what each process learned of each instance (capacity, speed): the processes should agree
+            names = dict(zip(engines, work.kinds, strict=True))
+            views = {r.name: await routing._routerd_view(session, r.url, names) for r in rs}
     ok = [o for o in outcomes if o.timing.ok]
 
     def delta(name: str) -> list[float]:
@@ -211,6 +214,7 @@ async def quality_run(session: aiohttp.ClientSession, work: wl.Workload, fleet: 
         "prefix_hit_ratio": round(hits / queries, 4) if queries else math.nan,
         "later_turn_hit_ratio": routing.later_turn_hit_ratio(outcomes),
         "share": {k: round(s / max(sum(served), 1), 4) for k, s in zip(work.kinds, served, strict=True)},
+        "routerd_views": views,
     }
 
 
