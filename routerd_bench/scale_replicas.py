@@ -215,6 +215,9 @@ async def quality_run(session: aiohttp.ClientSession, work: wl.Workload, fleet: 
         "later_turn_hit_ratio": routing.later_turn_hit_ratio(outcomes),
         "share": {k: round(s / max(sum(served), 1), 4) for k, s in zip(work.kinds, served, strict=True)},
         "routerd_views": views,
+        # where the tail is: on one instance (the routing) or on every one (the machine)
+        "ttft_ms_by_instance": {i: summary([o.timing.ttft for o in ok if o.timing.instance == i])
+                                for i in sorted({o.timing.instance for o in ok})},
     }
 
 
