@@ -55,10 +55,10 @@ from . import workloads as wl
 from ._common import Processes, cpu_seconds, find_vllm_router, print_table, wait_http, write_json
 
 MODEL = "scale"
-# Until the processes share one scrape (issue 20's shared view), each worker and the daemon scrape and
-# probe every engine for themselves: at the defaults (0.2 s, 0.5 s) three processes' scrapes of four
-# Python engines starve a small machine's engines, and the relay measured would be theirs. Slower, the
-# same for every run: the relay is what is measured here, the cost of watching is the idle part's.
+# Set when each worker and the daemon still scraped and probed every engine for themselves (at the
+# defaults, three processes' scrapes of four Python engines starved a small machine's engines); kept so
+# that relay figures compare across runs: the relay is what is measured here, the cost of watching is
+# the idle part's.
 SCRAPE_S, HEARTBEAT_S = 1.0, 2.0
 TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=10, sock_read=60)
 

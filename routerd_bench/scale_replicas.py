@@ -235,7 +235,8 @@ async def quality(args: argparse.Namespace) -> dict[str, Any]:
             w = await routing.run_workload(session, name, plan_args, [])
             work = wl.build(name, scale=1.0, engine_seed=args.seed)
             plan = work.plan(args.load * w["capacity_rps"], args.quality_duration, args.seed)
-            assert routing.plan_digest(plan) == w["plan_digest"], "the plan differs from routing's"
+            if routing.plan_digest(plan) != w["plan_digest"]:
+                raise RuntimeError(f"{name}: the plan differs from the one routing calibrated")
             fleet = wl.fit_kv(work, plan)[0] if work.kv_fill else work.fleet
             w["runs"] = []
             for events in ((True, False) if work.kv_events else (False,)):
