@@ -383,6 +383,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate-s", type=float, default=2.0, help="seconds per capacity measurement")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--failover-rate", type=float, default=50.0, help="requests/s to each replica")
+    ap.add_argument("--failover-jobs-rate", type=float, default=10.0, help="queue jobs/s (0: none)")
     ap.add_argument("--failover-engines", type=int, default=2)
     ap.add_argument("--failover-before-s", type=float, default=3.0, help="load before the SIGKILL")
     ap.add_argument("--failover-after-s", type=float, default=3.0, help="load after the takeover")

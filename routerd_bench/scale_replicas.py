@@ -19,6 +19,10 @@ default ``control.lease_s`` unless ``--lease-s``). The first started controls; b
 SIGKILLed; measured: the time from the kill to the survivor's ``control_acquired`` (its log's own
 timestamp), the survivor's failed requests over the whole window (0 expected), the engines the
 survivor launched or restarted (0 expected: it adopts) and whether the engines kept their PIDs.
+Queue jobs go in at ``--failover-jobs-rate`` over the same window (both replicas consume); after it,
+every job's result is awaited — those the killed replica held come back once the survivor reclaims
+them (``redis.reclaim_idle_ms``, default 30 s) — and the results on the one reply stream are counted
+per job: lost (none) and doubled (more than one) are expected 0.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from typing import Any
 import aiohttp
 
 from routerd._net import free_port
+from routerd.client import QueueClient
+from routerd.jobs import decode_result
 from routerd.redis_server import EmbeddedRedis
 
 from . import routing
@@ -51,6 +57,7 @@ from .restart import RateLoad, child_env, logged, start_routerd
 
 QUALITY_WORKLOADS = ("heterogeneous", "multiturn")
 FAILOVER_MODEL = "sim-scale"
+REPLIES = "bench:scale:replies"  # one reply stream for every job: a result written twice shows there
 
 
 @dataclass
@@ -321,18 +328,58 @@ async def failover(args: argparse.Namespace) -> dict[str, Any]:
                 view = await poll_view(session, b, lambda v: not v["control"]["controls"] and _ready(
                     args.failover_engines)(v), "following the controller", 60.0)
                 before = _pids(view)
-                return await _kill_under_load(session, args, a, b, before)
+                queue = QueueClient.from_url(redis_url)
+                try:
+                    return await _kill_under_load(session, queue, args, a, b, before)
+                finally:
+                    await queue.aclose()
             finally:
                 for r in (b, a):
                     if r is not None:
                         await asyncio.to_thread(stop_process, r.proc, 60.0)
 
 
-async def _kill_under_load(session: aiohttp.ClientSession, args: argparse.Namespace, ctl: Replica,
-                           fol: Replica, before: dict[str, int]) -> dict[str, Any]:
+async def _submit(queue: QueueClient, rate_per_s: float, stop: asyncio.Event, ids: list[str]) -> None:
+    """One job every ``1 / rate_per_s`` seconds until ``stop``; their ids into ``ids``."""
+    next_at = time.monotonic()
+    while not stop.is_set():
+        job = await queue.submit({"model": FAILOVER_MODEL, "prompt": "failover", "max_tokens": 4},
+                                 reply_to=REPLIES)
+        ids.append(job.id)
+        next_at += 1.0 / rate_per_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
+
+
+async def _jobs_outcome(queue: QueueClient, ids: list[str], timeout_s: float) -> dict[str, Any]:
+    """Every job's result awaited (up to ``timeout_s``), then the reply stream's results per job."""
+    t0 = time.monotonic()
+    with contextlib.suppress(TimeoutError):
+        await queue.wait_many(ids, timeout=timeout_s)
+    waited = time.monotonic() - t0
+    async with asyncio.timeout(30):
+        entries = await queue.redis.xrange(REPLIES)
+    per_job: dict[str, int] = {}
+    errors = 0
+    for _, fields in entries:
+        if b"result" in fields:
+            result = decode_result(fields[b"result"])
+            per_job[result.id] = per_job.get(result.id, 0) + 1
+            errors += result.status != "ok"
+    return {"submitted": len(ids), "results": sum(per_job.values()),
+            "lost": sum(1 for j in ids if j not in per_job),
+            "doubled": sum(1 for n in per_job.values() if n > 1), "errors": errors,
+            "all_results_after_s": round(waited, 2)}
+
+
+async def _kill_under_load(session: aiohttp.ClientSession, queue: QueueClient, args: argparse.Namespace,
+                           ctl: Replica, fol: Replica, before: dict[str, int]) -> dict[str, Any]:
     loads = {r.name: RateLoad(r.url, FAILOVER_MODEL, rate_per_s=args.failover_rate) for r in (ctl, fol)}
-    stops = {name: asyncio.Event() for name in loads}
+    stops = {name: asyncio.Event() for name in [*loads, "queue"]}
+    jobs: list[str] = []
     drivers = [asyncio.create_task(load.run(stops[name])) for name, load in loads.items()]
+    if args.failover_jobs_rate > 0:
+        drivers.append(asyncio.create_task(_submit(queue, args.failover_jobs_rate, stops["queue"], jobs)))
     try:
         await asyncio.sleep(args.failover_before_s)
         killed_at = time.time()
@@ -348,6 +395,7 @@ async def _kill_under_load(session: aiohttp.ClientSession, args: argparse.Namesp
         for stop in stops.values():
             stop.set()
         await asyncio.gather(*drivers)
+    queued = await _jobs_outcome(queue, jobs, 120.0) if jobs else None
     relaunched = sum(len(log_events(fol.log_path, e)) for e in ("engine_started", "engine_restarted"))
     survivor, killed = loads[fol.name].summary(), loads[ctl.name].summary()
     gap = float(taken["at"]) - killed_at
@@ -356,6 +404,7 @@ async def _kill_under_load(session: aiohttp.ClientSession, args: argparse.Namesp
         "engines": len(before), "kill_to_control_acquired_s": round(gap, 3),
         "engines_relaunched_by_survivor": relaunched, "engine_pids_kept": _pids(view) == before,
         "survivor": survivor, "killed_replica": {k: killed[k] for k in ("ok", "refused", "failed")},
+        "queue": queued,
         "targets": [
             {"target": "control taken within the lease + 1 s", "value": round(gap, 3),
              "limit": float(taken.get("lease_s", lease)) + 1.0,
@@ -365,6 +414,8 @@ async def _kill_under_load(session: aiohttp.ClientSession, args: argparse.Namesp
              "met": survivor["failed"] + survivor["refused"] == 0},
             {"target": "engines relaunched = 0 (adopted, same PIDs)", "value": relaunched, "limit": 0,
              "met": relaunched == 0 and _pids(view) == before},
+            *([{"target": "queue jobs lost or doubled = 0", "value": queued["lost"] + queued["doubled"],
+                "limit": 0, "met": queued["lost"] + queued["doubled"] == 0}] if queued else []),
         ],
     }
 
@@ -394,7 +445,11 @@ def report(results: dict[str, Any]) -> None:
                      ["survivor: ok / failed / refused", f"{s['ok']} / {s['failed']} / {s['refused']}"],
                      ["survivor: latency p99 / max (s)", f"{s['latency_p99_s']} / {s['latency_max_s']}"],
                      ["engines relaunched by the survivor", f["engines_relaunched_by_survivor"]],
-                     ["engine PIDs kept", f["engine_pids_kept"]]])
+                     ["engine PIDs kept", f["engine_pids_kept"]],
+                     *([["queue jobs: submitted / lost / doubled / errors",
+                         f"{qj['submitted']} / {qj['lost']} / {qj['doubled']} / {qj['errors']}"],
+                        ["queue: every result after the window (s)", qj["all_results_after_s"]]]
+                       if (qj := f.get("queue")) else [])])
     targets = [*(q or {}).get("targets", []),
                *({"workload": "failover", **t} for t in (f or {}).get("targets", []))]
     if targets:
