@@ -24,6 +24,9 @@ gives, not the router's ceiling: the CPU per event and per request are the figur
 
 The idle part (CPU of watching 16, 64, 256 idle instances) is ``routerd_bench.scale_idle``'s
 ``async def run(args) -> dict``, run here when that module is installed (``--no-idle`` skips it).
+The parts with several ``routerd run`` on one Redis — routing quality with 1 and ``--processes``
+routerd behind a round-robin client, and the controller's failover gap under load — are
+:mod:`routerd_bench.scale_replicas` (``--no-replicas``, ``--no-failover`` skip them).
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ import aiohttp
 
 from routerd._net import free_port
 
+from . import scale_replicas
+from . import workloads as wl
 from ._common import Processes, cpu_seconds, find_vllm_router, print_table, wait_http, write_json
 
 MODEL = "scale"
-# Until the processes share one scrape (issue 20's shared view), each worker and the daemon scrape and
-# probe every engine for themselves: at the defaults (0.2 s, 0.5 s) three processes' scrapes of four
-# Python engines starve a small machine's engines, and the relay measured would be theirs. Slower, the
-# same for every run: the relay is what is measured here, the cost of watching is the idle part's.
+# Set when each worker and the daemon still scraped and probed every engine for themselves (at the
+# defaults, three processes' scrapes of four Python engines starved a small machine's engines); kept so
+# that relay figures compare across runs: the relay is what is measured here, the cost of watching is
+# the idle part's.
 SCRAPE_S, HEARTBEAT_S = 1.0, 2.0
 TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=10, sock_read=60)
 
@@ -306,6 +311,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["idle_note"] = "routerd_bench.scale_idle is not installed: the idle part is left out"
         else:
             results["idle"] = await idle.run(args)
+    if not args.no_replicas:
+        results["replicas"] = await scale_replicas.quality(args)
+    if not args.no_failover:
+        results["failover"] = await scale_replicas.failover(args)
     return results
 
 
@@ -343,9 +352,11 @@ def report(results: dict[str, Any]) -> None:
             print("\nidle\n" + json.dumps(idle, indent=2, sort_keys=True))
     elif results.get("idle_note"):
         print(results["idle_note"])
+    scale_replicas.report(results)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """Every part's options (the idle part's from its module)."""
     ap = argparse.ArgumentParser(prog="routerd bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="routerd runs, one per count")
@@ -360,9 +371,34 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--loadgen-cpu", type=int, default=None,
                     help="the core the load generator is pinned to (default: the last usable one)")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="leave vLLM Router out")
-    ap.add_argument("--no-relay", action="store_true", help="only the idle part")
-    ap.add_argument("--no-idle", action="store_true", help="only the relay part")
-    args = ap.parse_args(argv)
+    ap.add_argument("--no-relay", action="store_true", help="leave the relay part out")
+    ap.add_argument("--no-idle", action="store_true", help="leave the idle part out")
+    ap.add_argument("--no-replicas", action="store_true", help="leave routing quality with N processes out")
+    ap.add_argument("--no-failover", action="store_true", help="leave the controller failover out")
+    ap.add_argument("--processes", type=int, default=4, help="routerd run on one Redis, against one")
+    ap.add_argument("--quality-workloads", nargs="+", choices=wl.WORKLOADS,
+                    default=list(scale_replicas.QUALITY_WORKLOADS))
+    ap.add_argument("--quality-duration", type=float, default=5.0, help="seconds of arrivals per run")
+    ap.add_argument("--load", type=float, default=0.8, help="arrivals as a fraction of measured capacity")
+    ap.add_argument("--calibrate-s", type=float, default=2.0, help="seconds per capacity measurement")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--failover-rate", type=float, default=50.0, help="requests/s to each replica")
+    ap.add_argument("--failover-jobs-rate", type=float, default=10.0, help="queue jobs/s (0: none)")
+    ap.add_argument("--failover-engines", type=int, default=2)
+    ap.add_argument("--failover-before-s", type=float, default=3.0, help="load before the SIGKILL")
+    ap.add_argument("--failover-after-s", type=float, default=3.0, help="load after the takeover")
+    ap.add_argument("--lease-s", type=float, default=0.0, help="control.lease_s (0: the default)")
+    idle = _idle_module()
+    if idle is not None:  # its own options (--instances, --seconds, --warmup, --page)
+        idle.add_arguments(ap)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from routerd import log
+
+    log.setup("warning")  # the bench's own Redis and Ray lines are not the figures
     results = asyncio.run(run(args))
     report(results)
     write_json(args.json, results)
