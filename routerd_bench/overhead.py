@@ -26,6 +26,11 @@ Method:
   plane runs under ``valgrind --tool=callgrind`` with counting switched on only while ``N`` requests
   run one at a time, its scrapes and heartbeats slowed to once a minute so that their time-driven
   work does not land in the count of a process slowed fifty-fold.
+* **What tracing costs** (``--tracing``): a second routerd, ``routerd+tracing``, traces every request
+  (``sample_ratio = 1.0``) to a do-nothing OTLP/HTTP receiver in a process of its own (so its CPU is
+  not routerd's), and goes through every phase beside the first; ``--instructions`` counts both
+  under callgrind, every thread of the data plane (the export thread's encoding and posting) included.
+  ``--tracing-endpoint URL`` sends the spans to a collector of one's own instead.
 
 Both for non-streaming and streaming requests. The load generator and engines share the machine with
 routerd, so on a small machine the figures are an upper bound of the real overhead.
@@ -61,6 +66,7 @@ from ._common import (
 )
 
 MODEL = "bench"
+TRACED = "routerd+tracing"
 
 
 def _body(stream: bool, max_tokens: int) -> bytes:
@@ -192,10 +198,10 @@ def _dumped_instructions(dump: Path) -> int:
 
 
 async def instructions(procs: Processes, session: aiohttp.ClientSession, engines: list[str], *,
-                       count: int, max_tokens: int, log_level: str,
-                       tracing: str = "") -> list[dict[str, Any]]:
+                       count: int, max_tokens: int, log_level: str, tracing: str = "",
+                       router: str = "routerd") -> list[dict[str, Any]]:
     """routerd's instructions per request under callgrind, ``count`` sequential requests of each kind
-    (empty when valgrind is not installed)."""
+    (empty when valgrind is not installed); ``tracing``: the OTLP endpoint it traces every request to."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions skipped: valgrind is not installed")
         return []
@@ -224,9 +230,35 @@ async def instructions(procs: Processes, session: aiohttp.ClientSession, engines
                 break
             await asyncio.sleep(0.1)
         total = _dumped_instructions(_dumps(out)[-1])
-        rows.append({"kind": "stream" if stream else "non_stream", "router": "routerd", "requests": count,
+        rows.append({"kind": "stream" if stream else "non_stream", "router": router, "requests": count,
                      "failed": failed, "instructions_per_request": round(total / count)})
     return rows
+
+
+async def _otlp_sink(procs: Processes) -> str:
+    """A do-nothing OTLP/HTTP receiver (it answers 200 to every ``POST /v1/traces``) in a process of
+    its own, so that what it costs is not counted as routerd's: its base URL."""
+    port = free_port()
+    proc = procs._spawn([sys.executable, "-m", "routerd_bench.overhead", "sink", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    await wait_http(url + "/health", proc=proc)
+    return url
+
+
+def _serve_sink(port: int) -> None:
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()  # an empty ExportTraceServiceResponse: all taken
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 async def _peers(procs: Processes, engines: list[str], names: list[str]) -> dict[str, tuple[str, int]]:
@@ -251,9 +283,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                "instructions": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
-        url, proc = await procs.plane(_plane_config(engines, args.log_level, args.tracing_endpoint),
-                                      log_level=args.log_level)
-        routers = {"routerd": (url, proc.pid), **await _peers(procs, engines, args.peers)}
+        url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
+        routers = {"routerd": (url, proc.pid)}
+        collector = args.tracing_endpoint or (await _otlp_sink(procs) if args.tracing else "")
+        if collector:
+            url, proc = await procs.plane(_plane_config(engines, args.log_level, collector),
+                                          log_level=args.log_level)
+            routers[TRACED] = (url, proc.pid)
+        routers.update(await _peers(procs, engines, args.peers))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
             for target, _pid in routers.values():  # warm-up: connections, code paths
@@ -282,10 +319,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                         duration=args.duration, stream=stream, max_tokens=args.max_tokens)
                     results["sustained"].append({"kind": kind, "router": name, **s})
             if args.instructions:
-                results["instructions"] = await instructions(procs, session, engines, count=args.instructions,
-                                                             max_tokens=args.max_tokens,
-                                                             log_level=args.log_level,
-                                                             tracing=args.tracing_endpoint)
+                for name, endpoint in (("routerd", ""), (TRACED, collector)) if collector \
+                        else (("routerd", ""),):
+                    results["instructions"] += await instructions(
+                        procs, session, engines, count=args.instructions, max_tokens=args.max_tokens,
+                        log_level=args.log_level, tracing=endpoint, router=name)
     results["routers"] = list(routers)
     return results
 
@@ -316,25 +354,35 @@ def report(results: dict[str, Any]) -> None:
                 ["requests", "pairs/s", "router", "metric", "p50", "p90", "p99", "direct p50", "failed"],
                 rows)
     rows = []
+    cpu = {s["kind"]: s["cpu_us_per_request"] for s in results["sustained"] if s.get("router") == "routerd"}
     for s in results["sustained"]:
         rows.append([s["kind"], s.get("router", "routerd"), s["rate"], s["routerd_cpu_share"],
-                     s["rate_per_core"], s["cpu_us_per_request"], s["e2e_ms"]["p50"], s["e2e_ms"]["p99"],
-                     s["failed"]])
+                     s["rate_per_core"], s["cpu_us_per_request"],
+                     _added(s["cpu_us_per_request"], cpu.get(s["kind"])) if s.get("router") == TRACED else "",
+                     s["e2e_ms"]["p50"], s["e2e_ms"]["p99"], s["failed"]])
     print_table("sustained rate through the router (closed loop)",
-                ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "p50 ms", "p99 ms",
-                 "failed"], rows)
+                ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "vs routerd", "p50 ms",
+                 "p99 ms", "failed"], rows)
     if results.get("instructions"):
+        untraced = {r["kind"]: r["instructions_per_request"] for r in results["instructions"]
+                    if r["router"] == "routerd"}
         print_table("instructions per request (callgrind, one request at a time)",
-                    ["requests", "router", "count", "instructions", "failed"],
-                    [[r["kind"], r["router"], r["requests"], r["instructions_per_request"], r["failed"]]
+                    ["requests", "router", "count", "instructions", "vs routerd", "failed"],
+                    [[r["kind"], r["router"], r["requests"], r["instructions_per_request"],
+                      _added(r["instructions_per_request"], untraced.get(r["kind"])), r["failed"]]
                      for r in results["instructions"]])
+
+
+def _added(value: float | None, base: float | None) -> str:
+    """``value`` against ``base`` in percent (what tracing adds), ``""`` where either is missing."""
+    return f"{(value / base - 1) * 100:+.1f} %" if value and base else ""
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="routerd bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0, 500.0],
-                    help="paired arrivals per second (each a direct and a routerd request)")
+    ap.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0, 500.0],
+                    help="paired arrivals per second (each a direct and a routerd request); none: --rates")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for the rate test")
     ap.add_argument("--engines", type=int, default=2)
@@ -351,9 +399,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--instructions", type=int, default=0, metavar="N",
                     help="also count routerd's instructions per request under valgrind over N requests "
                          "of each kind (0: not)")
+    ap.add_argument("--tracing", action="store_true",
+                    help="what tracing costs: a second routerd traces every request (sample_ratio 1.0) to "
+                         "a do-nothing OTLP/HTTP receiver in its own process, measured beside the first")
     ap.add_argument("--tracing-endpoint", default="", metavar="URL",
-                    help="routerd traces every request (sample_ratio 1.0) to this OTLP/HTTP collector: "
-                         "what tracing costs (\"\": off, the default)")
+                    help="as --tracing, the spans sent to this OTLP/HTTP collector instead")
     args = ap.parse_args(argv)
     import uvloop
 
@@ -361,3 +411,9 @@ def main(argv: list[str]) -> int:
     report(results)
     write_json(args.json, results)
     return 0
+
+
+if __name__ == "__main__":  # python -m routerd_bench.overhead sink PORT: the --tracing receiver
+    if sys.argv[1:2] != ["sink"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m routerd_bench.overhead sink PORT")
+    _serve_sink(int(sys.argv[2]))

@@ -19,12 +19,13 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .. import log
+from ._attributes import TTFB, TTFT, field_name, route_name
 from ._span import Span
 
 _log = log.get("routerd.tracing")
@@ -34,6 +35,7 @@ DELAY_S = 5.0  # a batch leaves at least this often (the SDK's default)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})  # OTLP/HTTP: retryable; anything else is final
 _DOUBLE = struct.Struct("<d")
 _FIXED64 = struct.Struct("<Q")
+_LOW64 = (1 << 64) - 1
 
 
 class Counts:
@@ -177,15 +179,16 @@ class Collector:
 
 # ---- OTLP protobuf, by hand (opentelemetry/proto/trace/v1/trace.proto, common/v1/common.proto) ---------
 # Written for the export thread's CPU, which callgrind counts with the request's: short varints from a
-# table, an attribute key's encoding (the same few dozen keys every span) from a cache.
+# table; each attribute key's own encodings (:class:`_Key`) made once; a recurring value's whole field
+# looked up, not encoded; a float's field its key's fixed head and eight bytes.
 _SMALL = [bytes((n,)) for n in range(0x80)]
-_KEYS: dict[str, bytes] = {}
-_MAX_KEYS = 4096
 
 
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return _SMALL[n]
+    if n < 0x4000:  # a span's length, an attribute's: two bytes
+        return bytes((n & 0x7F | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -215,70 +218,144 @@ def _any_value(v: Any) -> bytes:
     return _field(1, str(v).encode())
 
 
-def _key(key: str) -> bytes:
-    """``KeyValue.key`` with its tag, and the tag of the value that follows."""
-    if (b := _KEYS.get(key)) is None:
-        b = _field(1, key.encode()) + b"\x12"
-        if len(_KEYS) < _MAX_KEYS:
-            _KEYS[key] = b
-    return b
-
-
 def _attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
-    """``attributes`` as repeated ``KeyValue`` fields whose tag (with wire type) is ``tag``."""
+    """``attributes`` as repeated ``KeyValue`` fields whose tag (with wire type) is ``tag`` (a resource's,
+    an event's: rare, so encoded plainly)."""
     out = []
     for key, value in attributes.items():
         if value is not None:
-            v = _any_value(value)
-            kv = _key(key) + _varint(len(v)) + v
+            kv = _field(1, key.encode()) + _field(2, _any_value(value))
             out.append(tag + _varint(len(kv)) + kv)
     return b"".join(out)
 
 
-# a span attribute's whole field by (key, value), one table per value type (True == 1 == 1.0 must not
-# share an entry): the strings, ints and bools that recur from span to span are encoded once
-_KV: dict[type, dict[tuple[str, Any], bytes]] = {str: {}, int: {}, bool: {}}
-_MAX_KV = 8192
+_MAX_VALUES = 256  # recurring values a key keeps encoded (cleared when full: request ids never recur)
 
 
-def _kv(key: str, value: Any) -> bytes:
-    if value is None:
-        return b""
-    kv = _key(key)
-    v = _any_value(value)
-    kv += _varint(len(v)) + v
-    return b"\x4a" + _varint(len(kv)) + kv
+class _Key:
+    """One attribute name's encodings as a ``Span.attributes`` field (tag 9): the key's bytes, the head
+    of a double's field (all but its eight bytes), and the whole field of each value that recurs (a
+    method, a path, a model, an instance, a status, a count) — str and int kept apart, since
+    ``1 == 1.0 == True`` in Python but not on the wire."""
+
+    __slots__ = ("double", "false", "head", "ints", "name", "strs", "true")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.head = _field(1, name.encode()) + b"\x12"  # KeyValue.key, then the tag of its value
+        self.double = b"\x4a" + _varint(len(self.head) + 10) + self.head + b"\x09\x21"
+        self.true = self.whole(b"\x10\x01")
+        self.false = self.whole(b"\x10\x00")
+        self.strs: dict[str, bytes] = {}
+        self.ints: dict[int, bytes] = {}
+
+    def whole(self, value: bytes) -> bytes:
+        """The attribute's field around an encoded ``AnyValue``."""
+        kv = self.head + _varint(len(value)) + value
+        return b"\x4a" + _varint(len(kv)) + kv
+
+    def str_(self, v: str) -> bytes:
+        if (b := self.strs.get(v)) is None:
+            b = self.whole(_any_value(v))
+            if len(self.strs) >= _MAX_VALUES:
+                self.strs.clear()
+            self.strs[v] = b
+        return b
+
+    def int_(self, v: int) -> bytes:
+        if (b := self.ints.get(v)) is None:
+            b = self.whole(_any_value(v))
+            if len(self.ints) >= _MAX_VALUES:
+                self.ints.clear()
+            self.ints[v] = b
+        return b
 
 
-def _span_attributes(attributes: Mapping[str, Any]) -> bytes:
-    """A span's attributes as ``Span.attributes`` fields, looked up rather than encoded where the
-    (key, value) recurs (a method, a path, a model, an instance, a status, a count)."""
-    out = []
-    for item in attributes.items():
-        cache = _KV.get(type(item[1]))
-        if cache is None:  # a float (a time: it does not recur), a list
-            out.append(_kv(*item))
+_MAX_KEYS = 1024  # names a table keeps (a fixed few dozen in practice)
+_KEYS: dict[str, _Key] = {}  # by attribute name: set on a span directly
+_FIELD_KEYS: dict[str, _Key | None] = {}  # by log field (None: not an attribute of the request's span)
+_ROUTE_KEYS: dict[str, _Key] = {}  # by routing decision field
+_TTFT = _Key(TTFT)
+
+
+def _key(name: str) -> _Key:
+    if (key := _KEYS.get(name)) is None:
+        key = _Key(name)
+        if len(_KEYS) >= _MAX_KEYS:
+            _KEYS.clear()
+        _KEYS[name] = key
+    return key
+
+
+def _learn(table: dict[str, Any], field: str, name: str) -> _Key | None:
+    key = _key(name) if name else None
+    if len(table) >= _MAX_KEYS:
+        table.clear()
+    table[field] = key
+    return key
+
+
+def _encode_attributes(out: list[bytes], attributes: Mapping[str, Any], table: dict[str, Any],
+                       namer: Callable[[str], str] | None, skip: Mapping[str, Any]) -> None:
+    """Append ``attributes``' fields to ``out``: each key found in ``table`` (learnt through ``namer``
+    on first sight; None: the key is the name), names also in ``skip`` left out (an attribute set on
+    the span directly wins over a log field of the same name). ``namer`` set: only scalars count,
+    as in a log line (a list there is not an attribute)."""
+    for field, v in attributes.items():
+        key = table.get(field, _MISSING)
+        if key is _MISSING:
+            key = _learn(table, field, namer(field) if namer is not None else field)
+        if key is None or (skip and key.name in skip):
             continue
-        b = cache.get(item)
-        if b is None:
-            b = _kv(*item)
-            if len(cache) >= _MAX_KV:
-                cache.clear()  # bounded: request ids never recur
-            cache[item] = b
-        out.append(b)
-    return b"".join(out)
+        t = type(v)
+        if t is str:
+            out.append(key.strs.get(v) or key.str_(v))
+        elif t is float:
+            out.append(key.double + _DOUBLE.pack(v))
+        elif t is int:
+            out.append(key.ints.get(v) or key.int_(v))
+        elif t is bool:
+            out.append(key.true if v else key.false)
+        elif v is not None and (namer is None or isinstance(v, str | int | float)):
+            out.append(key.whole(_any_value(v)))
+
+
+_MISSING = _Key("")
+
+
+_IDS = struct.Struct(">2sQQ2sQ")  # trace_id (1) and span_id (2), each with its tag and length
+_IDS_PARENT = struct.Struct(">2sQQ2sQ2sQ")  # … and parent_span_id (4): fields may come in any order
+_TIMES = struct.Struct("<BQBQ")  # start_time_unix_nano (7), end_time_unix_nano (8): fixed64 each
+_KIND = [b"\x30" + bytes((k,)) for k in range(6)]  # kind (6)
+_NAMES: dict[str, bytes] = {}  # name (5) as a field, by name (a few: the span names are routerd's)
 
 
 def _span(s: Span) -> bytes:
-    parts = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
+    t = s.trace_id
+    if s.parent_id:
+        ids = _IDS_PARENT.pack(b"\x0a\x10", t >> 64, t & _LOW64, b"\x12\x08", s.span_id, b"\x22\x08",
+                               s.parent_id)
+    else:
+        ids = _IDS.pack(b"\x0a\x10", t >> 64, t & _LOW64, b"\x12\x08", s.span_id)
+    if (name := _NAMES.get(s.name)) is None:
+        name = _field(5, s.name.encode())
+        if len(_NAMES) >= _MAX_KEYS:
+            _NAMES.clear()
+        _NAMES[s.name] = name
+    parts = [ids, name, _KIND[s.kind], _TIMES.pack(0x39, s.start_ns, 0x41, s.end_ns)]
     if s.tracestate:
         parts.append(_field(3, s.tracestate.encode()))
-    if s.parent_id:
-        parts += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
-    parts += (_field(5, s.name.encode()), b"\x30", _SMALL[s.kind], b"\x39", _FIXED64.pack(s.start_ns),
-              b"\x41", _FIXED64.pack(s.end_ns), _span_attributes(s.attributes))
-    for name, at, attributes in s.events or ():
-        parts.append(_field(11, b"\x09" + _FIXED64.pack(at) + _field(2, name.encode())
+    direct = s.attributes
+    _encode_attributes(parts, direct, _KEYS, None, {})
+    if (fields := s.fields) is not None:
+        _encode_attributes(parts, fields, _FIELD_KEYS, field_name, direct)
+        ttfb = fields.get(TTFB)
+        if type(ttfb) is float or type(ttfb) is int:
+            parts.append(_TTFT.double + _DOUBLE.pack(ttfb / 1000))
+    if s.route is not None:
+        _encode_attributes(parts, s.route, _ROUTE_KEYS, route_name, direct)
+    for event, at, attributes in s.events or ():
+        parts.append(_field(11, b"\x09" + _FIXED64.pack(at) + _field(2, event.encode())
                             + _attributes(b"\x1a", attributes)))
     if s.status:
         parts.append(_field(15, (_field(2, s.message.encode()) if s.message else b"")
