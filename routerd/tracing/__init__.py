@@ -153,12 +153,12 @@ class Tracing:
             trace_id, parent_id, tracestate = self._bits(128) or 1, 0, ""
             sampled = (trace_id & _ID_BITS) < self._bound
         return Span(trace_id, span_id, parent_id, name, kind, start_ns, attributes if sampled else {},
-                    sampled=sampled, tracestate=tracestate)
+                    sampled, tracestate)
 
     def _child(self, parent: Span, name: str, kind: int, attributes: dict[str, Any],
                start_ns: int) -> Span:
         return Span(parent.trace_id, self._bits(64) or 1, parent.span_id, name, kind, start_ns, attributes,
-                    sampled=parent.sampled, tracestate=parent.tracestate, trace_hex=parent.trace_hex)
+                    parent.sampled, parent.tracestate, parent.trace_hex)
 
     def _end(self, span: Span, end_ns: int = 0) -> None:
         span.end_ns = end_ns or time.time_ns()

@@ -23,11 +23,15 @@ TTFB = "ttfb_ms"  # a log field that is also gen_ai's time to first token (in se
 TTFT = "gen_ai.latency.time_to_first_token"
 
 
+_ON_SPAN = {"request_id"}  # set on the server span as it starts (Tracing.server)
+
+
 def field_name(key: str) -> str:
     """A log line's field as a span attribute's name; ``""``: the routing decision's, which is on each
-    attempt's span (:func:`route_name`), not the request's."""
-    return _FIELDS.get(key) or (
-        "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
+    attempt's span (:func:`route_name`), not the request's, or one the span has already."""
+    if key in _ROUTE or key in _ON_SPAN or key.startswith("runner_up"):
+        return ""
+    return _FIELDS.get(key) or f"routerd.{key}"
 
 
 def route_name(key: str) -> str:

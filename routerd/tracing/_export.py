@@ -34,22 +34,28 @@ BATCH = 512  # spans per export at most (the SDK's default)
 DELAY_S = 5.0  # a batch leaves at least this often (the SDK's default)
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})  # OTLP/HTTP: retryable; anything else is final
 _DOUBLE = struct.Struct("<d")
+_pack_double = _DOUBLE.pack
 _FIXED64 = struct.Struct("<Q")
 _LOW64 = (1 << 64) - 1
 
 
 class Counts:
-    """Spans waiting for export, exported, dropped: written by the loop (on span end) and by the
-    exporting thread, so under a lock."""
+    """Spans waiting for export (the queue's length), exported, dropped. The loop alone appends and
+    counts ``dropped_full``; the exporting thread alone pops and counts ``exported`` and ``failed``,
+    under the lock (read at scrape time)."""
 
-    __slots__ = ("dropped_full", "exported", "failed", "lock", "waiting")
+    __slots__ = ("dropped_full", "exported", "failed", "lock", "queue")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.waiting = 0
+        self.queue: deque[Span] = deque()
         self.exported = 0
         self.dropped_full = 0
         self.failed = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
 
 class Exporter:
@@ -71,22 +77,22 @@ class Exporter:
         if gzip:
             self._headers["Content-Encoding"] = "gzip"
         self._ssl = ssl.create_default_context(cafile=cafile) if cafile else None
-        self._queue: deque[Span] = deque()
+        self._queue = self.counts.queue
         self._wake = threading.Condition(self.counts.lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="routerd-tracing-export", daemon=True)
         self._thread.start()
 
     def add(self, span: Span) -> None:
-        """Queue a finished span (the loop's side: a lock and an append), or drop and count it."""
-        c = self.counts
-        with c.lock:
-            if c.waiting >= self._max:
-                c.dropped_full += 1
-                return
-            c.waiting += 1
-            self._queue.append(span)
-            if len(self._queue) >= self._batch:
+        """Queue a finished span, or drop and count it: the loop's side is an append, no lock (a
+        deque's append and popleft are atomic); the thread is woken only for a full batch."""
+        queue = self._queue
+        if len(queue) >= self._max:
+            self.counts.dropped_full += 1
+            return
+        queue.append(span)
+        if len(queue) >= self._batch:
+            with self._wake:
                 self._wake.notify()
 
     def stop(self, timeout_s: float) -> bool:
@@ -105,7 +111,6 @@ class Exporter:
                     self._wake.wait(self._delay_s)
                 n = min(self._batch, len(self._queue))
                 batch = [self._queue.popleft() for _ in range(n)]
-                self.counts.waiting -= n
                 done = self._stopping and not self._queue
             if batch:
                 self._export(batch)
@@ -164,7 +169,8 @@ class Collector:
     def collect(self) -> Iterator[Any]:
         c = self._counts
         with c.lock:
-            waiting, exported, full, failed = c.waiting, c.exported, c.dropped_full, c.failed
+            exported, failed = c.exported, c.failed
+        waiting, full = c.waiting, c.dropped_full
         yield CounterMetricFamily("routerd_trace_spans_exported", "Spans the collector accepted",
                                   value=exported)
         dropped = CounterMetricFamily("routerd_trace_spans_dropped", "Spans lost: queue_full (more "
@@ -212,7 +218,7 @@ def _any_value(v: Any) -> bytes:
     if isinstance(v, int):
         return b"\x18" + _varint(v & 0xFFFF_FFFF_FFFF_FFFF)  # int64: two's complement, 10 bytes if < 0
     if isinstance(v, float):
-        return b"\x21" + _DOUBLE.pack(v)
+        return b"\x21" + _pack_double(v)
     if isinstance(v, list | tuple):
         return _field(5, b"".join(_field(1, _any_value(x)) for x in v))
     return _field(1, str(v).encode())
@@ -273,7 +279,7 @@ class _Key:
 
 _MAX_KEYS = 1024  # names a table keeps (a fixed few dozen in practice)
 _KEYS: dict[str, _Key] = {}  # by attribute name: set on a span directly
-_FIELD_KEYS: dict[str, _Key | None] = {}  # by log field (None: not an attribute of the request's span)
+_FIELD_KEYS: dict[str, _Key] = {}  # by log field (_SKIP: not an attribute of the request's span)
 _ROUTE_KEYS: dict[str, _Key] = {}  # by routing decision field
 _TTFT = _Key(TTFT)
 
@@ -287,40 +293,40 @@ def _key(name: str) -> _Key:
     return key
 
 
-def _learn(table: dict[str, Any], field: str, name: str) -> _Key | None:
-    key = _key(name) if name else None
+_SKIP = _Key("")  # a log field that is no attribute of the request's span (the routing decision's)
+
+
+def _learn(table: dict[str, _Key], field: str, namer: Callable[[str], str] | None) -> _Key:
+    name = namer(field) if namer is not None else field
+    key = _key(name) if name else _SKIP
     if len(table) >= _MAX_KEYS:
         table.clear()
     table[field] = key
     return key
 
 
-def _encode_attributes(out: list[bytes], attributes: Mapping[str, Any], table: dict[str, Any],
-                       namer: Callable[[str], str] | None, skip: Mapping[str, Any]) -> None:
+def _encode_attributes(out: list[bytes], attributes: Mapping[str, Any], table: dict[str, _Key],
+                       namer: Callable[[str], str] | None) -> None:
     """Append ``attributes``' fields to ``out``: each key found in ``table`` (learnt through ``namer``
-    on first sight; None: the key is the name), names also in ``skip`` left out (an attribute set on
-    the span directly wins over a log field of the same name). ``namer`` set: only scalars count,
-    as in a log line (a list there is not an attribute)."""
+    on first sight; None: the key is the name). ``namer`` set: only scalars count, as in a log line
+    (a list there is not an attribute). This runs for every attribute of every span: few bytecodes."""
+    append = out.append
     for field, v in attributes.items():
-        key = table.get(field, _MISSING)
-        if key is _MISSING:
-            key = _learn(table, field, namer(field) if namer is not None else field)
-        if key is None or (skip and key.name in skip):
+        if (key := table.get(field)) is None:
+            key = _learn(table, field, namer)
+        if key is _SKIP:
             continue
         t = type(v)
         if t is str:
-            out.append(key.strs.get(v) or key.str_(v))
+            append(key.strs.get(v) or key.str_(v))
         elif t is float:
-            out.append(key.double + _DOUBLE.pack(v))
+            append(key.double + _pack_double(v))
         elif t is int:
-            out.append(key.ints.get(v) or key.int_(v))
+            append(key.ints.get(v) or key.int_(v))
         elif t is bool:
-            out.append(key.true if v else key.false)
+            append(key.true if v else key.false)
         elif v is not None and (namer is None or isinstance(v, str | int | float)):
-            out.append(key.whole(_any_value(v)))
-
-
-_MISSING = _Key("")
+            append(key.whole(_any_value(v)))
 
 
 _IDS = struct.Struct(">2sQQ2sQ")  # trace_id (1) and span_id (2), each with its tag and length
@@ -345,15 +351,14 @@ def _span(s: Span) -> bytes:
     parts = [ids, name, _KIND[s.kind], _TIMES.pack(0x39, s.start_ns, 0x41, s.end_ns)]
     if s.tracestate:
         parts.append(_field(3, s.tracestate.encode()))
-    direct = s.attributes
-    _encode_attributes(parts, direct, _KEYS, None, {})
-    if (fields := s.fields) is not None:
-        _encode_attributes(parts, fields, _FIELD_KEYS, field_name, direct)
+    _encode_attributes(parts, s.attributes, _KEYS, None)
+    if (fields := s.fields) is not None:  # a log field never names an attribute set on the span itself
+        _encode_attributes(parts, fields, _FIELD_KEYS, field_name)
         ttfb = fields.get(TTFB)
         if type(ttfb) is float or type(ttfb) is int:
-            parts.append(_TTFT.double + _DOUBLE.pack(ttfb / 1000))
+            parts.append(_TTFT.double + _pack_double(ttfb / 1000))
     if s.route is not None:
-        _encode_attributes(parts, s.route, _ROUTE_KEYS, route_name, direct)
+        _encode_attributes(parts, s.route, _ROUTE_KEYS, route_name)
     for event, at, attributes in s.events or ():
         parts.append(_field(11, b"\x09" + _FIXED64.pack(at) + _field(2, event.encode())
                             + _attributes(b"\x1a", attributes)))
@@ -373,7 +378,11 @@ _SCOPE = _field(1, _field(1, b"routerd"))  # ScopeSpans.scope: InstrumentationSc
 
 def encode(resource_bytes: bytes, spans: Iterable[Span]) -> bytes:
     """``ExportTraceServiceRequest{resource_spans: [{resource, scope_spans: [{scope, spans}]}]}``."""
-    scope_spans = _SCOPE + b"".join(_field(2, _span(s)) for s in spans)
+    parts = [_SCOPE]
+    for s in spans:
+        b = _span(s)
+        parts += (b"\x12", _varint(len(b)), b)  # ScopeSpans.spans (2)
+    scope_spans = b"".join(parts)
     return _field(1, _field(1, resource_bytes) + _field(2, scope_spans))
 
 

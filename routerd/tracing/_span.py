@@ -36,7 +36,7 @@ class Span:
                  "route", "sampled", "span_id", "start_ns", "status", "trace_hex", "trace_id", "tracestate")
 
     def __init__(self, trace_id: int, span_id: int, parent_id: int, name: str, kind: int, start_ns: int,
-                 attributes: dict[str, Any], *, sampled: bool, tracestate: str = "",
+                 attributes: dict[str, Any], sampled: bool, tracestate: str = "",
                  trace_hex: str = "") -> None:
         self.trace_id = trace_id
         # the trace id as OpenTelemetry prints it (log lines, exemplars, traceparent): formatted once
