@@ -421,3 +421,21 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     (waited,) = [s for s in otlp_receiver.spans if s.name == "routerd.admission"]
     assert waited.parent_id == f"{request.span_id:016x}"
     assert waited.end_ns - waited.start_ns >= 40_000_000
+
+
+async def test_the_overhead_benchmarks_receiver_takes_routerds_exports() -> None:
+    """``routerd bench overhead --tracing`` traces to a receiver of its own, in a process of its own
+    (its CPU is not routerd's): routerd's exporter must see its posts taken, not failed."""
+    from routerd_bench._common import Processes
+    from routerd_bench.overhead import _otlp_sink
+
+    with Processes() as procs:
+        url = await _otlp_sink(procs)
+        tracing = Tracing.from_config(TracingConfig(endpoint=url), environ={})
+        collector = tracing.collector()
+        with tracing.start("unit"):
+            pass
+        await tracing.aclose()
+    counts = {(s.name, s.labels.get("reason", "")): s.value for m in collector.collect() for s in m.samples}
+    assert counts[("routerd_trace_spans_exported_total", "")] == 1
+    assert counts[("routerd_trace_spans_dropped_total", "export_failed")] == 0
