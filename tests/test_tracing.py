@@ -439,3 +439,23 @@ async def test_the_overhead_benchmarks_receiver_takes_routerds_exports() -> None
     counts = {(s.name, s.labels.get("reason", "")): s.value for m in collector.collect() for s in m.samples}
     assert counts[("routerd_trace_spans_exported_total", "")] == 1
     assert counts[("routerd_trace_spans_dropped_total", "export_failed")] == 0
+
+
+def test_a_latency_buckets_exemplar_is_renewed_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket shows only its latest exemplar and setting one costs more than the observation: each
+    bucket's is renewed once a second at most — a slow request's bucket still gets its own."""
+    from routerd import telemetry
+
+    tel = telemetry.Telemetry()
+
+    def exemplars() -> dict[str, str]:
+        return {s.labels["le"]: s.exemplar.labels["trace_id"] for m in tel.request_seconds.collect()
+                for s in m.samples if s.exemplar is not None}
+
+    tel.observe_request("f", 0.003, "a" * 32)
+    tel.observe_request("f", 0.004, "b" * 32)  # the same bucket, within the second: a's stays
+    tel.observe_request("f", 7.0, "c" * 32)
+    assert exemplars() == {"0.005": "a" * 32, "10.0": "c" * 32}
+    monkeypatch.setattr(telemetry, "EXEMPLAR_EVERY_S", 0.0)  # as when the second has passed
+    tel.observe_request("f", 0.004, "d" * 32)
+    assert exemplars() == {"0.005": "d" * 32, "10.0": "c" * 32}
