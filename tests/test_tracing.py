@@ -330,9 +330,9 @@ async def test_the_exporters_otel_variables_are_honoured(otlp_receiver: OtlpRece
     (span,) = otlp_receiver.spans
     assert (span.name, span.service) == ("unit", "edge")
     assert otlp_receiver.resources[0]["deployment.environment"] == "test"
-    (headers,) = otlp_receiver.headers
-    assert (headers["Authorization"], headers["X-Tenant"]) == ("Bearer s3cret", "a")
-    assert (headers["Content-Encoding"], headers["Content-Type"]) == ("gzip", "application/x-protobuf")
+    headers = {k.lower(): v for k, v in otlp_receiver.headers[0].items()}  # (names are case-blind)
+    assert (headers["authorization"], headers["x-tenant"]) == ("Bearer s3cret", "a")
+    assert (headers["content-encoding"], headers["content-type"]) == ("gzip", "application/x-protobuf")
 
 
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
@@ -459,3 +459,20 @@ def test_a_latency_buckets_exemplar_is_renewed_at_most_once_a_second(monkeypatch
     monkeypatch.setattr(telemetry, "EXEMPLAR_EVERY_S", 0.0)  # as when the second has passed
     tel.observe_request("f", 0.004, "d" * 32)
     assert exemplars() == {"0.005": "d" * 32, "10.0": "c" * 32}
+
+
+async def test_batches_go_to_the_collector_over_one_kept_alive_connection(
+        otlp_receiver: OtlpReceiver) -> None:
+    """A connection per batch cost as much as encoding a few dozen spans: one is kept from batch to
+    batch (and a new one made when it fails, as the collector-down test shows)."""
+    from routerd.tracing._export import Exporter, resource
+
+    tracing = Tracing(Exporter(otlp_receiver.url + "/v1/traces", resource({"service.name": "k"}),
+                               max_queue=64, timeout_s=5.0, delay_s=0.05))
+    for n in range(1, 4):
+        with tracing.start(f"batch {n}"):
+            pass
+        await otlp_receiver.wait_for(lambda spans, n=n: len(spans) == n, what=f"batch {n}")
+    await tracing.aclose()
+    assert otlp_receiver.requests == 3
+    assert len(set(otlp_receiver.peers)) == 1, otlp_receiver.peers

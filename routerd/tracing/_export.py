@@ -1,23 +1,23 @@
 """Spans out: a bounded queue the loop appends to, and one thread that encodes and posts them.
 
-The loop's share of a span's export is one locked append (:meth:`Exporter.add`). The thread takes
-batches (at most :data:`BATCH` spans, or what is there every :data:`DELAY_S`), encodes them to an OTLP
-``ExportTraceServiceRequest`` in protobuf's wire format by hand (:func:`encode` — a fixed schema of a
-dozen fields, checked against ``opentelemetry-proto`` by the tests' receiver, which decodes with it),
-and posts it over OTLP/HTTP with a timeout. When the collector is down or slow the queue fills;
-spans beyond ``max_queue`` are dropped and counted, and a batch the collector did not take is counted
-as failed: memory stays bounded whatever the collector does.
+The loop's share of a span's export is an append to a deque (:meth:`Exporter.add`, no lock). The
+thread takes batches (at most :data:`BATCH` spans, or what is there every :data:`DELAY_S`), encodes
+them to an OTLP ``ExportTraceServiceRequest`` in protobuf's wire format by hand (:func:`encode` — a
+fixed schema of a dozen fields, checked against ``opentelemetry-proto`` by the tests' receiver, which
+decodes with it), and posts it over OTLP/HTTP with a timeout, on one kept-alive connection. When the
+collector is down or slow the queue fills; spans beyond ``max_queue`` are dropped and counted, and a
+batch the collector did not take is counted as failed: memory stays bounded whatever the collector does.
 """
 
 from __future__ import annotations
 
 import gzip
+import http.client
 import ssl
 import struct
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -77,6 +77,12 @@ class Exporter:
         if gzip:
             self._headers["Content-Encoding"] = "gzip"
         self._ssl = ssl.create_default_context(cafile=cafile) if cafile else None
+        parts = urllib.parse.urlsplit(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "localhost"
+        self._port = parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._conn: http.client.HTTPConnection | None = None  # the export thread's alone
         self._queue = self.counts.queue
         self._wake = threading.Condition(self.counts.lock)
         self._stopping = False
@@ -115,6 +121,7 @@ class Exporter:
             if batch:
                 self._export(batch)
             if done:
+                self._close()
                 return
 
     def _export(self, batch: list[Span]) -> None:
@@ -132,7 +139,9 @@ class Exporter:
 
     def _post(self, body: bytes) -> bool:
         """POST with retries (a retryable status or no connection, backing off 0.5 s, 1 s, …) until
-        ``timeout_s`` from the first try is spent — the OTLP exporters' rule."""
+        ``timeout_s`` from the first try is spent — the OTLP exporters' rule. One connection, kept
+        alive from batch to batch (a new one costs as much as encoding a batch of a few dozen spans);
+        dropped after any failure, so that a late answer is never read as the next one's."""
         deadline = time.monotonic() + self._timeout_s
         backoff = 0.5
         while True:
@@ -140,20 +149,40 @@ class Exporter:
             if left <= 0:
                 return False
             try:
-                request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
-                with urllib.request.urlopen(request, timeout=left, context=self._ssl) as response:
+                if self._conn is None:
+                    self._conn = self._connect(left)
+                conn = self._conn
+                conn.timeout = left
+                if conn.sock is not None:
+                    conn.sock.settimeout(left)
+                conn.request("POST", self._path, body, self._headers)
+                with conn.getresponse() as response:
                     response.read()
+                    status = response.status
+                    if response.will_close:
+                        self._close()
+                if status < 300:
                     return True
-            except urllib.error.HTTPError as e:
-                if e.code not in _RETRY_STATUSES:
-                    _log.warning("tracing_export_refused", status=e.code, url=self.url)
+                if status not in _RETRY_STATUSES:
+                    _log.warning("tracing_export_refused", status=status, url=self.url)
                     return False
-            except (OSError, TimeoutError):  # no connection, a reset, the timeout
-                pass
+            except (OSError, http.client.HTTPException):  # no connection, a reset, the timeout
+                self._close()
             if self._stopping or time.monotonic() + backoff >= deadline:
                 return False
             time.sleep(backoff)
             backoff *= 2
+
+    def _connect(self, timeout: float) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout,
+                                               context=self._ssl or ssl.create_default_context())
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 class Collector:
