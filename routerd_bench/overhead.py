@@ -168,17 +168,17 @@ async def sequential(session: aiohttp.ClientSession, engines: list[str], router:
             "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])}
 
 
-def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str, tracing: str = ""
-                           ) -> tuple[str, subprocess.Popen[bytes], Path]:
+def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str, tracing: str = "",
+                           name: str = "plane") -> tuple[str, subprocess.Popen[bytes], Path]:
     """A data plane under callgrind, counting nothing yet: its URL, process and dump-file prefix."""
     cfg = _plane_config(engines, log_level, tracing)
     cfg["routing"].update(scrape_interval_s=60.0, stale_after_s=600.0)
     cfg["health"] = {"heartbeat_interval_s": 60.0}
     port = free_port()
     cfg["http"] = {"host": "127.0.0.1", "port": port}
-    spec = Path(procs.tmp.name) / "callgrind-plane.json"
+    spec = Path(procs.tmp.name) / f"callgrind-{name}.json"
     spec.write_text(json.dumps({"config": cfg, "capacities": {}}))
-    out = Path(procs.tmp.name) / "callgrind.out"
+    out = Path(procs.tmp.name) / f"callgrind-{name}.out"
     proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                              f"--callgrind-out-file={out}", sys.executable, "-m", "routerd_bench._common",
                              "plane", str(spec), "--log-level", log_level],
@@ -197,41 +197,78 @@ def _dumped_instructions(dump: Path) -> int:
                 if line.startswith(("summary:", "totals:"))), default=0)
 
 
+class _Counted:
+    """One data plane under callgrind, its counting switched on and off and dumped from outside."""
+
+    def __init__(self, name: str, base: str, proc: subprocess.Popen[bytes], out: Path) -> None:
+        self.name, self.url, self.proc, self.out = name, base + "/v1/completions", proc, out
+
+    async def control(self, *args: str) -> None:
+        await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(self.proc.pid)],
+                                check=True, capture_output=True, timeout=120)
+
+    async def dumped(self) -> int:
+        """Counting off, the count since the last dump (a new file; the counters are zeroed)."""
+        dumps = len(_dumps(self.out))
+        await self.control("-i", "off")
+        await self.control("-d")
+        for _ in range(100):
+            if len(_dumps(self.out)) > dumps:
+                break
+            await asyncio.sleep(0.1)
+        return _dumped_instructions(_dumps(self.out)[-1])
+
+
+IDLE_S = 10.0  # how long the planes' idle work is counted, to take it out of the requests' counts
+
+
 async def instructions(procs: Processes, session: aiohttp.ClientSession, engines: list[str], *,
-                       count: int, max_tokens: int, log_level: str, tracing: str = "",
-                       router: str = "routerd") -> list[dict[str, Any]]:
-    """routerd's instructions per request under callgrind, ``count`` sequential requests of each kind
-    (empty when valgrind is not installed); ``tracing``: the OTLP endpoint it traces every request to."""
+                       count: int, max_tokens: int, log_level: str,
+                       planes: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Instructions per request under callgrind, ``count`` sequential requests of each kind, for each
+    of ``planes`` (name → the OTLP endpoint it traces every request to, ``""``: not traced); empty when
+    valgrind is not installed.
+
+    The planes run side by side and take turns, one request each, so that each is measured in the same
+    conditions. A plane also works when idle (its clocks: admission's sweep, the export thread's
+    wake-ups), more of it the slower a loaded machine runs the count; that idle rate is counted for
+    :data:`IDLE_S` first, and ``net_instructions_per_request`` is the count less it over the
+    requests' window (``instructions_per_request`` is the raw count)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions skipped: valgrind is not installed")
         return []
-    base, proc, out = _spawn_callgrind_plane(procs, engines, log_level, tracing)
-    await wait_http(base + "/readyz", timeout=600.0, proc=proc)
-    url = base + "/v1/completions"
-
-    async def control(*args: str) -> None:
-        await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(proc.pid)], check=True,
-                                capture_output=True, timeout=120)
-
+    counted = []
+    for name, tracing in (planes or {"routerd": ""}).items():
+        base, proc, out = _spawn_callgrind_plane(procs, engines, log_level, tracing,
+                                                 name=name.replace("+", "-"))
+        counted.append(_Counted(name, base, proc, out))
+    for c in counted:
+        await wait_http(c.url.removesuffix("/v1/completions") + "/readyz", timeout=600.0, proc=c.proc)
     rows = []
     for stream in (False, True):
         body = _body(stream, max_tokens)
         for _ in range(50):  # warm-up, not counted
-            await timed_request(session, url, body, stream)
-        dumps = len(_dumps(out))
-        await control("-i", "on")
-        failed = 0
+            for c in counted:
+                await timed_request(session, c.url, body, stream)
+        await asyncio.gather(*(c.control("-i", "on") for c in counted))
+        t0 = time.monotonic()
+        await asyncio.sleep(IDLE_S)
+        idle_s = time.monotonic() - t0
+        idle = await asyncio.gather(*(c.dumped() for c in counted))
+        failed = dict.fromkeys(range(len(counted)), 0)
+        await asyncio.gather(*(c.control("-i", "on") for c in counted))
+        t0 = time.monotonic()
         for _ in range(count):
-            failed += not (await timed_request(session, url, body, stream)).ok
-        await control("-i", "off")
-        await control("-d")  # the counts since the last dump go to a new file, and are zeroed
-        for _ in range(100):
-            if len(_dumps(out)) > dumps:
-                break
-            await asyncio.sleep(0.1)
-        total = _dumped_instructions(_dumps(out)[-1])
-        rows.append({"kind": "stream" if stream else "non_stream", "router": router, "requests": count,
-                     "failed": failed, "instructions_per_request": round(total / count)})
+            for i, c in enumerate(counted):
+                failed[i] += not (await timed_request(session, c.url, body, stream)).ok
+        window_s = time.monotonic() - t0
+        totals = await asyncio.gather(*(c.dumped() for c in counted))
+        for i, c in enumerate(counted):
+            background = idle[i] / idle_s * window_s
+            rows.append({"kind": "stream" if stream else "non_stream", "router": c.name, "requests": count,
+                         "failed": failed[i], "instructions_per_request": round(totals[i] / count),
+                         "idle_instructions_per_s": round(idle[i] / idle_s),
+                         "net_instructions_per_request": round((totals[i] - background) / count)})
     return rows
 
 
@@ -319,11 +356,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                         duration=args.duration, stream=stream, max_tokens=args.max_tokens)
                     results["sustained"].append({"kind": kind, "router": name, **s})
             if args.instructions:
-                for name, endpoint in (("routerd", ""), (TRACED, collector)) if collector \
-                        else (("routerd", ""),):
-                    results["instructions"] += await instructions(
-                        procs, session, engines, count=args.instructions, max_tokens=args.max_tokens,
-                        log_level=args.log_level, tracing=endpoint, router=name)
+                planes = {"routerd": "", **({TRACED: collector} if collector else {})}
+                results["instructions"] = await instructions(
+                    procs, session, engines, count=args.instructions, max_tokens=args.max_tokens,
+                    log_level=args.log_level, planes=planes)
     results["routers"] = list(routers)
     return results
 
@@ -364,13 +400,21 @@ def report(results: dict[str, Any]) -> None:
                 ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "vs routerd", "p50 ms",
                  "p99 ms", "failed"], rows)
     if results.get("instructions"):
-        untraced = {r["kind"]: r["instructions_per_request"] for r in results["instructions"]
-                    if r["router"] == "routerd"}
-        print_table("instructions per request (callgrind, one request at a time)",
-                    ["requests", "router", "count", "instructions", "vs routerd", "failed"],
+        rows = results["instructions"]
+        untraced = {(r["kind"], k): r[k] for r in rows if r["router"] == "routerd"
+                    for k in ("instructions_per_request", "net_instructions_per_request")}
+
+        def vs(r: dict[str, Any], k: str) -> str:
+            return _added(r[k], untraced.get((r["kind"], k))) if r["router"] != "routerd" else ""
+
+        print_table("instructions per request (callgrind, one request at a time, the planes taking turns; "
+                    "net: less the plane's idle work over the same time)",
+                    ["requests", "router", "count", "instructions", "vs routerd", "net", "vs routerd",
+                     "idle/s", "failed"],
                     [[r["kind"], r["router"], r["requests"], r["instructions_per_request"],
-                      _added(r["instructions_per_request"], untraced.get(r["kind"])), r["failed"]]
-                     for r in results["instructions"]])
+                      vs(r, "instructions_per_request"), r["net_instructions_per_request"],
+                      vs(r, "net_instructions_per_request"), r["idle_instructions_per_s"], r["failed"]]
+                     for r in rows])
 
 
 def _added(value: float | None, base: float | None) -> str:
