@@ -253,13 +253,15 @@ class Telemetry:
         child = self._request_seconds.get(fleet)
         if child is None:
             child = self._request_seconds[fleet] = self.request_seconds.labels(fleet)
-        child.observe(seconds, _exemplar(self._request_exemplars, fleet, seconds, trace_id))
+        child.observe(seconds, _exemplar(self._request_exemplars, fleet, seconds, trace_id)
+                      if trace_id else None)
 
     def observe_ttfb(self, fleet: str, seconds: float, trace_id: str = "") -> None:
         child = self._ttfb_seconds.get(fleet)
         if child is None:
             child = self._ttfb_seconds[fleet] = self.ttfb_seconds.labels(fleet)
-        child.observe(seconds, _exemplar(self._ttfb_exemplars, fleet, seconds, trace_id))
+        child.observe(seconds, _exemplar(self._ttfb_exemplars, fleet, seconds, trace_id)
+                      if trace_id else None)
 
 
 EXEMPLAR_EVERY_S = 1.0  # a latency bucket's exemplar is renewed at most this often
@@ -271,8 +273,6 @@ def _exemplar(last: dict[str, list[float]], fleet: str, seconds: float,
     :data:`EXEMPLAR_EVERY_S`: a bucket shows only its latest, scraped every 15 s or so, and setting one
     costs more than the observation (prometheus_client checks the label every time) — a slow request's
     bucket, seldom hit, still gets each of its own."""
-    if not trace_id:
-        return None
     at = last.get(fleet)
     if at is None:
         at = last[fleet] = [-math.inf] * (len(_LATENCY_BUCKETS) + 1)
