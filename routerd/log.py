@@ -145,6 +145,7 @@ class SpanIds(Protocol):
 
     trace_id: int
     span_id: int
+    trace_hex: str  # trace_id as 32 hex digits
 
 
 # The span in progress in this task: set and reset by routerd.tracing (which sits above this module),
@@ -158,7 +159,7 @@ def add_trace_ids(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Muta
     on: looking for a span costs a little on every line."""
     span = current_span.get()
     if span is not None:
-        event_dict["trace_id"] = format(span.trace_id, "032x")
+        event_dict["trace_id"] = span.trace_hex
         event_dict["span_id"] = format(span.span_id, "016x")
     return event_dict
 

@@ -9,7 +9,9 @@ never share series.
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -235,6 +237,8 @@ class Telemetry:
         self._children: dict[tuple[str, str, str], Any] = {}
         self._request_seconds: dict[str, Any] = {}
         self._ttfb_seconds: dict[str, Any] = {}
+        self._request_exemplars: dict[str, list[float]] = {}  # per fleet, when each bucket's was set
+        self._ttfb_exemplars: dict[str, list[float]] = {}
 
     def count_request(self, fleet: str, instance: str, code: int) -> None:
         key = (fleet, instance, str(code))
@@ -249,13 +253,35 @@ class Telemetry:
         child = self._request_seconds.get(fleet)
         if child is None:
             child = self._request_seconds[fleet] = self.request_seconds.labels(fleet)
-        child.observe(seconds, {"trace_id": trace_id} if trace_id else None)
+        child.observe(seconds, _exemplar(self._request_exemplars, fleet, seconds, trace_id)
+                      if trace_id else None)
 
     def observe_ttfb(self, fleet: str, seconds: float, trace_id: str = "") -> None:
         child = self._ttfb_seconds.get(fleet)
         if child is None:
             child = self._ttfb_seconds[fleet] = self.ttfb_seconds.labels(fleet)
-        child.observe(seconds, {"trace_id": trace_id} if trace_id else None)
+        child.observe(seconds, _exemplar(self._ttfb_exemplars, fleet, seconds, trace_id)
+                      if trace_id else None)
+
+
+EXEMPLAR_EVERY_S = 1.0  # a latency bucket's exemplar is renewed at most this often
+
+
+def _exemplar(last: dict[str, list[float]], fleet: str, seconds: float,
+              trace_id: str) -> dict[str, str] | None:
+    """The observation's exemplar (its trace), when its bucket has had none for
+    :data:`EXEMPLAR_EVERY_S`: a bucket shows only its latest, scraped every 15 s or so, and setting one
+    costs more than the observation (prometheus_client checks the label every time) — a slow request's
+    bucket, seldom hit, still gets each of its own."""
+    at = last.get(fleet)
+    if at is None:
+        at = last[fleet] = [-math.inf] * (len(_LATENCY_BUCKETS) + 1)
+    i = bisect_left(_LATENCY_BUCKETS, seconds)  # the bucket prometheus_client puts it in (value <= bound)
+    now = time.monotonic()
+    if now - at[i] < EXEMPLAR_EVERY_S:
+        return None
+    at[i] = now
+    return {"trace_id": trace_id}
 
 
 

@@ -25,7 +25,13 @@ Method:
   with whatever else a shared machine runs; the instructions a request costs do not. A second data
   plane runs under ``valgrind --tool=callgrind`` with counting switched on only while ``N`` requests
   run one at a time, its scrapes and heartbeats slowed to once a minute so that their time-driven
-  work does not land in the count of a process slowed fifty-fold.
+  work does not land in the count of a process slowed fifty-fold; what idle work is left is counted
+  apart and taken out (the net figure, :func:`instructions`).
+* **What tracing costs** (``--tracing``): a second routerd, ``routerd+tracing``, traces every request
+  (``sample_ratio = 1.0``) to a do-nothing OTLP/HTTP receiver in a process of its own (so its CPU is
+  not routerd's), and goes through every phase beside the first; ``--instructions`` counts both
+  under callgrind, every thread of the data plane (the export thread's encoding and posting) included.
+  ``--tracing-endpoint URL`` sends the spans to a collector of one's own instead.
 
 Both for non-streaming and streaming requests. The load generator and engines share the machine with
 routerd, so on a small machine the figures are an upper bound of the real overhead.
@@ -48,6 +54,7 @@ import aiohttp
 import msgspec
 
 from routerd._net import free_port
+from routerd.tracing._export import DELAY_S
 
 from ._common import (
     Processes,
@@ -61,6 +68,7 @@ from ._common import (
 )
 
 MODEL = "bench"
+TRACED = "routerd+tracing"
 
 
 def _body(stream: bool, max_tokens: int) -> bytes:
@@ -162,17 +170,17 @@ async def sequential(session: aiohttp.ClientSession, engines: list[str], router:
             "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])}
 
 
-def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str, tracing: str = ""
-                           ) -> tuple[str, subprocess.Popen[bytes], Path]:
+def _spawn_callgrind_plane(procs: Processes, engines: list[str], log_level: str, tracing: str = "",
+                           name: str = "plane") -> tuple[str, subprocess.Popen[bytes], Path]:
     """A data plane under callgrind, counting nothing yet: its URL, process and dump-file prefix."""
     cfg = _plane_config(engines, log_level, tracing)
     cfg["routing"].update(scrape_interval_s=60.0, stale_after_s=600.0)
     cfg["health"] = {"heartbeat_interval_s": 60.0}
     port = free_port()
     cfg["http"] = {"host": "127.0.0.1", "port": port}
-    spec = Path(procs.tmp.name) / "callgrind-plane.json"
+    spec = Path(procs.tmp.name) / f"callgrind-{name}.json"
     spec.write_text(json.dumps({"config": cfg, "capacities": {}}))
-    out = Path(procs.tmp.name) / "callgrind.out"
+    out = Path(procs.tmp.name) / f"callgrind-{name}.out"
     proc = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                              f"--callgrind-out-file={out}", sys.executable, "-m", "routerd_bench._common",
                              "plane", str(spec), "--log-level", log_level],
@@ -191,42 +199,109 @@ def _dumped_instructions(dump: Path) -> int:
                 if line.startswith(("summary:", "totals:"))), default=0)
 
 
+class _Counted:
+    """One data plane under callgrind, its counting switched on and off and dumped from outside."""
+
+    def __init__(self, name: str, base: str, proc: subprocess.Popen[bytes], out: Path) -> None:
+        self.name, self.url, self.proc, self.out = name, base + "/v1/completions", proc, out
+
+    async def control(self, *args: str) -> None:
+        await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(self.proc.pid)],
+                                check=True, capture_output=True, timeout=120)
+
+    async def dumped(self) -> int:
+        """Counting off, the count since the last dump (a new file; the counters are zeroed)."""
+        dumps = len(_dumps(self.out))
+        await self.control("-i", "off")
+        await self.control("-d")
+        for _ in range(100):
+            if len(_dumps(self.out)) > dumps:
+                break
+            await asyncio.sleep(0.1)
+        return _dumped_instructions(_dumps(self.out)[-1])
+
+
+IDLE_S = 10.0  # how long the planes' idle work is counted, to take it out of the requests' counts
+FLUSH_S = DELAY_S + 2.0  # long enough for the export thread to send what is queued
+
+
 async def instructions(procs: Processes, session: aiohttp.ClientSession, engines: list[str], *,
                        count: int, max_tokens: int, log_level: str,
-                       tracing: str = "") -> list[dict[str, Any]]:
-    """routerd's instructions per request under callgrind, ``count`` sequential requests of each kind
-    (empty when valgrind is not installed)."""
+                       planes: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Instructions per request under callgrind, ``count`` sequential requests of each kind, for each
+    of ``planes`` (name → the OTLP endpoint it traces every request to, ``""``: not traced); empty when
+    valgrind is not installed.
+
+    The planes run side by side and take turns, one request each, so that each is measured in the same
+    conditions. A plane also works when idle (admission's sweep, the export thread's wake-ups), more of it the
+    slower a loaded machine runs the count; that idle rate is counted for :data:`IDLE_S` first (after
+    the warm-up's spans are exported), and ``net_instructions_per_request`` is the count less it over
+    the requests' window, which ends :data:`FLUSH_S` after the last request so that the spans it made
+    are exported in it (``instructions_per_request`` is the raw count)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions skipped: valgrind is not installed")
         return []
-    base, proc, out = _spawn_callgrind_plane(procs, engines, log_level, tracing)
-    await wait_http(base + "/readyz", timeout=600.0, proc=proc)
-    url = base + "/v1/completions"
-
-    async def control(*args: str) -> None:
-        await asyncio.to_thread(subprocess.run, ["callgrind_control", *args, str(proc.pid)], check=True,
-                                capture_output=True, timeout=120)
-
+    counted = []
+    for name, tracing in (planes or {"routerd": ""}).items():
+        base, proc, out = _spawn_callgrind_plane(procs, engines, log_level, tracing,
+                                                 name=name.replace("+", "-"))
+        counted.append(_Counted(name, base, proc, out))
+    for c in counted:
+        await wait_http(c.url.removesuffix("/v1/completions") + "/readyz", timeout=600.0, proc=c.proc)
     rows = []
     for stream in (False, True):
         body = _body(stream, max_tokens)
         for _ in range(50):  # warm-up, not counted
-            await timed_request(session, url, body, stream)
-        dumps = len(_dumps(out))
-        await control("-i", "on")
-        failed = 0
+            for c in counted:
+                await timed_request(session, c.url, body, stream)
+        await asyncio.sleep(FLUSH_S)  # the warm-up's spans exported: not in the idle count
+        await asyncio.gather(*(c.control("-i", "on") for c in counted))
+        t0 = time.monotonic()
+        await asyncio.sleep(IDLE_S)
+        idle_s = time.monotonic() - t0
+        idle = await asyncio.gather(*(c.dumped() for c in counted))
+        failed = dict.fromkeys(range(len(counted)), 0)
+        await asyncio.gather(*(c.control("-i", "on") for c in counted))
+        t0 = time.monotonic()
         for _ in range(count):
-            failed += not (await timed_request(session, url, body, stream)).ok
-        await control("-i", "off")
-        await control("-d")  # the counts since the last dump go to a new file, and are zeroed
-        for _ in range(100):
-            if len(_dumps(out)) > dumps:
-                break
-            await asyncio.sleep(0.1)
-        total = _dumped_instructions(_dumps(out)[-1])
-        rows.append({"kind": "stream" if stream else "non_stream", "router": "routerd", "requests": count,
-                     "failed": failed, "instructions_per_request": round(total / count)})
+            for i, c in enumerate(counted):
+                failed[i] += not (await timed_request(session, c.url, body, stream)).ok
+        await asyncio.sleep(FLUSH_S)  # the window's spans exported within it
+        window_s = time.monotonic() - t0
+        totals = await asyncio.gather(*(c.dumped() for c in counted))
+        for i, c in enumerate(counted):
+            background = idle[i] / idle_s * window_s
+            rows.append({"kind": "stream" if stream else "non_stream", "router": c.name, "requests": count,
+                         "failed": failed[i], "instructions_per_request": round(totals[i] / count),
+                         "idle_instructions_per_s": round(idle[i] / idle_s),
+                         "net_instructions_per_request": round((totals[i] - background) / count)})
     return rows
+
+
+async def _otlp_sink(procs: Processes) -> str:
+    """A do-nothing OTLP/HTTP receiver (it answers 200 to every ``POST /v1/traces``) in a process of
+    its own, so that what it costs is not counted as routerd's: its base URL."""
+    port = free_port()
+    proc = procs._spawn([sys.executable, "-m", "routerd_bench.overhead", "sink", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    await wait_http(url + "/health", proc=proc)
+    return url
+
+
+def _serve_sink(port: int) -> None:
+    from aiohttp import web
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()  # an empty ExportTraceServiceResponse: all taken
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 async def _peers(procs: Processes, engines: list[str], names: list[str]) -> dict[str, tuple[str, int]]:
@@ -251,9 +326,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                "instructions": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
-        url, proc = await procs.plane(_plane_config(engines, args.log_level, args.tracing_endpoint),
-                                      log_level=args.log_level)
-        routers = {"routerd": (url, proc.pid), **await _peers(procs, engines, args.peers)}
+        url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
+        routers = {"routerd": (url, proc.pid)}
+        collector = args.tracing_endpoint or (await _otlp_sink(procs) if args.tracing else "")
+        if collector:
+            url, proc = await procs.plane(_plane_config(engines, args.log_level, collector),
+                                          log_level=args.log_level)
+            routers[TRACED] = (url, proc.pid)
+        routers.update(await _peers(procs, engines, args.peers))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector) as session:
             for target, _pid in routers.values():  # warm-up: connections, code paths
@@ -282,10 +362,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                         duration=args.duration, stream=stream, max_tokens=args.max_tokens)
                     results["sustained"].append({"kind": kind, "router": name, **s})
             if args.instructions:
-                results["instructions"] = await instructions(procs, session, engines, count=args.instructions,
-                                                             max_tokens=args.max_tokens,
-                                                             log_level=args.log_level,
-                                                             tracing=args.tracing_endpoint)
+                planes = {"routerd": "", **({TRACED: collector} if collector else {})}
+                results["instructions"] = await instructions(
+                    procs, session, engines, count=args.instructions, max_tokens=args.max_tokens,
+                    log_level=args.log_level, planes=planes)
     results["routers"] = list(routers)
     return results
 
@@ -316,25 +396,43 @@ def report(results: dict[str, Any]) -> None:
                 ["requests", "pairs/s", "router", "metric", "p50", "p90", "p99", "direct p50", "failed"],
                 rows)
     rows = []
+    cpu = {s["kind"]: s["cpu_us_per_request"] for s in results["sustained"] if s.get("router") == "routerd"}
     for s in results["sustained"]:
         rows.append([s["kind"], s.get("router", "routerd"), s["rate"], s["routerd_cpu_share"],
-                     s["rate_per_core"], s["cpu_us_per_request"], s["e2e_ms"]["p50"], s["e2e_ms"]["p99"],
-                     s["failed"]])
+                     s["rate_per_core"], s["cpu_us_per_request"],
+                     _added(s["cpu_us_per_request"], cpu.get(s["kind"])) if s.get("router") == TRACED else "",
+                     s["e2e_ms"]["p50"], s["e2e_ms"]["p99"], s["failed"]])
     print_table("sustained rate through the router (closed loop)",
-                ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "p50 ms", "p99 ms",
-                 "failed"], rows)
+                ["requests", "router", "req/s", "cpu", "req/s per core", "cpu µs/req", "vs routerd", "p50 ms",
+                 "p99 ms", "failed"], rows)
     if results.get("instructions"):
-        print_table("instructions per request (callgrind, one request at a time)",
-                    ["requests", "router", "count", "instructions", "failed"],
-                    [[r["kind"], r["router"], r["requests"], r["instructions_per_request"], r["failed"]]
-                     for r in results["instructions"]])
+        rows = results["instructions"]
+        untraced = {(r["kind"], k): r[k] for r in rows if r["router"] == "routerd"
+                    for k in ("instructions_per_request", "net_instructions_per_request")}
+
+        def vs(r: dict[str, Any], k: str) -> str:
+            return _added(r[k], untraced.get((r["kind"], k))) if r["router"] != "routerd" else ""
+
+        print_table("instructions per request (callgrind, one request at a time, the planes taking turns; "
+                    "net: less the plane's idle work over the same time)",
+                    ["requests", "router", "count", "instructions", "vs routerd", "net", "vs routerd",
+                     "idle/s", "failed"],
+                    [[r["kind"], r["router"], r["requests"], r["instructions_per_request"],
+                      vs(r, "instructions_per_request"), r["net_instructions_per_request"],
+                      vs(r, "net_instructions_per_request"), r["idle_instructions_per_s"], r["failed"]]
+                     for r in rows])
+
+
+def _added(value: float | None, base: float | None) -> str:
+    """``value`` against ``base`` in percent (what tracing adds), ``""`` where either is missing."""
+    return f"{(value / base - 1) * 100:+.1f} %" if value and base else ""
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="routerd bench overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0, 500.0],
-                    help="paired arrivals per second (each a direct and a routerd request)")
+    ap.add_argument("--rates", type=float, nargs="*", default=[100.0, 300.0, 500.0],
+                    help="paired arrivals per second (each a direct and a routerd request); none: --rates")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for the rate test")
     ap.add_argument("--engines", type=int, default=2)
@@ -351,9 +449,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--instructions", type=int, default=0, metavar="N",
                     help="also count routerd's instructions per request under valgrind over N requests "
                          "of each kind (0: not)")
+    ap.add_argument("--tracing", action="store_true",
+                    help="what tracing costs: a second routerd traces every request (sample_ratio 1.0) to "
+                         "a do-nothing OTLP/HTTP receiver in its own process, measured beside the first")
     ap.add_argument("--tracing-endpoint", default="", metavar="URL",
-                    help="routerd traces every request (sample_ratio 1.0) to this OTLP/HTTP collector: "
-                         "what tracing costs (\"\": off, the default)")
+                    help="as --tracing, the spans sent to this OTLP/HTTP collector instead")
     args = ap.parse_args(argv)
     import uvloop
 
@@ -361,3 +461,9 @@ def main(argv: list[str]) -> int:
     report(results)
     write_json(args.json, results)
     return 0
+
+
+if __name__ == "__main__":  # python -m routerd_bench.overhead sink PORT: the --tracing receiver
+    if sys.argv[1:2] != ["sink"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m routerd_bench.overhead sink PORT")
+    _serve_sink(int(sys.argv[2]))

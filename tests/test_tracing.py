@@ -330,9 +330,9 @@ async def test_the_exporters_otel_variables_are_honoured(otlp_receiver: OtlpRece
     (span,) = otlp_receiver.spans
     assert (span.name, span.service) == ("unit", "edge")
     assert otlp_receiver.resources[0]["deployment.environment"] == "test"
-    (headers,) = otlp_receiver.headers
-    assert (headers["Authorization"], headers["X-Tenant"]) == ("Bearer s3cret", "a")
-    assert (headers["Content-Encoding"], headers["Content-Type"]) == ("gzip", "application/x-protobuf")
+    headers = {k.lower(): v for k, v in otlp_receiver.headers[0].items()}  # (names are case-blind)
+    assert (headers["authorization"], headers["x-tenant"]) == ("Bearer s3cret", "a")
+    assert (headers["content-encoding"], headers["content-type"]) == ("gzip", "application/x-protobuf")
 
 
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:
@@ -421,3 +421,58 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     (waited,) = [s for s in otlp_receiver.spans if s.name == "routerd.admission"]
     assert waited.parent_id == f"{request.span_id:016x}"
     assert waited.end_ns - waited.start_ns >= 40_000_000
+
+
+async def test_the_overhead_benchmarks_receiver_takes_routerds_exports() -> None:
+    """``routerd bench overhead --tracing`` traces to a receiver of its own, in a process of its own
+    (its CPU is not routerd's): routerd's exporter must see its posts taken, not failed."""
+    from routerd_bench._common import Processes
+    from routerd_bench.overhead import _otlp_sink
+
+    with Processes() as procs:
+        url = await _otlp_sink(procs)
+        tracing = Tracing.from_config(TracingConfig(endpoint=url), environ={})
+        collector = tracing.collector()
+        with tracing.start("unit"):
+            pass
+        await tracing.aclose()
+    counts = {(s.name, s.labels.get("reason", "")): s.value for m in collector.collect() for s in m.samples}
+    assert counts[("routerd_trace_spans_exported_total", "")] == 1
+    assert counts[("routerd_trace_spans_dropped_total", "export_failed")] == 0
+
+
+def test_a_latency_buckets_exemplar_is_renewed_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket shows only its latest exemplar and setting one costs more than the observation: each
+    bucket's is renewed once a second at most — a slow request's bucket still gets its own."""
+    from routerd import telemetry
+
+    tel = telemetry.Telemetry()
+
+    def exemplars() -> dict[str, str]:
+        return {s.labels["le"]: s.exemplar.labels["trace_id"] for m in tel.request_seconds.collect()
+                for s in m.samples if s.exemplar is not None}
+
+    tel.observe_request("f", 0.003, "a" * 32)
+    tel.observe_request("f", 0.004, "b" * 32)  # the same bucket, within the second: a's stays
+    tel.observe_request("f", 7.0, "c" * 32)
+    assert exemplars() == {"0.005": "a" * 32, "10.0": "c" * 32}
+    monkeypatch.setattr(telemetry, "EXEMPLAR_EVERY_S", 0.0)  # as when the second has passed
+    tel.observe_request("f", 0.004, "d" * 32)
+    assert exemplars() == {"0.005": "d" * 32, "10.0": "c" * 32}
+
+
+async def test_batches_go_to_the_collector_over_one_kept_alive_connection(
+        otlp_receiver: OtlpReceiver) -> None:
+    """A connection per batch cost as much as encoding a few dozen spans: one is kept from batch to
+    batch (and a new one made when it fails, as the collector-down test shows)."""
+    from routerd.tracing._export import Exporter, resource
+
+    tracing = Tracing(Exporter(otlp_receiver.url + "/v1/traces", resource({"service.name": "k"}),
+                               max_queue=64, timeout_s=5.0, delay_s=0.05))
+    for n in range(1, 4):
+        with tracing.start(f"batch {n}"):
+            pass
+        await otlp_receiver.wait_for(lambda spans, n=n: len(spans) == n, what=f"batch {n}")
+    await tracing.aclose()
+    assert otlp_receiver.requests == 3
+    assert len(set(otlp_receiver.peers)) == 1, otlp_receiver.peers

@@ -75,3 +75,32 @@ def test_traceparent_is_parsed_as_w3c_says(header: str | None, parsed: tuple[int
     if parsed is not None and parsed[2]:
         span = Span(parsed[0], parsed[1], 0, "x", SERVER, 0, {}, sampled=True)
         assert span.traceparent == f"00-{TRACE:032x}-{PARENT:016x}-01"
+
+
+def test_a_log_line_and_a_routing_decision_become_attributes_in_the_export_thread() -> None:
+    """The request path hands a request's log line and its routing decision's fields to the spans as
+    they are; the encoder names them (``gen_ai.*``, ``routerd.*``), adds gen_ai's time to first token,
+    leaves out of the server span the routing facts (they are its attempts') and the request id it
+    already has, and leaves lists out of a log line's — the same the second time, from its caches."""
+    server = Span(TRACE, 1, 0, "POST /v1/completions", SERVER, 1, {"routerd.request_id": "r1"}, True)
+    server.fields = {"request_id": "r1", "model": "m", "status": 200, "stream": False, "ttfb_ms": 12.5,
+                     "admission_ms": 0.25, "policy": "least_load", "rule": "least_wait",
+                     "cache_view": "model", "wait_est_ms": 1.0, "runner_up": "f:static1",
+                     "runner_up_wait_est_ms": 2.0, "tenant": "t", "resumes": 0, "custom": "x",
+                     "tags": ["a"], "gone": None}
+    attempt = Span(TRACE, 2, 1, "routerd.attempt", CLIENT, 2, {"routerd.attempt": 1}, True)
+    attempt.route = {"policy": "least_load", "matched_blocks": 3, "wait_est_ms": 1.0,
+                     "session_affinity": True, "runner_up": "f:static1"}
+    server.end_ns = attempt.end_ns = 3
+    for _ in range(2):
+        (rs,) = ExportTraceServiceRequest.FromString(encode(resource({}), [server, attempt])).resource_spans
+        s, a = rs.scope_spans[0].spans
+        assert [(x.key, _value(x.value)) for x in s.attributes] == [
+            ("routerd.request_id", "r1"), ("gen_ai.request.model", "m"), ("http.response.status_code", 200),
+            ("routerd.stream", False), ("routerd.ttfb_ms", 12.5), ("routerd.admission_ms", 0.25),
+            ("routerd.tenant", "t"), ("routerd.resumes", 0), ("routerd.custom", "x"),
+            ("gen_ai.latency.time_to_first_token", 0.0125)]
+        assert [(x.key, _value(x.value)) for x in a.attributes] == [
+            ("routerd.attempt", 1), ("routerd.route.policy", "least_load"),
+            ("routerd.route.matched_blocks", 3), ("routerd.route.wait_est_ms", 1.0),
+            ("routerd.route.session_affinity", True), ("routerd.route.runner_up", "f:static1")]

@@ -34,7 +34,7 @@ from ..routing import RequestViews
 from ..telemetry import Telemetry
 from ..tenants import RequestFacts, Tenant, inspect
 from ..tenants.service import Charge, Tenancy
-from ..tracing import Tracing, usage_attributes
+from ..tracing import Tracing
 from .admission import Admission
 from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
@@ -198,7 +198,7 @@ class Dispatch:
                     self._tenancy.settle(charge, usage, status=tap.status,
                                          ok=result is not None and result.ok)
                     if tracing.on:
-                        tracing.note(**usage_attributes(usage))
+                        tracing.usage(usage)
                 note_outcome(line, result)
                 return result
         except RouterdError as e:

@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from opentelemetry.trace import SpanKind
 
 from .. import log
-from ._attributes import _route, usage_attributes
 from ._export import Collector, Exporter, resource
 from ._scopes import _CURRENT, Traced, _error, _Scope, _Waiting, current_context
 from ._setup import _pairs, engine_env, otlp_endpoint
-from ._span import CONSUMER, INTERNAL, SERVER, Span, clean_tracestate, parse_traceparent
+from ._span import CLIENT, CONSUMER, INTERNAL, SERVER, Span, clean_tracestate, parse_traceparent
 
 if TYPE_CHECKING:
     from ..config import TracingConfig
@@ -154,12 +153,12 @@ class Tracing:
             trace_id, parent_id, tracestate = self._bits(128) or 1, 0, ""
             sampled = (trace_id & _ID_BITS) < self._bound
         return Span(trace_id, span_id, parent_id, name, kind, start_ns, attributes if sampled else {},
-                    sampled=sampled, tracestate=tracestate)
+                    sampled, tracestate)
 
     def _child(self, parent: Span, name: str, kind: int, attributes: dict[str, Any],
                start_ns: int) -> Span:
         return Span(parent.trace_id, self._bits(64) or 1, parent.span_id, name, kind, start_ns, attributes,
-                    sampled=parent.sampled, tracestate=parent.tracestate)
+                    parent.sampled, parent.tracestate, parent.trace_hex)
 
     def _end(self, span: Span, end_ns: int = 0) -> None:
         span.end_ns = end_ns or time.time_ns()
@@ -256,10 +255,10 @@ class Tracing:
         parent = self._recording()
         if parent is None:
             return _NULL
-        attrs: dict[str, Any] = {"routerd.attempt": number, "routerd.instance": instance, "url.full": url}
-        if decision:
-            attrs.update({_route(k): v for k, v in decision.items()})
-        return _Scope(self, self._child(parent, name, SpanKind.CLIENT.value + 1, attrs, time.time_ns()))
+        span = self._child(parent, name, CLIENT, {
+            "routerd.attempt": number, "routerd.instance": instance, "url.full": url}, time.time_ns())
+        span.route = decision or None  # named and encoded by the export thread
+        return _Scope(self, span)
 
     def inject(self, headers: dict[str, str]) -> None:
         """Put the current span's ``traceparent``/``tracestate`` on an engine request's headers."""
@@ -272,7 +271,15 @@ class Tracing:
     def trace_id(self) -> str:
         """The current span's sampled trace id (``""``: none, or tracing off): a metric's exemplar."""
         span = self._recording()
-        return format(span.trace_id, "032x") if span is not None else ""
+        return span.trace_hex if span is not None else ""
+
+    def usage(self, usage: tuple[int, int] | None) -> None:
+        """The engine's token usage (``gen_ai.usage.*``) on the current span: :meth:`note` without
+        the dicts (this runs for every request)."""
+        span = self._recording()
+        if span is not None and usage is not None:
+            a = span.attributes
+            a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"] = usage
 
     def note(self, **attributes: Any) -> None:
         """Attributes on the current span (a retry's reason, a resume's gap, token usage)."""
@@ -298,5 +305,4 @@ def now_ns() -> int:
     return time.time_ns()
 
 
-__all__ = ["Span", "Traced", "Tracing", "current_context", "engine_env", "now_ns", "otlp_endpoint",
-           "usage_attributes"]
+__all__ = ["Span", "Traced", "Tracing", "current_context", "engine_env", "now_ns", "otlp_endpoint"]

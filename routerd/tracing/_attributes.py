@@ -1,11 +1,12 @@
 """What a span says: a log line's fields as OpenTelemetry attributes (``gen_ai.*`` where the semantic
-conventions have a name, ``routerd.*`` otherwise), the routing decision's, and the engine's usage —
-names learnt once per field, since this runs for every traced request."""
+conventions have a name, ``routerd.*`` otherwise), and the routing decision's.
+
+The request path does not map them: it hands the log line's dict (:attr:`Span.fields`) and the routing
+decision's (:attr:`Span.route`) to the span as they are, and the export thread's encoder
+(:mod:`._export`) names each field once, with :func:`field_name` and :func:`route_name`, and encodes it
+straight to its OTLP attribute."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Mapping
-from typing import Any
 
 _FIELDS = {"status": "http.response.status_code", "model": "gen_ai.request.model",
            "fleet": "routerd.fleet", "tenant": "routerd.tenant", "instance": "routerd.instance",
@@ -15,49 +16,24 @@ _FIELDS = {"status": "http.response.status_code", "model": "gen_ai.request.model
            "endpoint": "routerd.endpoint"}
 
 
-_ROUTE = {"policy", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cached_tokens_est",
-          "wait_est_ms", "ttft_est_ms", "session_affinity"}
+_ROUTE = {"policy", "rule", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cached_tokens_est",
+          "cache_view", "wait_est_ms", "ttft_est_ms", "session_affinity"}
+
+TTFB = "ttfb_ms"  # a log field that is also gen_ai's time to first token (in seconds)
+TTFT = "gen_ai.latency.time_to_first_token"
 
 
-_SCALARS = frozenset({str, int, float, bool})  # what an attribute may be
-_NAMES: dict[str, str] = {}  # a log field's attribute name ("": none), learnt once per field
-_MAX_NAMES = 1024
+_ON_SPAN = {"request_id"}  # set on the server span as it starts (Tracing.server)
 
 
-def _learn(keys: Iterable[str]) -> None:
-    if len(_NAMES) >= _MAX_NAMES:
-        _NAMES.clear()  # bounded whatever fields a log line grows (they are a fixed few in practice)
-    for key in keys:
-        _NAMES[key] = _FIELDS.get(key) or (
-            # the routing decision: on each attempt's span, where it applies
-            "" if key in _ROUTE or key.startswith("runner_up") else f"routerd.{key}")
+def field_name(key: str) -> str:
+    """A log line's field as a span attribute's name; ``""``: the routing decision's, which is on each
+    attempt's span (:func:`route_name`), not the request's, or one the span has already."""
+    if key in _ROUTE or key in _ON_SPAN or key.startswith("runner_up"):
+        return ""
+    return _FIELDS.get(key) or f"routerd.{key}"
 
 
-def _attributes(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A log line's fields as attributes: one comprehension over a learnt name table (this runs for
-    every traced request)."""
-    if new := fields.keys() - _NAMES.keys():
-        _learn(new)
-    names = _NAMES
-    out = {names[k]: v for k, v in fields.items() if type(v) in _SCALARS and names[k]}
-    if isinstance(ttfb := fields.get("ttfb_ms"), int | float):
-        out["gen_ai.latency.time_to_first_token"] = ttfb / 1000
-    return out
-
-
-_ROUTE_NAMES: dict[str, str] = {}
-
-
-def _route(key: str) -> str:
-    if (name := _ROUTE_NAMES.get(key)) is None:
-        name = "routerd.route." + key
-        if len(_ROUTE_NAMES) < _MAX_NAMES:
-            _ROUTE_NAMES[key] = name
-    return name
-
-
-def usage_attributes(usage: tuple[int, int] | None) -> dict[str, Any]:
-    """``gen_ai.usage.*`` of what the engine reported."""
-    if usage is None:
-        return {}
-    return {"gen_ai.usage.input_tokens": usage[0], "gen_ai.usage.output_tokens": usage[1]}
+def route_name(key: str) -> str:
+    """A routing decision's field (:meth:`Decision.log_fields`) as an attempt span's attribute."""
+    return "routerd.route." + key

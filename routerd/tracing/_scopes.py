@@ -12,7 +12,6 @@ from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .. import log
-from ._attributes import _attributes
 from ._span import Span
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ class Traced:
     @property
     def trace_id(self) -> str:
         """The trace's id as OpenTelemetry prints it; ``""`` when not sampled (no exemplar then)."""
-        return format(self.span.trace_id, "032x") if self.span.sampled else ""
+        return self.span.trace_hex if self.span.sampled else ""
 
     @property
     def traceparent(self) -> str:
@@ -120,11 +119,12 @@ class Traced:
 
     def end(self, fields: Mapping[str, Any] | None = None, *, error: str | None = None) -> None:
         """End the span: ``fields`` is the request's (or job's) log line, whose facts become its
-        attributes; a 5xx status or an ``error`` with a 2xx (a stream cut) marks it an error."""
+        attributes (handed over: the caller never changes it after); a 5xx status or an ``error``
+        with a 2xx (a stream cut) marks it an error."""
         span = self.span
         try:
             if fields is not None and span.sampled:
-                span.attributes.update(_attributes(fields))
+                span.fields = fields  # the export thread makes them attributes (_export._span)
                 status = fields.get("status")
                 error = error or fields.get("error")
                 if (isinstance(status, int) and status >= 500) or (error and status in (200, None)):

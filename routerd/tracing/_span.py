@@ -3,15 +3,17 @@
 The OpenTelemetry SDK's span costs ≈ 100 µs of CPU on the request path (sampler, attribute cleaning,
 locks, context objects, the batch processor); a request here is ≈ 1 ms. A :class:`Span` is a slotted
 record the request path fills (ids, name, kind, times, an attribute dict, status, events) and the
-export thread alone turns into OTLP protobuf (:mod:`._export`). ``traceparent`` is a fixed format
-(W3C Trace Context, version ``00``), parsed and printed here without the propagator's regex and
-context objects. The span in progress is :data:`routerd.log.current_span` (a contextvar), so a log line
-carries its ids and a child finds its parent.
+export thread alone turns into OTLP protobuf (:mod:`._export`); the request's log line and the routing
+decision ride on it as the dicts they are, named and encoded as attributes by that thread only.
+``traceparent`` is a fixed format (W3C Trace Context, version ``00``), parsed and printed here without
+the propagator's regex and context objects. The span in progress is :data:`routerd.log.current_span`
+(a contextvar), so a log line carries its ids and a child finds its parent.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 # OTLP's Span.SpanKind and Status.StatusCode numbers (opentelemetry/proto/trace/v1/trace.proto)
@@ -25,14 +27,21 @@ class Span:
     """One span: filled on the loop, read by the export thread only after :meth:`end` queued it.
 
     ``sampled`` False is a span that is not recorded (its trace not sampled): it only carries the
-    context on (to the engine, with the flag unset), never gets attributes and is never exported."""
+    context on (to the engine, with the flag unset), never gets attributes and is never exported.
+    ``fields`` (a request's log line) and ``route`` (the routing decision's log fields) are handed
+    over as they are, never changed after, and become attributes only in the export thread: mapping
+    them on the loop cost as much as encoding them."""
 
-    __slots__ = ("attributes", "end_ns", "events", "kind", "message", "name", "parent_id", "sampled",
-                 "span_id", "start_ns", "status", "trace_id", "tracestate")
+    __slots__ = ("attributes", "end_ns", "events", "fields", "kind", "message", "name", "parent_id",
+                 "route", "sampled", "span_id", "start_ns", "status", "trace_hex", "trace_id", "tracestate")
 
     def __init__(self, trace_id: int, span_id: int, parent_id: int, name: str, kind: int, start_ns: int,
-                 attributes: dict[str, Any], *, sampled: bool, tracestate: str = "") -> None:
+                 attributes: dict[str, Any], sampled: bool, tracestate: str = "",
+                 trace_hex: str = "") -> None:
         self.trace_id = trace_id
+        # the trace id as OpenTelemetry prints it (log lines, exemplars, traceparent): formatted once
+        # per trace, a child gets its parent's
+        self.trace_hex = trace_hex or format(trace_id, "032x")
         self.span_id = span_id
         self.parent_id = parent_id
         self.name = name
@@ -45,6 +54,8 @@ class Span:
         self.events: list[tuple[str, int, dict[str, Any]]] | None = None
         self.sampled = sampled
         self.tracestate = tracestate
+        self.fields: Mapping[str, Any] | None = None
+        self.route: Mapping[str, Any] | None = None
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
         if self.sampled:
@@ -66,7 +77,7 @@ class Span:
     @property
     def traceparent(self) -> str:
         """W3C ``traceparent`` naming this span as the parent (``01``: sampled)."""
-        return f"00-{self.trace_id:032x}-{self.span_id:016x}-{'01' if self.sampled else '00'}"
+        return f"00-{self.trace_hex}-{self.span_id:016x}-{'01' if self.sampled else '00'}"
 
 
 def parse_traceparent(value: str | None) -> tuple[int, int, bool] | None:
