@@ -517,7 +517,7 @@ async def _check_engine_tracing(cfg: Config) -> None:
 
 def _ident(cfg: Config) -> str:
     """This process's name among several routerd: its queue consumer name (default: the hostname)."""
-    return cfg.redis.consumer or socket.gethostname()
+    return cfg.redis.consumer_name
 
 
 async def _take_control(control: ControlLease, stack: contextlib.AsyncExitStack) -> None:

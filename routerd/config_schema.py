@@ -5,6 +5,7 @@ bounds each value must keep. Loading, environment overrides and validation are
 
 from __future__ import annotations
 
+import socket
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -83,6 +84,12 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     reply_maxlen: Annotated[int, Meta(ge=1, le=1_000_000_000)] = 10_000
     op_timeout_s: Seconds = 5.0
     ssl_ca_certs: str = ""
+
+    @property
+    def consumer_name(self) -> str:
+        """This process's name on the queue and among several routerd: ``consumer``, else the
+        hostname (stable per machine, so a restart reclaims its own jobs and takes its own lease)."""
+        return self.consumer or socket.gethostname()
 
 
 class RayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

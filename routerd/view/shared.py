@@ -9,7 +9,6 @@ receives its next turn. :class:`SharedView` builds the three over one Redis clie
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,7 +37,7 @@ class SharedView:
         always — each process scrapes for itself, as one routerd does); not ``serves`` (the daemon of workers,
         which takes no request): it reads the others' load and publishes none, and is not counted among
         the processes that share a fleet's admission bounds."""
-        self.ident = ident or cfg.redis.consumer or socket.gethostname()
+        self.ident = ident or cfg.redis.consumer_name
         self.redis = redis_client(redis_url, cfg.redis, block_ms=0)
         keys = Keys.from_config(cfg.redis)
         op = cfg.redis.op_timeout_s

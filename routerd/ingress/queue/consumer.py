@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -62,7 +61,7 @@ class QueueIngress:
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
-        self.consumer = consumer or cfg.redis.consumer or socket.gethostname()
+        self.consumer = consumer or cfg.redis.consumer_name
         self.keys = Keys.from_config(cfg.redis)
         self._rng = rng or random.Random()
         self._store = JobStore(self.client, self.keys, self.consumer, lambda: self._cfg.redis,
