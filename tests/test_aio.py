@@ -13,7 +13,9 @@ import redis.asyncio as aioredis
 
 from routerd import _aio
 from routerd.ingress.queue.store import BatchWriter
+from routerd.keys import Keys
 from routerd.stop_deadline import StopDeadline
+from routerd.tenants.usage import UsageLedger
 from tests.fixtures.redis_server import RedisServer
 
 
@@ -111,6 +113,39 @@ async def test_busy_queue_writer_always_ends_when_cancelled(redis_server: RedisS
     finally:
         await client.aclose()
 
+
+
+async def test_busy_usage_ledger_always_ends_when_cancelled(redis_server: RedisServer) -> None:
+    """The tenants' usage ledger cancelled while it writes its increments (the daemon's stop): a
+    cancel lost inside redis-py sent it back to its sleep, and the daemon's stop was forced (CI,
+    stop 24: 'tenant-usage' still sleeping 15 s after its cancel)."""
+    client = aioredis.Redis.from_url(redis_server.url, socket_timeout=5)
+    rng = random.Random(24)
+    try:
+        for trial in range(60):
+            ledger = UsageLedger(lambda: client, Keys(), retention_days=1, flush_interval_s=0.0,
+                                 op_timeout_s=2.0)
+            task = asyncio.create_task(ledger.run(), name="tenant-usage")
+            stop = asyncio.Event()
+
+            async def count(led: UsageLedger = ledger, s: asyncio.Event = stop) -> None:
+                while not s.is_set():
+                    for t in range(rng.randint(1, 20)):
+                        led.add(f"t{t}", "f", requests=1, prompt_tokens=7, completion_tokens=3)
+                    await asyncio.sleep(rng.random() * 0.002)
+
+            counters = [asyncio.create_task(count()) for _ in range(4)]
+            await asyncio.sleep(0.005 + rng.random() * 0.03)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=4.0)
+            stop.set()
+            await asyncio.gather(*counters)
+            if task not in done:
+                where = _aio.where(task)
+                await _aio.cancel_and_wait([task], 1.0)
+                pytest.fail(f"trial {trial}: the cancelled ledger is still running: {where}")
+    finally:
+        await client.aclose()
 
 async def _stubborn(release: asyncio.Event) -> None:
     """A task that ignores cancel() until released."""

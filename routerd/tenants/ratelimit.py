@@ -37,7 +37,7 @@ import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .. import log
+from .. import _aio, log
 from ..errors import RateLimitFailed
 from ..keys import Keys
 from ..redis_server import REDIS_DOWN
@@ -279,7 +279,7 @@ class RateLimiter:
             client = self._client()
             if self._script is None:
                 self._script = client.register_script(BUCKETS)
-            async with asyncio.timeout(_REDIS_TIMEOUT_S):
+            async with _aio.timeout(_REDIS_TIMEOUT_S):  # redis-py can swallow a cancel: see _aio
                 replies = await self._script(args=[_pack(records)], client=client)
             for r, reply in zip(batch, replies, strict=True):
                 self._answer(r, reply)

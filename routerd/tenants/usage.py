@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from .. import log
+from .. import _aio, log
 from ..keys import Keys
 
 __all__ = ["COUNTERS", "Usage", "UsageLedger", "day_of", "read_days"]
@@ -92,7 +92,7 @@ class UsageLedger:
                 await self.flush()
         finally:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_FINAL_FLUSH_S):
+                async with _aio.timeout(_FINAL_FLUSH_S):
                     await self.flush()
 
     async def flush(self) -> bool:
@@ -108,7 +108,7 @@ class UsageLedger:
         ttl = self.retention_days * 86_400
         fields: list[tuple[str, str]] = []  # (key, field) of each command; field "" for an EXPIRE
         try:
-            async with asyncio.timeout(self._op_timeout):
+            async with _aio.timeout(self._op_timeout):  # redis-py can swallow a cancel: see _aio
                 pipe = self._client().pipeline(transaction=False)
                 for (day, tenant, fleet), deltas in batch.items():
                     key = self._keys.usage(day)
