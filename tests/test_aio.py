@@ -114,7 +114,6 @@ async def test_busy_queue_writer_always_ends_when_cancelled(redis_server: RedisS
         await client.aclose()
 
 
-
 async def test_busy_usage_ledger_always_ends_when_cancelled(redis_server: RedisServer) -> None:
     """The tenants' usage ledger cancelled while it writes its increments (the daemon's stop): a
     cancel lost inside redis-py sent it back to its sleep, and the daemon's stop was forced (CI,
@@ -146,6 +145,7 @@ async def test_busy_usage_ledger_always_ends_when_cancelled(redis_server: RedisS
                 pytest.fail(f"trial {trial}: the cancelled ledger is still running: {where}")
     finally:
         await client.aclose()
+
 
 async def _stubborn(release: asyncio.Event) -> None:
     """A task that ignores cancel() until released."""
