@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from routerd import _aio
 from routerd._net import free_port
 from routerd.routing import kv_hash
 from routerd.routing.engine_cache import EngineCacheView
@@ -170,8 +172,8 @@ class Subscribed:
         self.task = asyncio.create_task(self.sub.run())
 
     async def close(self) -> None:
-        self.task.cancel()
-        await asyncio.wait([self.task])
+        stuck = await _aio.cancel_and_wait([self.task], 5.0)
+        assert not stuck, f"the subscriber did not end when cancelled: {_aio.where(self.task)}"
 
 
 @pytest.fixture
@@ -443,6 +445,42 @@ async def test_garbage_on_the_wire_is_counted_never_fatal(subscribe: Callable[..
         pub.close(linger=0)
         router.close(linger=0)
 
+
+
+async def test_a_subscriber_on_a_busy_stream_always_ends_when_cancelled() -> None:
+    """Cancelled while batches keep arriving (an engine dropped from the fleet, routerd stopping): a
+    cancel lost inside ``asyncio.wait_for`` on 3.11 sent the subscriber back to receiving, and the
+    daemon's stop (or the test's teardown) waited for it for ever."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:0")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    frames = [b"kv", (0).to_bytes(8, "big"), b"\xc1"]  # unreadable: counted and skipped, cheap to send
+    rng = random.Random(21)
+
+    async def publish() -> None:
+        while True:
+            for _ in range(rng.randint(1, 20)):
+                await pub.send_multipart(frames)
+            await asyncio.sleep(rng.random() * 0.001)
+
+    publisher = asyncio.create_task(publish())
+    try:
+        for trial in range(60):
+            sub = KvEventSubscriber(endpoint, EngineCacheView(), topic="kv", probe_interval_s=0.002)
+            task = asyncio.create_task(sub.run())
+            await asyncio.sleep(0.005 + rng.random() * 0.02)
+            task.cancel()
+            if await _aio.cancel_and_wait([task], 3.0):
+                where = _aio.where(task)
+                pytest.fail(f"trial {trial}: the cancelled subscriber is still running: {where}")
+    finally:
+        publisher.cancel()
+        await asyncio.wait([publisher])
+        pub.close(linger=0)
 
 def test_the_view_is_bounded_by_the_engines_kv_capacity() -> None:
     """An engine holds at most its KV's blocks, so its view does too (the oldest go first); and the

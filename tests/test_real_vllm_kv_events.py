@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 import structlog
 
+from routerd import _aio
 from routerd.ingress.validate import ChatHead, ChatMessage
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing import engine_keys, kv_hash
@@ -102,8 +103,8 @@ async def test_predicted_hits_equal_the_engines_across_a_restart(engine_pair: En
             second = await _conversations(http, events, "f:0", server.url, keyer)
             print("predicted/actual hit tokens, restarted engine:", second)
         finally:
-            task.cancel()
-            await asyncio.wait([task])
+            stuck = await _aio.cancel_and_wait([task], 10.0)
+            assert not stuck, f"the event view did not end when cancelled: {_aio.where(task)}"
     for predicted, actual in first + second:
         assert predicted == actual, (first, second)
     assert sum(a for _, a in first) > 0
@@ -151,8 +152,8 @@ async def test_routing_two_engines_predicts_each_hit_to_the_token(
                         full = engine_keys.keys(keyer, head, BLOCK, ROOT)
                         assert await eventually(lambda k=full, i=iid: events.match(i, k) == len(k), 10)
         finally:
-            task.cancel()
-            await asyncio.wait([task])
+            stuck = await _aio.cancel_and_wait([task], 10.0)
+            assert not stuck, f"the event view did not end when cancelled: {_aio.where(task)}"
     print("cached_tokens_est / engine's hit tokens per request:", pairs)
     assert all(p == a for p, a in pairs), pairs
     assert sum(a for _, a in pairs) > 0

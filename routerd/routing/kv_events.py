@@ -159,12 +159,12 @@ class KvEventSubscriber:
         try:
             await self._sync(probe=True)
             while True:
-                try:
-                    frames = await asyncio.wait_for(sub.recv_multipart(), self.probe_interval_s)
-                except TimeoutError:
+                # poll, then receive what is already there: asyncio.wait_for around recv loses a cancel
+                # on 3.11 (see routerd._aio), and a deadline around recv may drop the message it cancels
+                if not await sub.poll(self.probe_interval_s * 1000):  # POLLIN
                     await self._sync(probe=True)
                     continue
-                await self._on_live(frames)
+                await self._on_live(await sub.recv_multipart())
         finally:
             sub.close(linger=0)
             self._close_dealer()

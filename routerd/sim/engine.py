@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from routerd import log
+from routerd import _aio, log
 from routerd.routing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 from .config import SimConfig
@@ -194,7 +194,7 @@ class BatchEngine:
         if idle:  # nothing to compute until a first token is due: a new request is scheduled at once
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), step_ms * self.faults.slow_factor / 1000.0)
+                await _aio.wait_for(self._wake.wait(), step_ms * self.faults.slow_factor / 1000.0)
         else:
             await asyncio.sleep(step_ms * self.faults.slow_factor / 1000.0)
         await self.faults.wait_unhung()  # a hang set mid-step holds the step's output back too

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry.trace import SpanKind
 
-from .. import log
+from .. import _aio, log
 from ._export import Collector, Exporter, resource
 from ._scopes import _CURRENT, Traced, _error, _Scope, _Waiting, current_context
 from ._setup import _pairs, engine_env, otlp_endpoint
@@ -137,7 +137,7 @@ class Tracing:
 
         threading.Thread(target=stop, name="routerd-tracing-shutdown", daemon=True).start()
         try:
-            await asyncio.wait_for(asyncio.shield(done), timeout)
+            await _aio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
             _log.warning("tracing_shutdown_timeout", timeout_s=timeout, waiting=exporter.counts.waiting)
 
