@@ -124,7 +124,7 @@ class Daemon:
         worker started again reclaims its own jobs)."""
         if self.worker is None:
             return cfg
-        consumer = worker_consumer(cfg.redis.consumer, self.worker.index)
+        consumer = worker_consumer(cfg.redis.consumer_name, self.worker.index)
         return msgspec.structs.replace(cfg, redis=msgspec.structs.replace(cfg.redis, consumer=consumer))
 
     @property

@@ -98,9 +98,10 @@ class _RestartsCollector(Collector):
         yield family
 
 
-def worker_consumer(consumer: str, index: int) -> str:
-    """Worker ``index``'s queue consumer name: stable across its restarts, so it reclaims its own jobs."""
-    return f"{consumer or socket.gethostname()}-w{index}"
+def worker_consumer(name: str, index: int) -> str:
+    """Worker ``index``'s queue consumer name, from the daemon's (``RedisConfig.consumer_name``): stable
+    across its restarts, so it reclaims its own jobs."""
+    return f"{name}-w{index}"
 
 
 def worker_link(spec: WorkerSpec) -> socket.socket:

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.fleet.actor import group_members
+from routerd_bench.scale_replicas import fleets_view
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
@@ -52,9 +53,7 @@ def launches(*rps: RouterdProcess) -> Counter[str]:
 
 
 async def status(s: aiohttp.ClientSession, rp: RouterdProcess) -> dict[str, Any]:
-    async with s.get(f"{rp.url}/admin/fleets", timeout=aiohttp.ClientTimeout(total=5)) as r:
-        data: dict[str, Any] = await r.json()
-        return data
+    return await fleets_view(s, rp.url)  # what the replicas benchmark reads, too
 
 
 async def poll(s: aiohttp.ClientSession, rp: RouterdProcess, cond: Any, what: str,

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+import structlog
 
 from routerd.assembly import Routerd, running
 from routerd.config import Config, parse
@@ -345,3 +346,25 @@ async def test_a_session_lookup_redis_does_not_answer_is_routed_without_it(
             redis_server.proc.send_signal(signal.SIGCONT)
         # the lookup's own bound ended it, not the Redis client's (op_timeout_s, 2 s: an "error")
         assert view(b).sessions.lookups == {"found": 0, "unknown": 0, "timeout": 1, "error": 0}
+
+
+async def test_redis_away_is_logged_once_and_its_return_once(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """Redis stopped for two of the load exchange's 2 s bounds: each exchange fails, one warning says
+    so (with what it means for routing), one line says it answers again — not one per round trip."""
+    sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=1)
+    async with plane(config(redis_server.url, "a", [sim.url])) as a:
+        await wait_until(lambda: view(a).load.exchanges_total > 0, what="a first exchange")
+        assert redis_server.proc is not None
+        with structlog.testing.capture_logs() as logs:
+            redis_server.proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(4.5)
+            finally:
+                redis_server.proc.send_signal(signal.SIGCONT)
+            await wait_until(lambda: any(e["event"] == "shared_load_recovered" for e in logs),
+                             what="the recovery logged")
+    lines = [e for e in logs if e["event"].startswith("shared_load_")]
+    assert [e["event"] for e in lines] == ["shared_load_unavailable", "shared_load_recovered"], lines
+    assert "own in-flight counts" in lines[0]["effect"]
+    assert "Timeout" in lines[0]["error"]

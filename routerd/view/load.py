@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from .. import _aio, log
 from ..keys import Keys
 from ..registry import Registry
+from .outage import Outage
 
 _log = log.get("routerd.view.load")
 
@@ -83,7 +84,8 @@ class SharedLoad:
         self._members: list[str] = []  # the other processes the last round found
         self._gone: list[str] = []  # members whose load had expired: removed in the next round
         self._ok_at = clock()
-        self._failing = False
+        self._outage = Outage(_log, "shared_load",
+                              effect="routing on this process's own in-flight counts until Redis answers")
         self.exchanges_total = 0
 
     def update_config(self, scrape_interval_s: float) -> None:
@@ -132,16 +134,11 @@ class SharedLoad:
             async with _aio.timeout(self.op_timeout_s):
                 replies = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as e:
-            if not self._failing:
-                _log.warning("shared_load_unavailable", error=f"{type(e).__name__}: {e}",
-                             effect="routing on this process's own in-flight counts until Redis answers")
-                self._failing = True
+            self._outage.failed(e)
             if self.clock() - self._ok_at > self.expiry_s:
                 self.apply({})
             return False
-        if self._failing:
-            _log.info("shared_load_recovered")
-            self._failing = False
+        self._outage.answered()
         self._ok_at = self.clock()
         self.exchanges_total += 1
         loads = replies[-1] if members else []

@@ -39,6 +39,7 @@ from .. import _aio, log
 from ..keys import Keys
 from ..registry import Instance, Registry
 from ..snapshot import LoadSnapshot
+from .outage import Outage
 
 _log = log.get("routerd.view.scrapes")
 
@@ -130,7 +131,7 @@ class SharedScrapes:
     # the loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
         """Every scrape interval: publish (the scraper) or read and apply (the others)."""
-        failing = False
+        outage = Outage(_log, "shared_scrapes")
         was_scraper = False
         while True:
             started = self.clock()
@@ -146,13 +147,9 @@ class SharedScrapes:
                     else:
                         self._pending.clear()
                         await self.follow()
-                if failing:
-                    _log.info("shared_scrapes_recovered")
-                    failing = False
+                outage.answered()
             except (RedisError, OSError, TimeoutError) as e:
-                if not failing:
-                    _log.warning("shared_scrapes_unavailable", error=f"{type(e).__name__}: {e}")
-                    failing = True
+                outage.failed(e)
             await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
 
     async def publish(self) -> None:

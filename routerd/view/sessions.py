@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from .. import _aio, log
 from ..keys import Keys
+from .outage import Outage
 
 _log = log.get("routerd.view.sessions")
 
@@ -114,7 +115,7 @@ class SharedSessions:
 
     async def run(self) -> None:
         """Write what was noted, one pipeline per batch."""
-        failing = False
+        outage = Outage(_log, "shared_sessions", effect="other processes route this one's sessions anew")
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -128,13 +129,8 @@ class SharedSessions:
             try:
                 async with _aio.timeout(self.op_timeout_s):
                     await pipe.execute()
-                if failing:
-                    _log.info("shared_sessions_recovered")
-                    failing = False
+                outage.answered()
             except (RedisError, OSError, TimeoutError) as e:
-                if not failing:
-                    _log.warning("shared_sessions_unavailable", error=f"{type(e).__name__}: {e}",
-                                 effect="other processes route this one's sessions anew")
-                    failing = True
+                outage.failed(e)
                 for session in pending:  # not written: the session's next turn writes it again
                     self._written.pop(session, None)
