@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= config/routerd.toml
 PYTEST_ARGS ?=
+# pytest's workers (pytest-xdist): most tests wait on processes, sockets and timers, so two share two
+# cores well; the real-engine tests keep to one of them (tests/conftest.py). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: run stop test lint typecheck pytest venv system-deps vllm clean
 
@@ -44,7 +47,7 @@ typecheck: venv
 	$(BIN)/mypy --strict routerd routerd_bench plugins
 
 pytest: venv system-deps
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

@@ -114,7 +114,12 @@ def _config(routerd_config: Callable[..., dict[str, Any]], sim_url: str, redis_u
     redis: dict[str, Any] = {"enabled": True, "url": redis_url, "reclaim_interval_s": 0.5}
     if redis_url != "embedded":  # daemons sharing one Redis each get their own streams
         redis |= {"stream": f"mix{index}:requests", "group": f"mix{index}", "dead_stream": f"mix{index}:dead"}
+    # Up to 15 daemons on one simulated engine, on two cores that other tests share: the subject is
+    # the drain, so a heartbeat or connect slowed by the load must not take the engine out of rotation.
     cfg = routerd_config(daemon={"drain_timeout_s": DRAIN_S}, redis=redis,
+                         routing={"scrape_interval_s": 0.5, "connect_timeout_s": 10.0,
+                                  "circuit_failure_threshold": 50},
+                         health={"heartbeat_timeout_s": 10.0, "failure_threshold": 10},
                          fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim_url]}])
     cfg["daemon"]["state_dir"] += f"-{index}"
     return cfg
