@@ -135,10 +135,10 @@ async def test_a_stall_of_routerd_itself_takes_no_instance_out_of_rotation(
     """routerd's own loop held up longer than ``stale_after_s`` (a starved machine, a long pause) held
     its scrapes up too: their age then says nothing of the engines, which stay in rotation. An engine
     that does stop answering afterwards still leaves rotation on its stale scrapes."""
-    async with static_plane([s.url for s in two_sims], stale_after_s=0.6) as plane:
+    async with static_plane([s.url for s in two_sims], stale_after_s=1.0) as plane:
         with structlog.testing.capture_logs() as logs:
-            time.sleep(2.0)  # noqa: ASYNC251  # the stall itself: routerd's loop does not run
-            await asyncio.sleep(1.5)  # the rotation, the scrapes and the heartbeats run again
+            time.sleep(2.5)  # noqa: ASYNC251  # the stall itself: routerd's loop does not run
+            await asyncio.sleep(2.5)  # the rotation, the scrapes and the heartbeats run again
         assert [e for e in logs if e["event"] == "instance_out_of_rotation"] == []
         assert [i.state for i in plane.registry] == [InstanceState.READY] * 2
         victim = plane.registry.get("f:static0")

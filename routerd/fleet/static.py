@@ -8,7 +8,7 @@ There is nothing to restart, so the rules are:
 * into rotation when ``/health`` answers 200 and a scrape succeeded within ``stale_after_s``;
 * out of rotation when no scrape succeeded for ``stale_after_s`` (its load figure is a guess); it is
   still heartbeaten, and what runs on it goes on. Not right after routerd's own loop was held up:
-  that stall held the scrapes up too, so their age is judged again once one has had time to land;
+  that stall held the scrapes up too, so their age counts again from the end of the stall;
 * failed after ``failure_threshold`` missed heartbeats or a stall (requests running, no new token for
   ``progress_timeout_s``): out of rotation, and every engine call still on it is ended
   (``Instance.lose``): a stream gets the terminal error event at once, instead of waiting
@@ -135,10 +135,11 @@ class StaticHealth:
             now = self.clock()
             if lag > cfg.scrape_interval_s:
                 # This pass ran late: routerd's own loop was held up (CPU starvation, a long pause), and
-                # the scrapes with it — their age says nothing of the engines. Judge staleness again once
-                # a scrape has had a period and its timeout to land, else a stall of routerd would take
-                # every instance out of rotation at once.
-                excused_until = now + cfg.scrape_interval_s + cfg.scrape_timeout_s
+                # the scrapes with it — their age says nothing of the engines. Count it from now, as if
+                # each had just been scraped (and give one scrape at least its period and timeout to
+                # land), else a stall of routerd would take every instance out of rotation at once — and
+                # a machine still loaded after the stall would take out those whose scrape lands late.
+                excused_until = now + max(cfg.stale_after_s, cfg.scrape_interval_s + cfg.scrape_timeout_s)
             probes = []
             for inst in self.instances():
                 if inst.id in self._drained:
