@@ -46,6 +46,7 @@ from .dataplane.admission import Admission
 from .dataplane.dispatch import Dispatch
 from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
+from .elastic import Elastic
 from .file_sd import FileSdWriter
 from .fleet.static import StaticHealth
 from .ingress.http import HttpIngress
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from .view import SharedView
     from .view.admin_relay import AdminRelay
     from .view.fleet_state import FleetView
+    from .view.wake import RelayedElastic
 
 
 class Role(enum.Enum):
@@ -122,6 +124,8 @@ class Routerd:
     # load, scrapes and sessions shared with the other routerd processes on the same Redis (None
     # without Redis)
     view: SharedView | None = None
+    # with Redis and launched fleets: admission's view of fleets at zero, whose wakes go to the controller
+    wake_relay: RelayedElastic | None = None
 
     @property
     def url(self) -> str:
@@ -151,6 +155,8 @@ class Routerd:
             from .ingress.admin import AdminActions
 
             loops["admin_relay"] = self.admin_relay.run(AdminActions(self.fleets, self.static_health).execute)
+            if self.wake_relay is not None:
+                loops["wake_relay"] = self.admin_relay.send_wakes()
         if self.view is not None:
             loops["view"] = self.view.run()
         return loops
@@ -177,6 +183,8 @@ class Routerd:
             self.queue.update_config(cfg)
         if self.fleet_view is not None:
             self.fleet_view.update_config(cfg)
+        if self.wake_relay is not None:
+            self.wake_relay.update_config(cfg)
         self.control.update_config(cfg.control)
         if self.fleets is not None:
             await self.fleets.apply(cfg)
@@ -245,7 +253,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                                 engine_cache=engine_events,
                                 shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
-    elastic = fleets.autoscaler if fleets is not None else None
+    fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
+                                    token=lambda: control.token)
+    elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay, controls)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
@@ -276,8 +286,6 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     collectors.append(control.collector())
     if view is not None:
         collectors.append(view.collector())
-    fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
-                                    token=lambda: control.token)
     if fleet_view is not None:
         collectors.append(fleet_view.collector())
     metrics = Metrics(telemetry, [*collectors, *extra])
@@ -297,7 +305,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
-                   admin_relay=admin_relay, controls=controls, role=role, view=view)
+                   admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay)
 
 
 def _never() -> bool:
@@ -322,6 +330,20 @@ async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coro
             results = await asyncio.gather(task, return_exceptions=True)
         if isinstance(results[0], Exception):
             raise results[0]
+
+
+def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None, relay: AdminRelay | None,
+             controls: Callable[[], bool] | None) -> tuple[Elastic | None, RelayedElastic | None]:
+    """What admission asks of fleets at zero: the autoscaler, alone; with Redis and launched fleets,
+    behind the wake relay, so a request on any process wakes the fleet (the controller starts it)."""
+    local = fleets.autoscaler if fleets is not None else None
+    if relay is None or not launches(cfg):
+        return local, None
+    from .view.wake import RelayedElastic
+
+    wake = RelayedElastic(cfg, registry, local, relay=relay.ask_wake,
+                          controls=controls if controls is not None else (lambda: True))
+    return wake, wake
 
 
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,

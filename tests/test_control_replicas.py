@@ -329,3 +329,34 @@ async def test_the_controller_killed_under_load_no_request_fails_and_no_job_is_l
     finally:
         await client.aclose()
         await redis.aclose()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+async def test_a_request_on_the_follower_wakes_a_fleet_scaled_to_zero(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
+        routerd_config: Any, tmp_path: Path) -> None:
+    """Only the controller starts engines, and its autoscaler sees its own requests: a request on the
+    follower for a fleet at zero used to wait out the waiting room while the fleet stayed at zero. The
+    follower now has the controller wake it (the wake relay), and the request is served."""
+    fleet = {"name": "z", "model": "m", "engine": "sim", "replicas": 0, "num_cpus_per_instance": 0.25,
+             "engine_args": {"max-num-seqs": 4, "ttft-ms": 5, "itl-ms": 3},
+             "autoscale": {"min_replicas": 0, "max_replicas": 1, "scale_down_delay_s": 600.0}}
+    extra: dict[str, Any] = {
+        "ray": {"address": ray_cluster.address, "namespace": f"wake-{uuid.uuid4().hex[:8]}"},
+        "admission": {"waiting_room_s": 60.0}, "fleets": [fleet]}
+    ctl, fol = [await asyncio.to_thread(routerd_process, replica_cfg(
+        routerd_config, tmp_path, name, redis_server.url, stop_engines=True, **extra))
+        for name in ("za", "zb")]
+    async with aiohttp.ClientSession() as s:
+        st = await poll(s, fol, lambda st: st["control"]["controller"] is not None, "a controller")
+        assert st["control"]["controller"]["ident"] == "za", st["control"]
+        async with s.post(f"{fol.url}/v1/completions", json={"model": "m", "prompt": "wake", "max_tokens": 3},
+                          timeout=aiohttp.ClientTimeout(total=90)) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Routerd-Instance"] == "z:0"
+    assert launches(ctl, fol) == {"z:0": 1}
+    assert [e["replicas"] for e in events(ctl, "autoscale_decision") if e["fleet"] == "z"] == [1]
+    for rp in (fol, ctl):
+        rp.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(rp.wait_exit, 90) == 0, rp.log()

@@ -183,6 +183,39 @@ async def test_workers_follow_a_launched_fleet_and_relay_admin_calls_to_the_pare
         assert await eventually(lambda pid=pid: not group_members(pid), 15)
 
 
+
+async def test_a_request_on_a_worker_wakes_a_fleet_scaled_to_zero(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
+        routerd_config: Any) -> None:
+    """The parent controls the fleets and takes no requests: a request on a worker that found the fleet
+    at zero used to wait out the waiting room and get 503 while the fleet stayed at zero. The worker
+    now has the parent start an engine (the wake relay), and the request is served by it."""
+    fleet = {"name": "z", "model": "m", "engine": "sim", "replicas": 0, "num_cpus_per_instance": 0.25,
+             "engine_args": {"max-num-seqs": 4, "ttft-ms": 5, "itl-ms": 3},
+             "autoscale": {"min_replicas": 0, "max_replicas": 1, "scale_down_delay_s": 600.0}}
+    cfg = routerd_config(
+        daemon={"workers": 2, "stop_engines_on_exit": True},
+        redis={"enabled": True, "url": redis_server.url, "consumer": "wz", "block_ms": 200},
+        control={"lease_s": 1.5}, admission={"waiting_room_s": 60.0},
+        ray={"address": ray_cluster.address, "namespace": f"wz-{uuid.uuid4().hex[:8]}"}, fleets=[fleet])
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        for _ in range(4):  # either worker: ready at zero (the fleet starts on demand)
+            async with s.get(f"{rp.url}/readyz") as r:
+                assert r.status == 200, await r.text()
+        assert [v["fleets"]["z"]["instances"] for v in (await worker_views(rp.url)).values()] == [[], []]
+        body = {"model": "m", "prompt": "wake up", "max_tokens": 3}
+        async with s.post(f"{rp.url}/v1/completions", json=body,
+                          timeout=aiohttp.ClientTimeout(total=90)) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Routerd-Instance"] == "z:0"
+            assert r.headers["X-Routerd-Worker"] in ("0", "1")
+    woken = [e for e in events(rp, "autoscale_decision") if e.get("fleet") == "z" and e["replicas"] == 1]
+    assert woken, rp.log()
+    assert all("worker" not in e for e in woken), woken  # the parent started it
+    rp.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(rp.wait_exit, 90) == 0, rp.log()
+
 async def test_placing_an_engine_waits_for_its_group_off_the_event_loop(
         ray_cluster: RayTestCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process's first ``pg.ready()`` held the event loop 0.2 s here, 1.2 s under load — past the

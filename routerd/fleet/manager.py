@@ -464,6 +464,16 @@ class FleetManager:
             return fcfg.autoscale.max_replicas, "its autoscale.max_replicas"
         return MAX_REPLICAS, "the ceiling of a fleet without autoscale bounds"
 
+    def wake(self, fleet: str) -> dict[str, Any]:
+        """Another process's request found ``fleet`` scaled to zero (relayed to the controller): start
+        an instance as for a request of this process's own. ``KeyError`` for a fleet not launched."""
+        fcfg = self.cfg.fleet(fleet)
+        if fcfg is None or fcfg.engine == "static":
+            raise KeyError(fleet)
+        self.control.check()
+        eta = self.autoscaler.wake(fleet)
+        return {"fleet": fleet, "woken": eta is not None, "ready_in_s": eta}
+
     async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
         """Admin: change a fleet's replica count at run time (until the config file changes it, or
         :meth:`unset_replicas`). An autoscaled fleet is pinned there: its policy waits meanwhile."""

@@ -61,6 +61,8 @@ class FleetControl(Protocol):
 
     def max_replicas(self, fleet: str) -> tuple[int, str]: ...
 
+    def wake(self, fleet: str) -> dict[str, Any]: ...
+
 
 class StaticControl(Protocol):
     """What these routes ask of the static fleets' monitor (:class:`routerd.fleet.StaticHealth`)."""
@@ -128,7 +130,7 @@ class AdminActions:
         self.static = static
         self._ops: dict[str, Callable[[str, bytes], Awaitable[Any]]] = {
             "restart": self.restart, "drain": self.drain, "undrain": self.undrain,
-            "replicas": self.replicas, "unpin": self.unpin}
+            "replicas": self.replicas, "unpin": self.unpin, "wake": self.wake}
 
     async def run(self, op: str, target: str, body: bytes) -> Any:
         """The action's JSON answer; raises routerd's errors (a missing instance or fleet: NotFound)."""
@@ -198,3 +200,8 @@ class AdminActions:
     async def unpin(self, fleet: str, raw: bytes) -> Any:
         self.not_static_fleet(fleet)
         return await self.launched(fleet).unset_replicas(fleet)
+
+    async def wake(self, fleet: str, raw: bytes) -> Any:
+        """Not a route: a follower's request found ``fleet`` scaled to zero (AdminRelay.ask_wake)."""
+        self.not_static_fleet(fleet)
+        return self.launched(fleet).wake(fleet)

@@ -4,11 +4,12 @@ through Redis, and nothing else.
 ``control`` is the lease that lets exactly one process at a time control the fleets (launch, adopt,
 restart, scale; its fencing token guards every Ray mutation); the fleet state the controlling process
 publishes and the others follow (:mod:`.fleet_state`), replica counts set at run time
-(:mod:`.replicas`), admin calls carried to the controller (:mod:`.admin_relay`). What every process
+(:mod:`.replicas`), admin calls carried to the controller (:mod:`.admin_relay`) — a request's wake of
+a fleet scaled to zero among them (:mod:`.wake`). What every process
 measures and the others must see (:mod:`.shared`): in-flight requests per instance (:mod:`.load`), the
 engines' scrapes — made once per interval in total, by the controller (:mod:`.scrapes`) — and a
-session's instance (:mod:`.sessions`). Every key comes from :mod:`routerd.keys`; every loop is its
-caller's.
+session's instance (:mod:`.sessions`); their Redis outages are logged once each way (:mod:`.outage`).
+Every key comes from :mod:`routerd.keys`; every loop is its caller's.
 """
 
 from .control import ControlLease, Holder, NotController

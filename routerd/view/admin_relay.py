@@ -14,6 +14,11 @@ it out and the caller waits for its answer in the list :meth:`~routerd.keys.Keys
 as the call may take. So a call is never carried out after its caller said it was not, and never
 twice — also when control changes hands meanwhile (the new controller reads back ``answer_within_s``
 and finds the earlier calls claimed or still waiting).
+
+One call is the data plane's, not an admin's: ``wake``. A request on a follower (or a worker) that
+finds a fleet scaled to zero must start an engine, and only the controller can; :meth:`ask_wake`
+records it without waiting and :meth:`send_wakes` relays it, at most once per ``wake_every_s`` per
+fleet — its requests wait in admission meanwhile, as they do on the controller.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ ANSWER_WITHIN_S = 5.0  # a controller reads its calls within a second; this cove
 _STREAM_MAXLEN = 1000
 _REPLY_TTL_MS = 60_000
 _POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
+WAKE_EVERY_S = 1.0  # the requests waiting for a fleet at zero ask for it on every turn: one call a second
 
 
 class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +83,10 @@ class AdminRelay:
         self.keys = keys
         self.ident = ident
         self.controls = controls
+        self.wake_every_s = WAKE_EVERY_S
+        self._wakes: set[str] = set()  # fleets to wake, not sent yet
+        self._wake_asked = asyncio.Event()
+        self.wakes_relayed = 0
         self.op_timeout_s = op_timeout_s
         self.answer_within_s = answer_within_s
         self._tasks: set[asyncio.Task[None]] = set()
@@ -111,6 +121,34 @@ class AdminRelay:
             return unavailable(f"the controlling routerd took this admin call but did not answer within "
                                f"{wait_s + self.answer_within_s:g}s; it may still be carried out")
         return answer
+
+    def ask_wake(self, fleet: str) -> None:
+        """A request here found ``fleet`` scaled to zero and another process controls: have the
+        controller start an instance (sent by :meth:`send_wakes`; returns at once)."""
+        self._wakes.add(fleet)
+        self._wake_asked.set()
+
+    async def send_wakes(self) -> None:
+        """Relay the fleets :meth:`ask_wake` named, until cancelled: each as a ``wake`` call, then a
+        pause of ``wake_every_s`` (requests still waiting ask again)."""
+        while True:
+            await self._wake_asked.wait()
+            self._wake_asked.clear()
+            fleets, self._wakes = self._wakes, set()
+            for fleet in sorted(fleets):
+                if self.controls():
+                    continue  # ours to start: the local autoscaler has it
+                try:
+                    answer = await self.call("wake", fleet, b"", wait_s=0.0)
+                except Exception:  # noqa: BLE001  # a loop boundary: the next request asks again
+                    _log.exception("fleet_wake_relay_failed", fleet=fleet)
+                    continue
+                if answer.status == 200:
+                    self.wakes_relayed += 1
+                else:
+                    _log.warning("fleet_wake_not_relayed", fleet=fleet, status=answer.status,
+                                 answer=answer.body.decode(errors="replace")[:300])
+            await asyncio.sleep(self.wake_every_s)
 
     async def _answer(self, reply: str, within_s: float) -> AdminAnswer | None:
         deadline = asyncio.get_running_loop().time() + within_s
