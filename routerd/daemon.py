@@ -68,6 +68,8 @@ class Daemon:
         self.worker = worker  # this process is worker ``worker.index`` of a parent daemon
         cfg = self._own(cfg)
         # A worker's sd_notify words go to its parent, which says STOP/FORCE/RELOAD on the same pair.
+        if worker is not None:
+            worker.die_with_parent()  # a SIGKILLed daemon's workers drain and exit
         self._link = worker_link(worker) if worker is not None else None
         if self._link is not None:
             notifier = notifier or Notifier(sock=self._link,
@@ -75,7 +77,7 @@ class Daemon:
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.workers: Workers | None = None  # the parent's workers (``[daemon] workers`` > 1)
-        self._parent_pid = os.getppid()
+        self._parent_pid = worker.parent_pid if worker is not None and worker.parent_pid else os.getppid()
         self.redactor = redactor  # told the secrets of each config loaded by reload
         self.registry = Registry()
         self._stop = asyncio.Event()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -55,22 +56,36 @@ _KILL_WAIT_S = 5.0  # a killed worker is reaped within this
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker is told on its command line: its index, how many times it was started before, the
-    descriptor of its end of the notify pair and those of the listening sockets it serves on."""
+    descriptor of its end of the notify pair, those of the listening sockets it serves on, and its
+    parent's pid."""
 
     index: int
     restarts: int
     notify_fd: int
     listen_fds: tuple[int, ...]
+    parent_pid: int = 0
 
     def arg(self) -> str:
-        return f"{self.index},{self.restarts},{self.notify_fd},{':'.join(map(str, self.listen_fds))}"
+        fds = ":".join(map(str, self.listen_fds))
+        return f"{self.index},{self.restarts},{self.notify_fd},{fds},{self.parent_pid}"
 
     @classmethod
     def parse(cls, arg: str) -> WorkerSpec:
         """The ``--worker`` argument back (ValueError if it is not one: it is the parent's, not a user's)."""
-        index, restarts, notify_fd, fds = arg.split(",")
+        index, restarts, notify_fd, fds, parent_pid = arg.split(",")
         return cls(int(index), int(restarts), int(notify_fd),
-                   tuple(int(fd) for fd in fds.split(":") if fd))
+                   tuple(int(fd) for fd in fds.split(":") if fd), int(parent_pid))
+
+    def die_with_parent(self) -> None:
+        """This worker gets SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), and drains.
+
+        Set here, first thing in the worker, rather than between fork and exec: a ``preexec_fn`` makes
+        the parent fork its whole address space (Ray imported) and held its event loop about 0.19 s per
+        worker started; without one, Python spawns with ``vfork``. A parent that died before this ran
+        is not its parent any more: then the worker ends at once."""
+        die_with_parent()
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def collector(self) -> Collector:
         """``routerd_workers_restarts_total`` on this worker's ``/metrics``: times it was started again."""
@@ -216,12 +231,11 @@ class Workers:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         parent_end.setblocking(False)
         fds = [s.fileno() for s in self.sockets]
-        spec = WorkerSpec(w.index, w.restarts, child_end.fileno(), tuple(fds))
+        spec = WorkerSpec(w.index, w.restarts, child_end.fileno(), tuple(fds), os.getpid())
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "routerd", "run", "--config", self.config_path, "--worker", spec.arg(),
-                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=die_with_parent)  # a SIGKILLed daemon's workers drain and exit
+                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL)
         except BaseException:
             parent_end.close()
             raise

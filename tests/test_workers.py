@@ -46,7 +46,7 @@ def test_workers_config_needs_redis_and_auto_is_the_usable_cores() -> None:
     cfg = config_mod.parse({}, {"ROUTERD_DAEMON_WORKERS": "auto"})
     assert config_mod.worker_count(cfg) == len(os.sched_getaffinity(0))
     assert config_mod.worker_count(config_mod.parse({}, {})) == 1  # the default: one process
-    spec = WorkerSpec(3, 2, 9, (3, 4))
+    spec = WorkerSpec(3, 2, 9, (3, 4), 4242)
     assert WorkerSpec.parse(spec.arg()) == spec
     assert worker_consumer("host-a", 3) == "host-a-w3"
 
