@@ -57,8 +57,14 @@ async def queue_path(cfg: Config, url: str, *, consumer: str | None = None) -> A
 
 
 async def wait_ready(registry: Registry, fleets: list[str], timeout: float) -> None:
+    """Until every instance of ``fleets`` is ready (at least one each): a run that starts with one of
+    several ready sends its first requests there alone (on a loaded machine the others follow late)."""
     deadline = time.monotonic() + timeout
-    while any(registry.ready_count(f) == 0 for f in fleets):
+
+    def waiting(f: str) -> bool:
+        return registry.ready_count(f) == 0 or registry.ready_count(f) < len(registry.instances(f))
+
+    while any(waiting(f) for f in fleets):
         if time.monotonic() > deadline:
             raise TimeoutError("engines did not become ready")
         await asyncio.sleep(0.05)
