@@ -32,6 +32,39 @@ from routerd._table import print_table as print_table  # the benchmarks print wi
 from routerd.config import Config
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f'"{k}" = {_toml_value(x)}' for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def to_toml(cfg: dict[str, Any]) -> str:
+    """A small TOML writer for the configs the benchmarks and the tests write: sections of scalars (lists and
+    inline tables too), plus ``[[fleets]]`` and ``[[tenants]]``."""
+    lines: list[str] = []
+    arrays = ("fleets", "tenants")
+    for section, body in cfg.items():
+        if section in arrays:
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+        lines.append("")
+    for array in arrays:
+        for entry in cfg.get(array, []):
+            lines.append(f"[[{array}]]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in entry.items()]
+            lines.append("")
+    return "\n".join(lines)
+
+
 def quantile(xs: Sequence[float], q: float) -> float:
     """Nearest-rank quantile (``q`` in 0..1) of ``xs``; NaN when empty."""
     if not xs:

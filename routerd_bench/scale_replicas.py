@@ -51,7 +51,7 @@ from routerd.redis_server import EmbeddedRedis
 
 from . import routing
 from . import workloads as wl
-from ._common import Processes, print_table, stop_process, summary
+from ._common import Processes, print_table, stop_process, summary, to_toml
 from .ray_nodes import own_head
 from .restart import RateLoad, child_env, logged, start_routerd
 
@@ -70,26 +70,9 @@ class Replica:
     log_path: Path
 
 
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return "{ " + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items()) + " }"
-
-
 def config_text(sections: dict[str, dict[str, Any]], fleets: Sequence[dict[str, Any]]) -> str:
     """A ``routerd.toml`` from plain sections and ``[[fleets]]`` entries."""
-    lines: list[str] = []
-    for name, body in sections.items():
-        lines += [f"[{name}]", *(f"{k} = {_toml(v)}" for k, v in body.items()), ""]
-    for fleet in fleets:
-        lines += ["[[fleets]]", *(f"{k} = {_toml(v)}" for k, v in fleet.items()), ""]
-    return "\n".join(lines)
+    return to_toml({**sections, "fleets": list(fleets)})
 
 
 def start_replica(run_dir: Path, name: str, redis_url: str, fleets: Sequence[dict[str, Any]],

@@ -7,7 +7,6 @@ one exactly once; a partitioned controller stops controlling before the other st
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -22,7 +21,7 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.fleet.actor import group_members
-from routerd_bench.scale_replicas import fleets_view
+from routerd_bench.scale_replicas import fleets_view, log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
@@ -33,17 +32,7 @@ LEASE_S = 1.5
 
 def events(rp: RouterdProcess, name: str) -> list[dict[str, Any]]:
     """The JSON log lines of ``rp`` whose event is ``name``."""
-    out = []
-    for line in rp.log_path.read_text(errors="replace").splitlines():
-        if f'"{name}"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if rec.get("event") == name:
-            out.append(rec)
-    return out
+    return log_events(rp.log_path, name)
 
 
 def launches(*rps: RouterdProcess) -> Counter[str]:
