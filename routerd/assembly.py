@@ -255,7 +255,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
                                     token=lambda: control.token)
-    elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay, controls)
+    elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
@@ -332,8 +332,8 @@ async def while_controlling(controls: Callable[[], bool], run: Callable[[], Coro
             raise results[0]
 
 
-def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None, relay: AdminRelay | None,
-             controls: Callable[[], bool] | None) -> tuple[Elastic | None, RelayedElastic | None]:
+def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
+             relay: AdminRelay | None) -> tuple[Elastic | None, RelayedElastic | None]:
     """What admission asks of fleets at zero: the autoscaler, alone; with Redis and launched fleets,
     behind the wake relay, so a request on any process wakes the fleet (the controller starts it)."""
     local = fleets.autoscaler if fleets is not None else None
@@ -341,8 +341,7 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None, relay
         return local, None
     from .view.wake import RelayedElastic
 
-    wake = RelayedElastic(cfg, registry, local, relay=relay.ask_wake,
-                          controls=controls if controls is not None else (lambda: True))
+    wake = RelayedElastic(cfg, registry, local, relay=relay.ask_wake, controls=relay.controls)
     return wake, wake
 
 

@@ -453,13 +453,18 @@ class FleetManager:
         await self.registry.wait_idle(inst, timeout_s)
         return {**inst.status(self.registry.clock()), "drained": inst.inflight == 0}
 
+    def _launched(self, fleet: str) -> FleetConfig:
+        """``fleet``'s config; ``KeyError`` unless it is a launched fleet (the admin calls' target)."""
+        fcfg = self.cfg.fleet(fleet)
+        if fcfg is None or fcfg.engine == "static":
+            raise KeyError(fleet)
+        return fcfg
+
     def max_replicas(self, fleet: str) -> tuple[int, str]:
         """The most replicas an admin may ask of a launched fleet, and why: an autoscaled fleet's
         ``max_replicas`` (the ceiling its operator set on its cost), else :data:`MAX_REPLICAS`.
         ``KeyError`` for a fleet that is not launched."""
-        fcfg = self.cfg.fleet(fleet)
-        if fcfg is None or fcfg.engine == "static":
-            raise KeyError(fleet)
+        fcfg = self._launched(fleet)
         if fcfg.autoscale is not None:
             return fcfg.autoscale.max_replicas, "its autoscale.max_replicas"
         return MAX_REPLICAS, "the ceiling of a fleet without autoscale bounds"
@@ -467,9 +472,7 @@ class FleetManager:
     def wake(self, fleet: str) -> dict[str, Any]:
         """Another process's request found ``fleet`` scaled to zero (relayed to the controller): start
         an instance as for a request of this process's own. ``KeyError`` for a fleet not launched."""
-        fcfg = self.cfg.fleet(fleet)
-        if fcfg is None or fcfg.engine == "static":
-            raise KeyError(fleet)
+        self._launched(fleet)
         self.control.check()
         eta = self.autoscaler.wake(fleet)
         return {"fleet": fleet, "woken": eta is not None, "ready_in_s": eta}
@@ -477,9 +480,7 @@ class FleetManager:
     async def set_replicas(self, fleet: str, replicas: int) -> dict[str, Any]:
         """Admin: change a fleet's replica count at run time (until the config file changes it, or
         :meth:`unset_replicas`). An autoscaled fleet is pinned there: its policy waits meanwhile."""
-        fcfg = self.cfg.fleet(fleet)
-        if fcfg is None or fcfg.engine == "static":
-            raise KeyError(fleet)
+        fcfg = self._launched(fleet)
         self.control.check()
         if self.replica_store is not None:  # stored first: a count the next controller would not see is none
             await self.replica_store.set(fcfg, replicas)
@@ -492,9 +493,7 @@ class FleetManager:
 
     async def unset_replicas(self, fleet: str) -> dict[str, Any]:
         """Admin: drop the run-time count: back to the autoscaler (from the pinned count) or the file."""
-        fcfg = self.cfg.fleet(fleet)
-        if fcfg is None or fcfg.engine == "static":
-            raise KeyError(fleet)
+        fcfg = self._launched(fleet)
         self.control.check()
         if self.replica_store is not None:
             await self.replica_store.unset(fleet)

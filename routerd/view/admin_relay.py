@@ -17,7 +17,7 @@ and finds the earlier calls claimed or still waiting).
 
 One call is the data plane's, not an admin's: ``wake``. A request on a follower (or a worker) that
 finds a fleet scaled to zero must start an engine, and only the controller can; :meth:`ask_wake`
-records it without waiting and :meth:`send_wakes` relays it, at most once per ``wake_every_s`` per
+records it without waiting and :meth:`send_wakes` relays it, at most once per ``WAKE_EVERY_S`` per
 fleet — its requests wait in admission meanwhile, as they do on the controller.
 """
 
@@ -83,10 +83,8 @@ class AdminRelay:
         self.keys = keys
         self.ident = ident
         self.controls = controls
-        self.wake_every_s = WAKE_EVERY_S
         self._wakes: set[str] = set()  # fleets to wake, not sent yet
         self._wake_asked = asyncio.Event()
-        self.wakes_relayed = 0
         self.op_timeout_s = op_timeout_s
         self.answer_within_s = answer_within_s
         self._tasks: set[asyncio.Task[None]] = set()
@@ -130,7 +128,7 @@ class AdminRelay:
 
     async def send_wakes(self) -> None:
         """Relay the fleets :meth:`ask_wake` named, until cancelled: each as a ``wake`` call, then a
-        pause of ``wake_every_s`` (requests still waiting ask again)."""
+        pause of :data:`WAKE_EVERY_S` (requests still waiting ask again)."""
         while True:
             await self._wake_asked.wait()
             self._wake_asked.clear()
@@ -143,12 +141,10 @@ class AdminRelay:
                 except Exception:  # noqa: BLE001  # a loop boundary: the next request asks again
                     _log.exception("fleet_wake_relay_failed", fleet=fleet)
                     continue
-                if answer.status == 200:
-                    self.wakes_relayed += 1
-                else:
+                if answer.status != 200:
                     _log.warning("fleet_wake_not_relayed", fleet=fleet, status=answer.status,
                                  answer=answer.body.decode(errors="replace")[:300])
-            await asyncio.sleep(self.wake_every_s)
+            await asyncio.sleep(WAKE_EVERY_S)
 
     async def _answer(self, reply: str, within_s: float) -> AdminAnswer | None:
         deadline = asyncio.get_running_loop().time() + within_s
