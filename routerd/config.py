@@ -247,6 +247,7 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
 def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
     """``env:VAR`` API keys replaced by their values (read once, at load); every key form checked."""
     from .apikeys import KeyFormError, key_digest, resolve_env
+    from .trust import MIN_SECRET_CHARS
 
     problems: list[str] = []
 
@@ -265,7 +266,17 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
     http = msgspec.structs.replace(cfg.http, api_keys=resolved(cfg.http.api_keys, "$.http.api_keys"))
     tenants = [msgspec.structs.replace(t, api_keys=resolved(t.api_keys, f"$.tenants[{i}].api_keys"))
                for i, t in enumerate(cfg.tenants)]
-    return msgspec.structs.replace(cfg, http=http, tenants=tenants), problems
+    control = cfg.control
+    if control.secret:
+        try:
+            control = msgspec.structs.replace(control, secret=resolve_env(control.secret, environ))
+        except KeyFormError as e:
+            problems.append(f"$.control.secret: {e}")
+        else:
+            if len(control.secret) < MIN_SECRET_CHARS:
+                problems.append(f"$.control.secret: at least {MIN_SECRET_CHARS} characters "
+                                "(e.g. `openssl rand -hex 32`)")
+    return msgspec.structs.replace(cfg, http=http, tenants=tenants, control=control), problems
 
 
 def _tenant_problems(cfg: Config) -> list[str]:
@@ -363,7 +374,7 @@ def secret_values(cfg: Config) -> list[str]:
     """Every secret value ``cfg`` holds, for :meth:`routerd.redact.Redactor.learn`. Here, beside the
     schema, so a new secret key is listed where it is declared (and the redactor needs no config)."""
     found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
-             _userinfo_password(cfg.redis.url) or ""]
+             _userinfo_password(cfg.redis.url) or "", cfg.control.secret]
     found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:
         found += [_userinfo_password(u) or "" for u in fleet.urls]

@@ -256,6 +256,10 @@ class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # How long a controller that stops renewing keeps the lease; it renews every lease_s / 3 and stops
     # controlling lease_s / 10 before the lease can pass to another. 0.3 s .. 1 hour.
     lease_s: Annotated[float, Meta(ge=0.3, le=3_600)] = 5.0
+    # The shared secret that seals what routerd processes exchange through Redis and from which the
+    # launched engines' API key is derived (routerd/trust.py): plain or "env:VAR", at least 16 characters.
+    # "" → generated once into <state_dir>/secret (fine for one host; replicas on several hosts need one).
+    secret: str = ""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
