@@ -68,8 +68,12 @@ def _capacity(i: dict[str, Any]) -> str:
 
 
 def _hit(i: dict[str, Any]) -> str:
-    """Prefix-cache hit ratio, the engine's then routerd's prediction: ``0.62/0.60``."""
+    """Prefix-cache hit ratio, the engine's then routerd's prediction: ``0.62/0.60`` (``0.62/~0.60``:
+    predicted over prompt sizes estimated from bytes, a fleet routerd does not key)."""
     engine, predicted = i.get("prefix_hit_ratio"), i.get("predicted_prefix_hit_ratio")
+    estimated = i.get("estimated_prefix_hit_ratio")
+    if predicted is None and estimated is not None:
+        return ("-" if engine is None else f"{engine:.2f}") + f"/~{estimated:.2f}"
     if engine is None and predicted is None:
         return "-"
     return "/".join("-" if v is None else f"{v:.2f}" for v in (engine, predicted))

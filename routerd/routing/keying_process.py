@@ -6,12 +6,12 @@ In a thread (:func:`routerd.routing.engine_keys.keys_for`) the block hashing han
 worker process; the loop pays for sending the parsed head and receiving the keys (a few hundred
 microseconds for 8k tokens). The worker builds each fleet's keyer once from its ``spec``
 (:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
-``timeout_s``, makes :meth:`KeyingProcess.keys` return None — the caller keys in a thread instead — and
+``timeout_s``, makes :meth:`KeyingProcess.keyed` return None — the caller keys in a thread instead — and
 the first call after ``restart_backoff_s`` starts a new worker.
 
 A worker takes seconds to start (a spawned interpreter importing routerd and building its keyers), so
 no request waits for that: :meth:`KeyingProcess.start` begins it (routerd's start-up calls it), and until
-it is ready — and after it died, while the next one starts — :meth:`KeyingProcess.keys` answers None at
+it is ready — and after it died, while the next one starts — :meth:`KeyingProcess.keyed` answers None at
 once and the request is keyed in a thread, as if there were no worker.
 """
 
@@ -61,12 +61,12 @@ def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
         _log.info("keying_process_ready", fleets=fleets, start_s=round(time.monotonic() - started, 3))
 
 
-def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
-                 hittable: bool) -> tuple[int, ...] | None:
+def _worker_keyed(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
+                  hittable: bool) -> engine_keys.Keyed | None:
     keyer = _worker_keyers.get(fleet)
     if keyer is None:
         return None
-    return engine_keys.keys(keyer, head, block_size, root, hittable=hittable)
+    return engine_keys.keyed(keyer, head, block_size, root, hittable=hittable)
 
 
 class KeyingProcess:
@@ -106,12 +106,13 @@ class KeyingProcess:
 
     @property
     def ready(self) -> bool:
-        """Whether the worker is up: :meth:`keys` hands it work only then."""
+        """Whether the worker is up: :meth:`keyed` hands it work only then."""
         return self._ready is not None and self._ready.done() and not self._ready.exception()
 
-    async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-                   hittable: bool = False) -> tuple[int, ...] | None:
-        """The keys, computed in the worker; None when it could not (the caller keys in a thread)."""
+    async def keyed(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+                    hittable: bool = False) -> engine_keys.Keyed | None:
+        """The keys and the prompt's tokens (:func:`~routerd.routing.engine_keys.keyed`), computed in
+        the worker; None when it could not (the caller keys in a thread)."""
         if fleet not in self.specs or (self._pool is None and time.monotonic() < self._restart_at):
             return None
         pool, ready = self._start()
@@ -119,7 +120,7 @@ class KeyingProcess:
             return None  # still starting: this request is keyed in a thread
         try:
             ready.result()  # raises what broke the start
-            future = pool.submit(_worker_keys, fleet, head, block_size, root, hittable)
+            future = pool.submit(_worker_keyed, fleet, head, block_size, root, hittable)
             async with asyncio.timeout(self.timeout_s):
                 return await asyncio.wrap_future(future)
         except (BrokenProcessPool, TimeoutError, OSError) as e:
