@@ -5,6 +5,7 @@ through a restart on new ports — on real sim-engine processes started from the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -14,22 +15,25 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from routerd_builtin.launchers import SimLauncher, VllmLauncher
 
+from routerd._net import free_port
 from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing import kv_hash
-from routerd.routing.engine_events import EngineEvents, connect_endpoint
+from routerd.routing.engine_events import EngineEvents, EngineEventsCollector, connect_endpoint
 from routerd.routing.kv_events import ViewHealth
 from routerd.sim_tokens import token_ids
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.sim import REPO, SimEngineFactory, SimProcessFactory, _wait_healthy
+from tests.fixtures.vllm import parse_metrics
 
 ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
 
 
-def _keys(prompt: str) -> list[int]:
-    return kv_hash.block_keys(token_ids(prompt.split()), 16, ROOT)
+def _keys(prompt: str, root: bytes = ROOT) -> list[int]:
+    return kv_hash.block_keys(token_ids(prompt.split()), 16, root)
 
 
 async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys() -> None:
@@ -105,8 +109,6 @@ async def _send(url: str, prompt: str) -> None:
 
 
 async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(launched: Launched) -> None:
-    from routerd._net import free_port
-
     port = free_port()
     await launched.start(port)
     registry = Registry()
@@ -141,6 +143,135 @@ async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(la
             task.cancel()
             await asyncio.wait([task])
     assert events.views("f:0") == []
+
+
+class Counters:
+    """``routerd_kv_events_{batches,restarts}_total`` of one instance's rank 0 as ``/metrics`` exposes
+    them, sampled every 20 ms for as long as the test runs: a counter must never go back."""
+
+    def __init__(self, events: EngineEvents, instance: str) -> None:
+        self.prom = CollectorRegistry(auto_describe=False)
+        self.prom.register(EngineEventsCollector(events))
+        self.instance = instance
+        self.samples: list[tuple[float, float]] = []
+        self.task = asyncio.create_task(self._sample())
+
+    def read(self) -> tuple[float, float] | None:
+        metrics = parse_metrics(generate_latest(self.prom).decode())
+        try:
+            return tuple(metrics[f"routerd_kv_events_{name}_total"].value(instance=self.instance, rank="0")
+                         for name in ("batches", "restarts"))  # type: ignore[return-value]  # two names
+        except KeyError:
+            return None  # no series yet
+
+    async def _sample(self) -> None:
+        while True:
+            got = self.read()
+            if got is not None:
+                self.samples.append(got)
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.wait([self.task])
+
+    def assert_monotonic(self) -> None:
+        for (b0, r0), (b1, r1) in itertools.pairwise(self.samples):
+            assert b1 >= b0, f"batches_total went back: {b0} -> {b1}"
+            assert r1 >= r0, f"restarts_total went back: {r0} -> {r1}"
+
+
+async def test_kv_event_counters_go_on_through_engine_restarts(launched: Launched) -> None:
+    """A launched engine restarted twice, each time on new event ports (a new generation): once out of
+    rotation meanwhile, as the fleet manager restarts one, once while the instance stays ready.
+    ``restarts_total`` counts both and ``batches_total`` never goes back (issue 26: it started again
+    from 0 under the same labels, and restarts stayed 0)."""
+    port = free_port()
+    await launched.start(port)
+    registry = Registry()
+    inst = registry.add(Instance(id="f:0", fleet="f", url=launched.url, state=InstanceState.READY))
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
+        task = asyncio.create_task(events.run(interval_s=0.1))
+        counters = Counters(events, "f:0")
+        try:
+            for n, prompt in enumerate(("the router sends a request to the engine " * 6,
+                                        "many users and each replica answers a batch " * 6,
+                                        "an engine that restarted holds nothing at all " * 6)):
+                if n:
+                    if n == 1:
+                        registry.set_state(inst, InstanceState.STARTING)
+                    await asyncio.to_thread(launched.stop)
+                    await launched.start(port)
+                    inst.generation += 1
+                    registry.set_state(inst, InstanceState.READY)
+                    registry.notify()
+                before = counters.read()
+                await _send(launched.url, prompt)
+                keys = _keys(prompt)
+                assert await eventually(lambda k=keys: events.match("f:0", k) == len(k), 15), n  # type: ignore[misc]
+                assert await eventually(lambda b=before: (now := counters.read()) is not None
+                                        and (b is None or now[0] > b[0]), 15), n  # type: ignore[misc]
+            batches, restarts = counters.read() or (0.0, 0.0)
+            assert restarts == 2
+            assert batches >= 3  # one at least per engine
+            assert events.status("f:0")["event_ranks"][0]["restarts"] == 2
+        finally:
+            await counters.stop()
+            task.cancel()
+            await asyncio.wait([task])
+    counters.assert_monotonic()
+
+
+async def test_an_engine_restarted_out_of_rotation_is_counted_by_the_next_subscription(
+        sim_process: SimProcessFactory) -> None:
+    """A static engine started again on the same ports while its instance was out of rotation (failed
+    heartbeats): no subscription saw its seq go back, the next one finds it; an instance out of
+    rotation and back with the same engine is not a restart."""
+    http, pub, rep = free_port(), free_port(), free_port()
+    kv = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
+                     "replay_endpoint": f"tcp://127.0.0.1:{rep}"})
+    first = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+    registry = Registry()
+    inst = registry.add(Instance(id="f:static0", fleet="f", url=first.url, static=True,
+                                 state=InstanceState.READY))
+    # this process's sim processes seed their block hashes as it is seeded (as vLLM does)
+    root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+    old, new = (_keys(p, root) for p in ("the router sends a request to the engine " * 6,
+                                         "many users and each replica answers a batch " * 6))
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
+        task = asyncio.create_task(events.run(interval_s=0.1))
+        counters = Counters(events, "f:static0")
+
+        async def out_and_back(restart: bool) -> None:
+            registry.set_state(inst, InstanceState.UNHEALTHY)  # the health monitor's verdict
+            assert await eventually(lambda: events.views("f:static0") == [], 15)
+            if restart:
+                await asyncio.to_thread(first.stop)
+                await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+            registry.set_state(inst, InstanceState.READY)
+            assert await eventually(lambda: len(events.views("f:static0")) == 1, 15)
+
+        try:
+            await _send(first.url, "the router sends a request to the engine " * 6)
+            assert await eventually(lambda: events.match("f:static0", old) == len(old), 15)
+            await out_and_back(restart=True)
+            await _send(first.url, "many users and each replica answers a batch " * 6)
+            assert await eventually(lambda: events.match("f:static0", new) == len(new), 15)
+            assert events.match("f:static0", old) == 0
+            assert counters.read() is not None
+            assert events.status("f:static0")["event_ranks"][0]["restarts"] == 1
+            await out_and_back(restart=False)
+            # the same engine: its history replayed into the new view, and no restart counted
+            assert await eventually(lambda: events.match("f:static0", new) == len(new), 15)
+            assert events.status("f:static0")["event_ranks"][0]["restarts"] == 1
+        finally:
+            await counters.stop()
+            task.cancel()
+            await asyncio.wait([task])
+    counters.assert_monotonic()
+    assert counters.samples[-1][1] == 1
 
 
 async def test_an_engine_without_events_stays_on_the_model(sim_engine: SimEngineFactory) -> None:
