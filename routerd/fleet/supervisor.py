@@ -245,7 +245,9 @@ class Supervisor:
     def _renew(self, info: dict[str, Any]) -> None:
         """A new engine generation gets a new registry Instance, so nothing of the old engine's —
         its scrape snapshot and token counters, its circuit-breaker failures, its in-flight count —
-        is held against the fresh one. Requests still holding the old object finish against it."""
+        is held against the fresh one. Requests still holding the old object finish against it. What
+        ``/metrics`` exposes as the instance's counters (restarts, failed scrapes) goes on: a counter
+        under the same labels never goes back."""
         slot = self.slot
         slot.info = info
         old = slot.inst
@@ -253,8 +255,8 @@ class Supervisor:
         if old.generation and int(info["generation"]) != old.generation:
             inst = Instance(id=old.id, fleet=old.fleet, url=info["url"], capacity_hint=old.capacity_hint,
                             launch_capacity=old.launch_capacity,
-                            restarts=old.restarts, state=InstanceState.STARTING,
-                            state_reason=old.state_reason)
+                            restarts=old.restarts, scrape_errors_total=old.scrape_errors_total,
+                            state=InstanceState.STARTING, state_reason=old.state_reason)
             self.registry.add(inst)
             slot.inst = inst
         apply_info(slot.inst, info)
