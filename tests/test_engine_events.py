@@ -108,43 +108,6 @@ async def _send(url: str, prompt: str) -> None:
         assert r.status == 200
 
 
-async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(launched: Launched) -> None:
-    port = free_port()
-    await launched.start(port)
-    registry = Registry()
-    inst = registry.add(Instance(id="f:0", fleet="f", url=launched.url, state=InstanceState.STARTING))
-    async with aiohttp.ClientSession() as session:
-        events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
-        task = asyncio.create_task(events.run(interval_s=0.1))
-        try:
-            assert events.match("f:0", [1]) is None  # not ready: not subscribed
-            registry.set_state(inst, InstanceState.READY)
-            assert await eventually(lambda: events.status("f:0")["cache_view"] == "events", 15)
-            first = "the router sends a request to the engine " * 6
-            await _send(launched.url, first)
-            keys = _keys(first)
-            assert await eventually(lambda: events.match("f:0", keys) == len(keys), 15)
-            assert events.block_size("f:0") == 16
-            # The engine restarts (new event ports, chosen by the launcher again); the fleet manager
-            # counts a new generation.
-            await asyncio.to_thread(launched.stop)
-            await launched.start(port)
-            inst.generation += 1
-            registry.notify()
-            second = "many users and each replica answers a batch " * 6
-            await _send(launched.url, second)
-            assert await eventually(lambda: events.match("f:0", _keys(second)) == len(_keys(second)), 15)
-            assert events.match("f:0", keys) == 0  # the old engine's blocks are gone with it
-            rank = events.status("f:0")["event_ranks"][0]
-            assert rank["health"] == ViewHealth.COMPLETE.value
-            registry.remove("f:0")
-            assert await eventually(lambda: events.status("f:0")["cache_view"] == "model", 5)
-        finally:
-            task.cancel()
-            await asyncio.wait([task])
-    assert events.views("f:0") == []
-
-
 class Counters:
     """``routerd_kv_events_{batches,restarts}_total`` of one instance's rank 0 as ``/metrics`` exposes
     them, sampled every 20 ms for as long as the test runs: a counter must never go back."""
@@ -159,10 +122,12 @@ class Counters:
     def read(self) -> tuple[float, float] | None:
         metrics = parse_metrics(generate_latest(self.prom).decode())
         try:
-            return tuple(metrics[f"routerd_kv_events_{name}_total"].value(instance=self.instance, rank="0")
-                         for name in ("batches", "restarts"))  # type: ignore[return-value]  # two names
+            batches, restarts = (metrics[f"routerd_kv_events_{name}_total"].value(instance=self.instance,
+                                                                                 rank="0")
+                                 for name in ("batches", "restarts"))
         except KeyError:
             return None  # no series yet
+        return batches, restarts
 
     async def _sample(self) -> None:
         while True:
@@ -181,45 +146,63 @@ class Counters:
             assert r1 >= r0, f"restarts_total went back: {r0} -> {r1}"
 
 
-async def test_kv_event_counters_go_on_through_engine_restarts(launched: Launched) -> None:
-    """A launched engine restarted twice, each time on new event ports (a new generation): once out of
-    rotation meanwhile, as the fleet manager restarts one, once while the instance stays ready.
-    ``restarts_total`` counts both and ``batches_total`` never goes back (issue 26: it started again
-    from 0 under the same labels, and restarts stayed 0)."""
+async def test_each_ready_engine_is_subscribed_and_followed_through_restarts(launched: Launched) -> None:
+    """Subscribed once ready; a restart (new event ports: a new generation) is followed, whether the
+    instance stayed ready or left rotation meanwhile, as the fleet manager restarts one — each counted in
+    ``restarts_total``, and ``batches_total`` never goes back (issue 26: it started again from 0 under
+    the same labels, and restarts stayed 0)."""
     port = free_port()
     await launched.start(port)
     registry = Registry()
-    inst = registry.add(Instance(id="f:0", fleet="f", url=launched.url, state=InstanceState.READY))
+    inst = registry.add(Instance(id="f:0", fleet="f", url=launched.url, state=InstanceState.STARTING))
     async with aiohttp.ClientSession() as session:
         events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
         task = asyncio.create_task(events.run(interval_s=0.1))
         counters = Counters(events, "f:0")
+
+        async def served(prompt: str) -> list[int]:
+            before = counters.read()
+            await _send(launched.url, prompt)
+            keys = _keys(prompt)
+            assert await eventually(lambda: events.match("f:0", keys) == len(keys), 15)
+            assert await eventually(lambda: (now := counters.read()) is not None
+                                    and (before is None or now[0] > before[0]), 15)
+            return keys
+
         try:
-            for n, prompt in enumerate(("the router sends a request to the engine " * 6,
-                                        "many users and each replica answers a batch " * 6,
-                                        "an engine that restarted holds nothing at all " * 6)):
-                if n:
-                    if n == 1:
-                        registry.set_state(inst, InstanceState.STARTING)
-                    await asyncio.to_thread(launched.stop)
-                    await launched.start(port)
-                    inst.generation += 1
-                    registry.set_state(inst, InstanceState.READY)
-                    registry.notify()
-                before = counters.read()
-                await _send(launched.url, prompt)
-                keys = _keys(prompt)
-                assert await eventually(lambda k=keys: events.match("f:0", k) == len(k), 15), n  # type: ignore[misc]
-                assert await eventually(lambda b=before: (now := counters.read()) is not None
-                                        and (b is None or now[0] > b[0]), 15), n  # type: ignore[misc]
+            assert events.match("f:0", [1]) is None  # not ready: not subscribed
+            registry.set_state(inst, InstanceState.READY)
+            assert await eventually(lambda: events.status("f:0")["cache_view"] == "events", 15)
+            first = await served("the router sends a request to the engine " * 6)
+            assert events.block_size("f:0") == 16
+            # The engine restarts (new event ports, chosen by the launcher again); the fleet manager
+            # counts a new generation.
+            await asyncio.to_thread(launched.stop)
+            await launched.start(port)
+            inst.generation += 1
+            registry.notify()
+            await served("many users and each replica answers a batch " * 6)
+            assert events.match("f:0", first) == 0  # the old engine's blocks are gone with it
+            rank = events.status("f:0")["event_ranks"][0]
+            assert rank["health"] == ViewHealth.COMPLETE.value
+            # Again, out of rotation meanwhile (as the fleet manager restarts an engine).
+            registry.set_state(inst, InstanceState.STARTING)
+            await asyncio.to_thread(launched.stop)
+            await launched.start(port)
+            inst.generation += 1
+            registry.set_state(inst, InstanceState.READY)
+            await served("an engine that restarted holds nothing at all " * 6)
             batches, restarts = counters.read() or (0.0, 0.0)
             assert restarts == 2
             assert batches >= 3  # one at least per engine
             assert events.status("f:0")["event_ranks"][0]["restarts"] == 2
+            registry.remove("f:0")
+            assert await eventually(lambda: events.status("f:0")["cache_view"] == "model", 5)
         finally:
             await counters.stop()
             task.cancel()
             await asyncio.wait([task])
+    assert events.views("f:0") == []
     counters.assert_monotonic()
 
 
