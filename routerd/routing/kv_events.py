@@ -103,11 +103,13 @@ class _Applied:
     order: deque[int] = field(default_factory=deque)
     digests: dict[int, int] = field(default_factory=dict)
 
-    def add(self, seq: int, payload: bytes) -> None:
-        self.digests[seq] = zlib.crc32(payload)
+    def add(self, seq: int, payload: bytes) -> int:
+        """Remember ``payload`` as applied at ``seq``; returns its digest."""
+        crc = self.digests[seq] = zlib.crc32(payload)
         self.order.append(seq)
         while len(self.order) > self.size:
             self.digests.pop(self.order.popleft(), None)
+        return crc
 
     def seen(self, seq: int, payload: bytes) -> bool:
         return self.digests.get(seq) == zlib.crc32(payload)
@@ -223,7 +225,7 @@ class KvEventSubscriber:
 
     def _apply(self, batch: EventBatch, payload: bytes) -> None:
         self.sink.apply(batch)
-        self._applied.add(batch.seq, payload)
+        crc = self._applied.add(batch.seq, payload)
         self._next = batch.seq + 1
         self._stale = False
         if any(isinstance(e, AllBlocksCleared) for e in batch.events):
@@ -233,7 +235,7 @@ class KvEventSubscriber:
         s.events += len(batch.events)
         s.skipped_events += batch.skipped
         s.last_seq = batch.seq
-        s.last_crc = zlib.crc32(payload)
+        s.last_crc = crc
         s.last_event_ts = batch.ts
         s.last_heard = self._clock()
 
