@@ -404,3 +404,20 @@ def test_status_shows_where_the_cache_picture_comes_from() -> None:
     assert " events+2 " in row({"cache_view": "events", "event_ranks": ranks})
     assert " events:partial " in row({"cache_view": "events", "event_ranks": [{"health": "partial"}]})
     assert " model " in row({"cache_view": "model", "events_error": "the engine publishes no KV events"})
+
+
+def test_status_tells_a_predicted_hit_ratio_from_an_estimated_one() -> None:
+    """``HIT`` is the engine's ratio, then routerd's: ``~`` marks one over prompt sizes estimated from
+    bytes (a fleet routerd does not key), never to be read as exact."""
+    from routerd.status import render
+
+    def hit(**ratios: float) -> str:
+        inst = {"id": "f:0", "state": "ready", **ratios}
+        line = next(x for x in render({"fleets": {"f": {"instances": [inst]}}}).splitlines()
+                    if x.startswith("f:0"))
+        return line
+
+    assert " 0.75/0.75 " in hit(prefix_hit_ratio=0.75, predicted_prefix_hit_ratio=0.75)
+    assert " 0.75/~0.80 " in hit(prefix_hit_ratio=0.75, estimated_prefix_hit_ratio=0.80)
+    assert " -/~0.80 " in hit(estimated_prefix_hit_ratio=0.80)
+    assert " 0.75/- " in hit(prefix_hit_ratio=0.75)
