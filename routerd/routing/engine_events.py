@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 _log = log.get("routerd.routing.engine_events")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+_MAX_STREAMS = 4096  # instances whose counters are kept; past it, those of instances gone are dropped
 
 
 def connect_endpoint(published: str, engine_url: str) -> str:
@@ -110,8 +111,8 @@ class EngineEvents:
         self.replay_timeout_s = replay_timeout_s
         self.clock = clock
         self._engines: dict[str, _Engine] = {}
-        # instance → its streams; kept after the instance leaves (bounded by the ids a config can name),
-        # so that one coming back under the same id goes on counting where it left off
+        # instance → its streams; kept after the instance leaves, so that one coming back under the same
+        # id goes on counting where it left off (ids are a config's fleets × indexes: few; bounded anyway)
         self._streams: dict[str, _Stream] = {}
 
     # ---- what routing and status read -------------------------------------------------------------
@@ -201,6 +202,9 @@ class EngineEvents:
                   if i.state is InstanceState.READY and (self.fleets is None or i.fleet in self.fleets)}
         for iid in [k for k in self._engines if k not in wanted]:
             await self._drop(iid)
+        if len(self._streams) > _MAX_STREAMS:
+            for iid in [k for k in self._streams if self.registry.get(k) is None]:
+                del self._streams[iid]
         asks: list[tuple[str, Coroutine[Any, Any, None]]] = []
         for iid, inst in wanted.items():
             e = self._engines.get(iid)
