@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from routerd_builtin.launchers import SimLauncher, VllmLauncher
 
@@ -209,52 +210,72 @@ async def test_each_ready_engine_is_subscribed_and_followed_through_restarts(lau
 async def test_an_engine_restarted_out_of_rotation_is_counted_by_the_next_subscription(
         sim_process: SimProcessFactory) -> None:
     """A static engine started again on the same ports while its instance was out of rotation (failed
-    heartbeats): no subscription saw its seq go back, the next one finds it; an instance out of
-    rotation and back with the same engine is not a restart."""
+    heartbeats): no subscription saw its seq go back; the next one finds the restart — whether the new
+    engine has already published past where the last subscription left the stream (other content at
+    that seq) or nothing yet. An instance out of rotation and back with the same engine is not a
+    restart."""
     http, pub, rep = free_port(), free_port(), free_port()
     kv = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
                      "replay_endpoint": f"tcp://127.0.0.1:{rep}"})
-    first = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+    engine = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
     registry = Registry()
-    inst = registry.add(Instance(id="f:static0", fleet="f", url=first.url, static=True,
+    inst = registry.add(Instance(id="f:static0", fleet="f", url=engine.url, static=True,
                                  state=InstanceState.READY))
     # this process's sim processes seed their block hashes as it is seeded (as vLLM does)
     root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
-    old, new = (_keys(p, root) for p in ("the router sends a request to the engine " * 6,
-                                         "many users and each replica answers a batch " * 6))
+    prompts = [f"conversation {n} of many users and each replica answers a batch " * 4 for n in range(4)]
+    keys = [_keys(p, root) for p in prompts]
     async with aiohttp.ClientSession() as session:
         events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
         task = asyncio.create_task(events.run(interval_s=0.1))
         counters = Counters(events, "f:static0")
 
-        async def out_and_back(restart: bool) -> None:
+        def restarts() -> int:
+            return int(events.status("f:static0")["event_ranks"][0]["restarts"])
+
+        async def out_and_back(restart: bool, served_meanwhile: list[str]) -> None:
+            nonlocal engine
             registry.set_state(inst, InstanceState.UNHEALTHY)  # the health monitor's verdict
             assert await eventually(lambda: events.views("f:static0") == [], 15)
             if restart:
-                await asyncio.to_thread(first.stop)
-                await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+                await asyncio.to_thread(engine.stop)
+                engine = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+            for prompt in served_meanwhile:  # the engine serves others while out of routerd's rotation
+                await _send(engine.url, prompt)
             registry.set_state(inst, InstanceState.READY)
             assert await eventually(lambda: len(events.views("f:static0")) == 1, 15)
 
+        def holds(n: int) -> bool:
+            return events.match("f:static0", keys[n]) == len(keys[n])
+
         try:
-            await _send(first.url, "the router sends a request to the engine " * 6)
-            assert await eventually(lambda: events.match("f:static0", old) == len(old), 15)
-            await out_and_back(restart=True)
-            await _send(first.url, "many users and each replica answers a batch " * 6)
-            assert await eventually(lambda: events.match("f:static0", new) == len(new), 15)
-            assert events.match("f:static0", old) == 0
-            assert counters.read() is not None
-            assert events.status("f:static0")["event_ranks"][0]["restarts"] == 1
-            await out_and_back(restart=False)
-            # the same engine: its history replayed into the new view, and no restart counted
-            assert await eventually(lambda: events.match("f:static0", new) == len(new), 15)
-            assert events.status("f:static0")["event_ranks"][0]["restarts"] == 1
+            with structlog.testing.capture_logs() as logs:
+                await _send(engine.url, prompts[0])
+                assert await eventually(lambda: holds(0), 15)
+                # restarted, and it has published as much as the first engine had, and more, meanwhile
+                await out_and_back(restart=True, served_meanwhile=prompts[1:3])
+                assert await eventually(lambda: holds(1) and holds(2), 15)
+                assert events.match("f:static0", keys[0]) == 0
+                assert restarts() == 1
+                # restarted, and idle: it has published nothing
+                await out_and_back(restart=True, served_meanwhile=[])
+                assert restarts() == 2
+                await _send(engine.url, prompts[3])
+                assert await eventually(lambda: holds(3), 15)
+                # out of rotation and back, the same engine: its history replayed, no restart counted
+                await out_and_back(restart=False, served_meanwhile=[])
+                assert await eventually(lambda: holds(3), 15)
+                assert restarts() == 2
+            found = [(e["left_at"], e["found"]) for e in logs if e["event"] == "kv_event_engine_restarted"]
+            assert len(found) == 2, found
+            assert found[0][1] >= found[0][0], found  # the first by its content, not its seq
+            assert found[1][1] is None, found  # the second: nothing published
         finally:
             await counters.stop()
             task.cancel()
             await asyncio.wait([task])
     counters.assert_monotonic()
-    assert counters.samples[-1][1] == 1
+    assert counters.samples[-1][1] == 2
 
 
 async def test_an_engine_without_events_stays_on_the_model(sim_engine: SimEngineFactory) -> None:
