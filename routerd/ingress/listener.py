@@ -29,6 +29,7 @@ from types import TracebackType
 from aiohttp import web
 
 from .. import log
+from .._net import server_tls
 from ..errors import ShuttingDown
 from ._connections import ClientConnection
 from .http import ExtraRoutes, HttpIngress
@@ -94,11 +95,11 @@ def bind_sockets(host: str, port: int, backlog: int = 1024) -> list[socket.socke
     return sockets
 
 
-def _url(address: object) -> str:
+def _url(address: object, scheme: str = "http") -> str:
     if isinstance(address, tuple):
         host = str(address[0])
-        return f"http://[{host}]:{address[1]}" if ":" in host else f"http://{host}:{address[1]}"
-    return f"http+unix://{address!s}"
+        return f"{scheme}://[{host}]:{address[1]}" if ":" in host else f"{scheme}://{host}:{address[1]}"
+    return f"{scheme}+unix://{address!s}"
 
 
 class HttpListener:
@@ -133,18 +134,23 @@ class HttpListener:
         self._runner = runner
         assert runner.server is not None
         self.http.connections.install(runner.server)
+        # TLS wraps each process's own site: socket activation and workers pass the listening socket
+        # (plain TCP) on, and every process that accepts on it does its own handshakes.
+        tls = server_tls(http_cfg.tls_cert, http_cfg.tls_key) if http_cfg.tls_cert else None
         if sockets:
             # The accept queue's length is the socket unit's (Backlog=); listen() again must not cut it.
-            new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN) for s in sockets]
+            new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN, tls=tls)
+                   for s in sockets]
             self.inherited = True
         else:
             new = [self.http.connections.site(runner, host or http_cfg.host,
-                                              http_cfg.port if port is None else port, backlog=1024)]
+                                              http_cfg.port if port is None else port, backlog=1024, tls=tls)]
         for site in new:
             await site.start()
             self._sites.append(site)
-        self.url = _url(runner.addresses[0])
-        _log.info("http_listening", url=self.url, urls=[_url(a) for a in runner.addresses],
+        scheme = "https" if tls is not None else "http"
+        self.url = _url(runner.addresses[0], scheme)
+        _log.info("http_listening", url=self.url, urls=[_url(a, scheme) for a in runner.addresses],
                   socket_activated=self.inherited)
         return self.url
 
