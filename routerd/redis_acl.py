@@ -28,8 +28,9 @@ from .keys import Keys
 # in ingress/queue/store.py, tenants/ratelimit.py, view/control.py and view/fleet_state.py). A command
 # added to routerd must be added here: tests/test_redis_acl.py runs routerd under these rules.
 ROUTERD_COMMANDS: tuple[str, ...] = (
-    # connections (redis-py's hello), the queue writer's barrier, Lua's clock
-    "ping", "client|setinfo", "client|setname", "time",
+    # a URL's database (/N), the queue writer's barrier, Lua's clock. Not CLIENT SETINFO (Redis 7.2+),
+    # which redis-py sends on connect and does without when refused.
+    "select", "ping", "time",
     # the queue: consumer group, reads, reclaims, results, dead letters (ingress/queue/)
     "xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "xdel", "xlen", "xadd",
     "type", "exists", "lrange", "rpush",
@@ -44,16 +45,17 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     "sadd", "srem", "smembers",
     # the cancel and fleet-state channels
     "publish", "subscribe", "unsubscribe",
-    # the Lua scripts (redis-py's Script: EVALSHA, SCRIPT LOAD on NOSCRIPT; EXISTS before a pipeline's)
-    "evalsha", "eval", "script|load", "script|exists",
-    # the producers' client's MULTI, for an operator's tools using this user
+    # the Lua scripts (redis-py's Script: EVALSHA, then SCRIPT LOAD on NOSCRIPT; the queue writer's
+    # SCRIPT LOAD once per Redis start)
+    "evalsha", "script|load",
+    # the admin relay's answer (RPUSH + PEXPIRE) in one transaction
     "multi", "exec", "discard",
 )
 
 # What routerd.client.QueueClient sends: submit (HSETNX + EXPIRE + XADD in MULTI), wait (XREAD, GET,
 # MGET), status (GET, HGETALL), cancel (SET + PUBLISH in MULTI), and DEL for a producer cleaning up.
 PRODUCER_COMMANDS: tuple[str, ...] = (
-    "ping", "client|setinfo", "xadd", "xread", "get", "mget", "hsetnx", "hgetall", "expire", "set",
+    "select", "ping", "xadd", "xread", "get", "mget", "hsetnx", "hgetall", "expire", "set",
     "del", "publish", "multi", "exec", "discard",
 )
 
