@@ -9,6 +9,7 @@ producer user and is refused (``NOPERM``) everything but the request stream and 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 from collections.abc import Callable
@@ -21,7 +22,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from routerd.client import QueueClient
+from routerd.config import RedisConfig
 from routerd.keys import Keys
+from routerd.redis_acl import acl_file
 from tests.fixtures.daemon import RouterdFactory, base_config, to_toml
 from tests.fixtures.redis_server import AclRedisFactory
 from tests.fixtures.sim import SimProcessFactory
@@ -173,3 +176,23 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
     finally:
         await producer.aclose()
         await admin.aclose()
+
+
+def test_rules_escape_glob_characters_and_cover_streams_outside_the_namespace() -> None:
+    cfg = RedisConfig(stream="app[1]:jobs", dead_stream="dead-letters")
+    routerd_line, producer_line = acl_file(cfg, routerd_user="rd", producer_user="p1",
+                                           producer_prefix="team*a-", reply_patterns=("results:*",)).split("\n")[:2]
+    assert routerd_line.startswith("user rd reset on resetchannels -@all +select ")
+    assert routerd_line.endswith(r" ~app\[1\]:* ~dead-letters ~results:* &app\[1\]:*")
+    assert producer_line.endswith(
+        r" %W~app\[1\]:jobs ~app\[1\]:reply:team\*a-* %R~app\[1\]:done:team\*a-* ~app\[1\]:job:team\*a-*"
+        r" %W~app\[1\]:cancel:team\*a-* ~results:* &app\[1\]:cancel")
+    hashed = acl_file(RedisConfig(), routerd_user="rd", producer_user="p1", producer_prefix="p1-",
+                      routerd_password="s3cret-pw")
+    assert "s3cret-pw" not in hashed
+    assert "#" + hashlib.sha256(b"s3cret-pw").hexdigest() in hashed.splitlines()[0]
+    for bad in ({"routerd_user": "r d"}, {"producer_user": "rd"}, {"producer_prefix": ""},
+                {"producer_prefix": "a b"}):
+        with pytest.raises(ValueError):
+            acl_file(RedisConfig(), **{"routerd_user": "rd", "producer_user": "p1", "producer_prefix": "x-",
+                                       **bad})
