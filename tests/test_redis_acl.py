@@ -72,7 +72,8 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
     # the rules, as an operator gets them: from the config, the routerd user's password hashed in
     written = tmp_path / "for-acl.toml"
     written.write_text(to_toml(cfg("r1", "redis://127.0.0.1:1/0")))
-    code, acl, err = await _cli("redis-acl", "--config", str(written), env={"ROUTERD_REDIS_PASSWORD": ROUTERD_PW})
+    code, acl, err = await _cli("redis-acl", "--config", str(written),
+                                env={"ROUTERD_REDIS_PASSWORD": ROUTERD_PW})
     assert code == 0, err
     assert ROUTERD_PW not in acl
     routerd_line, producer_line = acl.splitlines()
@@ -180,8 +181,9 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
 
 def test_rules_escape_glob_characters_and_cover_streams_outside_the_namespace() -> None:
     cfg = RedisConfig(stream="app[1]:jobs", dead_stream="dead-letters")
-    routerd_line, producer_line = acl_file(cfg, routerd_user="rd", producer_user="p1",
-                                           producer_prefix="team*a-", reply_patterns=("results:*",)).split("\n")[:2]
+    text = acl_file(cfg, routerd_user="rd", producer_user="p1", producer_prefix="team*a-",
+                    reply_patterns=("results:*",))
+    routerd_line, producer_line = text.splitlines()
     assert routerd_line.startswith("user rd reset on resetchannels -@all +select ")
     assert routerd_line.endswith(r" ~app\[1\]:* ~dead-letters ~results:* &app\[1\]:*")
     assert producer_line.endswith(
@@ -191,8 +193,9 @@ def test_rules_escape_glob_characters_and_cover_streams_outside_the_namespace() 
                       routerd_password="s3cret-pw")
     assert "s3cret-pw" not in hashed
     assert "#" + hashlib.sha256(b"s3cret-pw").hexdigest() in hashed.splitlines()[0]
-    for bad in ({"routerd_user": "r d"}, {"producer_user": "rd"}, {"producer_prefix": ""},
-                {"producer_prefix": "a b"}):
-        with pytest.raises(ValueError):
+    for bad, why in (({"routerd_user": "r d"}, "letters, digits"), ({"producer_user": "rd"}, "must differ"),
+                     ({"producer_prefix": ""}, "empty or holds white space"),
+                     ({"producer_prefix": "a b"}, "empty or holds white space")):
+        with pytest.raises(ValueError, match=why):
             acl_file(RedisConfig(), **{"routerd_user": "rd", "producer_user": "p1", "producer_prefix": "x-",
                                        **bad})
