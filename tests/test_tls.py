@@ -16,6 +16,7 @@ import pytest
 from routerd import config
 from routerd.status import main as status_main
 from tests.fixtures.daemon import RouterdFactory, base_config
+from tests.fixtures.dataplane import PlaneFactory, SimFactory
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -75,22 +76,35 @@ async def test_https_listener_in_every_worker_and_status_without_the_key_on_argv
     code, out, err = await _status(capsys, "--config", str(rp.config_path), "--cacert", str(cert))
     assert (code, err) == (0, ""), err
     assert "f:static0" in out
-    key_file = tmp_path / "admin.key"
-    key_file.write_text(ADMIN_KEY + "\n")
-    key_file.chmod(0o600)
-    code, out, err = await _status(capsys, "--url", https, "--cacert", str(cert), "--admin-key-file",
-                                str(key_file))
-    assert (code, err) == (0, ""), err
-    monkeypatch.setenv("ROUTERD_ADMIN_KEY", ADMIN_KEY)
-    code, out, err = await _status(capsys, "--url", https, "--cacert", str(cert))
-    assert (code, err) == (0, ""), err
-    monkeypatch.delenv("ROUTERD_ADMIN_KEY")
-    code, out, err = await _status(capsys, "--url", https, "--cacert", str(cert), "--admin-key", ADMIN_KEY)
-    assert code == 0
-    assert "--admin-key is visible to every user of this machine" in err
     code, out, err = await _status(capsys, "--url", https, "--cacert", str(cert))
     assert code == 69  # no key: the daemon says 401
     assert "401" in err
+
+
+async def test_status_takes_the_admin_key_from_a_file_or_the_environment_not_argv(
+        tmp_path: Path, sims: SimFactory, dataplane: PlaneFactory, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--admin-key K`` put the key in the process list (``ps``), where every user of the machine
+    reads it; ``$ROUTERD_ADMIN_KEY`` and ``--admin-key-file`` are the ways now, ``--admin-key`` warns."""
+    plane = await dataplane([(await sims()).url], http={"admin_api_key": ADMIN_KEY})
+    for var in ("ROUTERD_URL", "ROUTERD_ADMIN_KEY", "ROUTERD_HTTP_ADMIN_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    capsys.readouterr()
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    code, out, err = await _status(capsys, "--url", plane.url, "--admin-key-file", str(key_file))
+    assert (code, err) == (0, ""), err
+    assert "f:static0" in out
+    monkeypatch.setenv("ROUTERD_ADMIN_KEY", ADMIN_KEY)
+    code, out, err = await _status(capsys, "--url", plane.url)
+    assert (code, err) == (0, ""), err
+    monkeypatch.delenv("ROUTERD_ADMIN_KEY")
+    code, out, err = await _status(capsys, "--url", plane.url, "--admin-key", ADMIN_KEY)
+    assert code == 0
+    assert "--admin-key is visible to every user of this machine" in err
+    code, out, err = await _status(capsys, "--url", plane.url, "--admin-key-file", str(tmp_path / "none"))
+    assert code == 78
+    assert "none" in err
 
 
 def test_check_config_refuses_half_a_tls_setup_and_unreadable_files(tmp_path: Path) -> None:
