@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -85,10 +86,19 @@ def _wire(event: KvEvent, form: EventForm) -> Any:
 
 
 def _bound(sock: zmq.Socket[Any], endpoint: str, host: str) -> str:
-    """Bind; a wildcard (``tcp://*:N``) binds the engine's own ``host``, as vLLM binds its node IP, not
-    every interface; port 0 picks a free port, and the endpoint with it is returned."""
+    """Bind; a wildcard (``tcp://*:N``) binds the engine's own ``host`` when that is an address, as vLLM
+    binds its node IP, not every interface (a host name: every interface, as before); port 0 picks a
+    free port, and the endpoint with it is returned."""
     if endpoint.startswith("tcp://*:"):
-        endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{endpoint[len('tcp://*:'):]}"
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            where = "0.0.0.0"
+        else:
+            where = f"[{ip}]" if ip.version == 6 else str(ip)
+            if ip.version == 6:
+                sock.setsockopt(zmq.IPV6, 1)
+        endpoint = f"tcp://{where}:{endpoint[len('tcp://*:'):]}"
     sock.bind(endpoint)
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
