@@ -107,6 +107,36 @@ async def test_status_takes_the_admin_key_from_a_file_or_the_environment_not_arg
     assert "none" in err
 
 
+async def _served_certificate(url: str) -> bytes:
+    """The DER certificate the server at ``url`` presents (no SNI: an address, as most clients)."""
+    host, _, port = url.removeprefix("https://").rpartition(":")
+    insecure = ssl.create_default_context()
+    insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+    _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), ssl=insecure), 10)
+    try:
+        der: bytes = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+    return der
+
+
+async def test_a_reload_serves_a_renewed_certificate_and_keeps_the_old_one_if_the_new_is_broken(
+        tmp_path: Path, sims: SimFactory, dataplane: PlaneFactory) -> None:
+    cert, key = self_signed(tmp_path)
+    plane = await dataplane([(await sims()).url], http={"tls_cert": str(cert), "tls_key": str(key)})
+    assert plane.url.startswith("https://")
+    first = cert.read_text()
+    assert await _served_certificate(plane.url) == ssl.PEM_cert_to_DER_cert(first)
+    self_signed(tmp_path)  # renewed in place, as certbot does
+    renewed = cert.read_text()
+    assert renewed != first
+    await plane.dp.apply(plane.dp.http.cfg)  # what SIGHUP does, with the same paths
+    assert await _served_certificate(plane.url) == ssl.PEM_cert_to_DER_cert(renewed)
+    key.write_text("not a key")
+    await plane.dp.apply(plane.dp.http.cfg)
+    assert await _served_certificate(plane.url) == ssl.PEM_cert_to_DER_cert(renewed)
+
+
 def test_check_config_refuses_half_a_tls_setup_and_unreadable_files(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     other_cert, _ = self_signed(tmp_path, "other")

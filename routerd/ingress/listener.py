@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 from collections.abc import MutableMapping, Sequence
 from types import TracebackType
 
@@ -112,6 +113,7 @@ class HttpListener:
         self._runner: web.AppRunner | None = None
         self._sites: list[web.BaseSite] = []
         self.inherited = False  # serving on sockets systemd holds: a drain hands over to the next routerd
+        self._tls: ssl.SSLContext | None = None  # the HTTPS context new handshakes use
 
     async def __aenter__(self) -> HttpListener:
         return self
@@ -136,7 +138,13 @@ class HttpListener:
         self.http.connections.install(runner.server)
         # TLS wraps each process's own site: socket activation and workers pass the listening socket
         # (plain TCP) on, and every process that accepts on it does its own handshakes.
-        tls = server_tls(http_cfg.tls_cert, http_cfg.tls_key) if http_cfg.tls_cert else None
+        tls = None
+        if http_cfg.tls_cert:
+            # The sites keep this context; each handshake switches to the current one (SNI callback,
+            # which OpenSSL calls for every ClientHello), so a reload can swap in a renewed certificate.
+            tls = server_tls(http_cfg.tls_cert, http_cfg.tls_key)
+            self._tls = tls
+            tls.sni_callback = self._current_tls
         if sockets:
             # The accept queue's length is the socket unit's (Backlog=); listen() again must not cut it.
             new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN, tls=tls)
@@ -153,6 +161,27 @@ class HttpListener:
         _log.info("http_listening", url=self.url, urls=[_url(a, scheme) for a in runner.addresses],
                   socket_activated=self.inherited)
         return self.url
+
+    def _current_tls(self, conn: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        if self._tls is not None and self._tls is not ctx:
+            conn.context = self._tls
+
+    def reload_tls(self) -> None:
+        """SIGHUP: read the certificate and key again (a renewed certificate at the same paths, the
+        paths being restart-only); new handshakes use them, open connections keep theirs. Files that
+        no longer load leave the certificate in use, and say so."""
+        if self._tls is None:
+            return
+        http_cfg = self.http.cfg.http
+        try:
+            fresh = server_tls(http_cfg.tls_cert, http_cfg.tls_key)  # a few KB read: not worth a thread
+        except (OSError, ssl.SSLError) as e:
+            _log.error("tls_reload_failed", cert=http_cfg.tls_cert, key=http_cfg.tls_key, error=str(e),
+                       keeping="the certificate in use")
+            return
+        fresh.sni_callback = self._current_tls
+        self._tls = fresh
+        _log.info("tls_reloaded", cert=http_cfg.tls_cert)
 
     async def stop_intake(self) -> None:
         """Stop taking new connections (close our listening sockets).
