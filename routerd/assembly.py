@@ -175,6 +175,7 @@ class Routerd:
         self.watch_pool.configure(connect_timeout_s=cfg.routing.connect_timeout_s,
                                   read_timeout_s=cfg.routing.scrape_timeout_s)
         self.http.update_config(cfg)
+        self.listener.reload_tls()
         self.static_health.sync(cfg)
         for name in self.registry.fleets():
             if cfg.fleet(name) is None and not self.registry.instances(name):

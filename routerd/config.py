@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -205,10 +206,41 @@ def _semantic_problems(cfg: Config) -> list[str]:
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
                         f"got {redact.url(cfg.ray.address)!r}")
+    problems += _tls_problems(cfg.http.tls_cert, cfg.http.tls_key)
     if worker_count(cfg) > 1 and not cfg.redis.enabled:
         problems.append("$.daemon.workers: more than one worker needs Redis ([redis] enabled): the "
                         "workers share the queue and their view of the fleets through it")
     return problems
+
+
+def _tls_problems(cert: str, key: str) -> list[str]:
+    """Both files or neither, each readable, the key the certificate's: found by ``check-config``, not
+    by the first client."""
+    if not cert and not key:
+        return []
+    if not cert or not key:
+        given, missing = ("tls_cert", "tls_key") if cert else ("tls_key", "tls_cert")
+        return [f"$.http.{missing}: {given} is set; HTTPS needs both (PEM files), or neither"]
+    from ._net import server_tls
+
+    problems = [f"$.http.{name}: cannot read {path}: {e.strerror}" for name, path in
+                (("tls_cert", cert), ("tls_key", key)) for e in _unreadable(path)]
+    if problems:
+        return problems
+    try:
+        server_tls(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        return [f"$.http.tls_cert: {cert} with {key}: not a PEM certificate and its private key ({e})"]
+    return []
+
+
+def _unreadable(path: str) -> list[OSError]:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        return [e]
+    return []
 
 
 def worker_count(cfg: Config) -> int:
@@ -353,6 +385,21 @@ def _convert_problems(value: Any, typ: type[Any], prefix: str) -> list[str]:
 
 def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
     """Read a TOML file into a Config. Raises ConfigError (with key paths) on any problem."""
+    return parse(_read(path), environ)
+
+
+def load_for_tool(path: str | Path) -> Config:
+    """A config as the command-line tools read it (``submit``, ``usage``, ``status``, ``redis-acl``):
+    the client API keys, which they never use, are left out before it is checked, so a tenant's ``env:``
+    key whose variable is set only in the daemon's environment does not stop them. Raises ConfigError."""
+    raw = _read(path)
+    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
+        if isinstance(table, dict):
+            table.pop("api_keys", None)
+    return parse(raw)
+
+
+def _read(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -363,7 +410,7 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"$: not valid TOML: {e}"]) from e
-    return parse(raw, environ)
+    return raw
 
 
 def state_dir(cfg: Config) -> Path:

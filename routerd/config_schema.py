@@ -60,10 +60,15 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     client_body_timeout_s: Seconds = 60.0  # from full headers to the full body, else 408
     client_write_timeout_s: Seconds = 30.0  # a client that reads nothing this long loses its request
     max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # beyond it: 503 + Retry-After
+    # HTTPS on the listener (PEM paths; both or neither), for a routerd with no TLS proxy in front.
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
+    # An ACL user (``routerd redis-acl`` prints its rules); "" = the URL's, else Redis' ``default``.
+    username: str = ""
     password: str = ""
     stream: str = "routerd:requests"
     group: str = "routerd"

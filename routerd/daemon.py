@@ -45,8 +45,9 @@ _logger = log.get("routerd.daemon")
 
 # Settings that are bound at start-up; a reload that changes them is applied except for these.
 _RESTART_ONLY = (
-    ("http", "host"), ("http", "port"), ("redis", "url"), ("redis", "stream"), ("redis", "group"),
-    ("redis", "dead_stream"), ("redis", "consumer"), ("redis", "password"), ("redis", "ssl_ca_certs"),
+    ("http", "host"), ("http", "port"), ("http", "tls_cert"), ("http", "tls_key"), ("redis", "url"),
+    ("redis", "stream"), ("redis", "group"), ("redis", "dead_stream"), ("redis", "consumer"),
+    ("redis", "username"), ("redis", "password"), ("redis", "ssl_ca_certs"),
     ("redis", "enabled"), ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
     ("daemon", "file_sd_path"), ("daemon", "log_level"), ("daemon", "workers"),
 )

@@ -46,7 +46,8 @@ def embedded_url(directory: str | Path) -> str | None:
 
 
 def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> aioredis.Redis:
-    """A client for ``url``; password from config (``ROUTERD_REDIS_PASSWORD``), TLS for ``rediss://``.
+    """A client for ``url``; user and password from config (``ROUTERD_REDIS_USERNAME``,
+    ``ROUTERD_REDIS_PASSWORD``; a userinfo in the URL wins over them), TLS for ``rediss://``.
 
     The socket timeout covers the longest blocking read routerd issues, so a dead server is noticed
     within ``op_timeout_s`` past it rather than never.
@@ -56,6 +57,8 @@ def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> 
         "socket_connect_timeout": cfg.op_timeout_s,
         "retry_on_timeout": False,
     }
+    if cfg.username:
+        kwargs["username"] = cfg.username
     if cfg.password:
         kwargs["password"] = cfg.password
     if url.startswith("rediss://") and cfg.ssl_ca_certs:
@@ -75,29 +78,19 @@ class RedisTarget:
 
 def redis_target(url: str, config_path: str | None) -> RedisTarget:
     """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
-    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the password the
-    config holds (``redis.password``, or ``ROUTERD_REDIS_PASSWORD`` over it), ``$ROUTERD_REDIS_PASSWORD``
-    without a config.
+    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the user and
+    password the config holds (``redis.username``/``redis.password``, or ``ROUTERD_REDIS_USERNAME``/
+    ``ROUTERD_REDIS_PASSWORD`` over them), those variables alone without a config.
 
-    The config's API keys play no part in reaching Redis, so they are left out before it is checked: a
-    tenant's ``env:`` key whose variable is set only in the daemon's environment does not stop a tool.
+    The config is read by :func:`routerd.config.load_for_tool` (its API keys left out).
     Raises :class:`routerd.config.ConfigError`."""
     from . import config
 
     if not config_path:
-        return RedisTarget(url=url or LOCAL_REDIS,
-                           redis=config.RedisConfig(password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
-    import tomllib
-    from pathlib import Path
-
-    try:
-        raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise config.ConfigError([f"$: cannot read {config_path}: {e}"]) from e
-    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
-        if isinstance(table, dict):
-            table.pop("api_keys", None)
-    cfg = config.parse(raw)
+        return RedisTarget(url=url or LOCAL_REDIS, redis=config.RedisConfig(
+            username=os.environ.get("ROUTERD_REDIS_USERNAME", ""),
+            password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
+    cfg = config.load_for_tool(config_path)
     if not url:
         url = cfg.redis.url
         if url == "embedded":

@@ -44,9 +44,10 @@ async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys(
     cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert cfg["enable_kv_cache_events"] is True
     assert cfg["publisher"] == "zmq"
-    assert cfg["endpoint"].startswith("tcp://*:")  # vLLM binds only wildcards (else it connects)
-    assert cfg["replay_endpoint"].startswith("tcp://*:")
-    assert cfg["endpoint"] != cfg["replay_endpoint"]
+    # vLLM binds only wildcards (else it connects); tcp://*:0 binds its node IP, VLLM_HOST_IP: the
+    # engine's own address, never every interface, on ports it picks and reports in /kv_event_sources
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == ("tcp://*:0", "tcp://*:0")
+    assert plan.env["VLLM_HOST_IP"] == "127.0.0.1"
     assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256"
     assert plan.env["PYTHONHASHSEED"] == kv_hash.LAUNCH_SEED
     off = await VllmLauncher().plan(
@@ -60,6 +61,17 @@ async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys(
         host="127.0.0.1", port=8000, workdir="/w")
     assert mine.argv.count("--kv-events-config") == 1
     assert mine.argv[mine.argv.index("--kv-events-config") + 1] == own
+
+
+async def test_the_sims_wildcard_endpoints_bind_its_own_host_not_every_interface(
+        sim_engine: SimEngineFactory) -> None:
+    eng = await sim_engine(kv_events_config=json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}))
+    async with aiohttp.ClientSession() as s, s.get(f"{eng.url}/kv_event_sources") as r:
+        src = (await r.json())["0"]
+    for endpoint in (src["endpoint"], src["replay_endpoint"]):
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+        assert int(endpoint.rpartition(":")[2]) > 0
 
 
 def test_a_wildcard_endpoint_is_the_engines_own_host() -> None:

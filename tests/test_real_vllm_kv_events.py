@@ -92,6 +92,12 @@ async def test_predicted_hits_equal_the_engines_across_a_restart(engine_pair: En
     registry = Registry()
     inst = registry.add(Instance(id="f:0", fleet="f", url=server.url, state=InstanceState.READY))
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        async with http.get(server.url + "/kv_event_sources") as r:
+            sources = await r.json()
+        # the launcher's tcp://*:0 with VLLM_HOST_IP: bound on the engine's own address, not every interface
+        for endpoint in (sources["0"]["endpoint"], sources["0"]["replay_endpoint"]):
+            assert endpoint.startswith("tcp://127.0.0.1:"), sources
+            assert not endpoint.endswith(":0"), sources
         events = EngineEvents(registry, http, fleets=None, probe_interval_s=0.5)
         task = asyncio.create_task(events.run(interval_s=0.2))
         try:

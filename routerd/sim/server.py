@@ -144,7 +144,7 @@ class SimEngine:
         if self._runner is not None:
             raise RuntimeError("SimEngine already started")
         if self.kv_events is not None:
-            self.kv_events.start()
+            self.kv_events.start(host)
         self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine:{self.config.model}")
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
         # keepalive_timeout: uvicorn's 5 s under vLLM, so routers meet the same idle-connection resets.

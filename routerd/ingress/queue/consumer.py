@@ -137,7 +137,7 @@ class QueueIngress:
         """Read, reclaim and listen for cancels until intake stops and the last job is done."""
         try:
             async with asyncio.TaskGroup() as tg:
-                cancels = listen_for_cancels(self.client, self.keys.cancel_channel, self._held,
+                cancels = listen_for_cancels(self.client, self.keys, self._held,
                                              op_timeout_s=lambda: self._cfg.redis.op_timeout_s,
                                              rng=self._rng)
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),

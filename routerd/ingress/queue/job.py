@@ -235,6 +235,9 @@ class JobRunner:
         """
         deadline = job.deadline_epoch_s(running.entry_id)
         state = await self._store.begin(job.id, running.entry_id, job.reply_to)
+        if isinstance(state, str) and state.startswith("refused: "):
+            raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} is not a key routerd's Redis user may "
+                        f"write ({clip(state.removeprefix('refused: '), 200)})", reply_usable=False)
         if isinstance(state, str):
             raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
                         "take the result", reply_usable=False)
