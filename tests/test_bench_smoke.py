@@ -82,8 +82,9 @@ def test_bench_fairness(tmp_path: Path) -> None:
 
 
 def test_bench_scale(tmp_path: Path) -> None:
-    r = _bench(tmp_path, "scale", "--workers", "1", "--kinds", "request", "--engines", "1", "--concurrency", "4",
-               "--duration", "0.5", "--no-peers", "--no-idle", "--no-replicas", "--no-failover")
+    r = _bench(tmp_path, "scale", "--workers", "1", "--kinds", "request", "--engines", "1",
+               "--concurrency", "4", "--duration", "0.5", "--no-peers", "--no-idle", "--no-replicas",
+               "--no-failover")
     [row] = r["relay"]["rows"]
     assert row["router"] == "routerd workers=1"
     assert row["failed"] == 0
@@ -93,8 +94,9 @@ def test_bench_scale(tmp_path: Path) -> None:
 
 @pytest.mark.ray
 def test_bench_failover(tmp_path: Path, ray_cluster: RayTestCluster) -> None:
-    r = _bench(tmp_path, "failover", "--ray-address", ray_cluster.address, "--replicas", "2", "--load", "0.25",
-               "--steady-s", "0", "--kills", "1", "--stops", "0", "--node-rounds", "0", "--restarts", "0")
+    r = _bench(tmp_path, "failover", "--ray-address", ray_cluster.address, "--replicas", "2",
+               "--load", "0.25", "--steady-s", "0", "--kills", "1", "--stops", "0", "--node-rounds", "0",
+               "--restarts", "0")
     [out_s] = r["sigkill_to_out_s"]
     assert 0 < out_s < 60
     assert r["sigstop_to_out_s"] == []
