@@ -164,7 +164,8 @@ async def test_a_static_fleet_learns_each_engines_capacity_and_speed_under_load(
             engine_page, "vllm:inter_token_latency_seconds_count")
         # decode: one token per step; learned from whole requests, checked against per-token latency
         assert row["decode_tokens_per_s"] == pytest.approx(1 / itl, rel=0.15), row
-        assert 0.4 * 1000 / cfg["itl_ms"] < row["decode_tokens_per_s"] < 1.1 * 1000 / cfg["itl_ms"], row
+        # never faster than its itl_ms allows; how much slower is the machine's business (no floor)
+        assert row["decode_tokens_per_s"] < 1.1 * 1000 / cfg["itl_ms"], row
         # prefill of the 18 uncached tokens: never faster than prefill_ms_per_token allows (slower when
         # admitted with others, or in a step that also decodes the running ones)
         assert row["prefill_tokens_per_s"] == pytest.approx(
