@@ -1,5 +1,5 @@
 """The daemon's own processes (issue 26, items 6 and 7), with real ``routerd run`` processes, the
-embedded Redis and a keyed fleet (so the keying process runs too):
+embedded Redis and, where the keying process matters, a fleet routerd keys requests for:
 
 - a second daemon on the same state dir exits at once (75) and leaves the first untouched;
 - a terminal's Ctrl-C (SIGINT to the whole process group) reaches routerd alone: its embedded Redis and
@@ -30,23 +30,27 @@ from tests.fixtures.sim import SimProcessFactory
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 
-async def _keyed_daemon(routerd_process: RouterdFactory, routerd_config: Callable[..., dict[str, Any]],
-                        sim_process: SimProcessFactory, *, own_group: bool = False,
-                        itl_ms: float = 1.0) -> RouterdProcess:
-    """routerd on the embedded Redis, in front of a sim that publishes KV events (so routerd keys
-    requests in its keying process), ready and with that process up."""
-    kv = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
-                     "replay_endpoint": "tcp://127.0.0.1:0"})
-    sim = await sim_process(model="m", kv_events_config=kv, itl_ms=itl_ms)
-    args: dict[str, Any] = {"kv-events": True, "tokenizer": "sim"}
-    if os.environ.get("PYTHONHASHSEED"):
-        args["hash-seed"] = os.environ["PYTHONHASHSEED"]
+async def _daemon(routerd_process: RouterdFactory, routerd_config: Callable[..., dict[str, Any]],
+                  sim_process: SimProcessFactory, *, keyed: bool = True, own_group: bool = False,
+                  itl_ms: float = 1.0) -> RouterdProcess:
+    """routerd on the embedded Redis, in front of a sim, ready. ``keyed``: the sim publishes KV events,
+    so routerd keys requests in its keying process, which is up too."""
+    fleet: dict[str, Any] = {"name": "f", "model": "m", "engine": "static"}
+    sim_args: dict[str, Any] = {"itl_ms": itl_ms}
+    if keyed:
+        sim_args["kv_events_config"] = json.dumps({"enable_kv_cache_events": True,
+                                                   "endpoint": "tcp://127.0.0.1:0",
+                                                   "replay_endpoint": "tcp://127.0.0.1:0"})
+        fleet["engine_args"] = {"kv-events": True, "tokenizer": "sim"}
+        if os.environ.get("PYTHONHASHSEED"):
+            fleet["engine_args"]["hash-seed"] = os.environ["PYTHONHASHSEED"]
+    sim = await sim_process(model="m", **sim_args)
     cfg = routerd_config(daemon={"drain_timeout_s": 30.0},
                          redis={"enabled": True, "url": "embedded", "reclaim_interval_s": 0.5},
-                         fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url],
-                                  "engine_args": args}])
+                         fleets=[{**fleet, "urls": [sim.url]}])
     rp = await asyncio.to_thread(routerd_process, cfg, own_group=own_group)
-    assert await eventually(lambda: bool(_events(rp, "keying_process_ready")), 60), rp.log()
+    if keyed:
+        assert await eventually(lambda: bool(_events(rp, "keying_process_ready")), 60), rp.log()
     return rp
 
 
@@ -71,14 +75,14 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _supervised(rp: RouterdProcess) -> dict[str, int]:
-    """The children routerd stops in order: its embedded Redis and its keying process."""
+def _supervised(rp: RouterdProcess, *, keyed: bool = True) -> dict[str, int]:
+    """The children routerd stops in order: its embedded Redis and (``keyed``) its keying process."""
     children = _children(rp.proc.pid)
     redis_pid = _events(rp, "embedded_redis_started")[0]["pid"]
     keying = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
     assert redis_pid in children, children
-    assert len(keying) == 1, children
-    return {"redis": redis_pid, "keying": keying[0]}
+    assert len(keying) == int(keyed), children
+    return {"redis": redis_pid, **({"keying": keying[0]} if keyed else {})}
 
 
 def _open_files(pid: int) -> set[str]:
@@ -101,8 +105,8 @@ async def _completion(url: str) -> int:
 async def test_a_second_daemon_on_the_same_state_dir_exits_at_once_and_leaves_the_first_alone(
         routerd_process: RouterdFactory, routerd_config: Callable[..., dict[str, Any]],
         sim_process: SimProcessFactory) -> None:
-    first = await _keyed_daemon(routerd_process, routerd_config, sim_process)
-    kids = _supervised(first)
+    first = await _daemon(routerd_process, routerd_config, sim_process, keyed=False)
+    kids = _supervised(first, keyed=False)
     second = await asyncio.to_thread(routerd_process, first.config, wait_ready=False)  # the same config
     assert await asyncio.to_thread(second.wait_exit, 30) == EXIT_LOCKED
     [refused] = _events(second, "state_dir_in_use")
@@ -112,7 +116,7 @@ async def test_a_second_daemon_on_the_same_state_dir_exits_at_once_and_leaves_th
     assert "READY=1" not in second.read_notify()
 
     assert first.proc.poll() is None
-    assert _supervised(first) == kids  # the same Redis and keying process, never restarted
+    assert _supervised(first, keyed=False) == kids  # the same Redis, never restarted
     assert not _events(first, "embedded_redis_exited")
     assert await _completion(first.url) == 200
     url = embedded_url(Path(first.config["daemon"]["state_dir"]) / "redis")
@@ -132,7 +136,7 @@ async def test_ctrl_c_reaches_routerd_alone_and_the_drain_keeps_its_redis(
     """SIGINT to routerd's whole process group, as a terminal sends Ctrl-C: the embedded Redis is not
     signalled (it used to exit at the start of the drain and be restarted), the queue jobs in flight
     get their results, and each child is stopped by routerd after the drain."""
-    rp = await _keyed_daemon(routerd_process, routerd_config, sim_process, own_group=True, itl_ms=100.0)
+    rp = await _daemon(routerd_process, routerd_config, sim_process, own_group=True, itl_ms=100.0)
     kids = _supervised(rp)
     groups = {name: os.getpgid(pid) for name, pid in kids.items()}
     url = embedded_url(Path(rp.config["daemon"]["state_dir"]) / "redis")
@@ -173,7 +177,7 @@ async def test_a_sigkilled_daemon_leaves_no_child_and_no_lock(
         sim_process: SimProcessFactory) -> None:
     """Each child is out of routerd's process group, and still dies with it (``PR_SET_PDEATHSIG``); the
     state dir is free for the next routerd at once (the kernel drops the lock with its holder)."""
-    rp = await _keyed_daemon(routerd_process, routerd_config, sim_process)
+    rp = await _daemon(routerd_process, routerd_config, sim_process)
     kids = _supervised(rp)
     rp.proc.send_signal(signal.SIGKILL)
     await asyncio.to_thread(rp.wait_exit, 10)
