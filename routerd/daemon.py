@@ -35,6 +35,7 @@ from .config import Config
 from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
+from .state_lock import EXIT_LOCKED, StateDirLocked, StateLock
 from .stop_deadline import StopDeadline
 from .workers import FORCE, RELOAD, STOP, Workers, WorkerSpec, read_words, worker_consumer, worker_link
 
@@ -109,8 +110,8 @@ class Daemon:
         self._reload.set()
 
     def _parent_says(self) -> None:
-        """A worker: its parent's word. STOP begins the drain unless a signal already did (a terminal's
-        Ctrl-C reaches the worker too); FORCE ends it now."""
+        """A worker: its parent's word. STOP begins the drain unless a signal already did (one sent to the
+        worker itself); FORCE ends it now."""
         assert self._link is not None
         for word in read_words(self._link):
             if word == STOP and not self._stop.is_set():
@@ -155,6 +156,25 @@ class Daemon:
 
     # lifecycle -------------------------------------------------------------------------------
     async def run(self) -> int:
+        """The daemon's life; first of all it takes its state dir (routerd/state_lock.py), which a
+        worker shares with its parent."""
+        if self.worker is not None:
+            return await self._run()
+        lock = StateLock(config_mod.state_dir(self.cfg))
+        try:
+            lock.acquire()
+        except StateDirLocked as e:
+            _logger.error("state_dir_in_use", state_dir=str(e.path.parent), lock=str(e.path),
+                          holder_pid=e.pid, exit_code=EXIT_LOCKED, message=str(e))
+            self.notifier.status(f"not started: {e}")
+            self.notifier.close()
+            return EXIT_LOCKED
+        try:
+            return await self._run()
+        finally:
+            lock.release()
+
+    async def _run(self) -> int:
         self._install_signals()
         try:
             async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:

@@ -4,14 +4,15 @@
 file in ``<state_dir>/redis``, bound to 127.0.0.1 and a unix socket (no TCP port at all when the
 socket path fits), restarts it if it dies, and stops it with SIGTERM so the AOF is flushed. The child
 gets SIGTERM too if routerd itself is SIGKILLed (PR_SET_PDEATHSIG), so no orphan keeps the port and
-the next start replays the same AOF: queued jobs survive routerd, Redis, or both dying.
+the next start replays the same AOF: queued jobs survive routerd, Redis, or both dying. It runs in a
+session of its own, so a terminal's Ctrl-C reaches routerd only: the drain still has its Redis, which
+is stopped after it (routerd/_proc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -27,10 +28,10 @@ import redis.exceptions
 from . import log
 from ._aio import wait_for
 from ._net import free_port
+from ._proc import die_with_parent
 from .config import Config, RedisConfig
 
 _log = log.get("routerd.redis")
-_PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"  # where the command-line tools look without a URL or config
 # What a Redis call raises when the server is not there (down, unreachable, too slow): waited out.
@@ -98,11 +99,6 @@ def redis_target(url: str, config_path: str | None) -> RedisTarget:
     return RedisTarget(url=url or LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
 
 
-def die_with_parent() -> None:  # runs in the forked child before exec (a worker's too)
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class EmbeddedRedis:
     """``async with EmbeddedRedis(directory) as url:`` — a supervised redis-server for the block's life.
 
@@ -164,7 +160,7 @@ class EmbeddedRedis:
     async def _start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             *self._argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
+            stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
         deadline = time.monotonic() + self._ready_timeout_s
         client = aioredis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:

@@ -17,8 +17,9 @@ loop stops pinging for ``daemon.worker_watchdog_s`` is killed and started again,
 each start after the first is counted (``routerd_workers_restarts_total``, told to the worker on its
 command line). The other way the parent says what the signals it got mean for the workers — ``STOP=1``
 (drain, each as one routerd does; the parent exits once all did), ``FORCE=1`` (a second stop signal:
-end now), ``RELOAD=1`` — as words rather than signals, so that a worker which got the signal itself too
-(a terminal's Ctrl-C reaches the whole process group, as does a group kill) drains once, not twice. A
+end now), ``RELOAD=1`` — as words rather than signals. Each worker runs in a session of its own, so a
+terminal's Ctrl-C (sent to the whole foreground process group) reaches the parent alone, which drains
+the workers in order; a worker that gets a signal itself anyway still drains once, not twice. A
 worker whose parent is gone drains and exits (it gets SIGTERM when the parent dies, and sees its parent
 change besides).
 """
@@ -39,8 +40,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import log
+from ._proc import die_with_parent
 from .config_schema import EXIT_CONFIG
-from .redis_server import die_with_parent
 
 _log = log.get("routerd.workers")
 
@@ -235,7 +236,8 @@ class Workers:
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "routerd", "run", "--config", self.config_path, "--worker", spec.arg(),
-                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL)
+                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)  # a terminal's Ctrl-C is the parent's: it tells each worker STOP
         except BaseException:
             parent_end.close()
             raise

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from .. import log
+from .. import _proc, log
 from ..openai import ChatHead, CompletionHead
 from . import engine_keys
 
@@ -36,7 +36,10 @@ _log = log.get("routerd.routing.keying_process")
 _worker_keyers: dict[str, engine_keys.EngineKeyer] = {}
 
 
-def _init_worker(specs: dict[str, tuple[str, str]]) -> None:
+def _init_worker(specs: dict[str, tuple[str, str]], parent_pid: int) -> None:
+    # routerd stops this process itself (close()), after its drain: a terminal's Ctrl-C is not for it,
+    # and a SIGKILLed routerd must not leave it behind (routerd/_proc.py)
+    _proc.leave_terminal(parent_pid)
     # One core for the worker: a tokenizer spreading one prompt over every core would take them from
     # the event loop it is there to spare (read by tokenizers when it first tokenizes).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -92,8 +95,9 @@ class KeyingProcess:
         if self._pool is None or self._ready is None:
             # spawn: a fork of a process holding Ray, redis and event-loop threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(self.specs,))
-            self._ready = self._pool.submit(_worker_ready)
+                                             initializer=_init_worker, initargs=(self.specs, os.getpid()))
+            with _proc.terminal_signals_blocked():  # the worker is spawned by this first submit
+                self._ready = self._pool.submit(_worker_ready)
             self._ready.add_done_callback(functools.partial(_log_ready, sorted(self.specs), time.monotonic()))
             _log.info("keying_process_started", fleets=sorted(self.specs))
         return self._pool, self._ready
