@@ -1,14 +1,15 @@
 """The Redis queue consumer: jobs in from a stream, exactly one result per job id out.
 
 routerd reads ``routerd:requests`` as a member of a consumer group under a stable name, so after a
-crash it finds its own unacknowledged jobs again at start; other consumers' jobs are taken over with
-``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here are kept fresh with ``XCLAIM
-JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow capacity: a read asks for at
-most what the fleets' admission can take now, so the backlog stays in Redis and routerd's memory does
-not grow with it. The stream is one line for every fleet: a job read for a saturated fleet waits in
-that fleet's room (its limit, plus ``read_ahead_jobs`` with tenants) and beyond it is set aside, so
-one fleet's backlog never stops the reading for a fleet with free slots; a job between deliveries is
-set aside for its backoff (:mod:`.held`).
+crash it finds its own unacknowledged jobs again at start; it holds that name in Redis while it lives
+(:mod:`.liveness`), and the jobs of a consumer whose name is gone are taken over at once; other
+consumers' jobs are taken over with ``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here
+are kept fresh with ``XCLAIM JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow
+capacity: a read asks for at most what the fleets' admission can take now, so the backlog stays in
+Redis and routerd's memory does not grow with it. The stream is one line for every fleet: a job read
+for a saturated fleet waits in that fleet's room (its limit, plus ``read_ahead_jobs`` with tenants) and
+beyond it is set aside, so one fleet's backlog never stops the reading for a fleet with free slots; a
+job between deliveries is set aside for its backoff (:mod:`.held`).
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
 that stores its result (``JobStore.acknowledge``, :mod:`.store`). A job whose tenant is over its rate
@@ -43,6 +44,7 @@ from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Room, Running, as_str
 from .job import JobRunner
+from .liveness import RENEW_S, ConsumerName
 from .reclaim import Reclaimer
 from .store import REDIS_DOWN, JobStore
 
@@ -80,8 +82,10 @@ class QueueIngress:
                       "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0, "set_aside": 0}
         # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
         self.depth: dict[str, int] = {}
-        self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
-                                    spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
+        self._name = ConsumerName(self.keys, self.consumer)  # held from before the first read
+        self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.keys, self.consumer, self._held,
+                                    want=self._want, spawn=self._spawn, reading=lambda: self._intake,
+                                    stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
                                self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
                                tenancy=tenancy, tracing=tracing, fleet_room_size=self._fleet_room)
@@ -146,12 +150,15 @@ class QueueIngress:
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
                            tg.create_task(cancels, name="queue-cancels"),
                            tg.create_task(self._depth_loop(), name="queue-depth"),
-                           tg.create_task(self._aside_loop(), name="queue-aside")]
+                           tg.create_task(self._aside_loop(), name="queue-aside"),
+                           tg.create_task(self._keep_name(), name="queue-name")]
                 await self._read_loop()
                 await self._drain_held()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
                 for t in helpers:
                     t.cancel()
+            # Drained, renewals over: what is left pending here (set aside) is taken over at once.
+            await self._name.release(self.client(), self._cfg.redis.op_timeout_s)
         finally:
             jobs = list(self._tasks)
             for t in jobs:
@@ -177,6 +184,17 @@ class QueueIngress:
             if not idle.is_set():
                 with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
                     await self._reclaimer.keep_alive(self.client())
+
+    async def _keep_name(self) -> None:
+        """Renew this consumer's name while it is held, through the drain too (run() ends this after)."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._name.renew(self.client(), self._cfg.redis.op_timeout_s)
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                pass  # the read loop reports an outage; renewed on the next pass
+            except Exception:  # noqa: BLE001 — loop boundary: the name is renewed again next time
+                _log.exception("queue_name_renew_failed")
 
     async def _depth_loop(self, interval_s: float = 5.0) -> None:
         """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
@@ -328,6 +346,9 @@ class QueueIngress:
         client: Any = self.client()
         if not self._group_ready:
             await self._ensure_group(client)
+        if not self._name.held and not await self._name.take(client, r.op_timeout_s):
+            await asyncio.sleep(1.0)  # another live process holds the name: nothing is ours to read
+            return
         if not self._reclaimer.own_recovered:
             await self._reclaimer.recover_own(client)
         now = time.monotonic()
