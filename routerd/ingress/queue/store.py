@@ -318,13 +318,16 @@ class JobStore:
         """Queue one stream chunk (written once even if its batch is resent)."""
         return self.writer.step("chunk", [reply_to, self.keys.chunks(job_id), run, seq, chunk])
 
-    async def set_aside(self, entry_id: str, job_id: str, delivery: int) -> None:
+    async def set_aside(self, entry_id: str, job_id: str, delivery: int, *, give_back: bool = True) -> None:
         """The job is set aside, not run (see :mod:`.held`): its delivery is given back in Redis
         (``XCLAIM … RETRYCOUNT``, the count before it was read), so the claim that brings it back — or a
         restart's recovery, or another consumer's takeover — counts this delivery again, once: a
-        backlog waiting for quota across restarts is never dead-lettered for ``max_deliveries``."""
+        backlog waiting for quota across restarts is never dead-lettered for ``max_deliveries``. Not
+        ``give_back``: a failed delivery waiting for its retry, which stays counted."""
         r = self._cfg()
         self.writer.send("HSET", self.keys.status(job_id), "state", "queued")
+        if not give_back:
+            return
         # Redis away (or the group deleted): the delivery stays counted, the job is set aside all the same.
         with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
             async with _aio.timeout(r.op_timeout_s):
