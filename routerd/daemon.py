@@ -36,7 +36,17 @@ from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
 from .stop_deadline import StopDeadline
-from .workers import FORCE, RELOAD, STOP, Workers, WorkerSpec, read_words, worker_consumer, worker_link
+from .workers import (
+    FORCE,
+    RELOAD,
+    STOP,
+    Workers,
+    WorkerSpec,
+    ping_interval_s,
+    read_words,
+    worker_consumer,
+    worker_link,
+)
 
 if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
     from .assembly import Role, Routerd
@@ -73,7 +83,7 @@ class Daemon:
         self._link = worker_link(worker) if worker is not None else None
         if self._link is not None:
             notifier = notifier or Notifier(sock=self._link,
-                                            watchdog_interval_s=cfg.daemon.worker_watchdog_s / 4)
+                                            watchdog_interval_s=ping_interval_s(cfg.daemon.worker_watchdog_s))
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.workers: Workers | None = None  # the parent's workers (``[daemon] workers`` > 1)

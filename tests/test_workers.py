@@ -10,6 +10,7 @@ SIGTERM draining both workers' streams.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from routerd._net import free_port
 from routerd.client import QueueClient
 from routerd.workers import WorkerSpec, worker_consumer
 from routerd_bench.restart import SocketHolder, child_env
-from tests.fixtures.daemon import RouterdFactory, RouterdProcess, base_config, to_toml
+from tests.fixtures.daemon import RouterdFactory, RouterdProcess, base_config, open_stream, to_toml
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
@@ -71,6 +72,11 @@ def _worker_pids(log_path: Path) -> dict[int, int]:
         if line.get("event") == "worker_started" and "worker" in line:
             pids[int(line["worker"])] = int(line["pid"])
     return pids
+
+
+def _stalled(log_path: Path) -> list[int]:
+    """The workers the daemon judged stalled (and killed), in order."""
+    return [int(line["worker"]) for line in _log_lines(log_path) if line.get("event") == "worker_stalled"]
 
 
 def _alive(pid: int) -> bool:
@@ -309,6 +315,54 @@ async def _drain_streams(rp: RouterdProcess) -> None:
     assert not any(_alive(pid) for pid in workers.values())
     drained = [line for line in _log_lines(rp.log_path) if line.get("event") == "drain_finished"]
     assert {line.get("worker") for line in drained} == {0, 1, None}, drained
+
+
+# -- a stall of the daemon itself -------------------------------------------------------------------------
+
+async def test_a_stall_of_the_daemon_itself_kills_no_worker_and_a_stalled_worker_still_is(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: SimProcessFactory,
+        redis_server: RedisServer) -> None:
+    """The daemon's own loop held up for 1.5 × ``worker_watchdog_s`` (SIGSTOP, as a loaded host or a long
+    pause does) — first alone, its workers pinging on into their pairs; then frozen with its workers (a
+    frozen cgroup, a paused VM), waking before them. Neither time is a worker judged by what the daemon
+    could not hear: both keep their pids, and a stream in flight through one ends with ``[DONE]``. A
+    worker that then stalls for real is still killed and started again."""
+    watchdog_s = 2.0
+    sim = await sim_process(model="m", ttft_ms=5, itl_ms=10)
+    cfg = routerd_config(daemon={"workers": 2, "worker_watchdog_s": watchdog_s},
+                         redis={"enabled": True, "url": redis_server.url, "consumer": "t"},
+                         fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url]}])
+    rp = routerd_process(cfg)
+    daemon = rp.proc.pid
+    workers = _worker_pids(rp.log_path)
+    assert len(workers) == 2, rp.log()
+    async with aiohttp.ClientSession() as s:
+        stream = await open_stream(s, rp.url, "m", max_tokens=800)  # 8 s at the least: through the stalls
+        os.kill(daemon, signal.SIGSTOP)  # the daemon alone: its workers' pings wait on the pairs
+        await asyncio.sleep(1.5 * watchdog_s)
+        os.kill(daemon, signal.SIGCONT)
+        await asyncio.sleep(watchdog_s)  # a stall misread as the workers' is punished on the first pass
+        assert _stalled(rp.log_path) == [], rp.log()
+        for pid in (daemon, *workers.values()):  # all frozen: no worker pings meanwhile
+            os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(1.5 * watchdog_s)
+        os.kill(daemon, signal.SIGCONT)  # the daemon wakes first, its workers a little later
+        await asyncio.sleep(0.25)
+        for pid in workers.values():
+            with contextlib.suppress(ProcessLookupError):  # (killed meanwhile: the assertion says so)
+                os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(watchdog_s)
+        assert _stalled(rp.log_path) == [], rp.log()
+        assert _worker_pids(rp.log_path) == workers
+        assert all(_alive(pid) for pid in workers.values())
+        events = await stream.finish(60)
+        assert events[-1] == b"data: [DONE]", events[-3:]
+        assert all(b'"error"' not in e for e in events)
+
+    os.kill(workers[0], signal.SIGSTOP)  # a real stall after the daemon's own: still caught
+    assert await eventually(lambda: _worker_pids(rp.log_path)[0] != workers[0], 30, 0.1), rp.log()
+    assert await eventually(lambda: not _alive(workers[0]), 10, 0.1)
+    assert _stalled(rp.log_path) == [0]
 
 
 # -- the pieces, in-process --------------------------------------------------------------------------
