@@ -130,6 +130,11 @@ class Keys:
     def control_token(self) -> str:
         """The fencing-token counter: INCR'd by each take of the control lease, never reset."""
         return self._key("control", "token")
+    def consumer(self, name: str) -> str:
+        """The live holder of queue consumer name ``name``, expiring unless renewed
+        (routerd/ingress/queue/name.py): a newcomer recovers the name's pending jobs only once it is gone."""
+        return self._key("consumer", name)
+
     def load(self, ident: str) -> str:
         """One routerd process's in-flight per instance (routerd/view/load.py), expiring unless renewed."""
         return self._key("load", ident)

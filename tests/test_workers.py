@@ -293,6 +293,59 @@ async def test_a_killed_worker_reclaims_its_own_jobs_and_sigterm_drains_every_wo
         await redis.aclose()
 
 
+async def test_a_daemon_started_again_at_once_runs_none_of_its_orphans_jobs_again(
+        routerd_process: RouterdFactory, routerd_config: Any, sim_process: SimProcessFactory,
+        redis_server: RedisServer) -> None:
+    """A workers daemon SIGKILLed under queue load and started again at once on the same config: its
+    orphaned workers drain the jobs they hold under ``t-w0``/``t-w1`` while the new workers, under the
+    same names, read new jobs and leave the names' pending ones alone until each orphan let go. Every job
+    ends with one ``ok`` result, and the engine ran each exactly once."""
+    sim = await sim_process(model="m", ttft_ms=5, itl_ms=40, max_num_seqs=64)  # 5 s a job
+    cfg = routerd_config(daemon={"workers": 2, "drain_timeout_s": 90.0},
+                         redis={"enabled": True, "url": redis_server.url, "consumer": "t",
+                                "reclaim_idle_ms": 600_000, "read_batch": 16},
+                         fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url],
+                                  "max_num_seqs": 32}])  # each worker holds a part: both hold some
+    first = routerd_process(cfg)
+    client = QueueClient.from_url(redis_server.url)
+    redis = aioredis.Redis.from_url(redis_server.url)
+    try:
+        jobs = await client.submit_many([{"model": "m", "prompt": f"job {i}", "max_tokens": 125}
+                                         for i in range(96)])
+
+        async def running_on_both() -> bool:
+            rows = [await redis.xpending_range("routerd:requests", "routerd", min="-", max="+", count=10,
+                                               consumername=f"t-w{i}") for i in (0, 1)]
+            return all(len(r) >= 3 for r in rows)
+
+        for _ in range(600):  # until each worker runs some (whichever read them first)
+            if await running_on_both():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(first.log())
+        orphans = list(_worker_pids(first.log_path).values())
+        first.proc.kill()
+        await asyncio.to_thread(first.proc.wait, 10)
+        second = routerd_process(cfg)  # at once, while the orphans drain
+
+        results = await client.wait_many(jobs, timeout=90)
+        assert {r.status for r in results.values()} == {"ok"}, [r.error for r in results.values()]
+        assert len(results) == len(jobs)
+        stats = await sim.stats()
+        assert (stats["completed"], stats["aborted"]) == (len(jobs), 0), stats  # each job ran once
+        waited = {line.get("worker") for line in _log_lines(second.log_path)
+                  if line.get("event") == "queue_consumer_name_busy"}
+        assert waited == {0, 1}, second.log()  # the overlap happened: each new worker found an orphan
+        assert await eventually(lambda: not any(_alive(pid) for pid in orphans), 60, 0.1)
+        for i in (0, 1):
+            assert await redis.xpending_range("routerd:requests", "routerd", min="-", max="+", count=10,
+                                              consumername=f"t-w{i}") == []
+    finally:
+        await client.aclose()
+        await redis.aclose()
+
+
 async def _drain_streams(rp: RouterdProcess) -> None:
     streams: list[dict[str, Any]] = []
     tasks: list[asyncio.Task[None]] = []

@@ -1,7 +1,8 @@
 """The Redis queue consumer: jobs in from a stream, exactly one result per job id out.
 
 routerd reads ``routerd:requests`` as a member of a consumer group under a stable name, so after a
-crash it finds its own unacknowledged jobs again at start; other consumers' jobs are taken over with
+crash it finds its own unacknowledged jobs again at start — once the name's previous holder is gone
+(:mod:`.name`: a holder still draining keeps running its own); other consumers' jobs are taken over with
 ``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here are kept fresh with ``XCLAIM
 JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow capacity: a read asks for at
 most what the fleets' admission can take now, so the backlog stays in Redis and routerd's memory does
@@ -40,6 +41,7 @@ from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
 from .held import Held, Running, as_str
 from .job import JobRunner
+from .name import RENEW_S, NameLease
 from .reclaim import Reclaimer
 from .store import REDIS_DOWN, JobStore
 
@@ -77,6 +79,7 @@ class QueueIngress:
                       "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0, "set_aside": 0}
         # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
         self.depth: dict[str, int] = {}
+        self._name = NameLease(self.keys.consumer(self.consumer))  # recovery waits for a live holder
         self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
                                     spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
@@ -143,7 +146,8 @@ class QueueIngress:
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
                            tg.create_task(cancels, name="queue-cancels"),
                            tg.create_task(self._depth_loop(), name="queue-depth"),
-                           tg.create_task(self._aside_loop(), name="queue-aside")]
+                           tg.create_task(self._aside_loop(), name="queue-aside"),
+                           tg.create_task(self._keep_name(), name="queue-name")]
                 await self._read_loop()
                 await self._drain_held()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
@@ -159,6 +163,7 @@ class QueueIngress:
             finally:
                 if self._client is not None:
                     client, self._client = self._client, None
+                    await self._name.release(client, min(2.0, self._cfg.redis.op_timeout_s))
                     with contextlib.suppress(*REDIS_DOWN):
                         await wait_for(client.aclose(), 2.0)  # closing sockets; the stop is bounded
 
@@ -174,6 +179,17 @@ class QueueIngress:
             if not idle.is_set():
                 with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
                     await self._reclaimer.keep_alive(self.client())
+
+    async def _keep_name(self) -> None:
+        """Renew this consumer's name while it is held: through the drain too (run() ends this after)."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._name.renew(self.client(), self._cfg.redis.op_timeout_s)
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                pass  # the read loop reports an outage; renewed on the next pass
+            except Exception:  # noqa: BLE001 — loop boundary: the name is renewed again next time
+                _log.exception("queue_name_renew_failed")
 
     async def _depth_loop(self, interval_s: float = 5.0) -> None:
         """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
@@ -296,8 +312,8 @@ class QueueIngress:
         client: Any = self.client()
         if not self._group_ready:
             await self._ensure_group(client)
-        if not self._reclaimer.own_recovered:
-            await self._reclaimer.recover_own(client)
+        if not self._reclaimer.own_recovered and await self._name.take(client, r.op_timeout_s):
+            await self._reclaimer.recover_own(client)  # the name's previous holder is gone
         now = time.monotonic()
         if now >= self._next_reclaim:
             self._next_reclaim = now + r.reclaim_interval_s
