@@ -102,6 +102,13 @@ class Daemon:
         """TERM/INT: drain, bounded as a whole by :class:`StopDeadline`; a second one: exit now (the
         drain is cut short, and whatever is still stopping after ``_FORCED_STOP_S`` is abandoned)."""
         if self._stop.is_set():
+            if self.worker is not None and os.getppid() != self._parent_pid:
+                # The parent's death signal again, not an operator's second stop: Linux sends
+                # PR_SET_PDEATHSIG at each reparenting of an orphan — once per thread of the dying
+                # parent it passes through — so one SIGKILL of a daemon can bring its workers several
+                # SIGTERMs. Cut short, their drain would give the jobs they run to their successors to
+                # run again (issue 26). The drain stays bounded by drain_timeout_s.
+                return
             _logger.warning("second_stop_signal_exiting_now")
             if self.workers is not None:
                 self.workers.tell(FORCE)  # each exits now too

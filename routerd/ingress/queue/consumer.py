@@ -1,12 +1,12 @@
 """The Redis queue consumer: jobs in from a stream, exactly one result per job id out.
 
 routerd reads ``routerd:requests`` as a member of a consumer group under a stable name, so after a
-crash it finds its own unacknowledged jobs again at start — once the name's previous holder is gone
-(:mod:`.name`: a holder still draining keeps running its own); other consumers' jobs are taken over with
-``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here are kept fresh with ``XCLAIM
-JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow capacity: a read asks for at
-most what the fleets' admission can take now, so the backlog stays in Redis and routerd's memory does
-not grow with it.
+crash it finds its own unacknowledged jobs again at start; it reads nothing under that name while
+another live process holds it (:mod:`.name`: a holder still draining runs its own jobs). Other
+consumers' jobs are taken over with ``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running
+here are kept fresh with ``XCLAIM JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads
+follow capacity: a read asks for at most what the fleets' admission can take now, so the backlog stays
+in Redis and routerd's memory does not grow with it.
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
 that stores its result (``JobStore.acknowledge``, :mod:`.store`). A job whose tenant is over its rate
@@ -312,8 +312,11 @@ class QueueIngress:
         client: Any = self.client()
         if not self._group_ready:
             await self._ensure_group(client)
-        if not self._reclaimer.own_recovered and await self._name.take(client, r.op_timeout_s):
-            await self._reclaimer.recover_own(client)  # the name's previous holder is gone
+        if not self._name.held and not await self._name.take(client, r.op_timeout_s):
+            await asyncio.sleep(1.0)  # another live process holds the name: nothing is ours to read
+            return
+        if not self._reclaimer.own_recovered:
+            await self._reclaimer.recover_own(client)
         now = time.monotonic()
         if now >= self._next_reclaim:
             self._next_reclaim = now + r.reclaim_interval_s

@@ -10,20 +10,21 @@ Recovering then runs every job the old holder is still running a second time on 
 26: 234 of 1,000 jobs; results stayed single, the engine work doubled).
 
 So the holder of a name keeps ``<ns>:consumer:<name>`` (:meth:`routerd.keys.Keys.consumer`): its own
-value, with a TTL of :data:`TTL_S` renewed every :data:`RENEW_S`, from its first read until its drain
-ended, when it deletes it. A newcomer reads new jobs at once — nothing of those is anyone else's — but
-recovers the name's pending ones only once it holds the key: when the old holder let go at the end of
-its drain, when its key expired (it died elsewhere, or was cut off from Redis for ``TTL_S``), or at
-once when the value names a process of this host that is gone (a crash or a SIGKILL, the restarted
-process or worker finds its jobs at once, as before). The value says where its holder runs: the
-kernel's boot id, the pid namespace and the pid, so a process of another host or container is never
-taken for dead by a missing pid here.
+value, with a TTL of :data:`TTL_S` renewed every :data:`RENEW_S`, from before its first read until its
+drain ended, when it deletes it. A newcomer reads, recovers and claims nothing under the name until it
+holds the key: when the old holder let go at the end of its drain, when its key expired (it died
+elsewhere, or was cut off from Redis for ``TTL_S``), or at once when the value names a process of this
+host that is gone (a crash or a SIGKILL: the restarted process or worker finds its jobs at once, as
+before). Reading new jobs meanwhile would be safe for those jobs, but not once the key is gone: the key
+must be there exactly while some process may run jobs under the name. The value says where its
+holder runs: the kernel's boot id, the pid namespace and the pid, so a process of another host or
+container is never taken for dead by a missing pid here.
 
 Orphans need no other rule: a worker whose parent died gets SIGTERM and stops reading at once (its
-drain), and what it set aside, had not finished, or got from a read still in flight when it stopped
+drain), and what it set aside, had not started, or got from a read still in flight when it stopped
 stays pending under the name for the newcomer to recover once the orphan let go — those wait for the
 end of its drain rather than run twice. Giving back what an orphan had not started instead would not
-cover what it had: the key does both.
+cover what it had: the key covers both.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class NameLease:
         if other != self._waiting_on:
             self._waiting_on = other
             _log.warning("queue_consumer_name_busy", key=self.key, holder=other,
-                         action="reading new jobs; the name's pending ones are recovered once it lets go "
-                         f"(at its drain's end, or {TTL_S:g} s after its last renewal)")
+                         action=f"reading nothing until it lets go (at its drain's end, or {TTL_S:g} s "
+                         "after its last renewal)")
         return False
 
     async def renew(self, client: Any, op_timeout_s: float) -> None:
