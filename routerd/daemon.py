@@ -37,7 +37,17 @@ from .registry import Registry
 from .sdnotify import Notifier
 from .state_lock import EXIT_LOCKED, StateDirLocked, StateLock
 from .stop_deadline import StopDeadline
-from .workers import FORCE, RELOAD, STOP, Workers, WorkerSpec, read_words, worker_consumer, worker_link
+from .workers import (
+    FORCE,
+    RELOAD,
+    STOP,
+    Workers,
+    WorkerSpec,
+    ping_interval_s,
+    read_words,
+    worker_consumer,
+    worker_link,
+)
 
 if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
     from .assembly import Role, Routerd
@@ -75,7 +85,7 @@ class Daemon:
         self._link = worker_link(worker) if worker is not None else None
         if self._link is not None:
             notifier = notifier or Notifier(sock=self._link,
-                                            watchdog_interval_s=cfg.daemon.worker_watchdog_s / 4)
+                                            watchdog_interval_s=ping_interval_s(cfg.daemon.worker_watchdog_s))
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.workers: Workers | None = None  # the parent's workers (``[daemon] workers`` > 1)
@@ -94,6 +104,13 @@ class Daemon:
         """TERM/INT: drain, bounded as a whole by :class:`StopDeadline`; a second one: exit now (the
         drain is cut short, and whatever is still stopping after ``_FORCED_STOP_S`` is abandoned)."""
         if self._stop.is_set():
+            if self.worker is not None and os.getppid() != self._parent_pid:
+                # The parent's death signal again, not an operator's second stop: Linux sends
+                # PR_SET_PDEATHSIG at each reparenting of an orphan — once per thread of the dying
+                # parent it passes through — so one SIGKILL of a daemon can bring its workers several
+                # SIGTERMs. Cut short, their drain would give the jobs they run to their successors to
+                # run again (issue 26). The drain stays bounded by drain_timeout_s.
+                return
             _logger.warning("second_stop_signal_exiting_now")
             if self.workers is not None:
                 self.workers.tell(FORCE)  # each exits now too
