@@ -290,6 +290,10 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
                 fleets[i] = msgspec.structs.replace(f, api_key=resolve_env(f.api_key, environ))
             except KeyFormError as e:
                 problems.append(f"$.fleets[{i}].api_key: {e}")
+                continue
+            if not fleets[i].api_key.isprintable() or " " in fleets[i].api_key:
+                problems.append(f"$.fleets[{i}].api_key: one token of printable characters, no spaces "
+                                "(it is sent as `Authorization: Bearer <key>`)")
     control = cfg.control
     if control.secret:
         try:

@@ -54,13 +54,15 @@ async def test_the_sim_guards_what_vllm_guards(sim_engine: SimEngineFactory,
                     (path, headers)
         for auth in ("Bearer k-one", "bearer k-two", "BEARER k-one"):  # either key; the scheme in any case
             status, body = await status_of(s, "POST", eng.url + "/v1/completions", {"Authorization": auth})
-            assert status == 200 and body["choices"][0]["text"], (auth, body)
+            assert status == 200, (auth, body)
+            assert body["choices"][0]["text"]
         for path in ("/health", "/metrics", "/load", "/kv_event_sources", "/version", "/ping"):
             status, _ = await status_of(s, "GET", eng.url + path)
             assert status == 200, path
 
         assert await status_of(s, "POST", proc.url + "/v1/completions") == (401, UNAUTHORIZED)
-        status, _ = await status_of(s, "POST", proc.url + "/v1/completions", {"Authorization": "Bearer k-cli"})
+        status, _ = await status_of(s, "POST", proc.url + "/v1/completions",
+                                    {"Authorization": "Bearer k-cli"})
         assert status == 200
         assert (await status_of(s, "GET", proc.url + "/metrics"))[0] == 200
 
@@ -87,10 +89,11 @@ async def test_a_static_fleet_is_sent_its_api_key_and_only_its_own(
         {"name": "bare", "model": "bare", "urls": [bare.url]}], {"ENGINE_KEY": "k-static"})
     assert "k-static" in config.secret_values(cfg)  # the redactor learns it
     async with assembly.running(cfg, Registry()) as rd, aiohttp.ClientSession() as s:
-        assert await eventually(lambda: all(rd.registry.ready_count(f) == 1 for f in ("right", "wrong", "bare")),
-                                10), rd.status()
+        fleets = ("right", "wrong", "bare")
+        assert await eventually(lambda: all(rd.registry.ready_count(f) == 1 for f in fleets), 10), rd.status()
         for stream in (False, True):
-            async with s.post(rd.url + "/v1/completions", json={**BODY, "model": "right", "stream": stream}) as r:
+            body = {**BODY, "model": "right", "stream": stream}
+            async with s.post(rd.url + "/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
                 assert r.headers["X-Routerd-Instance"] == "right:static0"
         for fleet in ("wrong", "bare"):
@@ -109,9 +112,12 @@ def test_check_config_refuses_an_api_key_routerd_does_not_take(tmp_path: Path) -
         "$.fleets[0].api_key: routerd gives the engines it launches": launched,
         "$.fleets[0].engine_args.api-key: routerd gives": {**launched, "api_key": "",
                                                             "engine_args": {"api-key": "k"}},
-        "$.fleets[0].env.VLLM_API_KEY: routerd gives": {**launched, "api_key": "", "env": {"VLLM_API_KEY": "k"}},
+        "$.fleets[0].env.VLLM_API_KEY: routerd gives": {**launched, "api_key": "",
+                                                         "env": {"VLLM_API_KEY": "k"}},
         "$.fleets[0].api_key: env:NOPE: the environment variable is not set": {
             "name": "s", "model": "s", "engine": "static", "urls": ["http://h:1"], "api_key": "env:NOPE"},
+        "$.fleets[0].api_key: one token of printable characters": {
+            "name": "s", "model": "s", "engine": "static", "urls": ["http://h:1"], "api_key": "k\nX: 1"},
         "$.fleets[0].api_key: the fleet's urls carry user:password": {
             "name": "s", "model": "s", "engine": "static", "urls": ["http://u:p@h:1"], "api_key": "k"},
     }
@@ -156,8 +162,13 @@ async def keyless_manager(cfg: Config) -> AsyncIterator[Registry]:
 
 def engine(registry: Registry) -> tuple[str, int, int]:
     inst = registry.get("k:0")
-    assert inst is not None and inst.pid is not None
+    assert inst is not None
+    assert inst.pid is not None
     return inst.url, inst.pid, inst.generation
+
+
+def proc_file(pid: int, name: str) -> bytes:
+    return Path(f"/proc/{pid}/{name}").read_bytes()
 
 
 async def served(s: aiohttp.ClientSession, url: str) -> None:
@@ -195,16 +206,18 @@ async def test_launched_engines_answer_only_routerd_across_restarts_and_a_rotati
         await served(s, rd.url)
         # In the engine's environment, not on its command line (which `ps` shows every user) nor in
         # the log its actor writes.
-        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
-        assert f"VLLM_API_KEY={key}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
+        assert key.encode() not in proc_file(pid, "cmdline")
+        assert f"VLLM_API_KEY={key}".encode() in proc_file(pid, "environ")
         logs = list((state / "engines" / "k-0").glob("g*.log"))
-        assert logs and not any(key in p.read_text() for p in logs)
+        assert logs
+        assert not any(key in p.read_text() for p in logs)
 
     # A restart on the same state dir: the same key, the same engine adopted, served at once.
     async with assembly.running(cfg, Registry(), stop_engines=False) as rd, aiohttp.ClientSession() as s:
         assert engine(rd.registry) == (url, pid, generation)
         inst = rd.registry.get("k:0")
-        assert inst is not None and inst.state is InstanceState.READY
+        assert inst is not None
+        assert inst.state is InstanceState.READY
         await served(s, rd.url)
 
     # The shared secret rotated: the engine, which would refuse every request, is restarted in place

@@ -239,8 +239,8 @@ class Supervisor:
             slot.placement = placement
             self._renew(info)
         elif not slot.info.get("alive", False) or slot.rekey:
+            slot.rekey = False  # any restart gives the engine the current key, the failure path's too
             await self._restart(grace_s=1.0)
-            slot.rekey = False
 
     async def _restart(self, grace_s: float) -> None:
         slot = self.slot
