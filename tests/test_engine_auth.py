@@ -191,9 +191,9 @@ async def test_launched_engines_answer_only_routerd_across_restarts_and_a_rotati
         legacy_url, legacy_pid, _ = engine(registry)
         await served(s, legacy_url)
 
-    # routerd with keys adopts it (it serves on), and the rolling update replaces it with a keyed one.
+    # routerd with keys adopts it and the rolling update replaces it with a keyed one (a fleet of one
+    # replica is rolled at once, as for a changed spec).
     async with assembly.running(cfg, Registry(), stop_engines=False) as rd, aiohttp.ClientSession() as s:
-        await served(s, rd.url)
         assert await eventually(lambda: ready(rd.registry) and engine(rd.registry)[1] != legacy_pid, 60), \
             rd.status()
         url, pid, generation = engine(rd.registry)
