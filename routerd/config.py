@@ -131,6 +131,7 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
                     problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {redact.url(u)!r}")
         elif f.urls:
             problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
+        problems += _api_key_problems(where, f)
         if f.engine == "static" and f.placement != "any":
             problems.append(f"{where}.placement: a static fleet's instances are its urls; routerd does "
                             "not place them")
@@ -145,6 +146,22 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
     return problems
+
+
+def _api_key_problems(where: str, f: FleetConfig) -> list[str]:
+    """Who sets an engine's API key: routerd for the engines it launches (derived from the shared
+    secret: a second key from the config would only be one that does not work), the operator for a
+    static fleet's — and then not beside URL credentials, as one Authorization header carries one."""
+    if f.engine != "static":
+        owned = [f"{where}.api_key"] if f.api_key else []
+        owned += [f"{where}.engine_args.{k}" for k in f.engine_args if k.replace("_", "-") == "api-key"]
+        owned += [f"{where}.env.VLLM_API_KEY"] if "VLLM_API_KEY" in f.env else []
+        return [f"{at}: routerd gives the engines it launches their API key (derived from [control] "
+                "secret); only a static fleet is given its engines' key" for at in owned]
+    if f.api_key and any("@" in u.split("://", 1)[-1].split("/", 1)[0] for u in f.urls):
+        return [f"{where}.api_key: the fleet's urls carry user:password (HTTP basic auth); an engine "
+                "request has one Authorization header: use one or the other"]
+    return []
 
 
 def _kv_event_problems(where: str, f: FleetConfig) -> list[str]:
@@ -298,6 +315,17 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
     http = msgspec.structs.replace(cfg.http, api_keys=resolved(cfg.http.api_keys, "$.http.api_keys"))
     tenants = [msgspec.structs.replace(t, api_keys=resolved(t.api_keys, f"$.tenants[{i}].api_keys"))
                for i, t in enumerate(cfg.tenants)]
+    fleets = list(cfg.fleets)
+    for i, f in enumerate(fleets):
+        if f.api_key:
+            try:
+                fleets[i] = msgspec.structs.replace(f, api_key=resolve_env(f.api_key, environ))
+            except KeyFormError as e:
+                problems.append(f"$.fleets[{i}].api_key: {e}")
+                continue
+            if not fleets[i].api_key.isprintable() or " " in fleets[i].api_key:
+                problems.append(f"$.fleets[{i}].api_key: one token of printable characters, no spaces "
+                                "(it is sent as `Authorization: Bearer <key>`)")
     control = cfg.control
     if control.secret:
         try:
@@ -308,7 +336,7 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
             if len(control.secret) < MIN_SECRET_CHARS:
                 problems.append(f"$.control.secret: at least {MIN_SECRET_CHARS} characters "
                                 "(e.g. `openssl rand -hex 32`)")
-    return msgspec.structs.replace(cfg, http=http, tenants=tenants, control=control), problems
+    return msgspec.structs.replace(cfg, http=http, tenants=tenants, fleets=fleets, control=control), problems
 
 
 def _tenant_problems(cfg: Config) -> list[str]:
@@ -425,6 +453,7 @@ def secret_values(cfg: Config) -> list[str]:
     found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:
         found += [_userinfo_password(u) or "" for u in fleet.urls]
+        found.append(fleet.api_key)
         found += [v for k, v in fleet.env.items() if redact.secret_name(k)]
         found += [str(v) for k, v in fleet.engine_args.items() if redact.secret_name(k)]
     return [s for s in found if s]

@@ -211,6 +211,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
     urls: list[str] = []
+    # A static fleet's engines' API key (vLLM --api-key), plain or env:VAR: sent as "Authorization: Bearer"
+    # on every engine call. Launched fleets take none here: routerd derives theirs (routerd/trust.py).
+    api_key: str = ""
     max_num_seqs: Count = 256  # capacity used to normalise load when the engine does not say
     autoscale: AutoscaleConfig | None = None  # None: a fixed count of ``replicas``
     # Across Ray nodes (routerd/fleet/spread.py): "any" = where Ray finds room; "spread" = one replica

@@ -25,9 +25,10 @@ _log = log.get("routerd.launcher")
 _VLLM_TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
                          "opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
-# Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them.
+# Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them. The API
+# key reaches the engine in its environment (the engine actor's VLLM_API_KEY), never on argv.
 _OWNED = {"host", "port", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size", "model",
-          "prefix-caching-hash-algo", "kv-events"}
+          "prefix-caching-hash-algo", "kv-events", "api-key"}
 _FORBIDDEN = {"disable-log-stats"}  # turns off the vllm: metrics routing and health depend on
 
 
