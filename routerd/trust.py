@@ -7,8 +7,9 @@ of one kind cannot be replayed as another. Anyone who can write to Redis (queue 
 longer command routerd: an unsealed or forged record is refused (:class:`Rejected`), never acted on.
 
 The engines routerd launches are started with an API key derived from the same secret (vLLM's
-``VLLM_API_KEY``, in the engine's environment rather than on its command line), so every process of a deployment (workers, followers on other hosts, a restarted
-routerd adopting its engines) can compute it, and it never travels through Redis in clear.
+``VLLM_API_KEY``, in the engine's environment rather than on its command line), so every process of
+a deployment (workers, followers on other hosts, a restarted routerd adopting its engines) can
+compute it, and it never travels through Redis in clear.
 
 Where the secret comes from, first found wins:
 
