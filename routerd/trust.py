@@ -125,10 +125,9 @@ class Trust:
         return record[len(_MAGIC):len(_MAGIC) + _FINGERPRINT_BYTES].hex()
 
     def _tag(self, kind: str, payload: bytes) -> bytes:
-        mac = hmac.new(self._sign_key, kind.encode(), hashlib.sha256)
-        mac.update(b"\0")
-        mac.update(payload)
-        return mac.digest()
+        # One-shot hmac.digest (OpenSSL's, no Python HMAC object): half the cost of hmac.new + update for
+        # the small records sealed several times a second; the same tag as HMAC(kind || 0 || payload).
+        return hmac.digest(self._sign_key, kind.encode() + b"\0" + payload, "sha256")
 
     def seal(self, kind: str, payload: bytes) -> bytes:
         """``payload`` with a header that binds it to ``kind`` and this secret."""
