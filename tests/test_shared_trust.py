@@ -20,13 +20,19 @@ from routerd import assembly
 from routerd.config import RedisConfig
 from routerd.keys import Keys
 from routerd.registry import Registry
+from routerd.snapshot import LoadSnapshot
+from routerd.view.load import LoadRecord
 from routerd.view.replicas import file_of
+from routerd.view.scrapes import ScrapeRecord
+from routerd.view.sessions import SessionRecord, digest
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
-from tests.fixtures.ray_cluster import RayTestCluster
+from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 from tests.test_fleet import SIM_ARGS, make_cfg
+from tests.test_shared_view import config as shared_view_config
+from tests.test_shared_view import plane
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -200,3 +206,41 @@ async def test_a_forged_replica_count_is_refused_and_not_applied(
         assert 'routerd_shared_rejected_total{kind="replicas",why="unsigned"} 1.0' in \
             rd.metrics.render().decode()
     assert not r.hexists(KEYS.replicas(), "rp")  # dropped, as an unreadable pin is
+
+
+async def test_forged_load_scrapes_and_sessions_are_refused_not_applied(
+        redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
+    """What steers routing on every process — another process's in-flight counts (a phantom process also
+    shrinks every process's part of the admission bounds), the controller's scrapes, a session's
+    instance — is refused when written by hand."""
+    sim = await sim_process(model="m")
+    cfg = shared_view_config(redis_server.url, "b", [sim.url])
+    r = redis_server.client()
+    async with plane(cfg) as b:
+        view = b.view
+        assert view is not None
+        inst = b.registry.get("f:static0")
+        assert inst is not None
+        view.scrapes.is_scraper = lambda: False  # b applies the scrapes published in Redis
+        r.set(KEYS.load("phantom"), msgspec.msgpack.encode(LoadRecord({"f:static0": 50})), px=60_000)
+        r.sadd(KEYS.processes, "phantom")
+        snapshot = LoadSnapshot(scraped_at=0.0, running=0.0, waiting=0.0, kv_usage=0.0, capacity=10_000)
+        r.hset(KEYS.scrapes, "f:static0", msgspec.msgpack.encode(
+            ScrapeRecord(at=time.time(), url=sim.url, inflight=0, snapshot=snapshot, period=60.0)))
+        r.set(KEYS.session(digest("conversation")), msgspec.msgpack.encode(SessionRecord("f:static0", 1)))
+        view.sessions.processes = lambda: 2  # a lookup is made only with others around
+        assert await view.sessions.recall("conversation") is None
+        exchanged = view.load.exchanges_total
+        assert await eventually(lambda: view.load.exchanges_total >= exchanged + 3, 30)  # read it twice
+        assert b.registry.processes == 1  # no phantom among the processes
+        assert inst.inflight_elsewhere == 0
+        seals = view.load.seals
+        assert await eventually(lambda: seals.rejected.get(("scrape", "unsigned"), 0) >= 2, 30), \
+            seals.rejected
+        assert seals.rejected[("load", "unsigned")] >= 2
+        assert not inst.shared_scrape
+        assert inst.snapshot is None or inst.snapshot.capacity != 10_000
+        assert seals.rejected[("session", "unsigned")] == 1
+        assert view.sessions.lookups["found"] == 0
+        assert 'routerd_shared_rejected_total{kind="session",why="unsigned"} 1.0' in \
+            b.metrics.render().decode()
