@@ -58,7 +58,8 @@ async def view_running(server: RedisServer, registry: Registry, controls: Callab
                        replicas: dict[str, int] | None = None, **kw: Any) -> AsyncIterator[FleetView]:
     async with client_of(server) as client:
         view = FleetView(registry, client, KEYS, ident=ident, fingerprint=fingerprint, controls=controls,
-                         seals=kw.pop("seals", SEALS), token=token, replicas=lambda: dict(replicas or {}), op_timeout_s=2.0, **kw)
+                         seals=kw.pop("seals", SEALS), token=token, replicas=lambda: dict(replicas or {}),
+                         op_timeout_s=2.0, **kw)
         task = asyncio.create_task(view.run())
         try:
             yield view

@@ -147,7 +147,8 @@ async def test_a_dead_processs_figures_expire_and_a_stopped_one_withdraws(
         client = redis_client(redis_server.url, cfg.redis)
         try:
             assert b.view is not None  # its secret (the state dir's) seals a record as a routerd's would
-            record = b.view.load.seals.seal(LOAD, msgspec.msgpack.encode(LoadRecord({"f:static0": 5})), "dead")
+            payload = msgspec.msgpack.encode(LoadRecord({"f:static0": 5}))
+            record = b.view.load.seals.seal(LOAD, payload, "dead")
             await client.set(keys.load("dead"), record, px=600)
             await client.sadd(keys.processes, "dead")
             await wait_until(lambda: inst.inflight_elsewhere == 5, what="the dead one's figures")
