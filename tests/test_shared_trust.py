@@ -21,6 +21,7 @@ from routerd.config import RedisConfig
 from routerd.keys import Keys
 from routerd.registry import Registry
 from routerd.snapshot import LoadSnapshot
+from routerd.status import render
 from routerd.view.load import LoadRecord
 from routerd.view.replicas import file_of
 from routerd.view.scrapes import ScrapeRecord
@@ -168,6 +169,7 @@ async def test_replicas_with_other_secrets_refuse_to_follow_and_say_why_and_with
         assert ours in body["untrusted_view"], body
         assert theirs in body["untrusted_view"], body
         assert view_b["view"]["refused"] == "other_secret"
+        assert "UNTRUSTED: the published fleet state is sealed with another secret" in render(view_b)
     refusal = next(e for e in log_events(b.log_path, "shared_record_refused") if e["kind"] == "fleet_state")
     assert (refusal["why"], refusal["fingerprint"], refusal["record_fingerprint"]) == \
         ("other_secret", theirs, ours)

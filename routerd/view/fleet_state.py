@@ -367,6 +367,7 @@ class FleetView:
             got: list[Any] = await self.client.hmget(self.keys.fleet_state(), ["version", "state"])
         raw_version, record = got
         if raw_version is None or record is None:
+            self._refused = None  # nothing to refuse: no controller publishes (stale says so)
             self._say_stale()
             return False
         published = self._open(record)
