@@ -19,12 +19,17 @@ import pytest
 from routerd import assembly
 from routerd.config import RedisConfig
 from routerd.keys import Keys
+from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.snapshot import LoadSnapshot
 from routerd.status import render
+from routerd.trust import Trust
+from routerd.view.admin_relay import AdminAnswer, AdminCall, AdminRelay
+from routerd.view.fleet_state import FleetView
 from routerd.view.load import LoadRecord
 from routerd.view.replicas import file_of
 from routerd.view.scrapes import ScrapeRecord
+from routerd.view.sealed import ADMIN_CALL, FLEET_STATE, Seals
 from routerd.view.sessions import SessionRecord, digest
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
@@ -32,6 +37,7 @@ from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 from tests.test_fleet import SIM_ARGS, make_cfg
+from tests.test_fleet_view import launched
 from tests.test_shared_view import config as shared_view_config
 from tests.test_shared_view import plane
 
@@ -246,3 +252,74 @@ async def test_forged_load_scrapes_and_sessions_are_refused_not_applied(
         assert view.sessions.lookups["found"] == 0
         assert 'routerd_shared_rejected_total{kind="session",why="unsigned"} 1.0' in \
             b.metrics.render().decode()
+
+
+# -- genuine records written again -------------------------------------------------------------------
+def redis_ms(now: Any) -> int:
+    """Redis ``TIME`` in milliseconds: the clock an admin call's sealed time is on."""
+    return int(now[0]) * 1000 + int(now[1]) // 1000
+
+
+SEALS = Seals(Trust(b"one deployment's secret", source="test"))
+
+
+async def test_a_genuine_admin_call_copied_is_not_carried_out_again(redis_server: RedisServer) -> None:
+    client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
+    done: list[str] = []
+
+    async def execute(c: AdminCall) -> AdminAnswer:
+        done.append(c.id)
+        return AdminAnswer(200, b"{}")
+
+    controller = AdminRelay(client, KEYS, ident="ctl", controls=lambda: True, seals=SEALS, op_timeout_s=2.0,
+                            answer_within_s=3.0)
+    caller = AdminRelay(client, KEYS, ident="fol", controls=lambda: False, seals=SEALS, op_timeout_s=2.0)
+    task = asyncio.create_task(controller.run(execute))
+    try:
+        assert (await caller.call("drain", "f:static0", b"", wait_s=1.0)).status == 200
+        assert len(done) == 1
+        (_, fields), = await client.xrange(KEYS.admin_calls())
+        call = msgspec.msgpack.decode(SEALS.open(ADMIN_CALL, fields[b"call"]), type=AdminCall)
+
+        async def copy() -> None:  # whoever can write the copy can delete the claim too
+            await client.delete(KEYS.admin_claim(call.id))
+            await client.xadd(KEYS.admin_calls(), {"call": fields[b"call"]})
+
+        await copy()  # soon: its id was taken here already
+        assert await eventually(lambda: SEALS.rejected.get((ADMIN_CALL, "replayed"), 0) == 1, 20)
+        controller._taken.clear()  # as a new controller would have it
+        await asyncio.sleep(max(0.0, (call.issued_ms + 3_000 - redis_ms(await client.time())) / 1000) + 0.2)
+        await copy()  # later than its caller waited: refused by its sealed time
+        assert await eventually(lambda: SEALS.rejected.get((ADMIN_CALL, "replayed"), 0) == 2, 20)
+        assert done == [call.id]  # carried out once
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_an_older_fleet_state_written_again_is_not_followed(redis_server: RedisServer) -> None:
+    controlling, following = Registry(), Registry()
+    controlling.add(launched("g", 0))
+    client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
+    try:
+        ctl = FleetView(controlling, client, KEYS, ident="a", fingerprint="fp", controls=lambda: True,
+                        seals=SEALS, token=lambda: 7)
+        fol = FleetView(following, client, KEYS, ident="b", fingerprint="fp", controls=lambda: False,
+                        seals=SEALS)
+        await ctl.publish()
+        older = await client.hget(KEYS.fleet_state(), "state")
+        assert await fol.follow()
+        controlling.add(launched("g", 1))
+        await ctl.publish()
+        assert await fol.follow()
+        assert sorted(i.id for i in following) == ["g:0", "g:1"]
+        # The older state, genuinely sealed, written back under a newer version: not followed.
+        await client.hset(KEYS.fleet_state(), mapping={"version": 10**6, "state": older})
+        await client.publish(KEYS.fleet_channel(), 10**6)
+        assert not await fol.follow()
+        assert sorted(i.id for i in following) == ["g:0", "g:1"]
+        assert SEALS.rejected[(FLEET_STATE, "replayed")] == 1
+        assert fol.status()["refused"] == "replayed"
+    finally:
+        await client.aclose()

@@ -23,11 +23,12 @@ fleet — its requests wait in admission meanwhile, as they do on the controller
 Anyone who can write to Redis can append to the stream (queue producers must reach Redis), so every
 call is sealed (routerd/view/sealed.py) and the controller carries out only calls it can open: one
 written by hand, or by a routerd with another secret, is refused, counted and logged, never carried
-out. The call's id and the Redis server time it was made at are inside the seal: the id's claim makes
-a call written again while the claim lives a no-op, and a call read more than :data:`MAX_CALL_AGE_S`
-after it was made (Redis's clock both times: no skew between hosts) is refused as replayed — so a
-copied call is never carried out twice. An answer is sealed for its call's id: one written by anyone
-else, or another call's, is refused and the caller waits on for the real one.
+out. The call's id and the Redis server time it was made at are inside the seal, so a copy written again
+is refused as replayed: read more than ``answer_within_s`` after the call was made (Redis's clock both
+times: no skew between hosts) — its caller has given up on it by then —, or, sooner, with an id this
+controller has taken already (remembered here, since whoever can write a copy can delete the claim
+too). An answer is sealed for its call's id: one written by anyone else, or another call's, is refused
+and the caller waits on for the real one.
 """
 
 from __future__ import annotations
@@ -54,9 +55,7 @@ _STREAM_MAXLEN = 1000
 _REPLY_TTL_MS = 60_000
 _POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
 WAKE_EVERY_S = 1.0  # the requests waiting for a fleet at zero ask for it on every turn: one call a second
-# A call made longer ago than this (its sealed time to Redis's time when read) is a copy, not a call:
-# less than the claim's life (_REPLY_TTL_MS), so a copy written sooner finds the call claimed.
-MAX_CALL_AGE_S = 30.0
+_CLOCK_SLACK_MS = 1000  # a call "made" this far after Redis's time when read: TIME's own jitter, not a copy
 
 
 class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +103,7 @@ class AdminRelay:
         self.op_timeout_s = op_timeout_s
         self.answer_within_s = answer_within_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self._taken: dict[str, int] = {}  # call id → sealed time: the calls taken, while a copy could pass
 
     # the follower's side ----------------------------------------------------------------------
     async def call(self, op: str, target: str, body: bytes, *, wait_s: float) -> AdminAnswer:
@@ -240,16 +240,23 @@ class AdminRelay:
         except msgspec.DecodeError as e:  # sealed by a routerd of another version
             _log.warning("admin_call_undecodable", error=str(e))
             return
-        age_ms = now_ms - c.issued_ms
-        if not -1000 <= age_ms <= MAX_CALL_AGE_S * 1000:
+        age_ms, max_age_ms = now_ms - c.issued_ms, int(self.answer_within_s * 1000)
+        if not -_CLOCK_SLACK_MS <= age_ms <= max_age_ms:  # its caller has answered 503 by now
             self.seals.refuse(ADMIN_CALL, Why.REPLAYED, record=raw, entry=entry_id, op=c.op, target=c.target,
                               origin=c.origin, age_s=age_ms / 1000)
             return
+        for old in [i for i, at in self._taken.items() if at < now_ms - max_age_ms - _CLOCK_SLACK_MS]:
+            del self._taken[old]  # past the age any copy of it is refused at
         async with _aio.timeout(self.op_timeout_s):
             taken = await self.client.set(self.keys.admin_claim(c.id), f"taken:{self.ident}", nx=True,
                                           px=_REPLY_TTL_MS + int(c.wait_s * 1000))
         if not taken:
             return  # its caller gave up (answered 503) before this controller got to it
+        if c.id in self._taken:  # taken here already: a copy, its claim deleted by whoever wrote it
+            self.seals.refuse(ADMIN_CALL, Why.REPLAYED, record=raw, entry=entry_id, op=c.op, target=c.target,
+                              origin=c.origin)
+            return
+        self._taken[c.id] = c.issued_ms
         task = asyncio.create_task(self._carry_out(execute, c), name=f"admin:{c.op}:{c.target}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
