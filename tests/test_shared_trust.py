@@ -203,7 +203,8 @@ async def test_a_forged_replica_count_is_refused_and_not_applied(
     fleet = {"name": "rp", "model": "sim-rp", "engine": "sim", "replicas": 0, "num_cpus_per_instance": 0.25,
              "tensor_parallel_size": 1, "engine_args": SIM_ARGS}
     cfg = make_cfg(ray_cluster, tmp_path, "forged-replicas", [fleet])
-    cfg = msgspec.structs.replace(cfg, redis=RedisConfig(url=redis_server.url, consumer="a"))
+    cfg = msgspec.structs.replace(cfg, redis=RedisConfig(url=redis_server.url, consumer="a"),
+                                  ray=msgspec.structs.replace(cfg.ray, connect_timeout_s=120.0))  # a busy CI
     r = redis_server.client()
     # One engine where the file says none, written by hand (with the pin's own fingerprint of the file).
     r.hset(KEYS.replicas(), "rp", msgspec.json.encode({"replicas": 1, "file": file_of(cfg.fleets[0])}))
