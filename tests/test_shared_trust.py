@@ -29,7 +29,7 @@ from routerd.view.fleet_state import FleetView
 from routerd.view.load import LoadRecord
 from routerd.view.replicas import file_of
 from routerd.view.scrapes import ScrapeRecord
-from routerd.view.sealed import ADMIN_CALL, FLEET_STATE, Seals
+from routerd.view.sealed import ADMIN_ANSWER, ADMIN_CALL, FLEET_STATE, Seals
 from routerd.view.sessions import SessionRecord, digest
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
@@ -261,10 +261,14 @@ def redis_ms(now: Any) -> int:
     return int(now[0]) * 1000 + int(now[1]) // 1000
 
 
-SEALS = Seals(Trust(b"one deployment's secret", source="test"))
+@pytest.fixture
+def seals() -> Seals:
+    """The seals every routerd process of one deployment holds (counts fresh for each test)."""
+    return Seals(Trust(b"one deployment's secret", source="test"))
 
 
-async def test_a_genuine_admin_call_copied_is_not_carried_out_again(redis_server: RedisServer) -> None:
+async def test_a_genuine_admin_call_copied_is_not_carried_out_again(
+        redis_server: RedisServer, seals: Seals) -> None:
     client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
     done: list[str] = []
 
@@ -272,26 +276,26 @@ async def test_a_genuine_admin_call_copied_is_not_carried_out_again(redis_server
         done.append(c.id)
         return AdminAnswer(200, b"{}")
 
-    controller = AdminRelay(client, KEYS, ident="ctl", controls=lambda: True, seals=SEALS, op_timeout_s=2.0,
+    controller = AdminRelay(client, KEYS, ident="ctl", controls=lambda: True, seals=seals, op_timeout_s=2.0,
                             answer_within_s=3.0)
-    caller = AdminRelay(client, KEYS, ident="fol", controls=lambda: False, seals=SEALS, op_timeout_s=2.0)
+    caller = AdminRelay(client, KEYS, ident="fol", controls=lambda: False, seals=seals, op_timeout_s=2.0)
     task = asyncio.create_task(controller.run(execute))
     try:
         assert (await caller.call("drain", "f:static0", b"", wait_s=1.0)).status == 200
         assert len(done) == 1
         (_, fields), = await client.xrange(KEYS.admin_calls())
-        call = msgspec.msgpack.decode(SEALS.open(ADMIN_CALL, fields[b"call"]), type=AdminCall)
+        call = msgspec.msgpack.decode(seals.open(ADMIN_CALL, fields[b"call"]), type=AdminCall)
 
         async def copy() -> None:  # whoever can write the copy can delete the claim too
             await client.delete(KEYS.admin_claim(call.id))
             await client.xadd(KEYS.admin_calls(), {"call": fields[b"call"]})
 
         await copy()  # soon: its id was taken here already
-        assert await eventually(lambda: SEALS.rejected.get((ADMIN_CALL, "replayed"), 0) == 1, 20)
+        assert await eventually(lambda: seals.rejected.get((ADMIN_CALL, "replayed"), 0) == 1, 20)
         controller._taken.clear()  # as a new controller would have it
         await asyncio.sleep(max(0.0, (call.issued_ms + 3_000 - redis_ms(await client.time())) / 1000) + 0.2)
         await copy()  # later than its caller waited: refused by its sealed time
-        assert await eventually(lambda: SEALS.rejected.get((ADMIN_CALL, "replayed"), 0) == 2, 20)
+        assert await eventually(lambda: seals.rejected.get((ADMIN_CALL, "replayed"), 0) == 2, 20)
         assert done == [call.id]  # carried out once
     finally:
         task.cancel()
@@ -299,15 +303,16 @@ async def test_a_genuine_admin_call_copied_is_not_carried_out_again(redis_server
         await client.aclose()
 
 
-async def test_an_older_fleet_state_written_again_is_not_followed(redis_server: RedisServer) -> None:
+async def test_an_older_fleet_state_written_again_is_not_followed(
+        redis_server: RedisServer, seals: Seals) -> None:
     controlling, following = Registry(), Registry()
     controlling.add(launched("g", 0))
     client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
     try:
         ctl = FleetView(controlling, client, KEYS, ident="a", fingerprint="fp", controls=lambda: True,
-                        seals=SEALS, token=lambda: 7)
+                        seals=seals, token=lambda: 7)
         fol = FleetView(following, client, KEYS, ident="b", fingerprint="fp", controls=lambda: False,
-                        seals=SEALS)
+                        seals=seals)
         await ctl.publish()
         older = await client.hget(KEYS.fleet_state(), "state")
         assert await fol.follow()
@@ -320,7 +325,40 @@ async def test_an_older_fleet_state_written_again_is_not_followed(redis_server: 
         await client.publish(KEYS.fleet_channel(), 10**6)
         assert not await fol.follow()
         assert sorted(i.id for i in following) == ["g:0", "g:1"]
-        assert SEALS.rejected[(FLEET_STATE, "replayed")] == 1
+        assert seals.rejected[(FLEET_STATE, "replayed")] == 1
         assert fol.status()["refused"] == "replayed"
     finally:
+        await client.aclose()
+
+
+async def test_a_forged_admin_answer_is_refused_and_the_caller_waits_for_the_controllers(
+        redis_server: RedisServer, seals: Seals) -> None:
+    client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
+    release = asyncio.Event()
+
+    async def execute(c: AdminCall) -> AdminAnswer:
+        await release.wait()
+        return AdminAnswer(200, b'{"drained": true}')
+
+    controller = AdminRelay(client, KEYS, ident="ctl", controls=lambda: True, seals=seals, op_timeout_s=2.0)
+    caller = AdminRelay(client, KEYS, ident="fol", controls=lambda: False, seals=seals, op_timeout_s=2.0)
+    task = asyncio.create_task(controller.run(execute))
+    try:
+        answering = asyncio.create_task(caller.call("drain", "f:static0", b"", wait_s=30.0))
+        assert await eventually(lambda: bool(controller._taken), 20)
+        (call_id,) = controller._taken
+        reply = KEYS.admin_reply(call_id)
+        await client.rpush(reply, msgspec.msgpack.encode(AdminAnswer(500, b'{"forged": true}')))
+        # a genuine answer, but to another call
+        other = msgspec.msgpack.encode(AdminAnswer(404, b"{}"))
+        await client.rpush(reply, seals.seal(ADMIN_ANSWER, other, "another call"))
+        assert await eventually(lambda: seals.rejected.get((ADMIN_ANSWER, "forged"), 0) == 1, 20)
+        assert seals.rejected[(ADMIN_ANSWER, "unsigned")] == 1
+        assert not answering.done()
+        release.set()
+        answer = await answering
+        assert (answer.status, answer.body) == (200, b'{"drained": true}')
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
