@@ -125,7 +125,8 @@ async def test_a_forged_fleet_state_with_an_attackers_url_is_not_followed(
     # Someone holds the control lease (as writable as the rest), so the replica started follows …
     holder = {"ident": "elsewhere", "incarnation": "x", "started_ms": 1, "since_ms": 1, "token": 1}
     r.set(KEYS.control_lease(), f"1 {json.dumps(holder)}", px=120_000)
-    rp = routerd_process(replica(routerd_config, tmp_path, "b", redis_server.url, [sim.url]))
+    rp = routerd_process(replica(routerd_config, tmp_path, "b", redis_server.url, [sim.url],
+                                 admission={"waiting_room_s": 0.5}))  # no instance: a quick 503
     # … and what it follows is written by hand: the replica's instance, at the attacker's URL.
     state = {"controller": "elsewhere", "fingerprint": "x", "fleets": ["f"],
              "instances": [{"id": "f:static0", "fleet": "f", "url": attacker.url, "state": "ready",
@@ -134,10 +135,9 @@ async def test_a_forged_fleet_state_with_an_attackers_url_is_not_followed(
     r.publish(KEYS.fleet_channel(), 99)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         await until(lambda: _ge(rejected(s, rp, "fleet_state", "unsigned"), 1), "the state refused", rp)
-        for _ in range(3):
-            async with s.post(f"{rp.url}/v1/completions",
-                              json={"model": "m", "prompt": "a secret prompt", "max_tokens": 2}) as c:
-                await c.read()
+        async with s.post(f"{rp.url}/v1/completions",
+                          json={"model": "m", "prompt": "a secret prompt", "max_tokens": 2}) as c:
+            assert c.status == 503, await c.text()  # no instance it can trust
         status, body = await get(s, f"{rp.url}/readyz")
         assert status == 503, body
         assert "refused (unsigned)" in body["untrusted_view"], body
@@ -154,9 +154,10 @@ async def test_replicas_with_other_secrets_refuse_to_follow_and_say_why_and_with
     a = routerd_process(replica(routerd_config, tmp_path, "a", redis_server.url, [sim.url],
                                 control={"secret": "the first deployment's secret"}))
     b = routerd_process(replica(routerd_config, tmp_path, "b", redis_server.url, [sim.url],
-                                control={"secret": "another deployment's secret"}))
+                                control={"secret": "another deployment's secret"}), wait_ready=False)
     c = routerd_process(replica(routerd_config, tmp_path, "c", redis_server.url, [sim.url],
-                                control={"secret": "the first deployment's secret"}))
+                                control={"secret": "the first deployment's secret"}), wait_ready=False)
+    await asyncio.gather(*(asyncio.to_thread(rp.wait_notify, "READY=1", 120) for rp in (b, c)))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         _, view_a = await get(s, f"{a.url}/admin/fleets")
         assert view_a["view"]["role"] == "controller"

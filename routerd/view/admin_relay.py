@@ -126,8 +126,8 @@ class AdminRelay:
             if gave_up:
                 _log.warning("admin_call_unanswered", op=op, target=target, waited_s=self.answer_within_s)
                 return unavailable(f"no controlling routerd took this admin call within "
-                                   f"{self.answer_within_s:g}s (is one running with Redis reachable?); "
-                                   "nothing was done")
+                                   f"{self.answer_within_s:g}s (is one running, with Redis reachable and "
+                                   "the same [control] secret?); nothing was done")
             # The controller took it: its answer comes when the call is done.
             answer = await self._answer(call_id, wait_s + self.answer_within_s)
         except REDIS_DOWN as e:
