@@ -58,6 +58,7 @@ from .tenants.service import Tenancy
 from .tracing import Tracing
 from .trust import Trust
 from .view.control import ControlLease
+from .view.sealed import Seals
 
 _log = log.get("routerd.assembly")
 
@@ -209,7 +210,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
           role: Role = Role.ONE, collectors: Sequence[Collector] = (),
           ident: str | None = None, scrapes_here: Callable[[], bool] | None = None,
-          trust: Trust | None = None) -> Routerd:
+          trust: Trust | None = None, seals: Seals | None = None) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer (not in the daemon of workers: ``role``); ``fleets`` is the fleet manager
@@ -221,7 +222,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     With Redis, load, scrapes and sessions are shared with the other processes on it (``ident``: this
     process's name there, default ``redis.consumer``; ``scrapes_here()``: whether this process scrapes
     the engines for all — default: while it controls). ``trust``: the shared secret's keys (the launched
-    engines' API key among them; None: engines are sent no key, as a test's own engines want)."""
+    engines' API key among them; None: engines are sent no key, as a test's own engines want).
+    ``seals`` (routerd/view/sealed.py) seal and open every record shared through Redis: required with
+    Redis (their refusals in ``/metrics`` are the caller's to add to ``collectors``)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
@@ -236,7 +239,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     if redis_url:
         from .view import SharedView
 
-        view = SharedView(cfg, registry, redis_url, ident=ident, is_scraper=scrapes_here or controls,
+        view = SharedView(cfg, registry, redis_url, seals=_required(seals), ident=ident,
+                          is_scraper=scrapes_here or controls,
                           serves=role is not Role.PARENT, clock=clock)
 
     telemetry = Telemetry()
@@ -259,7 +263,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                                 shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
-                                    token=lambda: control.token)
+                                    token=lambda: control.token, seals=seals)
     elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock,
@@ -300,6 +304,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
                        view_status=fleet_view.status if fleet_view is not None else None,
+                       view_untrusted=fleet_view.untrusted if fleet_view is not None else None,
                        control=control.status)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
@@ -313,6 +318,12 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
                    admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay)
+
+
+def _required(seals: Seals | None) -> Seals:
+    if seals is None:
+        raise ValueError("a routerd sharing Redis needs its seals: build(..., seals=Seals(trust))")
+    return seals
 
 
 def _never() -> bool:
@@ -355,10 +366,11 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
           controls: Callable[[], bool] | None, fleets: FleetManager | None,
           clock: Callable[[], float], *,
-          token: Callable[[], int]) -> tuple[FleetView | None, AdminRelay | None]:
+          token: Callable[[], int], seals: Seals | None) -> tuple[FleetView | None, AdminRelay | None]:
     """With Redis: the fleet state this process publishes or follows, and the admin calls' relay."""
     if client is None:
         return None, None
+    seals = _required(seals)
     from .keys import Keys
     from .view.admin_relay import AdminRelay
     from .view.fleet_state import FleetView, config_fingerprint
@@ -371,9 +383,10 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
         return {name: n for name, n, _, _ in fleets.replica_figures()} if fleets is not None else {}
 
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
-                     controls=controls, token=token, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s,
-                     clock=clock)
-    return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)
+                     controls=controls, seals=seals, token=token, replicas=replicas,
+                     op_timeout_s=cfg.redis.op_timeout_s, clock=clock)
+    return view, AdminRelay(client, keys, ident=ident, controls=controls, seals=seals,
+                            op_timeout_s=cfg.redis.op_timeout_s)
 
 
 def _desired(view: FleetView | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:
@@ -420,6 +433,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
         trust = Trust.load(cfg.control.secret, config_mod.state_dir(cfg))
+        seals = Seals(trust)
+        _log.info("control_secret", source=trust.source, fingerprint=trust.fingerprint)
         status("redis")
         redis_url = await _redis(cfg, stack, state)
         view_redis = None
@@ -447,7 +462,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                 from .keys import Keys
                 from .view.replicas import ReplicaStore
 
-                replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis),
+                replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis), seals=seals,
                                              op_timeout_s=cfg.redis.op_timeout_s)
             fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock,
                                   control=control, engine_api_key=trust.engine_api_key)
@@ -456,7 +471,8 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         await _take_control(control, stack)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, view_redis=view_redis,
                         controls=controls, fleets=fleets, cluster=cluster, control=control, rng=rng,
-                        clock=clock, role=role, collectors=collectors, trust=trust)
+                        clock=clock, role=role, collectors=[*collectors, seals.collector()], trust=trust,
+                        seals=seals)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
             routerd.keying.start()  # seconds to spawn: begun now, not by the first long request

@@ -96,7 +96,7 @@ class Keys:
 
     # the shared view of several routerd processes (routerd/view/)
     def fleet_state(self) -> str:
-        """Hash: the controller's published fleet state (``token``, ``version``, ``state`` msgpack),
+        """Hash: the controller's published fleet state (``token``, ``version``, ``state`` sealed msgpack),
         expiring a few seconds after its last publish (routerd/view/fleet_state.py)."""
         return self._key("fleet", "state")
 

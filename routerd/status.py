@@ -133,6 +133,8 @@ def _view_line(v: dict[str, Any] | None) -> list[str]:
                 f"(version {v.get('version')}, {v.get('age_s', 0):.1f}s old)")
     if v.get("stale"):
         line += " STALE: no controller publishes; routing on the last fleet state"
+    if v.get("untrusted"):
+        line += f" UNTRUSTED: {v['untrusted']}"
     if v.get("config_mismatch"):
         line += (f" CONFIG MISMATCH: fleet config {v.get('fingerprint')} here, "
                  f"{v.get('controller_fingerprint')} on the controller (the controller's fleets win)")

@@ -31,6 +31,10 @@ from routerd._net import free_port
 from routerd._table import print_table as print_table  # the benchmarks print with the runtime's table
 from routerd.config import Config
 
+# ``[control] secret`` of every routerd a benchmark or a test starts beside another one with its own state
+# dir: replicas must share a secret to trust each other's records (routerd/trust.py); not a real secret.
+SHARED_SECRET = "routerd-benchmarks-and-tests-shared-secret"
+
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):

@@ -51,7 +51,7 @@ from routerd.redis_server import EmbeddedRedis
 
 from . import routing
 from . import workloads as wl
-from ._common import Processes, print_table, stop_process, summary, to_toml
+from ._common import SHARED_SECRET, Processes, print_table, stop_process, summary, to_toml
 from .ray_nodes import own_head
 from .restart import RateLoad, child_env, logged, start_routerd
 
@@ -87,9 +87,9 @@ def start_replica(run_dir: Path, name: str, redis_url: str, fleets: Sequence[dic
         "http": {"host": "127.0.0.1", "port": port},
         "redis": {"url": redis_url, "consumer": name, "block_ms": 200},
         **(extra or {})}
-    # Replicas with state dirs of their own share one secret (the README's rule): their launched
-    # engines' API key is derived from it.
-    sections["control"] = {"secret": "bench-replicas-shared-secret", **sections.get("control", {})}
+    # Replicas with their own state dirs share one secret, or each refuses the others' records (and
+    # their launched engines' API key is derived from it).
+    sections["control"] = {"secret": SHARED_SECRET, **sections.get("control", {})}
     path = state / "routerd.toml"
     path.write_text(config_text(sections, fleets))
     log_path = state / "routerd.log"

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.fleet.actor import group_members
+from routerd_bench._common import SHARED_SECRET
 from routerd_bench.scale_replicas import fleets_view, log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
@@ -88,7 +89,7 @@ def replica_cfg(routerd_config: Any, tmp_path: Path, name: str, redis_url: str,
         redis={"enabled": True, "url": redis_url, "consumer": name, "block_ms": 200},
         # One secret for every replica, as the README asks of replicas with state dirs of their own:
         # the engines' API key is derived from it.
-        control={"lease_s": LEASE_S, "secret": "replicas-shared-secret-0123"}, **extra)
+        control={"lease_s": LEASE_S, "secret": SHARED_SECRET}, **extra)
     return cfg
 
 

@@ -21,13 +21,16 @@ from routerd.keys import Keys
 from routerd.redis_server import redis_client
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.telemetry import Metrics, Telemetry
-from routerd.view.fleet_state import FleetState, FleetView
+from routerd.trust import Trust
+from routerd.view.fleet_state import FleetState, FleetView, Published
+from routerd.view.sealed import FLEET_STATE, Seals
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
 KEYS = Keys()
+SEALS = Seals(Trust(b"the tests' shared secret", source="test"))  # what every process here holds
 
 
 class Flag:
@@ -55,7 +58,8 @@ async def view_running(server: RedisServer, registry: Registry, controls: Callab
                        replicas: dict[str, int] | None = None, **kw: Any) -> AsyncIterator[FleetView]:
     async with client_of(server) as client:
         view = FleetView(registry, client, KEYS, ident=ident, fingerprint=fingerprint, controls=controls,
-                         token=token, replicas=lambda: dict(replicas or {}), op_timeout_s=2.0, **kw)
+                         seals=kw.pop("seals", SEALS), token=token, replicas=lambda: dict(replicas or {}),
+                         op_timeout_s=2.0, **kw)
         task = asyncio.create_task(view.run())
         try:
             yield view
@@ -187,11 +191,12 @@ async def test_a_deposed_controller_cannot_overwrite_its_successor(redis_server:
     async with client_of(redis_server) as client:
         def view(registry: Registry, token: int, ident: str) -> FleetView:
             return FleetView(registry, client, KEYS, ident=ident, fingerprint="fp", controls=lambda: True,
-                             token=lambda: token)
+                             seals=SEALS, token=lambda: token)
         assert await view(new, 7, "new").publish() > 0
         assert await view(old, 6, "old").publish() == -1
         raw = await client.hget(KEYS.fleet_state(), "state")
-        state = msgspec.msgpack.decode(raw, type=FleetState)
+        published = msgspec.msgpack.decode(SEALS.open(FLEET_STATE, raw), type=Published)
+        state = msgspec.msgpack.decode(published.state, type=FleetState)
         assert state.controller == "new"
         assert len(state.instances) == 2
         # Versions only grow, whoever publishes (a follower tells new from old by them).
@@ -240,7 +245,7 @@ async def test_a_pinned_count_holds_until_the_file_changes_the_fleets_count(
         return FleetConfig(name=name, model=name, engine="sim", replicas=replicas)
 
     async with client_of(redis_server) as client:
-        store = ReplicaStore(client, KEYS)
+        store = ReplicaStore(client, KEYS, seals=SEALS)
         await store.set(fleet("g", 1), 3)
         await store.set(fleet("h", 1), 2)
         await store.set(fleet("gone", 1), 2)

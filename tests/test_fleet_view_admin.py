@@ -21,6 +21,7 @@ import structlog
 from routerd.assembly import Routerd, running
 from routerd.config import Config
 from routerd.registry import InstanceState, Registry
+from routerd_bench._common import SHARED_SECRET
 from tests.fixtures.dataplane import STATE_DIR, EngineFactory
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.timeout(90)
 def config(redis_url: str, consumer: str, urls: list[str], **fleet: Any) -> Config:
     raw: dict[str, Any] = {
         "daemon": {"state_dir": f"{STATE_DIR}-{consumer}"},
+        "control": {"secret": SHARED_SECRET},  # own state dirs: one secret, or they refuse each other
         "http": {"host": "127.0.0.1", "port": 0},
         "redis": {"url": redis_url, "consumer": consumer, "op_timeout_s": 2.0},
         "routing": {"scrape_interval_s": 0.05, "scrape_timeout_s": 0.5, "stale_after_s": 1.0},

@@ -23,6 +23,7 @@ from routerd.redis_server import redis_client
 from routerd.registry import Instance, Registry
 from routerd.view import SharedView
 from routerd.view.load import LoadRecord
+from routerd.view.sealed import LOAD
 from routerd.view.sessions import digest
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcess, SimProcessFactory
@@ -145,8 +146,10 @@ async def test_a_dead_processs_figures_expire_and_a_stopped_one_withdraws(
         # A process that died without a word: its last figures, then nothing renews them
         client = redis_client(redis_server.url, cfg.redis)
         try:
-            await client.set(keys.load("dead"), msgspec.msgpack.encode(LoadRecord({"f:static0": 5})),
-                             px=600)
+            assert b.view is not None  # its secret (the state dir's) seals a record as a routerd's would
+            payload = msgspec.msgpack.encode(LoadRecord({"f:static0": 5}))
+            record = b.view.load.seals.seal(LOAD, payload, "dead")
+            await client.set(keys.load("dead"), record, px=600)
             await client.sadd(keys.processes, "dead")
             await wait_until(lambda: inst.inflight_elsewhere == 5, what="the dead one's figures")
             await wait_until(lambda: inst.inflight_elsewhere == 0 and b.registry.processes == 1,

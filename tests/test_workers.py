@@ -144,6 +144,7 @@ async def test_socket_activated_workers_both_serve_reload_and_a_stalled_one_is_r
                       daemon={"workers": 2, "worker_watchdog_s": 1.5},
                       redis={"enabled": True, "url": "embedded", "consumer": "t"},
                       fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url]}])
+    del cfg["control"]  # no secret configured: the workers trust the daemon by its <state_dir>/secret
     path = tmp_path / "routerd.toml"
     path.write_text(to_toml(cfg))
     notify = _Notify(tmp_path / "notify.sock")

@@ -131,6 +131,7 @@ class HttpIngress:
                  desired_replicas: Callable[[FleetConfig], int] | None = None,
                  elastic: Elastic | None = None,
                  view_status: Callable[[], dict[str, Any]] | None = None,
+                 view_untrusted: Callable[[], str] | None = None,
                  control: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
@@ -156,6 +157,7 @@ class HttpIngress:
         # With several routerd on one Redis: this process's view of the fleet state (routerd/view/),
         # and who controls the fleets (routerd/view/control.py ControlLease.status), in /admin/fleets.
         self.view_status = view_status
+        self.view_untrusted = view_untrusted  # why this follower has no fleet view it can trust ("": has)
         self.control = control
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
@@ -325,9 +327,12 @@ class HttpIngress:
         standby = sorted(name for name, n in fleets.items()
                          if n == 0 and elastic is not None and elastic.standby(name))
         not_ready = sorted(name for name, n in fleets.items() if n == 0 and name not in standby)
-        ready = not not_ready and not self.draining
+        untrusted = self.view_untrusted() if self.view_untrusted is not None else ""
+        ready = not not_ready and not self.draining and not untrusted
         body = {"ready": ready, "draining": self.draining, "ready_instances": fleets,
                 "not_ready": not_ready, "standby": standby}
+        if untrusted:  # a follower that cannot trust the controller's fleet state has no fleet view
+            body["untrusted_view"] = untrusted
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -9,7 +9,8 @@ a fleet scaled to zero among them (:mod:`.wake`). What every process
 measures and the others must see (:mod:`.shared`): in-flight requests per instance (:mod:`.load`), the
 engines' scrapes — made once per interval in total, by the controller (:mod:`.scrapes`) — and a
 session's instance (:mod:`.sessions`); their Redis outages are logged once each way (:mod:`.outage`).
-Every key comes from :mod:`routerd.keys`; every loop is its caller's.
+Every record one process writes there for another to act on is sealed with the deployment's secret
+(:mod:`.sealed`). Every key comes from :mod:`routerd.keys`; every loop is its caller's.
 """
 
 from .control import ControlLease, Holder, NotController

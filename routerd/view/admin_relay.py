@@ -19,6 +19,16 @@ One call is the data plane's, not an admin's: ``wake``. A request on a follower 
 finds a fleet scaled to zero must start an engine, and only the controller can; :meth:`ask_wake`
 records it without waiting and :meth:`send_wakes` relays it, at most once per ``WAKE_EVERY_S`` per
 fleet — its requests wait in admission meanwhile, as they do on the controller.
+
+Anyone who can write to Redis can append to the stream (queue producers must reach Redis), so every
+call is sealed (routerd/view/sealed.py) and the controller carries out only calls it can open: one
+written by hand, or by a routerd with another secret, is refused, counted and logged, never carried
+out. The call's id and the Redis server time it was made at are inside the seal, so a copy written again
+is refused as replayed: read more than ``answer_within_s`` after the call was made (Redis's clock both
+times: no skew between hosts) — its caller has given up on it by then —, or, sooner, with an id this
+controller has taken already (remembered here, since whoever can write a copy can delete the claim
+too). An answer is sealed for its call's id: one written by anyone else, or another call's, is refused
+and the caller waits on for the real one.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from .. import _aio, log
 from ..errors import error_json
 from ..keys import Keys
 from ..redis_server import REDIS_DOWN
+from ..trust import Rejected, Why
+from .sealed import ADMIN_ANSWER, ADMIN_CALL, Seals
 
 _log = log.get("routerd.view")
 
@@ -43,6 +55,7 @@ _STREAM_MAXLEN = 1000
 _REPLY_TTL_MS = 60_000
 _POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
 WAKE_EVERY_S = 1.0  # the requests waiting for a fleet at zero ask for it on every turn: one call a second
+_CLOCK_SLACK_MS = 1000  # a call "made" this far after Redis's time when read: TIME's own jitter, not a copy
 
 
 class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +68,7 @@ class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
     body: bytes = b""
     origin: str = ""
     wait_s: float = 10.0
+    issued_ms: int = 0  # the Redis server's time when it was made (sealed: a copy cannot renew it)
 
 
 class AdminAnswer(msgspec.Struct, frozen=True):
@@ -77,10 +91,11 @@ class AdminRelay:
     """A follower's :meth:`call`; the controller's :meth:`run` carries calls out while ``controls()``."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, *, ident: str, controls: Callable[[], bool],
-                 op_timeout_s: float = 5.0, answer_within_s: float = ANSWER_WITHIN_S) -> None:
-        """``client``: the caller's (it closes it)."""
+                 seals: Seals, op_timeout_s: float = 5.0, answer_within_s: float = ANSWER_WITHIN_S) -> None:
+        """``client``: the caller's (it closes it); ``seals``: the calls' and answers' (the process's)."""
         self.client = client
         self.keys = keys
+        self.seals = seals
         self.ident = ident
         self.controls = controls
         self._wakes: set[str] = set()  # fleets to wake, not sent yet
@@ -88,18 +103,21 @@ class AdminRelay:
         self.op_timeout_s = op_timeout_s
         self.answer_within_s = answer_within_s
         self._tasks: set[asyncio.Task[None]] = set()
+        self._taken: dict[str, int] = {}  # call id → sealed time: the calls taken, while a copy could pass
 
     # the follower's side ----------------------------------------------------------------------
     async def call(self, op: str, target: str, body: bytes, *, wait_s: float) -> AdminAnswer:
         """Have the controller carry out ``op``; its answer, or 503 when none answers in time.
         ``wait_s``: how long the call may run once the controller took it (a drain's ``timeout_s``)."""
-        c = AdminCall(id=uuid.uuid4().hex, op=op, target=target, body=body, origin=self.ident, wait_s=wait_s)
-        reply = self.keys.admin_reply(c.id)
+        call_id = uuid.uuid4().hex
         try:
             async with _aio.timeout(self.op_timeout_s):
-                await self.client.xadd(self.keys.admin_calls(), {"call": _encode(c)}, maxlen=_STREAM_MAXLEN,
+                c = AdminCall(id=call_id, op=op, target=target, body=body, origin=self.ident, wait_s=wait_s,
+                              issued_ms=_ms(await self.client.time()))
+                sealed = self.seals.seal(ADMIN_CALL, _encode(c))
+                await self.client.xadd(self.keys.admin_calls(), {"call": sealed}, maxlen=_STREAM_MAXLEN,
                                        approximate=True)
-            answer = await self._answer(reply, self.answer_within_s)
+            answer = await self._answer(call_id, self.answer_within_s)
             if answer is not None:
                 return answer
             async with _aio.timeout(self.op_timeout_s):
@@ -108,10 +126,10 @@ class AdminRelay:
             if gave_up:
                 _log.warning("admin_call_unanswered", op=op, target=target, waited_s=self.answer_within_s)
                 return unavailable(f"no controlling routerd took this admin call within "
-                                   f"{self.answer_within_s:g}s (is one running with Redis reachable?); "
-                                   "nothing was done")
+                                   f"{self.answer_within_s:g}s (is one running, with Redis reachable and "
+                                   "the same [control] secret?); nothing was done")
             # The controller took it: its answer comes when the call is done.
-            answer = await self._answer(reply, wait_s + self.answer_within_s)
+            answer = await self._answer(call_id, wait_s + self.answer_within_s)
         except REDIS_DOWN as e:
             return unavailable(f"Redis did not answer while this admin call was relayed to the controller: "
                                f"{e!r}")
@@ -146,7 +164,8 @@ class AdminRelay:
                                  answer=answer.body.decode(errors="replace")[:300])
             await asyncio.sleep(WAKE_EVERY_S)
 
-    async def _answer(self, reply: str, within_s: float) -> AdminAnswer | None:
+    async def _answer(self, call_id: str, within_s: float) -> AdminAnswer | None:
+        reply = self.keys.admin_reply(call_id)
         deadline = asyncio.get_running_loop().time() + within_s
         while True:
             left = deadline - asyncio.get_running_loop().time()
@@ -155,8 +174,12 @@ class AdminRelay:
             block = min(_POLL_S, left)
             async with _aio.timeout(self.op_timeout_s + block):
                 got: Any = await self.client.blpop([reply], timeout=block)
-            if got is not None:
-                return _decode_answer(got[1])
+            if got is None:
+                continue
+            try:
+                return _decode_answer(self.seals.open(ADMIN_ANSWER, got[1], call_id, reply=reply))
+            except Rejected:
+                continue  # not the controller's answer to this call: wait on for it
 
     # the controller's side --------------------------------------------------------------------
     async def run(self, execute: Execute) -> None:
@@ -192,31 +215,48 @@ class AdminRelay:
         """A new controller reads back as far as a caller still waits: older calls are answered 503."""
         async with _aio.timeout(self.op_timeout_s):
             now: Any = await self.client.time()
-        secs, micros = now
-        return f"{max(0, int(secs * 1000 + micros // 1000 - self.answer_within_s * 1000))}-0"
+        return f"{max(0, _ms(now) - int(self.answer_within_s * 1000))}-0"
 
     async def _read(self, execute: Execute, last_id: str) -> str:
         async with _aio.timeout(self.op_timeout_s + 1.0):
             got: Any = await self.client.xread({self.keys.admin_calls(): last_id}, count=64, block=1000)
-        for _stream, entries in got or []:
+        if not got:
+            return last_id
+        async with _aio.timeout(self.op_timeout_s):
+            now_ms = _ms(await self.client.time())
+        for _stream, entries in got:
             for entry_id, fields in entries:
                 if not self.controls():  # lost control while reading: the next controller reads them back
                     return last_id
                 last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                await self._take(execute, fields.get(b"call", b""))
+                await self._take(execute, last_id, now_ms, fields.get(b"call", b""))
         return last_id
 
-    async def _take(self, execute: Execute, raw: bytes) -> None:
-        try:
-            c = _decode_call(raw)
-        except msgspec.DecodeError as e:  # anyone with Redis access can XADD here: not ours to crash on
+    async def _take(self, execute: Execute, entry_id: str, now_ms: int, raw: bytes) -> None:
+        try:  # anyone with Redis access can XADD here: only sealed calls are read at all
+            c = _decode_call(self.seals.open(ADMIN_CALL, raw, entry=entry_id))
+        except Rejected:
+            return
+        except msgspec.DecodeError as e:  # sealed by a routerd of another version
             _log.warning("admin_call_undecodable", error=str(e))
             return
+        age_ms, max_age_ms = now_ms - c.issued_ms, int(self.answer_within_s * 1000)
+        if not -_CLOCK_SLACK_MS <= age_ms <= max_age_ms:  # its caller has answered 503 by now
+            self.seals.refuse(ADMIN_CALL, Why.REPLAYED, record=raw, entry=entry_id, op=c.op, target=c.target,
+                              origin=c.origin, age_s=age_ms / 1000)
+            return
+        for old in [i for i, at in self._taken.items() if at < now_ms - max_age_ms - _CLOCK_SLACK_MS]:
+            del self._taken[old]  # past the age any copy of it is refused at
         async with _aio.timeout(self.op_timeout_s):
             taken = await self.client.set(self.keys.admin_claim(c.id), f"taken:{self.ident}", nx=True,
                                           px=_REPLY_TTL_MS + int(c.wait_s * 1000))
         if not taken:
             return  # its caller gave up (answered 503) before this controller got to it
+        if c.id in self._taken:  # taken here already: a copy, its claim deleted by whoever wrote it
+            self.seals.refuse(ADMIN_CALL, Why.REPLAYED, record=raw, entry=entry_id, op=c.op, target=c.target,
+                              origin=c.origin)
+            return
+        self._taken[c.id] = c.issued_ms
         task = asyncio.create_task(self._carry_out(execute, c), name=f"admin:{c.op}:{c.target}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -233,8 +273,14 @@ class AdminRelay:
         try:
             async with _aio.timeout(self.op_timeout_s):
                 pipe: Any = self.client.pipeline(transaction=True)
-                pipe.rpush(reply, _encode(answer))
+                pipe.rpush(reply, self.seals.seal(ADMIN_ANSWER, _encode(answer), c.id))
                 pipe.pexpire(reply, _REPLY_TTL_MS)
                 await pipe.execute()
         except REDIS_DOWN as e:
             _log.warning("admin_answer_lost", op=c.op, target=c.target, origin=c.origin, error=repr(e))
+
+
+def _ms(now: Any) -> int:
+    """Redis ``TIME`` (seconds, microseconds) in milliseconds."""
+    secs, micros = now
+    return int(secs) * 1000 + int(micros) // 1000

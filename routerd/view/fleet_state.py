@@ -22,6 +22,14 @@ hosts' clocks may differ). Past ``stale_after_s`` — no controller publishing �
 last state it had (the engines still serve; readiness does not flap), logs it, and says so in
 ``/admin/fleets`` and ``routerd_view_age_seconds``.
 
+The value is sealed (routerd/view/sealed.py) with the publisher's fencing token and a sequence number
+inside the seal: a follower applies only a state it can open, and never one older (lower token, or the
+same token and a lower sequence) than one it applied — so neither a state written by hand (an instance
+URL of anyone's choosing) nor a genuine older one written again is followed. Freshness is the sealed
+sequence moving, not the hash's version (which anyone could bump). A follower whose published state it
+cannot trust keeps the last one it could (a forgery is overwritten by the next publish); when it has
+none, or that one is stale, it is not ready (``/readyz`` 503 says why: :meth:`FleetView.untrusted`).
+
 Which config wins: what decides launches and the fleets' life — ``[[fleets]]``, ``[health]``,
 ``ray.namespace`` (:func:`config_fingerprint`) — is the controller's: a follower routes over the
 controller's instances and replica counts whatever its own file says, and says loudly when its own
@@ -47,6 +55,8 @@ from ..config import Config
 from ..keys import Keys
 from ..redis_server import REDIS_DOWN
 from ..registry import Instance, InstanceState, Registry
+from ..trust import Rejected, Trust, Why
+from .sealed import FLEET_STATE, Seals
 
 _log = log.get("routerd.view")
 
@@ -100,8 +110,18 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     replicas: dict[str, int] = {}
 
 
+class Published(msgspec.Struct, frozen=True, array_like=True):
+    """What is sealed: the state (msgpack of :class:`FleetState`) and its order — the publisher's
+    fencing token, then its own sequence — so that a copy of an older one is known as older."""
+
+    token: int
+    seq: int
+    state: bytes
+
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(FleetState).decode
+_decode_published = msgspec.msgpack.Decoder(Published).decode
 
 
 def config_fingerprint(cfg: Config) -> str:
@@ -175,18 +195,21 @@ class FleetView:
     :meth:`run`, that switches with ``controls()`` (the control lease's verdict)."""
 
     def __init__(self, registry: Registry, client: aioredis.Redis, keys: Keys, *, ident: str,
-                 fingerprint: str, controls: Callable[[], bool], token: Callable[[], int] = lambda: 0,
+                 fingerprint: str, controls: Callable[[], bool], seals: Seals,
+                 token: Callable[[], int] = lambda: 0,
                  replicas: Callable[[], dict[str, int]] = dict, op_timeout_s: float = 5.0,
                  publish_every_s: float = PUBLISH_EVERY_S, expire_ms: int = EXPIRE_MS,
                  stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
         """``client``: the caller's (it closes it); ``controls()``/``token()``: the control lease's;
-        ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish."""
+        ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish; ``seals``:
+        the process's (the state is sealed, and opened)."""
         self.registry = registry
         self.client = client
         self.keys = keys
         self.ident = ident
         self.fingerprint = fingerprint
         self.controls = controls
+        self.seals = seals
         self.token = token
         self.replicas_of = replicas
         self.op_timeout_s = op_timeout_s
@@ -198,6 +221,9 @@ class FleetView:
         self.state: FleetState | None = None  # the last state published or followed
         self.version = 0
         self._blob = b""
+        self._seq = 0  # this process's last publish's sequence (sealed with its token)
+        self._order = (-1, -1)  # (token, seq) of the last state followed: an older one is a copy
+        self._refused: tuple[Why, str | None] | None = None  # why the last read state was refused
         self._applied_at = -1  # the registry's version right after the last state was applied
         self._fresh_at = clock()  # when this process last published or saw a new version
         self._following_since = clock()
@@ -224,6 +250,19 @@ class FleetView:
         """This follower's fleet config differs from the controller's (the controller's wins)."""
         return not self.controls() and self.state is not None and self.state.fingerprint != self.fingerprint
 
+    def untrusted(self) -> str:
+        """Why this follower has no fleet view it can trust ("": it has one): the published state is
+        refused and this follower has none it could open, or only a stale one."""
+        refused = self._refused
+        if refused is None or self.controls() or (self.state is not None and not self.stale()):
+            return ""
+        why, theirs = refused
+        if why is Why.OTHER_SECRET:
+            return (f"the published fleet state is sealed with another secret (fingerprint {theirs}; this "
+                    f"process's is {self.seals.fingerprint}): every routerd sharing this Redis needs the "
+                    "same [control] secret")
+        return f"the published fleet state is refused ({why.value}): not written by the controlling routerd"
+
     def replicas(self, fleet: str) -> int | None:
         """The controller's desired count for ``fleet`` while following; None when not known here."""
         if self.controls() or self.state is None:
@@ -237,7 +276,9 @@ class FleetView:
                 "controller": state.controller if state is not None else None, "version": self.version,
                 "age_s": round(self.age_s(), 3), "stale": self.stale(), "fingerprint": self.fingerprint,
                 "controller_fingerprint": state.fingerprint if state is not None else None,
-                "config_mismatch": self.mismatch()}
+                "config_mismatch": self.mismatch(), "secret_fingerprint": self.seals.fingerprint,
+                "refused": self._refused[0].value if self._refused is not None else None,
+                "untrusted": self.untrusted() or None}
 
     def collector(self) -> ViewCollector:
         return ViewCollector(self)
@@ -298,9 +339,12 @@ class FleetView:
                            instances=[view_of(i) for i in self.registry], replicas=self.replicas_of())
         blob = _encode(state)
         changed = blob != self._blob
+        token = self.token()
+        self._seq += 1
+        record = self.seals.seal(FLEET_STATE, _encode(Published(token=token, seq=self._seq, state=blob)))
         async with _aio.timeout(self.op_timeout_s):
             version = int(await self._script(keys=[self.keys.fleet_state(), self.keys.fleet_version()],
-                                             args=[self.token(), blob, self.expire_ms,
+                                             args=[token, record, self.expire_ms,
                                                    self.keys.fleet_channel(), 1 if changed else 0]))
         if version < 0:
             if not self._fenced:
@@ -323,13 +367,20 @@ class FleetView:
         """Read the published state and apply it if it is new; returns whether it was."""
         async with _aio.timeout(self.op_timeout_s):
             got: list[Any] = await self.client.hmget(self.keys.fleet_state(), ["version", "state"])
-        raw_version, blob = got
-        if raw_version is None or blob is None:
+        raw_version, record = got
+        if raw_version is None or record is None:
+            self._refused = None  # nothing to refuse: no controller publishes (stale says so)
             self._say_stale()
             return False
-        version = int(raw_version)
-        if version != self.version:
-            self.version = version
+        published = self._open(record)
+        if published is None:
+            self._say_stale()
+            return False
+        blob = published.state
+        order = (published.token, published.seq)
+        if order != self._order:
+            self._order = order
+            self.version = version = int(raw_version) if raw_version.isdigit() else self.version
             self._fresh_at = self.clock()
             if self._stale_logged:
                 self._stale_logged = False
@@ -346,8 +397,8 @@ class FleetView:
         else:
             try:
                 state = _decode(blob)
-            except msgspec.DecodeError as e:  # not ours to crash on: keep the last state, say why
-                _log.warning("fleet_view_undecodable", version=version, error=str(e))
+            except msgspec.DecodeError as e:  # sealed by a routerd of another version: keep the last state
+                _log.warning("fleet_view_undecodable", version=self.version, error=str(e))
                 self._blob = blob
                 return False
             self._blob = blob
@@ -356,6 +407,25 @@ class FleetView:
         self._applied_at = self.registry.version
         self._check_fingerprint(state)
         return True
+
+    def _open(self, record: bytes, **where: Any) -> Published | None:
+        """The sealed state in ``record`` if this process may follow it: sealed with its secret, and not
+        older than the last one followed; else None, and why kept for :meth:`untrusted`."""
+        try:
+            published = _decode_published(self.seals.open(FLEET_STATE, record, **where))
+        except Rejected as e:
+            self._refused = (e.why, Trust.fingerprint_of(record))
+            return None
+        except msgspec.DecodeError as e:
+            _log.warning("fleet_view_undecodable", error=str(e), **where)
+            return None
+        if (published.token, published.seq) < self._order:
+            self.seals.refuse(FLEET_STATE, Why.REPLAYED, record=record, token=published.token,
+                              seq=published.seq, following_token=self._order[0], following_seq=self._order[1])
+            self._refused = (Why.REPLAYED, Trust.fingerprint_of(record))
+            return None
+        self._refused = None
+        return published
 
     def _say_stale(self) -> None:
         if self.stale() and not self._stale_logged:

@@ -21,6 +21,11 @@ in-flight correction (``Instance.inflight_at_scrape``, taken fleet-wide) lags th
 that. Its cost is one small pipeline per period per process, whatever the number of instances, so a slow
 scrape interval does not slow it. When Redis does not answer for as long as figures live, the others'
 figures are dropped (each process routes on its own again) and the failure is logged once.
+
+Each process's figures are sealed for its ident (routerd/view/sealed.py): a record written by hand, by a
+routerd with another secret, or copied to another ident's key is refused — its figures not added, its
+writer not counted among the processes (a phantom process would shrink every process's part of the
+admission bounds).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from redis.exceptions import RedisError
 from .. import _aio, log
 from ..keys import Keys
 from ..registry import Registry
+from ..trust import Rejected
 from .outage import Outage
+from .sealed import LOAD, Seals
 
 _log = log.get("routerd.view.load")
 
@@ -68,7 +75,7 @@ class SharedLoad:
     """Publishes this process's in-flight counts and keeps ``inflight_elsewhere`` from the others';
     ``run()`` until cancelled (the one writer of ``inflight_elsewhere`` and ``Registry.processes``)."""
 
-    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, ident: str, *,
+    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, ident: str, *, seals: Seals,
                  scrape_interval_s: float, op_timeout_s: float, publish: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Not ``publish``: a process that takes no request (the daemon of workers) reads the others'
@@ -77,6 +84,7 @@ class SharedLoad:
         self.publish = publish
         self.redis = redis
         self.keys = keys
+        self.seals = seals
         self.ident = ident
         self.op_timeout_s = op_timeout_s
         self.clock = clock
@@ -123,7 +131,8 @@ class SharedLoad:
         members = self._members
         pipe = self.redis.pipeline(transaction=False)
         if self.publish:
-            pipe.set(keys.load(self.ident), _encode(self.record()), px=int(self.expiry_s * 1000))
+            pipe.set(keys.load(self.ident), self.seals.seal(LOAD, _encode(self.record()), self.ident),
+                     px=int(self.expiry_s * 1000))
             pipe.sadd(keys.processes, self.ident)
         if self._gone:
             pipe.srem(keys.processes, *self._gone)
@@ -152,7 +161,9 @@ class SharedLoad:
                 self._gone.append(member)
                 continue
             try:
-                others[member] = _decode(raw)
+                others[member] = _decode(self.seals.open(LOAD, raw, member, process=member))
+            except Rejected:
+                continue
             except msgspec.DecodeError:
                 _log.warning("shared_load_undecodable", process=member)
         self.apply(others)

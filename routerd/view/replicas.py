@@ -5,6 +5,11 @@ count and stop the engines the admin asked for as unwanted. Kept in the hash
 :meth:`routerd.keys.Keys.replicas`, the next controller starts from it. Each entry remembers the
 file's ``replicas`` and ``autoscale`` it was set over: a controller whose file says otherwise for that
 fleet drops it (the file changed the count or bounds: the file wins — the rule a reload follows too).
+
+Each entry is sealed for its fleet (routerd/view/sealed.py): one written by hand, by a routerd with
+another secret, or copied from another fleet's field is refused (counted, logged) and dropped, never
+applied. A genuine entry of the same fleet written back later can only restore a count an admin set
+before over the same file.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from ..config import FleetConfig
 from ..errors import RouterdError
 from ..keys import Keys
 from ..redis_server import REDIS_DOWN
+from ..trust import Rejected
+from .sealed import REPLICAS, Seals
 
 _log = log.get("routerd.view")
 
@@ -44,10 +51,12 @@ def file_of(fleet: FleetConfig) -> str:
 class ReplicaStore:
     """The run-time replica counts of every fleet, in Redis; the fleet manager reads and writes it."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, *, op_timeout_s: float = 5.0) -> None:
-        """``client``: the caller's (it closes it)."""
+    def __init__(self, client: aioredis.Redis, keys: Keys, *, seals: Seals,
+                 op_timeout_s: float = 5.0) -> None:
+        """``client``: the caller's (it closes it); ``seals``: the process's (entries are sealed)."""
         self.client = client
         self.keys = keys
+        self.seals = seals
         self.op_timeout_s = op_timeout_s
 
     async def load(self, fleets: list[FleetConfig]) -> dict[str, int]:
@@ -59,14 +68,18 @@ class ReplicaStore:
         for key, value in raw.items():
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
             fleet = by_name.get(name)
+            pin: _Pin | None = None
+            why = "unreadable"
             try:
-                pin = msgspec.json.decode(value, type=_Pin)
+                pin = msgspec.json.decode(self.seals.open(REPLICAS, value, name, fleet=name), type=_Pin)
+            except Rejected as e:
+                why = f"refused ({e.why.value})"
             except msgspec.DecodeError:
-                pin = None
+                pass
             if fleet is None or pin is None or pin.file != file_of(fleet):
                 _log.info("replicas_pin_dropped", fleet=name,
                           why="no such launched fleet" if fleet is None else
-                          "unreadable" if pin is None else "the file's replicas or autoscale changed since")
+                          why if pin is None else "the file's replicas or autoscale changed since")
                 await self.unset(name)
                 continue
             out[name] = pin.replicas
@@ -76,8 +89,9 @@ class ReplicaStore:
         """Keep ``fleet``'s count; :class:`ReplicasNotStored` when Redis does not take it."""
         try:
             async with _aio.timeout(self.op_timeout_s):
+                pin = msgspec.json.encode(_Pin(replicas=replicas, file=file_of(fleet)))
                 await self.client.hset(self.keys.replicas(), fleet.name,
-                                       msgspec.json.encode(_Pin(replicas=replicas, file=file_of(fleet))))
+                                       self.seals.seal(REPLICAS, pin, fleet.name))
         except REDIS_DOWN as e:
             raise ReplicasNotStored(f"the replica count of fleet {fleet.name!r} was not changed: Redis did "
                                     f"not store it ({e!r}); try again") from None

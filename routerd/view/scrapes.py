@@ -23,6 +23,11 @@ intervals for the first records before it does.
 
 A record's age is the reader's wall clock minus the scraper's: hosts are assumed within a fraction of a
 scrape interval of each other (NTP); a record that looks older than that is not used.
+
+Each record is sealed for its instance (routerd/view/sealed.py): a scrape written by hand (an idle-looking
+engine that draws every process's traffic), by a routerd with another secret, or copied to another
+instance is refused and counted, never applied; a genuine older one written again is not newer than the
+one applied, and is skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from .. import _aio, log
 from ..keys import Keys
 from ..registry import Instance, Registry
 from ..snapshot import LoadSnapshot
+from ..trust import Rejected
 from .outage import Outage
+from .sealed import SCRAPE, Seals
 
 _log = log.get("routerd.view.scrapes")
 
@@ -67,13 +74,14 @@ class SharedScrapes:
     """The scraper's seam (:class:`routerd.routing.scraper.ScrapeShare`) and the publish/apply loop;
     ``run()`` until cancelled."""
 
-    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, *,
+    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, *, seals: Seals,
                  is_scraper: Callable[[], bool], scrape_interval_s: float, op_timeout_s: float,
                  idle_period_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.redis = redis
         self.keys = keys
+        self.seals = seals
         self.is_scraper = is_scraper
         self.interval_s = scrape_interval_s
         self.idle_period_s = idle_period_s if idle_period_s is not None else scrape_interval_s
@@ -117,11 +125,11 @@ class SharedScrapes:
         if self.registry.processes <= 1 or not self.is_scraper():
             return
         snap = inst.snapshot if not inst.scrape_error else None
-        self._pending[inst.id] = _encode(ScrapeRecord(
+        self._pending[inst.id] = self.seals.seal(SCRAPE, _encode(ScrapeRecord(
             at=self.wall() - (self.clock() - inst.last_scrape_attempt), url=inst.url,
             inflight=inst.inflight_at_scrape if snap is not None else inst.inflight_total,
             snapshot=snap, error=inst.scrape_error,
-            period=self.idle_period_s if inst.idle() else self.interval_s))
+            period=self.idle_period_s if inst.idle() else self.interval_s)), inst.id)
 
     @property
     def own(self) -> frozenset[str]:
@@ -184,7 +192,10 @@ class SharedScrapes:
             if raw is None:
                 continue
             try:
-                rec = _decode(raw if isinstance(raw, bytes) else raw.encode())
+                record = raw if isinstance(raw, bytes) else raw.encode()
+                rec = _decode(self.seals.open(SCRAPE, record, inst.id, instance=inst.id))
+            except Rejected:
+                continue
             except msgspec.DecodeError:
                 _log.warning("shared_scrape_undecodable", instance=inst.id)
                 continue

@@ -12,6 +12,10 @@ A write is made when a session's instance or generation changes, and otherwise a
 of the TTL (so a long conversation on one instance does not expire in Redis). What a process already
 knows it does not look up again: if another process moved the session meanwhile (its instance was
 saturated), this one keeps sending its turns where it last did until its own entry leaves the LRU.
+
+Each entry is sealed for its session's digest (routerd/view/sealed.py): one written by hand (a
+conversation pinned where its writer chose) or copied from another session is refused and counted; the
+turn is routed as a new session's.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from redis.exceptions import RedisError
 
 from .. import _aio, log
 from ..keys import Keys
+from ..trust import Rejected
 from .outage import Outage
+from .sealed import SESSION, Seals
 
 _log = log.get("routerd.view.sessions")
 
@@ -55,12 +61,13 @@ class SharedSessions:
     """The shared backing of the router's session table; ``run()`` (the batched writes) until
     cancelled."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, processes: Callable[[], int],
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, seals: Seals, processes: Callable[[], int],
                  max_entries: int, op_timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  lookup_timeout_s: float = LOOKUP_TIMEOUT_S, ttl_s: float = SESSION_TTL_S) -> None:
         """``processes()``: how many routerd processes share the Redis (lookups only when > 1)."""
         self.redis = redis
         self.keys = keys
+        self.seals = seals
         self.processes = processes
         self.max_entries = max_entries
         self.op_timeout_s = op_timeout_s
@@ -92,9 +99,10 @@ class SharedSessions:
         """Where another process last sent ``session``, if it says so within the lookup timeout."""
         if self.processes() <= 1:
             return None
+        key = digest(session)
         try:
             async with _aio.timeout(self.lookup_timeout_s):
-                raw = await self.redis.get(self.keys.session(digest(session)))
+                raw = await self.redis.get(self.keys.session(key))
         except TimeoutError:
             self.lookups["timeout"] += 1
             return None
@@ -105,8 +113,8 @@ class SharedSessions:
             self.lookups["unknown"] += 1
             return None
         try:
-            rec = _decode(raw if isinstance(raw, bytes) else raw.encode())
-        except msgspec.DecodeError:
+            rec = _decode(self.seals.open(SESSION, raw if isinstance(raw, bytes) else raw.encode(), key))
+        except (Rejected, msgspec.DecodeError):
             self.lookups["error"] += 1
             return None
         self.lookups["found"] += 1
@@ -125,7 +133,8 @@ class SharedSessions:
             pipe = self.redis.pipeline(transaction=False)
             px = int(self.ttl_s * 1000)
             for session, rec in pending.items():
-                pipe.set(self.keys.session(digest(session)), _encode(rec), px=px)
+                key = digest(session)
+                pipe.set(self.keys.session(key), self.seals.seal(SESSION, _encode(rec), key), px=px)
             try:
                 async with _aio.timeout(self.op_timeout_s):
                     await pipe.execute()

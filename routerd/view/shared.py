@@ -22,6 +22,7 @@ from ..redis_server import redis_client
 from ..registry import Registry
 from .load import SharedLoad
 from .scrapes import SharedScrapes
+from .sealed import Seals
 from .sessions import SharedSessions
 
 
@@ -29,25 +30,28 @@ class SharedView:
     """Shared load, scrapes and sessions of one process over one Redis client; ``run()`` until
     cancelled (the client is closed then)."""
 
-    def __init__(self, cfg: Config, registry: Registry, redis_url: str, *, ident: str | None = None,
+    def __init__(self, cfg: Config, registry: Registry, redis_url: str, *, seals: Seals,
+                 ident: str | None = None,
                  is_scraper: Callable[[], bool] | None = None, serves: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         """``ident``: this process's name among them (default ``redis.consumer``, else the hostname);
         ``is_scraper()``: whether this process scrapes the engines and publishes (the controller; None:
         always — each process scrapes for itself, as one routerd does); not ``serves`` (the daemon of workers,
         which takes no request): it reads the others' load and publishes none, and is not counted among
-        the processes that share a fleet's admission bounds."""
+        the processes that share a fleet's admission bounds. ``seals``: the process's (every record
+        exchanged is sealed)."""
         self.ident = ident or cfg.redis.consumer_name
         self.redis = redis_client(redis_url, cfg.redis, block_ms=0)
         keys = Keys.from_config(cfg.redis)
         op = cfg.redis.op_timeout_s
         interval = cfg.routing.scrape_interval_s
-        self.load = SharedLoad(registry, self.redis, keys, self.ident, scrape_interval_s=interval,
-                               op_timeout_s=op, publish=serves, clock=clock)
-        self.scrapes = SharedScrapes(registry, self.redis, keys, is_scraper=is_scraper or (lambda: True),
+        self.load = SharedLoad(registry, self.redis, keys, self.ident, seals=seals,
+                               scrape_interval_s=interval, op_timeout_s=op, publish=serves, clock=clock)
+        self.scrapes = SharedScrapes(registry, self.redis, keys, seals=seals,
+                                     is_scraper=is_scraper or (lambda: True),
                                      scrape_interval_s=interval, op_timeout_s=op,
                                      idle_period_s=cfg.routing.idle_scrape_period_s, clock=clock, wall=wall)
-        self.sessions = SharedSessions(self.redis, keys, processes=lambda: registry.processes,
+        self.sessions = SharedSessions(self.redis, keys, seals=seals, processes=lambda: registry.processes,
                                        max_entries=cfg.routing.sessions_max, op_timeout_s=op, clock=clock)
         self.registry = registry
 
