@@ -366,6 +366,8 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
                      controls=controls, token=token, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s,
                      clock=clock)
+    if fleets is not None:  # a term of control that begins here starts from the last state seen
+        fleets.published = view.published_replicas
     return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)
 
 

@@ -9,7 +9,8 @@ when its record is unreadable (another routerd version's), or when its fleet no 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -25,29 +26,30 @@ _logger = log.get("routerd.fleet")
 
 async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: EngineOps, *,
                 desired: LaunchSpec | None,
-                supervisor: Callable[[LaunchSpec], Supervisor]) -> Supervisor | None:
+                supervisor: Callable[[LaunchSpec], Supervisor],
+                stop: Callable[[Any, bool, str], Awaitable[Any]]) -> Supervisor | None:
     """The supervisor of actor ``name`` (instance ``index`` of ``fleet``), adopted with its placement, or
     None when it is gone or was stopped. ``desired`` is what the config wants at that index (None: not
-    wanted); ``supervisor`` makes the new supervisor for the spec the engine runs."""
+    wanted); ``supervisor`` makes the new supervisor for the spec the engine runs; ``stop(actor,
+    graceful, why)`` is the fleet manager's one way to stop an engine (it leaves every view with it)."""
     actor = await cluster.get_actor(name)
     if actor is None:
         return None
-    pg_name = ops.pg_name(fleet, index)
     try:
         info = await ops.actor_info(actor, timeout=5.0)
     except Exception as e:  # noqa: BLE001  # an actor that cannot answer is replaced, not adopted
         _logger.warning("adopt_unresponsive", actor=name, error=repr(e))
-        await ops.dispose(actor, pg_name, stop=False)
+        await stop(actor, False, "unresponsive when adopted")
         return None
     try:
         recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
     except (KeyError, AttributeError, msgspec.DecodeError) as e:  # another routerd version's record
         _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
-        await ops.dispose(actor, pg_name, stop=True)
+        await stop(actor, True, "unreadable launch record")
         return None
     if desired is None:  # its fleet is gone, or it is beyond the replica count
         _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
-        await ops.dispose(actor, pg_name, stop=True)
+        await stop(actor, True, "not wanted by the controller's config")
         return None
     # A changed spec is adopted as it runs and marked stale: it keeps serving until the rolling
     # replacement (FleetManager._roll) swaps it, one instance at a time, for one with the new spec.

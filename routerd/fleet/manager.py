@@ -89,6 +89,10 @@ class FleetManager:
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
                              nodes=self.nodes, token=lambda: self.control.token)
         self.supervisors: dict[str, Supervisor] = {}
+        # The launched fleets' desired counts in the last fleet state this process published or followed
+        # (routerd/view/fleet_state.py; set by the builder, which makes the view after this): where a
+        # new term of control starts the autoscaled fleets from. None: no state seen.
+        self.published: Callable[[], dict[str, int] | None] = lambda: None
         self._replicas_override: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
@@ -169,7 +173,8 @@ class FleetManager:
                 keep_pgs.add(self.ops.pg_name(fleet_name, index))
                 counts[fleet_name] = max(counts.get(fleet_name, 0), index + 1)
         await self.ops.remove_stray_pgs(keep_pgs)
-        self.autoscaler.begin(counts)
+        self._forget_unsupervised()
+        self.autoscaler.begin(counts, self.published())
         self._reconcile()
         adopted = [s for s in self.supervisors.values() if s.slot.info]
         if adopted:  # an unchanged restart serves again before start() returns
@@ -183,11 +188,48 @@ class FleetManager:
             assert fcfg is not None  # else nothing is desired at this index: adopt() stops the engine
             return self._new_supervisor(fcfg, spec, adopting=True)
 
+        iid = instance_id(fleet, index)
+
+        async def stop(actor: Any, graceful: bool, why: str) -> dict[str, Any]:
+            return await self._stop_engine(iid, why, actor, self.ops.pg_name(fleet, index), graceful=graceful)
+
         sup = await adopt(name, fleet, index, self.cluster, self.ops,
-                          desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor)
+                          desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor,
+                          stop=stop)
         if sup is not None:
             self._spawn_supervisor(sup)
         return sup is not None
+
+    def _forget_unsupervised(self) -> None:
+        """After adoption: an instance this process's registry holds (followed from the previous
+        controller) that no supervisor took has no engine behind it any more — out of every view now,
+        not left published as it was last seen."""
+        for inst in list(self.registry):
+            if not inst.static and inst.id not in self.supervisors:
+                _logger.info("instance_forgotten", instance=inst.id, state=inst.state.value,
+                             why="no engine of it was found to adopt")
+                if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                    inst.lose(f"instance {inst.id}: its engine is gone")
+                self.registry.remove(inst.id)
+
+    async def _stop_engine(self, iid: str, reason: str, actor: Any, pg_name: str, *,
+                           graceful: bool = True) -> dict[str, Any]:
+        """The one way an engine this controller stops goes (scale-down, replacement, unwanted or
+        unreadable at adoption, the owner's stop): out of rotation first (its requests here ended,
+        ``stopped`` published), then stopped, then out of the registry — so out of the state every other
+        process follows — in the same step, whether or not the stop went cleanly."""
+        inst = self.registry.get(iid)
+        if inst is not None and inst.static:
+            inst = None
+        if inst is not None:
+            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                inst.lose(f"instance {iid}: {reason}")
+            self.registry.set_state(inst, InstanceState.STOPPED, reason)
+        try:
+            return await self.ops.dispose(actor, pg_name, stop=graceful)
+        finally:
+            if inst is not None and self.registry.get(iid) is inst:
+                self.registry.remove(iid)
 
     @property
     def active(self) -> bool:
@@ -318,16 +360,18 @@ class FleetManager:
             with contextlib.suppress(Exception):  # best effort: the cluster may be going away too
                 await self.autoscaler.withdraw()
             # Slots still being placed have no Placement yet but may own a pending placement group.
-            await asyncio.gather(*(self._dispose(sup) for sup in self.supervisors.values()),
+            await asyncio.gather(*(self._dispose(sup, "routerd stopped its engines")
+                                   for sup in self.supervisors.values()),
                                  return_exceptions=True)
             for sup in self.supervisors.values():
                 sup.remove()
 
-    async def _dispose(self, sup: Supervisor) -> dict[str, Any]:
+    async def _dispose(self, sup: Supervisor, reason: str) -> dict[str, Any]:
         """Stop the instance's engine and actor and remove its placement group (placed or pending)."""
         slot = sup.slot
         actor = slot.placement.actor if slot.placement is not None else None
-        return await self.ops.dispose(actor, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
+        return await self._stop_engine(slot.inst.id, reason, actor,
+                                       self.ops.pg_name(slot.spec.fleet, slot.spec.index))
 
     # reconcile -------------------------------------------------------------------------------
     def _new_supervisor(self, fleet: FleetConfig, spec: LaunchSpec, *, adopting: bool = False) -> Supervisor:
@@ -412,7 +456,7 @@ class FleetManager:
             sup.task.cancel()
             await asyncio.gather(sup.task, return_exceptions=True)
         # Never placed (or cancelled mid-placement): dispose still removes a pending placement group.
-        report = await self._dispose(sup)
+        report = await self._dispose(sup, sup.slot.inst.state_reason or "retired")
         _logger.info("instance_stopped", instance=sup.slot.inst.id, **report)
         sup.remove()
         if self.supervisors.get(sup.slot.inst.id) is sup:

@@ -228,6 +228,12 @@ class FleetView:
             return None
         return self.state.replicas.get(fleet)
 
+    def published_replicas(self) -> dict[str, int] | None:
+        """The launched fleets' desired counts in the last state published or followed here, whoever
+        controlled then (None: none seen): where this process's fleet control starts its autoscaled
+        fleets when it takes over."""
+        return dict(self.state.replicas) if self.state is not None else None
+
     def status(self) -> dict[str, Any]:
         """The ``view`` section of ``GET /admin/fleets``."""
         state = self.state

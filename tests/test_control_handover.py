@@ -1,0 +1,92 @@
+"""When fleet control changes hands (issue 26): what a new controller stops leaves every view at once, a
+fleet scaled to zero stays at zero, and replicas whose ``[[fleets]]`` differ do not fight — on a real
+Redis, a real Ray cluster, simulated engines and real ``routerd run`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from routerd import assembly
+from routerd.config import ControlConfig, RedisConfig
+from routerd.fleet.actor import group_members
+from routerd.registry import InstanceState, Registry
+from tests.fixtures.daemon import RouterdFactory
+from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.redis_server import RedisServer
+from tests.test_control_replicas import LEASE_S, events, launches, poll, replica_cfg
+from tests.test_fleet import SIM_ARGS, make_cfg
+
+pytestmark = [pytest.mark.ray]
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_a_new_term_stops_leaves_the_published_state_at_once(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, tmp_path: Path) -> None:
+    """The issue's repro: a count pinned by the admin call, then ``FLUSHALL`` — the lease and the pin
+    gone, the next term of control stops the engine beyond the file's count as unwanted. It stayed
+    published ``ready`` with its dead pid; it must leave the registry (what is published) as it stops."""
+    fleet = {"name": "fh", "model": "sim-fh", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
+             "engine_args": SIM_ARGS}
+    cfg = make_cfg(ray_cluster, tmp_path, "fh", [fleet])
+    cfg = msgspec.structs.replace(cfg, redis=RedisConfig(url=redis_server.url, consumer="fh"),
+                                  control=ControlConfig(lease_s=LEASE_S))
+    async with assembly.running(cfg, Registry(), stop_engines=True, consume=False) as r, \
+            aiohttp.ClientSession() as s:
+        async with s.post(f"{r.url}/admin/fleets/fh/replicas", json={"replicas": 2}) as resp:
+            assert resp.status == 200, await resp.text()
+        assert await eventually(lambda: r.registry.ready_count("fh") == 2, 60)
+        gone = r.registry.get("fh:1")
+        assert gone is not None
+        assert gone.pid is not None
+        dead_pid, terms = gone.pid, r.control.acquisitions
+        redis_server.client().flushall()
+        assert await eventually(lambda: r.control.acquisitions > terms and r.control.controls, 30)
+        # The next term adopted fh:0 and stopped fh:1: gone from the registry, not left "ready".
+        assert await eventually(lambda: [i.id for i in r.registry] == ["fh:0"], 30), \
+            [(i.id, i.state, i.pid) for i in r.registry]
+        assert await eventually(lambda: not group_members(dead_pid), 15)
+        assert r.registry.ready_count("fh") == 1
+        inst = r.registry.get("fh:0")
+        assert inst is not None
+        assert inst.state is InstanceState.READY
+
+
+@pytest.mark.timeout(180)
+async def test_a_change_of_controller_leaves_a_fleet_at_zero_at_zero(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
+        routerd_config: Any, tmp_path: Path) -> None:
+    """A ``min_replicas = 0`` fleet that scaled to zero: the next controller starts its autoscaler from
+    the published count (0), not from the file's ``replicas`` — no engine is launched for nobody."""
+    fleet = {"name": "zz", "model": "m", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
+             "engine_args": SIM_ARGS,
+             "autoscale": {"min_replicas": 0, "max_replicas": 1, "scale_down_delay_s": 0.5,
+                           "drain_timeout_s": 5.0}}
+    ns = f"zz-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {"ray": {"address": ray_cluster.address, "namespace": ns}, "fleets": [fleet]}
+    ctl = await asyncio.to_thread(routerd_process, replica_cfg(
+        routerd_config, tmp_path, "za", redis_server.url, stop_engines=True, **extra))
+    fol = await asyncio.to_thread(routerd_process, replica_cfg(
+        routerd_config, tmp_path, "zb", redis_server.url, stop_engines=True, **extra))
+    async with aiohttp.ClientSession() as s:
+        await poll(s, ctl, lambda st: st["control"]["controls"], "za controlling")
+        # Begun at the file's count, then scaled to zero while idle; the follower sees that.
+        await poll(s, ctl, lambda st: not st["fleets"]["zz"]["instances"]
+                   and st["fleets"]["zz"]["autoscale"]["desired"] == 0, "zz scaled to zero")
+        await poll(s, fol, lambda st: st["fleets"]["zz"]["replicas"] == 0
+                   and not st["fleets"]["zz"]["instances"], "the follower seeing zz at zero")
+        ctl.proc.send_signal(signal.SIGKILL)
+        ctl.proc.wait(10)
+        st = await poll(s, fol, lambda st: st["control"]["controls"] and events(fol, "fleet_control_started"),
+                        "zb taking control")
+        st = await poll(s, fol, lambda st: st["fleets"]["zz"]["autoscale"] is not None, "zb's autoscaler")
+        assert st["fleets"]["zz"]["autoscale"]["desired"] == 0, st["fleets"]["zz"]
+        assert st["fleets"]["zz"]["instances"] == []
+        assert launches(fol) == {}
