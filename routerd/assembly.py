@@ -254,7 +254,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                                 shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
-                                    token=lambda: control.token)
+                                    token=lambda: control.token, worker=role is Role.WORKER)
     elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
@@ -347,9 +347,10 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
 
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
           controls: Callable[[], bool] | None, fleets: FleetManager | None,
-          clock: Callable[[], float], *,
-          token: Callable[[], int]) -> tuple[FleetView | None, AdminRelay | None]:
-    """With Redis: the fleet state this process publishes or follows, and the admin calls' relay."""
+          clock: Callable[[], float], *, token: Callable[[], int],
+          worker: bool = False) -> tuple[FleetView | None, AdminRelay | None]:
+    """With Redis: the fleet state this process publishes or follows, and the admin calls' relay. A
+    ``worker``'s parent is the daemon whose consumer name its own extends (workers.worker_consumer)."""
     if client is None:
         return None, None
     from .keys import Keys
@@ -365,7 +366,7 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
 
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
                      controls=controls, token=token, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s,
-                     clock=clock)
+                     clock=clock, parent=ident.rpartition("-w")[0] if worker else None)
     if fleets is not None:  # a term of control that begins here starts from the last state seen
         fleets.published = view.published_replicas
     return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)

@@ -5,6 +5,8 @@ Redis, a real Ray cluster, simulated engines and real ``routerd run`` processes.
 from __future__ import annotations
 
 import asyncio
+import copy
+import os
 import signal
 import uuid
 from pathlib import Path
@@ -14,19 +16,21 @@ import aiohttp
 import msgspec
 import pytest
 
-from routerd import assembly
+from routerd import assembly, config
 from routerd.config import ControlConfig, RedisConfig
 from routerd.fleet.actor import group_members
+from routerd.keys import Keys
 from routerd.registry import InstanceState, Registry
+from routerd.view.fleet_state import config_fingerprint
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.test_control_replicas import LEASE_S, events, launches, poll, replica_cfg
 from tests.test_fleet import SIM_ARGS, make_cfg
+from tests.test_workers_fleet import worker_views
 
-pytestmark = [pytest.mark.ray]
 
-
+@pytest.mark.ray
 @pytest.mark.timeout(120)
 async def test_an_engine_a_new_term_stops_leaves_the_published_state_at_once(
         ray_cluster: RayTestCluster, redis_server: RedisServer, tmp_path: Path) -> None:
@@ -59,6 +63,7 @@ async def test_an_engine_a_new_term_stops_leaves_the_published_state_at_once(
         assert inst.state is InstanceState.READY
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(180)
 async def test_a_change_of_controller_leaves_a_fleet_at_zero_at_zero(
         ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
@@ -90,3 +95,47 @@ async def test_a_change_of_controller_leaves_a_fleet_at_zero_at_zero(
         assert st["fleets"]["zz"]["autoscale"]["desired"] == 0, st["fleets"]["zz"]
         assert st["fleets"]["zz"]["instances"] == []
         assert launches(fol) == {}
+
+
+@pytest.mark.timeout(120)
+async def test_a_reload_still_reaching_the_workers_is_no_config_mismatch(
+        redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any) -> None:
+    """SIGHUP on a daemon with workers: the parent applies the new file and publishes its fingerprint
+    before each worker has read the file again. The workers compared it with their old one and warned
+    ``fleet_config_mismatch`` on every reload; a reload still reaching them is no mismatch. (The workers
+    are held stopped until the parent published, so the order the issue saw is the order here.)"""
+    cfg = routerd_config(daemon={"workers": 2, "worker_watchdog_s": 60.0},
+                         redis={"enabled": True, "url": redis_server.url, "consumer": "rl", "block_ms": 200},
+                         control={"lease_s": LEASE_S})
+    rp = await asyncio.to_thread(routerd_process, cfg)
+    for _ in range(300):  # until both workers follow the parent's state
+        views = await worker_views(rp.url)
+        if {v["view"]["controller"] for v in views.values()} == {"rl"}:
+            break
+        await asyncio.sleep(0.1)
+    assert {v["view"]["controller"] for v in views.values()} == {"rl"}, views
+    assert not any(v["view"]["config_mismatch"] for v in views.values())
+    new = copy.deepcopy(cfg)
+    new.setdefault("health", {})["failure_threshold"] = 5
+    fingerprint = config_fingerprint(config.parse(new, environ={}))
+    state_key = Keys.from_config(config.parse(cfg, environ={}).redis).fleet_state()
+    redis = redis_server.client()
+    workers = [int(e["pid"]) for e in events(rp, "worker_started")]
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        rp.rewrite_config(new)
+        rp.signal(signal.SIGHUP)
+        assert await eventually(lambda: fingerprint.encode() in (redis.hget(state_key, "state") or b""), 30)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+
+    def reloaded() -> bool:
+        return len([e for e in events(rp, "reloaded") if "worker" in e]) == 2
+    assert await eventually(reloaded, 30), rp.log()
+    views = await worker_views(rp.url)
+    assert {v["view"]["fingerprint"] for v in views.values()} == {fingerprint}
+    assert not any(v["view"]["config_mismatch"] for v in views.values())
+    assert events(rp, "fleet_config_mismatch") == []

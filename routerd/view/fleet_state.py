@@ -98,6 +98,9 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     fleets: list[str] = []
     instances: list[InstanceView] = []
     replicas: dict[str, int] = {}
+    # How many reloads the controller has applied: its own workers tell a reload still reaching them
+    # (their parent's count moved on, theirs not yet) from a config that differs (FleetView.mismatch).
+    reloads: int = 0
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -176,9 +179,11 @@ class FleetView:
                  fingerprint: str, controls: Callable[[], bool], token: Callable[[], int] = lambda: 0,
                  replicas: Callable[[], dict[str, int]] = dict, op_timeout_s: float = 5.0,
                  publish_every_s: float = PUBLISH_EVERY_S, expire_ms: int = EXPIRE_MS,
-                 stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic,
+                 parent: str | None = None) -> None:
         """``client``: the caller's (it closes it); ``controls()``/``token()``: the control lease's;
-        ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish."""
+        ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish; ``parent``:
+        a worker's parent's ident (routerd/workers.py), whose reloads reach this process after its own."""
         self.registry = registry
         self.client = client
         self.keys = keys
@@ -202,12 +207,20 @@ class FleetView:
         self._stale_logged = False
         self._fenced = False  # the last publish was refused (logged once until one is taken again)
         self._mismatch_logged = ""  # the controller fingerprint last warned about
+        self.parent = parent
+        self.reloads = 0  # reloads applied here (published while controlling)
+        # A worker: its parent's reload count when both last had the same fleet config, plus the reloads
+        # this worker applied since — the count its parent has when their configs agree (None: not known).
+        self._parent_reloads: int | None = None
 
     # what others read -------------------------------------------------------------------------
     def update_config(self, cfg: Config) -> None:
         """Reload: this process's own fingerprint, compared again on the next state."""
         self.fingerprint = config_fingerprint(cfg)
         self._mismatch_logged = ""
+        self.reloads += 1
+        if self._parent_reloads is not None:
+            self._parent_reloads += 1
 
     def age_s(self) -> float:
         """Seconds since this process last had fresh state: 0 while it publishes."""
@@ -219,8 +232,23 @@ class FleetView:
         return not self.controls() and self.age_s() > self.stale_after_s
 
     def mismatch(self) -> bool:
-        """This follower's fleet config differs from the controller's (the controller's wins)."""
-        return not self.controls() and self.state is not None and self.state.fingerprint != self.fingerprint
+        """This follower's fleet config differs from the controller's (the controller's wins) — not
+        while a reload of its own parent is still reaching this worker."""
+        state = self.state
+        return not self.controls() and state is not None and state.fingerprint != self.fingerprint \
+            and not self._reload_reaching(state)
+
+    def _reload_reaching(self, state: FleetState) -> bool:
+        """``state`` is this worker's parent's, one or more reloads apart from this worker's own: the
+        parent reloaded and told it to (or it reloaded first), and the two configs are the same file's
+        at different moments — not a difference between replicas. It ends when both applied the same
+        number of reloads; the configs are compared then."""
+        return state.controller == self.parent and self._parent_reloads is not None \
+            and state.reloads != self._parent_reloads
+
+    def _sync_parent(self, state: FleetState) -> None:
+        if state.controller == self.parent and state.fingerprint == self.fingerprint:
+            self._parent_reloads = state.reloads
 
     def replicas(self, fleet: str) -> int | None:
         """The controller's desired count for ``fleet`` while following; None when not known here."""
@@ -299,7 +327,8 @@ class FleetView:
     async def publish(self) -> int:
         """Write this process's fleet state now; returns its version (-1: a newer controller wrote)."""
         state = FleetState(controller=self.ident, fingerprint=self.fingerprint, fleets=self.registry.fleets(),
-                           instances=[view_of(i) for i in self.registry], replicas=self.replicas_of())
+                           instances=[view_of(i) for i in self.registry], replicas=self.replicas_of(),
+                           reloads=self.reloads)
         blob = _encode(state)
         changed = blob != self._blob
         async with _aio.timeout(self.op_timeout_s):
@@ -368,6 +397,9 @@ class FleetView:
                          instances=len(self.state.instances) if self.state is not None else 0)
 
     def _check_fingerprint(self, state: FleetState) -> None:
+        self._sync_parent(state)
+        if self._reload_reaching(state):
+            return
         if state.fingerprint != self.fingerprint and state.fingerprint != self._mismatch_logged:
             self._mismatch_logged = state.fingerprint
             _log.warning("fleet_config_mismatch", controller=state.controller,
