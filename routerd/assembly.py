@@ -291,9 +291,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     metrics = Metrics(telemetry, [*collectors, *extra])
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
-                       desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
-                       view_status=fleet_view.status if fleet_view is not None else None,
-                       control=control.status)
+                       elastic=elastic, control=control.status, **_http_view(fleet_view, fleets))
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -364,12 +362,32 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
     def replicas() -> dict[str, int]:
         return {name: n for name, n, _, _ in fleets.replica_figures()} if fleets is not None else {}
 
+    def orphans() -> list[dict[str, Any]]:
+        return fleets.orphan_list() if fleets is not None else []
+
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
                      controls=controls, token=token, replicas=replicas, op_timeout_s=cfg.redis.op_timeout_s,
-                     clock=clock, parent=ident.rpartition("-w")[0] if worker else None)
+                     clock=clock, parent=ident.rpartition("-w")[0] if worker else None, orphans=orphans)
     if fleets is not None:  # a term of control that begins here starts from the last state seen
         fleets.published = view.published_replicas
     return view, AdminRelay(client, keys, ident=ident, controls=controls, op_timeout_s=cfg.redis.op_timeout_s)
+
+
+def _http_view(view: FleetView | None, fleets: FleetManager | None) -> dict[str, Any]:
+    """What the HTTP ingress reads of the fleets beyond its registry: the replica counts, the fleets
+    there are (the controller's, while following), the orphaned engines and the view's status."""
+    out: dict[str, Any] = {"desired_replicas": _desired(view, fleets)}
+    if view is not None:
+        out["view_status"] = view.status
+        out["served_fleets"] = view.followed_fleets
+    if view is not None or fleets is not None:
+        def orphaned() -> list[dict[str, Any]]:
+            followed = view.followed_orphans() if view is not None else None
+            if followed is not None:
+                return followed
+            return fleets.orphan_list() if fleets is not None else []
+        out["orphaned"] = orphaned
+    return out
 
 
 def _desired(view: FleetView | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:

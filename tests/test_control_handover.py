@@ -139,3 +139,59 @@ async def test_a_reload_still_reaching_the_workers_is_no_config_mismatch(
     assert {v["view"]["fingerprint"] for v in views.values()} == {fingerprint}
     assert not any(v["view"]["config_mismatch"] for v in views.values())
     assert events(rp, "fleet_config_mismatch") == []
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+async def test_the_controllers_fleets_are_the_fleets(
+        ray_cluster: RayTestCluster, redis_server: RedisServer, routerd_process: RouterdFactory,
+        routerd_config: Any, tmp_path: Path) -> None:
+    """Replicas whose ``[[fleets]]`` differ: ``ea`` has the fleet ``extra``, ``eb`` does not. ``eb``
+    taking control leaves ``extra``'s engine running as orphaned (it used to stop it, and the next
+    controller with the fleet launched it again: a fight at every change); ``ea`` following ``eb`` is
+    ready, lists only ``eb``'s models and answers ``extra``'s model 404 at once (it was 503 on /readyz,
+    and a 20 s wait then 503); the orphan goes when an operator removes it."""
+    base = {"name": "c", "model": "m", "engine": "sim", "replicas": 1, "num_cpus_per_instance": 0.25,
+            "engine_args": SIM_ARGS}
+    extra_fleet = {**base, "name": "extra", "model": "mx"}
+    ray = {"address": ray_cluster.address, "namespace": f"ex-{uuid.uuid4().hex[:8]}"}
+    # stop_engines_on_exit: the last controller stops what it manages (c:0) when the test ends.
+    with_extra = replica_cfg(routerd_config, tmp_path, "ea", redis_server.url, stop_engines=True, ray=ray,
+                             fleets=[base, extra_fleet], admission={"waiting_room_s": 20.0})
+    without = replica_cfg(routerd_config, tmp_path, "eb", redis_server.url, stop_engines=True, ray=ray,
+                          fleets=[base])
+    ea = first = await asyncio.to_thread(routerd_process, with_extra)
+    async with aiohttp.ClientSession() as s:
+        st = await poll(s, ea, lambda st: st["control"]["controls"] and st["fleets"]["extra"]["ready"] == 1
+                        and st["fleets"]["c"]["ready"] == 1, "ea launching both fleets")
+        orphan_pid = int(st["fleets"]["extra"]["instances"][0]["pid"])
+        eb = await asyncio.to_thread(routerd_process, without)
+        await poll(s, eb, lambda st: st["fleets"]["c"]["ready"] == 1, "eb following")
+        ea.proc.send_signal(signal.SIGKILL)
+        ea.proc.wait(10)
+        st = await poll(s, eb, lambda st: st["control"]["controls"] and st.get("orphaned"),
+                        "eb orphaning extra")
+        assert [(o["id"], o["pid"]) for o in st["orphaned"]] == [("extra:0", orphan_pid)]
+        assert events(eb, "adopt_unwanted_stopping") == []
+        assert group_members(orphan_pid), "the orphaned engine was stopped"
+
+        ea = await asyncio.to_thread(routerd_process, with_extra)  # back, following eb
+        st = await poll(s, ea, lambda st: st["view"]["controller"] == "eb"
+                        and st["fleets"]["c"]["ready"] == 1, "ea following eb")
+        assert [o["id"] for o in st["orphaned"]] == ["extra:0"]
+        async with s.get(f"{ea.url}/readyz") as r:
+            assert r.status == 200, await r.text()
+            assert "extra" not in (await r.json())["ready_instances"]
+        async with s.get(f"{ea.url}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["m"]
+        async with s.post(f"{ea.url}/v1/completions", json={"model": "mx", "prompt": "hi", "max_tokens": 2},
+                          timeout=aiohttp.ClientTimeout(total=10)) as r:
+            assert r.status == 404, await r.text()
+
+        async with s.delete(f"{ea.url}/admin/orphans/extra:0") as r:  # relayed to the controller
+            assert r.status == 200, await r.text()
+        assert await eventually(lambda: not group_members(orphan_pid), 15)
+        await poll(s, eb, lambda st: st["orphaned"] == [], "the orphan gone")
+        async with s.delete(f"{eb.url}/admin/orphans/extra:0") as r:
+            assert r.status == 404, await r.text()
+    assert launches(first, ea, eb) == {"c:0": 1, "extra:0": 1}  # nothing launched twice, nothing fought over

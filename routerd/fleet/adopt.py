@@ -4,12 +4,18 @@ routerd's): adopt it as it runs, or stop it.
 Adopting is why a routerd restart reloads no weights: the engine a previous routerd launched serves on,
 under a new supervisor. It is adopted even when its recorded launch spec differs from the config's —
 marked stale, it keeps serving until the rolling update replaces it — and stopped when it cannot answer,
-when its record is unreadable (another routerd version's), or when its fleet no longer wants it.
+when its record is unreadable (another routerd version's), or when it is beyond its fleet's count.
+
+An engine of a fleet the config does not have at all is not this controller's to judge (a replica with
+another ``[[fleets]]`` launched it): the fleet manager leaves it running as an :class:`Orphan` until an
+operator removes it (``DELETE /admin/orphans/{instance}``) or a controller with that fleet adopts it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,6 +28,32 @@ from .ray_cluster import RayCluster
 from .supervisor import Supervisor
 
 _logger = log.get("routerd.fleet")
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A running engine of a fleet the controller's config lacks: left alone, reported, not routed to."""
+
+    id: str
+    fleet: str
+    index: int
+    actor: Any
+    url: str
+    pid: int | None
+    node: str
+    since: float  # wall clock: when this controller found it
+
+    @classmethod
+    def of(cls, iid: str, fleet: str, index: int, actor: Any, info: dict[str, Any]) -> Orphan:
+        pid = info.get("pid")
+        return cls(id=iid, fleet=fleet, index=index, actor=actor, url=str(info.get("url") or ""),
+                   pid=int(pid) if pid is not None else None,
+                   node=str(info.get("node_id", ""))[:12] or str(info.get("host", "")), since=time.time())
+
+    def status(self) -> dict[str, Any]:
+        return {"id": self.id, "fleet": self.fleet, "url": self.url, "pid": self.pid, "node": self.node,
+                "since": self.since, "state": "orphaned",
+                "reason": "its fleet is not in the controller's config: running, unmanaged, not routed to"}
 
 
 async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: EngineOps, *,

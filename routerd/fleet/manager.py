@@ -39,11 +39,11 @@ from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
 from ..view.control import ControlLease
 from ..view.replicas import ReplicaStore
-from .adopt import adopt
+from .adopt import Orphan, adopt
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
-from .naming import NAME_RE, bundle_for, instance_id, spec_for
+from .naming import NAME_RE, actor_name, bundle_for, instance_id, spec_for
 from .nodes import NodeWatch
 from .ray_cluster import RayCluster
 from .spread import Spreader
@@ -89,6 +89,10 @@ class FleetManager:
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
                              nodes=self.nodes, token=lambda: self.control.token)
         self.supervisors: dict[str, Supervisor] = {}
+        # Engines of fleets this controller's config lacks, found running at the start of its term: left
+        # running, unmanaged, until an operator removes them (remove_orphan) or a config with their fleet
+        # controls again (README "Several routerd": the controller's fleets are the fleets).
+        self.orphans: dict[str, Orphan] = {}
         # The launched fleets' desired counts in the last fleet state this process published or followed
         # (routerd/view/fleet_state.py; set by the builder, which makes the view after this): where a
         # new term of control starts the autoscaled fleets from. None: no state seen.
@@ -164,12 +168,16 @@ class FleetManager:
             self._replicas_override.update(pins)
         keep_pgs: set[str] = set()
         counts: dict[str, int] = {}  # fleet → highest adopted index + 1
+        self.orphans = {}
         for name in await self.cluster.named_actors():
             m = NAME_RE.match(name)
             if m is None:
                 continue
             fleet_name, index = str(m["fleet"]), int(m["index"])
-            if await self._adopt(name, fleet_name, index):
+            if self.cfg.fleet(fleet_name) is None:
+                if await self._orphan(name, fleet_name, index):
+                    keep_pgs.add(self.ops.pg_name(fleet_name, index))
+            elif await self._adopt(name, fleet_name, index):
                 keep_pgs.add(self.ops.pg_name(fleet_name, index))
                 counts[fleet_name] = max(counts.get(fleet_name, 0), index + 1)
         await self.ops.remove_stray_pgs(keep_pgs)
@@ -199,6 +207,58 @@ class FleetManager:
         if sup is not None:
             self._spawn_supervisor(sup)
         return sup is not None
+
+    async def _orphan(self, name: str, fleet: str, index: int) -> bool:
+        """An engine of a fleet this config lacks (another replica's config launched it): not this
+        controller's to destroy. Left running — out of the registry, so not routed to — and reported
+        as orphaned; False when its actor is gone."""
+        actor = await self.cluster.get_actor(name)
+        if actor is None:
+            return False
+        iid = instance_id(fleet, index)
+        info: dict[str, Any] = {}
+        try:
+            info = await self.ops.actor_info(actor, timeout=5.0)
+        except Exception as e:  # noqa: BLE001  # reported as it is: the operator decides
+            info = {"error": repr(e)[:200]}
+        orphan = Orphan.of(iid, fleet, index, actor, info)
+        self.orphans[iid] = orphan
+        inst = self.registry.get(iid)
+        if inst is not None and not inst.static:  # followed from a controller that had the fleet
+            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                inst.lose(f"instance {iid}: its fleet is not in the controller's config")
+            self.registry.remove(iid)
+        _logger.warning("engine_orphaned", instance=iid, actor=name, pid=orphan.pid, url=orphan.url,
+                        why="its fleet is not in this controller's config; it keeps running, unmanaged",
+                        remove_with=f"DELETE /admin/orphans/{iid}")
+        return True
+
+    def orphan_list(self) -> list[dict[str, Any]]:
+        """The orphaned engines, for ``/admin/fleets`` and the published fleet state."""
+        return [o.status() for o in sorted(self.orphans.values(), key=lambda o: o.id)]
+
+    async def remove_orphan(self, instance_id: str) -> dict[str, Any]:
+        """Admin: stop an orphaned engine (its actor and placement group too). ``KeyError`` for an id
+        that is not one."""
+        self.control.check()
+        orphan = self.orphans.pop(instance_id)
+        try:
+            report = await self._stop_engine(instance_id, "orphan removed by admin", orphan.actor,
+                                             self.ops.pg_name(orphan.fleet, orphan.index))
+        except BaseException:
+            self.orphans.setdefault(instance_id, orphan)  # still there: it may be asked again
+            raise
+        _logger.info("orphan_removed", instance=instance_id, **report)
+        return {"removed": instance_id, **report}
+
+    async def _adopt_orphans(self) -> None:
+        """A reload gave this controller the fleet of an orphaned engine: adopted as any running engine."""
+        for iid, orphan in list(self.orphans.items()):
+            fcfg = self.cfg.fleet(orphan.fleet)
+            if fcfg is None or fcfg.engine == "static":
+                continue
+            del self.orphans[iid]
+            await self._adopt(actor_name(orphan.fleet, orphan.index), orphan.fleet, orphan.index)
 
     def _forget_unsupervised(self) -> None:
         """After adoption: an instance this process's registry holds (followed from the previous
@@ -335,6 +395,8 @@ class FleetManager:
             # Not part of the spec (no relaunch), so applied in place, as for static fleets.
             capacity = fcfg.max_num_seqs if fcfg is not None else sup.slot.inst.capacity_hint
             sup.update_config(cfg.health, capacity)
+        if self._active:
+            await self._adopt_orphans()
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
@@ -348,6 +410,7 @@ class FleetManager:
         the engines and their registry entries stay as they are (a follower's view of the fleet takes
         them over) and :meth:`start` may begin another term."""
         self._active = False
+        self.orphans = {}  # the next controller finds them again, and judges them by its own config
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()

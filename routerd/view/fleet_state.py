@@ -90,6 +90,19 @@ class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat: float = 0.0
 
 
+class OrphanView(msgspec.Struct, frozen=True, kw_only=True):
+    """A running engine of a fleet the controller's config lacks (routerd/fleet/adopt.py ``Orphan``)."""
+
+    id: str
+    fleet: str
+    url: str = ""
+    pid: int | None = None
+    node: str = ""
+    since: float = 0.0
+    state: str = "orphaned"
+    reason: str = ""
+
+
 class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     """One published state: the instances, the fleets' desired replicas, who published it."""
 
@@ -101,6 +114,7 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     # How many reloads the controller has applied: its own workers tell a reload still reaching them
     # (their parent's count moved on, theirs not yet) from a config that differs (FleetView.mismatch).
     reloads: int = 0
+    orphans: list[OrphanView] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -180,10 +194,12 @@ class FleetView:
                  replicas: Callable[[], dict[str, int]] = dict, op_timeout_s: float = 5.0,
                  publish_every_s: float = PUBLISH_EVERY_S, expire_ms: int = EXPIRE_MS,
                  stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic,
-                 parent: str | None = None) -> None:
+                 parent: str | None = None,
+                 orphans: Callable[[], list[dict[str, Any]]] = list) -> None:
         """``client``: the caller's (it closes it); ``controls()``/``token()``: the control lease's;
         ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish; ``parent``:
-        a worker's parent's ident (routerd/workers.py), whose reloads reach this process after its own."""
+        a worker's parent's ident (routerd/workers.py), whose reloads reach this process after its own;
+        ``orphans()``: the engines the fleet manager left running unmanaged, to publish."""
         self.registry = registry
         self.client = client
         self.keys = keys
@@ -192,6 +208,7 @@ class FleetView:
         self.controls = controls
         self.token = token
         self.replicas_of = replicas
+        self.orphans_of = orphans
         self.op_timeout_s = op_timeout_s
         self.publish_every_s = publish_every_s
         self.expire_ms = expire_ms
@@ -255,6 +272,21 @@ class FleetView:
         if self.controls() or self.state is None:
             return None
         return self.state.replicas.get(fleet)
+
+    def followed_fleets(self) -> frozenset[str] | None:
+        """The fleets there are, as the controller says, while following (None: this process controls,
+        or has no state yet — its own config's fleets are the fleets). The controller's fleets are the
+        fleets: a follower serves, lists and reports readiness only for these."""
+        if self.controls() or self.state is None:
+            return None
+        return frozenset(self.state.fleets)
+
+    def followed_orphans(self) -> list[dict[str, Any]] | None:
+        """The controller's orphaned engines while following (None: this process controls, or has no
+        state yet)."""
+        if self.controls() or self.state is None:
+            return None
+        return [msgspec.structs.asdict(o) for o in self.state.orphans]
 
     def published_replicas(self) -> dict[str, int] | None:
         """The launched fleets' desired counts in the last state published or followed here, whoever
@@ -328,7 +360,8 @@ class FleetView:
         """Write this process's fleet state now; returns its version (-1: a newer controller wrote)."""
         state = FleetState(controller=self.ident, fingerprint=self.fingerprint, fleets=self.registry.fleets(),
                            instances=[view_of(i) for i in self.registry], replicas=self.replicas_of(),
-                           reloads=self.reloads)
+                           reloads=self.reloads,
+                           orphans=msgspec.convert(self.orphans_of(), list[OrphanView]))
         blob = _encode(state)
         changed = blob != self._blob
         async with _aio.timeout(self.op_timeout_s):
