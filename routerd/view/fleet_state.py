@@ -25,8 +25,11 @@ last state it had (the engines still serve; readiness does not flap), logs it, a
 Which config wins: what decides launches and the fleets' life — ``[[fleets]]``, ``[health]``,
 ``ray.namespace`` (:func:`config_fingerprint`) — is the controller's: a follower routes over the
 controller's instances and replica counts whatever its own file says, and says loudly when its own
-differs (a warning at start and on every change, ``routerd_view_config_mismatch``). Routing, tenants,
-admission and ``[http]`` are each process's own.
+differs (a warning at start and on every change, ``routerd_view_config_mismatch``; not while a reload of
+a worker's own parent is still reaching it: the state carries the controller's count of reloads).
+Routing, tenants, admission and ``[http]`` are each process's own. The controller's fleets are the
+fleets: a follower serves, lists and reports readiness only for those (:meth:`FleetView.followed_fleets`),
+and engines of fleets the controller lacks are published as orphaned, left running, not routed to.
 """
 
 from __future__ import annotations
