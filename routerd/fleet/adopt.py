@@ -23,7 +23,7 @@ import msgspec
 from .. import log
 from ..plugins import LaunchSpec
 from .engine import EngineOps, Placement
-from .naming import bundle_for
+from .naming import bundle_for, instance_id
 from .ray_cluster import RayCluster
 from .supervisor import Supervisor
 
@@ -91,3 +91,22 @@ async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: Eng
     _logger.info("adopted", instance=sup.slot.inst.id, pid=info["pid"], url=info["url"],
                  alive=info["alive"], stale=sup.slot.stale)
     return sup
+
+
+async def find_orphan(name: str, fleet: str, index: int, cluster: RayCluster,
+                      ops: EngineOps) -> Orphan | None:
+    """Actor ``name`` runs an engine of ``fleet``, which the config does not have: not this controller's
+    to destroy (a replica with another ``[[fleets]]`` launched it). Left running and reported; None when
+    the actor is gone."""
+    actor = await cluster.get_actor(name)
+    if actor is None:
+        return None
+    try:
+        info = await ops.actor_info(actor, timeout=5.0)
+    except Exception as e:  # noqa: BLE001  # reported as it is: the operator decides what to do with it
+        info = {"error": repr(e)[:200]}
+    orphan = Orphan.of(instance_id(fleet, index), fleet, index, actor, info)
+    _logger.warning("engine_orphaned", instance=orphan.id, actor=name, pid=orphan.pid, url=orphan.url,
+                    why="its fleet is not in this controller's config; it keeps running, unmanaged",
+                    remove_with=f"DELETE /admin/orphans/{orphan.id}")
+    return orphan

@@ -39,7 +39,7 @@ from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
 from ..view.control import ControlLease
 from ..view.replicas import ReplicaStore
-from .adopt import Orphan, adopt
+from .adopt import Orphan, adopt, find_orphan
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
@@ -209,28 +209,17 @@ class FleetManager:
         return sup is not None
 
     async def _orphan(self, name: str, fleet: str, index: int) -> bool:
-        """An engine of a fleet this config lacks (another replica's config launched it): not this
-        controller's to destroy. Left running — out of the registry, so not routed to — and reported
-        as orphaned; False when its actor is gone."""
-        actor = await self.cluster.get_actor(name)
-        if actor is None:
+        """An engine of a fleet this config lacks, left running and reported (adopt.py ``orphan``); out
+        of the registry, so not routed to. False when its actor is gone."""
+        orphan = await find_orphan(name, fleet, index, self.cluster, self.ops)
+        if orphan is None:
             return False
-        iid = instance_id(fleet, index)
-        info: dict[str, Any] = {}
-        try:
-            info = await self.ops.actor_info(actor, timeout=5.0)
-        except Exception as e:  # noqa: BLE001  # reported as it is: the operator decides
-            info = {"error": repr(e)[:200]}
-        orphan = Orphan.of(iid, fleet, index, actor, info)
-        self.orphans[iid] = orphan
-        inst = self.registry.get(iid)
+        self.orphans[orphan.id] = orphan
+        inst = self.registry.get(orphan.id)
         if inst is not None and not inst.static:  # followed from a controller that had the fleet
             if inst.state in (InstanceState.READY, InstanceState.DRAINING):
-                inst.lose(f"instance {iid}: its fleet is not in the controller's config")
-            self.registry.remove(iid)
-        _logger.warning("engine_orphaned", instance=iid, actor=name, pid=orphan.pid, url=orphan.url,
-                        why="its fleet is not in this controller's config; it keeps running, unmanaged",
-                        remove_with=f"DELETE /admin/orphans/{iid}")
+                inst.lose(f"instance {orphan.id}: its fleet is not in the controller's config")
+            self.registry.remove(orphan.id)
         return True
 
     def orphan_list(self) -> list[dict[str, Any]]:
