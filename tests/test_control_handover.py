@@ -25,7 +25,7 @@ from routerd.view.fleet_state import config_fingerprint
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
-from tests.test_control_replicas import LEASE_S, events, launches, poll, replica_cfg
+from tests.test_control_replicas import LEASE_S, events, launches, metric, poll, replica_cfg
 from tests.test_fleet import SIM_ARGS, make_cfg
 from tests.test_workers_fleet import worker_views
 
@@ -179,6 +179,7 @@ async def test_the_controllers_fleets_are_the_fleets(
         st = await poll(s, ea, lambda st: st["view"]["controller"] == "eb"
                         and st["fleets"]["c"]["ready"] == 1, "ea following eb")
         assert [o["id"] for o in st["orphaned"]] == ["extra:0"]
+        assert await metric(s, ea, "routerd_view_orphaned_engines") == 1
         async with s.get(f"{ea.url}/readyz") as r:
             assert r.status == 200, await r.text()
             assert "extra" not in (await r.json())["ready_instances"]

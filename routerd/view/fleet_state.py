@@ -464,3 +464,6 @@ class ViewCollector:
                                 value=1.0 if view.mismatch() else 0.0)
         yield GaugeMetricFamily("routerd_view_controller", "1 while this process controls the fleets",
                                 value=1.0 if view.controls() else 0.0)
+        yield GaugeMetricFamily("routerd_view_orphaned_engines", "Engines of fleets the controller's config "
+                                "lacks, left running unmanaged (DELETE /admin/orphans/{id} stops one)",
+                                value=float(len(view.state.orphans)) if view.state is not None else 0.0)
