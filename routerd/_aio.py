@@ -16,7 +16,8 @@ every call into such a library in them. ``wait_for`` is the same for one awaitab
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Hashable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -60,6 +61,20 @@ async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
     """``await aw`` with a deadline; raises TimeoutError like ``asyncio.wait_for``, never loses a cancel."""
     async with timeout_at(None if timeout is None else asyncio.get_running_loop().time() + timeout):
         return await aw
+
+
+async def overslept(delay_s: float, clock: Callable[[], float] = time.monotonic) -> float:
+    """``asyncio.sleep(delay_s)``; returns how much later than asked it woke (0 if on time).
+
+    A periodic pass that wakes late says this process's own loop was held up that long (a starved
+    machine, a long GC pause, SIGSTOP, a frozen cgroup): whatever it should have heard from others
+    meanwhile (scrapes, pings) says nothing of them. Its callers count their ages and silences again
+    from the end of such a stall rather than judging others by it (issue 20's static rotation, issue
+    26's worker watchdog).
+    """
+    start = clock()
+    await asyncio.sleep(delay_s)
+    return max(0.0, clock() - start - delay_s)
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout: float) -> set[asyncio.Task[Any]]:

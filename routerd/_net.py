@@ -1,9 +1,11 @@
 """The one port helper every part of routerd (and its tests, benchmarks and scripts) asks; the one
-shape of a watcher's GET (``Fetch``: the scraper's ``/metrics``, the static heartbeats' ``/health``)."""
+shape of a watcher's GET (``Fetch``: the scraper's ``/metrics``, the static heartbeats' ``/health``);
+the listener's TLS context."""
 
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -45,3 +47,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def server_tls(cert: str, key: str) -> ssl.SSLContext:
+    """The HTTPS listener's context (``[http] tls_cert``, ``tls_key``: PEM files; the certificate file
+    may hold the chain after it). TLS 1.2 at least, HTTP/1.1 offered by ALPN. Raises OSError for a file
+    that cannot be read, ssl.SSLError for one that is not a PEM certificate or key, or a key that is not
+    the certificate's (or an encrypted key: routerd has no passphrase to give)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key, password=_no_password)  # never OpenSSL's prompt on the terminal
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def _no_password() -> bytes:
+    return b""

@@ -56,6 +56,7 @@ from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
+from .trust import Trust
 from .view.control import ControlLease
 
 _log = log.get("routerd.assembly")
@@ -168,6 +169,7 @@ class Routerd:
         self.tenancy.update_config(cfg)
         self.admission.update_config(cfg.admission, self.tenancy.shares())
         self.upstream.update_config(cfg.routing)
+        self.upstream.update_fleets(cfg.fleets)
         self.scraper.update_config(cfg.routing)
         if self.view is not None:
             self.view.update_config(cfg)
@@ -175,6 +177,7 @@ class Routerd:
         self.watch_pool.configure(connect_timeout_s=cfg.routing.connect_timeout_s,
                                   read_timeout_s=cfg.routing.scrape_timeout_s)
         self.http.update_config(cfg)
+        self.listener.reload_tls()
         self.static_health.sync(cfg)
         for name in self.registry.fleets():
             if cfg.fleet(name) is None and not self.registry.instances(name):
@@ -205,7 +208,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
           control: ControlLease | None = None,
           rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
           role: Role = Role.ONE, collectors: Sequence[Collector] = (),
-          ident: str | None = None, scrapes_here: Callable[[], bool] | None = None) -> Routerd:
+          ident: str | None = None, scrapes_here: Callable[[], bool] | None = None,
+          trust: Trust | None = None) -> Routerd:
     """Every component for ``cfg`` over ``session``, in dependency order, with the static fleets'
     instances registered; nothing started. ``redis_url`` ("": none) shares tenants' limits and usage
     and feeds the queue consumer (not in the daemon of workers: ``role``); ``fleets`` is the fleet manager
@@ -216,7 +220,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     lease says; a worker never does); ``collectors`` add to ``/metrics`` (a worker's own figures).
     With Redis, load, scrapes and sessions are shared with the other processes on it (``ident``: this
     process's name there, default ``redis.consumer``; ``scrapes_here()``: whether this process scrapes
-    the engines for all — default: while it controls)."""
+    the engines for all — default: while it controls). ``trust``: the shared secret's keys (the launched
+    engines' API key among them; None: engines are sent no key, as a test's own engines want)."""
     from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
@@ -257,7 +262,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                                     token=lambda: control.token, worker=role is Role.WORKER)
     elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
-    upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock)
+    upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock,
+                        engine_api_key=trust.engine_api_key if trust is not None else "")
+    upstream.update_fleets(cfg.fleets)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
     # Watching engines (scrapes, static heartbeats) on lean keep-alive connections of its own, apart
@@ -433,6 +440,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
     async with contextlib.AsyncExitStack() as stack:
         state = config_mod.state_dir(cfg)
         state.mkdir(parents=True, exist_ok=True)
+        trust = Trust.load(cfg.control.secret, config_mod.state_dir(cfg))
         status("redis")
         redis_url = await _redis(cfg, stack, state)
         view_redis = None
@@ -463,13 +471,13 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
                 replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis),
                                              op_timeout_s=cfg.redis.op_timeout_s)
             fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock,
-                                  control=control)
+                                  control=control, engine_api_key=trust.engine_api_key)
         # After Ray's connect, which can hold the interpreter for seconds: a lease taken before it
         # could lapse before its first renew.
         await _take_control(control, stack)
         routerd = build(cfg, registry, session, tracing=tracing, redis_url=redis_url, view_redis=view_redis,
                         controls=controls, fleets=fleets, cluster=cluster, control=control, rng=rng,
-                        clock=clock, role=role, collectors=collectors)
+                        clock=clock, role=role, collectors=collectors, trust=trust)
         if routerd.keying is not None:
             stack.callback(routerd.keying.close)
             routerd.keying.start()  # seconds to spawn: begun now, not by the first long request

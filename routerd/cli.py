@@ -66,6 +66,12 @@ def _usage(argv: list[str]) -> int:
     return usage_main(argv)
 
 
+def _redis_acl(argv: list[str]) -> int:
+    from .redis_acl import main as acl_main
+
+    return acl_main(argv)
+
+
 def _bench(argv: list[str]) -> int:
     """The benchmarks are a package of their own (``routerd_bench``), shipped beside routerd but not part
     of it: nothing else in routerd imports them, so a missing harness only costs this command."""
@@ -86,6 +92,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "status": (_status, "fleets and instances from a running daemon's admin API"),
     "submit": (_submit, "enqueue one request on the Redis queue (and wait for its result)"),
     "usage": (_usage, "usage per tenant and fleet per day (requests, tokens), from Redis"),
+    "redis-acl": (_redis_acl, "Redis ACL rules for routerd's own user and a queue producer"),
     "sim-engine": (_sim_engine, "the vLLM-compatible simulated engine"),
     "bench": (_bench, "benchmarks: overhead, routing, queue, failover, autoscale, fairness, scale"),
 }

@@ -55,18 +55,22 @@ class QueueClient:
     """Async client for one routerd deployment (identified by its request stream's name)."""
 
     def __init__(self, redis: aioredis.Redis, *, stream: str = "routerd:requests",
-                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400) -> None:
+                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "") -> None:
         self.redis: Any = redis
         self.keys = Keys(stream=stream)
+        # Begins every job id this client makes, and so every per-job key (reply, result, status,
+        # cancel): the scope of a producer's Redis ACL (``routerd redis-acl --producer-prefix``).
+        self.id_prefix = id_prefix
         self._timeout = op_timeout_s
         self._status_ttl_s = status_ttl_s
 
     @classmethod
     def from_url(cls, url: str, *, stream: str = "routerd:requests", password: str | None = None,
-                 op_timeout_s: float = 5.0) -> QueueClient:
-        client = aioredis.Redis.from_url(url, password=password or None, socket_timeout=op_timeout_s + 5,
-                                         socket_connect_timeout=op_timeout_s)
-        return cls(client, stream=stream, op_timeout_s=op_timeout_s)
+                 username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "") -> QueueClient:
+        """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them)."""
+        client = aioredis.Redis.from_url(url, username=username or None, password=password or None,
+                                         socket_timeout=op_timeout_s + 5, socket_connect_timeout=op_timeout_s)
+        return cls(client, stream=stream, op_timeout_s=op_timeout_s, id_prefix=id_prefix)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -83,7 +87,7 @@ class QueueClient:
              reply_to: str | None, priority: int, deadline_ms: int | None,
              tenant: str | None = None, session: str | None = None,
              trace: Mapping[str, str] | None = None) -> tuple[str, str, dict[str, Any]]:
-        job_id = job_id or uuid.uuid4().hex
+        job_id = job_id or self.id_prefix + uuid.uuid4().hex
         reply_to = reply_to or self.keys.reply(job_id)
         owned = self.keys.reserved(reply_to)
         if owned is not None:  # routerd would dead-letter it: say so before it is sent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -130,6 +131,7 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
                     problems.append(f"{where}.urls[{j}]: expected an http(s) URL, got {redact.url(u)!r}")
         elif f.urls:
             problems.append(f"{where}.urls: only static fleets take urls (engine = {f.engine!r})")
+        problems += _api_key_problems(where, f)
         if f.engine == "static" and f.placement != "any":
             problems.append(f"{where}.placement: a static fleet's instances are its urls; routerd does "
                             "not place them")
@@ -144,6 +146,22 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
     return problems
+
+
+def _api_key_problems(where: str, f: FleetConfig) -> list[str]:
+    """Who sets an engine's API key: routerd for the engines it launches (derived from the shared
+    secret: a second key from the config would only be one that does not work), the operator for a
+    static fleet's — and then not beside URL credentials, as one Authorization header carries one."""
+    if f.engine != "static":
+        owned = [f"{where}.api_key"] if f.api_key else []
+        owned += [f"{where}.engine_args.{k}" for k in f.engine_args if k.replace("_", "-") == "api-key"]
+        owned += [f"{where}.env.VLLM_API_KEY"] if "VLLM_API_KEY" in f.env else []
+        return [f"{at}: routerd gives the engines it launches their API key (derived from [control] "
+                "secret); only a static fleet is given its engines' key" for at in owned]
+    if f.api_key and any("@" in u.split("://", 1)[-1].split("/", 1)[0] for u in f.urls):
+        return [f"{where}.api_key: the fleet's urls carry user:password (HTTP basic auth); an engine "
+                "request has one Authorization header: use one or the other"]
+    return []
 
 
 def _kv_event_problems(where: str, f: FleetConfig) -> list[str]:
@@ -205,10 +223,41 @@ def _semantic_problems(cfg: Config) -> list[str]:
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
                         f"got {redact.url(cfg.ray.address)!r}")
+    problems += _tls_problems(cfg.http.tls_cert, cfg.http.tls_key)
     if worker_count(cfg) > 1 and not cfg.redis.enabled:
         problems.append("$.daemon.workers: more than one worker needs Redis ([redis] enabled): the "
                         "workers share the queue and their view of the fleets through it")
     return problems
+
+
+def _tls_problems(cert: str, key: str) -> list[str]:
+    """Both files or neither, each readable, the key the certificate's: found by ``check-config``, not
+    by the first client."""
+    if not cert and not key:
+        return []
+    if not cert or not key:
+        given, missing = ("tls_cert", "tls_key") if cert else ("tls_key", "tls_cert")
+        return [f"$.http.{missing}: {given} is set; HTTPS needs both (PEM files), or neither"]
+    from ._net import server_tls
+
+    problems = [f"$.http.{name}: cannot read {path}: {e.strerror}" for name, path in
+                (("tls_cert", cert), ("tls_key", key)) for e in _unreadable(path)]
+    if problems:
+        return problems
+    try:
+        server_tls(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        return [f"$.http.tls_cert: {cert} with {key}: not a PEM certificate and its private key ({e})"]
+    return []
+
+
+def _unreadable(path: str) -> list[OSError]:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        return [e]
+    return []
 
 
 def worker_count(cfg: Config) -> int:
@@ -266,6 +315,17 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
     http = msgspec.structs.replace(cfg.http, api_keys=resolved(cfg.http.api_keys, "$.http.api_keys"))
     tenants = [msgspec.structs.replace(t, api_keys=resolved(t.api_keys, f"$.tenants[{i}].api_keys"))
                for i, t in enumerate(cfg.tenants)]
+    fleets = list(cfg.fleets)
+    for i, f in enumerate(fleets):
+        if f.api_key:
+            try:
+                fleets[i] = msgspec.structs.replace(f, api_key=resolve_env(f.api_key, environ))
+            except KeyFormError as e:
+                problems.append(f"$.fleets[{i}].api_key: {e}")
+                continue
+            if not fleets[i].api_key.isprintable() or " " in fleets[i].api_key:
+                problems.append(f"$.fleets[{i}].api_key: one token of printable characters, no spaces "
+                                "(it is sent as `Authorization: Bearer <key>`)")
     control = cfg.control
     if control.secret:
         try:
@@ -276,7 +336,7 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
             if len(control.secret) < MIN_SECRET_CHARS:
                 problems.append(f"$.control.secret: at least {MIN_SECRET_CHARS} characters "
                                 "(e.g. `openssl rand -hex 32`)")
-    return msgspec.structs.replace(cfg, http=http, tenants=tenants, control=control), problems
+    return msgspec.structs.replace(cfg, http=http, tenants=tenants, fleets=fleets, control=control), problems
 
 
 def _tenant_problems(cfg: Config) -> list[str]:
@@ -353,6 +413,21 @@ def _convert_problems(value: Any, typ: type[Any], prefix: str) -> list[str]:
 
 def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
     """Read a TOML file into a Config. Raises ConfigError (with key paths) on any problem."""
+    return parse(_read(path), environ)
+
+
+def load_for_tool(path: str | Path) -> Config:
+    """A config as the command-line tools read it (``submit``, ``usage``, ``status``, ``redis-acl``):
+    the client API keys, which they never use, are left out before it is checked, so a tenant's ``env:``
+    key whose variable is set only in the daemon's environment does not stop them. Raises ConfigError."""
+    raw = _read(path)
+    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
+        if isinstance(table, dict):
+            table.pop("api_keys", None)
+    return parse(raw)
+
+
+def _read(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -363,7 +438,7 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"$: not valid TOML: {e}"]) from e
-    return parse(raw, environ)
+    return raw
 
 
 def state_dir(cfg: Config) -> Path:
@@ -378,6 +453,7 @@ def secret_values(cfg: Config) -> list[str]:
     found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:
         found += [_userinfo_password(u) or "" for u in fleet.urls]
+        found.append(fleet.api_key)
         found += [v for k, v in fleet.env.items() if redact.secret_name(k)]
         found += [str(v) for k, v in fleet.engine_args.items() if redact.secret_name(k)]
     return [s for s in found if s]

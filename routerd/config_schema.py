@@ -60,10 +60,15 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     client_body_timeout_s: Seconds = 60.0  # from full headers to the full body, else 408
     client_write_timeout_s: Seconds = 30.0  # a client that reads nothing this long loses its request
     max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000  # beyond it: 503 + Retry-After
+    # HTTPS on the listener (PEM paths; both or neither), for a routerd with no TLS proxy in front.
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
+    # An ACL user (``routerd redis-acl`` prints its rules); "" = the URL's, else Redis' ``default``.
+    username: str = ""
     password: str = ""
     stream: str = "routerd:requests"
     group: str = "routerd"
@@ -206,6 +211,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine_args: dict[str, Any] = {}
     env: dict[str, str] = {}
     urls: list[str] = []
+    # A static fleet's engines' API key (vLLM --api-key), plain or env:VAR: sent as "Authorization: Bearer"
+    # on every engine call. Launched fleets take none here: routerd derives theirs (routerd/trust.py).
+    api_key: str = ""
     max_num_seqs: Count = 256  # capacity used to normalise load when the engine does not say
     autoscale: AutoscaleConfig | None = None  # None: a fixed count of ``replicas``
     # Across Ray nodes (routerd/fleet/spread.py): "any" = where Ray finds room; "spread" = one replica

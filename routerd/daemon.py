@@ -35,8 +35,19 @@ from .config import Config
 from .redact import Redactor
 from .registry import Registry
 from .sdnotify import Notifier
+from .state_lock import EXIT_LOCKED, StateDirLocked, StateLock
 from .stop_deadline import StopDeadline
-from .workers import FORCE, RELOAD, STOP, Workers, WorkerSpec, read_words, worker_consumer, worker_link
+from .workers import (
+    FORCE,
+    RELOAD,
+    STOP,
+    Workers,
+    WorkerSpec,
+    ping_interval_s,
+    read_words,
+    worker_consumer,
+    worker_link,
+)
 
 if TYPE_CHECKING:  # imported where built: the components pull in aiohttp, redis and Ray
     from .assembly import Role, Routerd
@@ -45,8 +56,9 @@ _logger = log.get("routerd.daemon")
 
 # Settings that are bound at start-up; a reload that changes them is applied except for these.
 _RESTART_ONLY = (
-    ("http", "host"), ("http", "port"), ("redis", "url"), ("redis", "stream"), ("redis", "group"),
-    ("redis", "dead_stream"), ("redis", "consumer"), ("redis", "password"), ("redis", "ssl_ca_certs"),
+    ("http", "host"), ("http", "port"), ("http", "tls_cert"), ("http", "tls_key"), ("redis", "url"),
+    ("redis", "stream"), ("redis", "group"), ("redis", "dead_stream"), ("redis", "consumer"),
+    ("redis", "username"), ("redis", "password"), ("redis", "ssl_ca_certs"),
     ("redis", "enabled"), ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
     ("daemon", "file_sd_path"), ("daemon", "log_level"), ("daemon", "workers"),
 )
@@ -73,7 +85,7 @@ class Daemon:
         self._link = worker_link(worker) if worker is not None else None
         if self._link is not None:
             notifier = notifier or Notifier(sock=self._link,
-                                            watchdog_interval_s=cfg.daemon.worker_watchdog_s / 4)
+                                            watchdog_interval_s=ping_interval_s(cfg.daemon.worker_watchdog_s))
         self.cfg = cfg
         self.notifier = notifier or Notifier()
         self.workers: Workers | None = None  # the parent's workers (``[daemon] workers`` > 1)
@@ -92,6 +104,13 @@ class Daemon:
         """TERM/INT: drain, bounded as a whole by :class:`StopDeadline`; a second one: exit now (the
         drain is cut short, and whatever is still stopping after ``_FORCED_STOP_S`` is abandoned)."""
         if self._stop.is_set():
+            if self.worker is not None and os.getppid() != self._parent_pid:
+                # The parent's death signal again, not an operator's second stop: Linux sends
+                # PR_SET_PDEATHSIG at each reparenting of an orphan — once per thread of the dying
+                # parent it passes through — so one SIGKILL of a daemon can bring its workers several
+                # SIGTERMs. Cut short, their drain would give the jobs they run to their successors to
+                # run again (issue 26). The drain stays bounded by drain_timeout_s.
+                return
             _logger.warning("second_stop_signal_exiting_now")
             if self.workers is not None:
                 self.workers.tell(FORCE)  # each exits now too
@@ -108,8 +127,8 @@ class Daemon:
         self._reload.set()
 
     def _parent_says(self) -> None:
-        """A worker: its parent's word. STOP begins the drain unless a signal already did (a terminal's
-        Ctrl-C reaches the worker too); FORCE ends it now."""
+        """A worker: its parent's word. STOP begins the drain unless a signal already did (one sent to the
+        worker itself); FORCE ends it now."""
         assert self._link is not None
         for word in read_words(self._link):
             if word == STOP and not self._stop.is_set():
@@ -154,6 +173,25 @@ class Daemon:
 
     # lifecycle -------------------------------------------------------------------------------
     async def run(self) -> int:
+        """The daemon's life; first of all it takes its state dir (routerd/state_lock.py), which a
+        worker shares with its parent."""
+        if self.worker is not None:
+            return await self._run()
+        lock = StateLock(config_mod.state_dir(self.cfg))
+        try:
+            lock.acquire()
+        except StateDirLocked as e:
+            _logger.error("state_dir_in_use", state_dir=str(e.path.parent), lock=str(e.path),
+                          holder_pid=e.pid, exit_code=EXIT_LOCKED, message=str(e))
+            self.notifier.status(f"not started: {e}")
+            self.notifier.close()
+            return EXIT_LOCKED
+        try:
+            return await self._run()
+        finally:
+            lock.release()
+
+    async def _run(self) -> int:
         self._install_signals()
         try:
             async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:

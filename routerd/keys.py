@@ -130,6 +130,16 @@ class Keys:
     def control_token(self) -> str:
         """The fencing-token counter: INCR'd by each take of the control lease, never reset."""
         return self._key("control", "token")
+    def consumer(self, name: str) -> str:
+        """Queue consumer ``name``'s live holder (its value), expiring unless renewed
+        (routerd/ingress/queue/liveness.py): there exactly while a process may run jobs under the name."""
+        return self._key("consumer", name)
+
+    def consumer_names(self) -> str:
+        """Hash: the consumer names that hold :meth:`consumer` (→ the last holder's value); one listed
+        whose key is gone is dead, and its pending jobs are taken over at once."""
+        return self._key("consumers", "named")
+
     def load(self, ident: str) -> str:
         """One routerd process's in-flight per instance (routerd/view/load.py), expiring unless renewed."""
         return self._key("load", ident)

@@ -25,9 +25,11 @@ LAUNCHER_GROUP = "routerd.launchers"
 class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What a policy may know about the request being routed (built once per request, read-only).
 
-    ``prompt_tokens`` is an estimate: routerd does not run the model's tokenizer or chat template. Chat
-    messages are rendered canonically (role, then content, per message) and counted at the fleet's
-    learned tokens per byte (:mod:`routerd.routing.request` says how, and how wrong it can be).
+    ``prompt_tokens`` is the prompt's tokens as the engines count them where routerd can count them —
+    a token-id prompt, or a fleet whose engines routerd keys (their tokenizer and chat template:
+    ``engine_prompt_tokens`` is then set) — else an estimate: chat messages rendered canonically (role,
+    then content, per message) and counted at the fleet's learned tokens per byte
+    (:mod:`routerd.routing.request` says how, and how wrong it can be).
     ``block_keys`` are chained hashes of the rendered prompt's full blocks of ``block_tokens`` (about)
     tokens each, hashed up to ``routing.prefix_hash_max_tokens``: key *i* stands for the whole prefix up
     to the end of block *i*, so two prompts share key *i* exactly when they share that prefix.
@@ -46,6 +48,14 @@ class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # when the fleet has a keyer, over blocks of engine_block_tokens tokens; else empty
     engine_keys: tuple[int, ...] = ()
     engine_block_tokens: int = 0
+    # the prompt's tokens by the engines' tokenizer (set with engine_keys); 0: not counted
+    engine_prompt_tokens: int = 0
+
+    @property
+    def exact_tokens(self) -> bool:
+        """Whether ``prompt_tokens`` is the engines' own count (token ids, or their tokenizer's), not an
+        estimate from the prompt's bytes."""
+        return self.engine_prompt_tokens > 0 or (self.prompt_bytes == 0 and self.prompt_tokens > 0)
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True, gc=False):

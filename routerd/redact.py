@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import re
+import sys
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -47,6 +49,20 @@ def url(value: str) -> str:
         parts = parts._replace(netloc=f"{name}:{MASK}@{hostport}")
         value = urlunsplit(parts)
     return _QUERY.sub(rf"\g<head>{MASK}", value)
+
+
+def warn_argv(prog: str, what: str, instead: str) -> None:
+    """Tell the operator that a secret they gave on the command line is in the process list."""
+    print(f"{prog}: warning: {what} is visible to every user of this machine (ps, /proc/<pid>/cmdline); "
+          f"{instead}", file=sys.stderr)
+
+
+def warn_argv_url(prog: str, value: str, env: str = "ROUTERD_REDIS_URL") -> None:
+    """:func:`warn_argv` for a ``--redis`` URL holding a password that came from the command line (not
+    from ``env``, the option's default)."""
+    if value and value != os.environ.get(env, "") and url(value) != value:
+        warn_argv(prog, "the password in --redis", f"give the URL in ${env}, or the password in "
+                  "$ROUTERD_REDIS_PASSWORD")
 
 
 def text(value: str) -> str:

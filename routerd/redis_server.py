@@ -4,14 +4,15 @@
 file in ``<state_dir>/redis``, bound to 127.0.0.1 and a unix socket (no TCP port at all when the
 socket path fits), restarts it if it dies, and stops it with SIGTERM so the AOF is flushed. The child
 gets SIGTERM too if routerd itself is SIGKILLed (PR_SET_PDEATHSIG), so no orphan keeps the port and
-the next start replays the same AOF: queued jobs survive routerd, Redis, or both dying.
+the next start replays the same AOF: queued jobs survive routerd, Redis, or both dying. It runs in a
+session of its own, so a terminal's Ctrl-C reaches routerd only: the drain still has its Redis, which
+is stopped after it (routerd/_proc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -27,10 +28,10 @@ import redis.exceptions
 from . import log
 from ._aio import wait_for
 from ._net import free_port
+from ._proc import die_with_parent
 from .config import Config, RedisConfig
 
 _log = log.get("routerd.redis")
-_PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes; keep a margin
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"  # where the command-line tools look without a URL or config
 # What a Redis call raises when the server is not there (down, unreachable, too slow): waited out.
@@ -46,7 +47,8 @@ def embedded_url(directory: str | Path) -> str | None:
 
 
 def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> aioredis.Redis:
-    """A client for ``url``; password from config (``ROUTERD_REDIS_PASSWORD``), TLS for ``rediss://``.
+    """A client for ``url``; user and password from config (``ROUTERD_REDIS_USERNAME``,
+    ``ROUTERD_REDIS_PASSWORD``; a userinfo in the URL wins over them), TLS for ``rediss://``.
 
     The socket timeout covers the longest blocking read routerd issues, so a dead server is noticed
     within ``op_timeout_s`` past it rather than never.
@@ -56,6 +58,8 @@ def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> 
         "socket_connect_timeout": cfg.op_timeout_s,
         "retry_on_timeout": False,
     }
+    if cfg.username:
+        kwargs["username"] = cfg.username
     if cfg.password:
         kwargs["password"] = cfg.password
     if url.startswith("rediss://") and cfg.ssl_ca_certs:
@@ -75,39 +79,24 @@ class RedisTarget:
 
 def redis_target(url: str, config_path: str | None) -> RedisTarget:
     """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
-    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the password the
-    config holds (``redis.password``, or ``ROUTERD_REDIS_PASSWORD`` over it), ``$ROUTERD_REDIS_PASSWORD``
-    without a config.
+    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the user and
+    password the config holds (``redis.username``/``redis.password``, or ``ROUTERD_REDIS_USERNAME``/
+    ``ROUTERD_REDIS_PASSWORD`` over them), those variables alone without a config.
 
-    The config's API keys play no part in reaching Redis, so they are left out before it is checked: a
-    tenant's ``env:`` key whose variable is set only in the daemon's environment does not stop a tool.
+    The config is read by :func:`routerd.config.load_for_tool` (its API keys left out).
     Raises :class:`routerd.config.ConfigError`."""
     from . import config
 
     if not config_path:
-        return RedisTarget(url=url or LOCAL_REDIS,
-                           redis=config.RedisConfig(password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
-    import tomllib
-    from pathlib import Path
-
-    try:
-        raw = tomllib.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise config.ConfigError([f"$: cannot read {config_path}: {e}"]) from e
-    for table in [raw.get("http"), *(raw.get("tenants") or [])]:
-        if isinstance(table, dict):
-            table.pop("api_keys", None)
-    cfg = config.parse(raw)
+        return RedisTarget(url=url or LOCAL_REDIS, redis=config.RedisConfig(
+            username=os.environ.get("ROUTERD_REDIS_USERNAME", ""),
+            password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
+    cfg = config.load_for_tool(config_path)
     if not url:
         url = cfg.redis.url
         if url == "embedded":
             url = embedded_url(config.state_dir(cfg) / "redis") or ""
     return RedisTarget(url=url or LOCAL_REDIS, redis=cfg.redis, cfg=cfg)
-
-
-def die_with_parent() -> None:  # runs in the forked child before exec (a worker's too)
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:
@@ -171,7 +160,7 @@ class EmbeddedRedis:
     async def _start(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             *self._argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
+            stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
         deadline = time.monotonic() + self._ready_timeout_s
         client = aioredis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:

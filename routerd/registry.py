@@ -5,9 +5,9 @@ the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:
 process that applies another's scrapes, :mod:`routerd.view.scrapes` does, instead of scraping;
 the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields; the shared
 view (:mod:`routerd.view.load`) writes ``inflight_elsewhere`` and ``Registry.processes``. The router
-reads, and writes only ``predicted_prefix_hit_ratio``. Everything runs on one event loop, so plain
-attributes are enough; what needs care is that a reader never sees an instance in rotation that is not
-ready.
+reads, and writes only ``predicted_prefix_hit_ratio`` and ``estimated_prefix_hit_ratio``. Everything
+runs on one event loop, so plain attributes are enough; what needs care is that a reader never sees an
+instance in rotation that is not ready.
 """
 
 from __future__ import annotations
@@ -75,9 +75,12 @@ class Instance:
     # health monitor
     health: str = "unknown"
     last_heartbeat: float = 0.0  # wall clock of the last successful heartbeat
-    # router: the prefix-cache hit ratio routing's own prefix index predicts for this instance, over
-    # the same window as the engine's reported one (learned.prefix_hit_ratio); None until it predicts
+    # router: the prefix-cache hit ratio routing predicts for this instance, over the same window as the
+    # engine's reported one (learned.prefix_hit_ratio), None until it predicts: over prompts it counted
+    # in the engine's tokens (its tokenizer, or token ids), and apart over prompts whose tokens it could
+    # only estimate from their bytes (a fleet routerd does not key)
     predicted_prefix_hit_ratio: float | None = None
+    estimated_prefix_hit_ratio: float | None = None
     # KV-cache events (routerd.routing.engine_events): where routing's picture of its cache comes from
     # ("events" or "model") and how its event stream is doing, per rank
     cache_view: dict[str, Any] = field(default_factory=dict)
@@ -215,6 +218,7 @@ class Instance:
             "request_running_s": r(learned.running_s, 4),
             "prefix_hit_ratio": r(learned.prefix_hit_ratio, 4),
             "predicted_prefix_hit_ratio": r(self.predicted_prefix_hit_ratio, 4),
+            "estimated_prefix_hit_ratio": r(self.estimated_prefix_hit_ratio, 4),
         }
 
     def status(self, now_mono: float) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``routerd status [--url URL] [--json] [--admin-key KEY]``: fleets and instances of a running daemon.
+"""``routerd status [--url URL] [--json] [--admin-key-file FILE]``: fleets and instances of a running daemon.
 
 Reads ``GET /admin/fleets`` and prints one line per instance — state, circuit (closed, open, half_open),
 URL, PID, node, generation, last heartbeat, expected wait, what routing learned of it (capacity and its
@@ -6,6 +6,10 @@ source, decode and prefill speed, prefix-cache hit ratio as the engine reports i
 it), restarts and the engine's resource use — so an operator sees a crash loop (restarts climbing, the
 reason column), an instance the breaker keeps out, a slow or small instance, or an unplaceable instance
 without reading logs.
+
+The admin key never needs the command line, where every user of the machine can read it (``ps``): it
+comes from ``--admin-key-file``, ``$ROUTERD_ADMIN_KEY``, the daemon's own ``$ROUTERD_HTTP_ADMIN_API_KEY``
+or ``--config``'s ``http.admin_api_key``. ``--admin-key KEY`` still works, with a warning.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 import time
 from typing import Any
@@ -23,12 +28,15 @@ import aiohttp
 from . import redact
 
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon did not answer
+EXIT_CONFIG = 78  # EX_CONFIG: an unreadable key file or config
 
 
-async def fetch(url: str, admin_key: str, timeout_s: float) -> dict[str, Any]:
+async def fetch(url: str, admin_key: str, timeout_s: float, *, tls: ssl.SSLContext | bool = True,
+                ) -> dict[str, Any]:
+    """``GET /admin/fleets``; ``tls``: how an https daemon is verified (True: the system's CAs)."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session, \
-            session.get(url.rstrip("/") + "/admin/fleets", headers=headers) as resp:
+            session.get(url.rstrip("/") + "/admin/fleets", headers=headers, ssl=tls) as resp:
         body: dict[str, Any] = await resp.json(content_type=None)
         if resp.status != 200:
             msg = body.get("error", {}).get("message", body) if isinstance(body, dict) else body
@@ -68,8 +76,12 @@ def _capacity(i: dict[str, Any]) -> str:
 
 
 def _hit(i: dict[str, Any]) -> str:
-    """Prefix-cache hit ratio, the engine's then routerd's prediction: ``0.62/0.60``."""
+    """Prefix-cache hit ratio, the engine's then routerd's prediction: ``0.62/0.60`` (``0.62/~0.60``:
+    predicted over prompt sizes estimated from bytes, a fleet routerd does not key)."""
     engine, predicted = i.get("prefix_hit_ratio"), i.get("predicted_prefix_hit_ratio")
+    estimated = i.get("estimated_prefix_hit_ratio")
+    if predicted is None and estimated is not None:
+        return ("-" if engine is None else f"{engine:.2f}") + f"/~{estimated:.2f}"
     if engine is None and predicted is None:
         return "-"
     return "/".join("-" if v is None else f"{v:.2f}" for v in (engine, predicted))
@@ -174,18 +186,59 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="routerd status", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("ROUTERD_URL", "http://127.0.0.1:8080"))
+    parser.add_argument("--url", default=os.environ.get("ROUTERD_URL", ""),
+                        help="the daemon (default: $ROUTERD_URL, else --config's http.host/port, else "
+                        "http://127.0.0.1:8080)")
     parser.add_argument("--json", action="store_true", help="print the raw JSON")
-    parser.add_argument("--admin-key", default=os.environ.get("ROUTERD_HTTP_ADMIN_API_KEY", ""))
+    parser.add_argument("--config", help="the daemon's config: its admin key and listener")
+    parser.add_argument("--admin-key-file", metavar="FILE", help="read the admin key from FILE")
+    parser.add_argument("--admin-key", help=argparse.SUPPRESS)  # visible in ps: kept, with a warning
+    parser.add_argument("--cacert", metavar="FILE", help="CA certificate(s) to verify an https daemon by")
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args(argv)
+    if args.admin_key is not None:
+        redact.warn_argv(parser.prog, "--admin-key", "use $ROUTERD_ADMIN_KEY or --admin-key-file")
     try:
-        status = _redacted(asyncio.run(fetch(args.url, args.admin_key, args.timeout)))
+        url, key = _target(args)
+        tls: ssl.SSLContext | bool = ssl.create_default_context(cafile=args.cacert) if args.cacert else True
+    except (OSError, ValueError) as e:
+        print(f"routerd status: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        status = _redacted(asyncio.run(fetch(url, key, args.timeout, tls=tls)))
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as e:
-        print(redact.text(f"routerd status: {args.url}: {e or type(e).__name__}"), file=sys.stderr)
+        print(redact.text(f"routerd status: {url}: {e or type(e).__name__}"), file=sys.stderr)
         return EXIT_UNAVAILABLE
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else render(status))
     return 0
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str]:
+    """The daemon's URL and the admin key, first found: ``--admin-key-file``, ``--admin-key``,
+    ``$ROUTERD_ADMIN_KEY``, ``$ROUTERD_HTTP_ADMIN_API_KEY``, ``--config``'s (which that variable
+    overrides too). Raises OSError (an unreadable file) or ValueError (an invalid config)."""
+    key = ""
+    if args.admin_key_file:
+        with open(args.admin_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"{args.admin_key_file}: no key on its first line")
+    key = key or args.admin_key or os.environ.get("ROUTERD_ADMIN_KEY", "")
+    key = key or os.environ.get("ROUTERD_HTTP_ADMIN_API_KEY", "")
+    url = args.url
+    if args.config:
+        from .config import ConfigError, load_for_tool
+
+        try:
+            http = load_for_tool(args.config).http
+        except ConfigError as e:
+            raise ValueError("\n".join([f"{args.config} is not valid:", *e.problems])) from None
+        key = key or http.admin_api_key
+        if not url:
+            host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(http.host, http.host)
+            host = f"[{host}]" if ":" in host else host
+            url = f"{'https' if http.tls_cert else 'http'}://{host}:{http.port}"
+    return url or "http://127.0.0.1:8080", key
 
 
 def _redacted(status: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from .client import QueueClient
 from .jobs import ResultView, json_encode
+from .redact import warn_argv_url
 
 if TYPE_CHECKING:
     from .redis_server import RedisTarget
@@ -36,7 +37,11 @@ def submit_main(argv: list[str]) -> int:
     p.add_argument("--stream", action="store_true", help="stream: print chunks as they arrive")
     p.add_argument("--wait", action="store_true", help="wait for the result and print it")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--id-prefix", default=os.environ.get("ROUTERD_ID_PREFIX", ""),
+                   help="begin the job id with this: the scope of a producer's Redis ACL (routerd "
+                   "redis-acl --producer-prefix; default: $ROUTERD_ID_PREFIX)")
     args = p.parse_args(argv)
+    warn_argv_url(p.prog, args.redis)
     from .config import EXIT_CONFIG, ConfigError
 
     try:
@@ -89,7 +94,8 @@ async def _submit_one(args: argparse.Namespace, target: RedisTarget, model: str)
     if args.stream:
         body["stream"] = True
     redis_cfg = target.redis
-    async with QueueClient.from_url(target.url, stream=redis_cfg.stream, password=redis_cfg.password) as q:
+    async with QueueClient.from_url(target.url, stream=redis_cfg.stream, username=redis_cfg.username,
+                                    password=redis_cfg.password, id_prefix=args.id_prefix) as q:
         job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms, tenant=args.tenant)
         if not args.wait:
             print(job.id)

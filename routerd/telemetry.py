@@ -117,8 +117,9 @@ class _LearnedFamilies:
             "(prefill + decode)", labels=labels)
         self.hit = GaugeMetricFamily(
             "routerd_instance_prefix_cache_hit_ratio", "Prefix-cache hit ratio over the last ~30 s of "
-            "traffic: as the engine reports it (source=engine) and as routerd predicted it "
-            "(source=predicted)", labels=[*labels, "source"])
+            "traffic: as the engine reports it (source=engine), as routerd predicted it over prompts it "
+            "counted in the engine's tokens (source=predicted), and over prompts whose tokens it "
+            "estimated from their bytes (source=estimated)", labels=[*labels, "source"])
 
     def add(self, lv: list[str], inst: Instance) -> None:
         capacity, source = inst.capacity_source()
@@ -131,7 +132,8 @@ class _LearnedFamilies:
             if value is not None:
                 family.add_metric(lv, value)
         for source, ratio in (("engine", learned.prefix_hit_ratio),
-                              ("predicted", inst.predicted_prefix_hit_ratio)):
+                              ("predicted", inst.predicted_prefix_hit_ratio),
+                              ("estimated", inst.estimated_prefix_hit_ratio)):
             if ratio is not None:
                 self.hit.add_metric([*lv, source], ratio)
 

@@ -7,8 +7,9 @@ of one kind cannot be replayed as another. Anyone who can write to Redis (queue 
 longer command routerd: an unsealed or forged record is refused (:class:`Rejected`), never acted on.
 
 The engines routerd launches are started with an API key derived from the same secret (vLLM's
-``--api-key``), so every process of a deployment (workers, followers on other hosts, a restarted
-routerd adopting its engines) can compute it, and it never travels through Redis in clear.
+``VLLM_API_KEY``, in the engine's environment rather than on its command line), so every process of
+a deployment (workers, followers on other hosts, a restarted routerd adopting its engines) can
+compute it, and it never travels through Redis in clear.
 
 Where the secret comes from, first found wins:
 
@@ -72,7 +73,7 @@ class Trust:
         self._sign_key = hmac.new(secret, b"routerd/records/v1", hashlib.sha256).digest()
         self._fingerprint = hmac.new(secret, b"routerd/fingerprint/v1", hashlib.sha256).digest()[
             :_FINGERPRINT_BYTES]
-        #: The bearer token launched engines require (vLLM ``--api-key``); the same on every process
+        #: The bearer token launched engines require (vLLM's ``VLLM_API_KEY``); the same on every process
         #: that holds the secret.
         self.engine_api_key = "rtd-" + hmac.new(secret, b"routerd/engine-api-key/v1",
                                                  hashlib.sha256).hexdigest()[:48]

@@ -14,13 +14,16 @@ The parent and worker *i* talk over one ``AF_UNIX`` datagram pair in sd_notify's
 would to systemd (:func:`worker_notifier`), and the parent (:class:`Workers`) reads them. So
 ``READY=1`` to systemd waits for every worker's, and the watchdog covers the workers: a worker whose
 loop stops pinging for ``daemon.worker_watchdog_s`` is killed and started again, as is one that exits;
-each start after the first is counted (``routerd_workers_restarts_total``, told to the worker on its
-command line). The other way the parent says what the signals it got mean for the workers — ``STOP=1``
-(drain, each as one routerd does; the parent exits once all did), ``FORCE=1`` (a second stop signal:
-end now), ``RELOAD=1`` — as words rather than signals, so that a worker which got the signal itself too
-(a terminal's Ctrl-C reaches the whole process group, as does a group kill) drains once, not twice. A
-worker whose parent is gone drains and exits (it gets SIGTERM when the parent dies, and sees its parent
-change besides).
+the silence counted is only what the parent could have heard — the pings waiting on the pair are read
+before a worker is judged, and after a stall of the parent's own loop (a loaded host, a long pause,
+SIGSTOP: it saw nothing meanwhile) the count starts again (issue 26). Each start after the first is
+counted (``routerd_workers_restarts_total``, told to the worker on its command line). The other way
+the parent says what the signals it got mean for the workers — ``STOP=1`` (drain, each as one routerd
+does; the parent exits once all did), ``FORCE=1`` (a second stop signal: end now), ``RELOAD=1`` — as
+words rather than signals. Each worker runs in a session of its own, so a terminal's Ctrl-C (sent to
+the whole foreground process group) reaches the parent alone, which drains the workers in order; a
+worker that gets a signal itself anyway still drains once, not twice. A worker whose parent is gone
+drains and exits (it gets SIGTERM when the parent dies, and sees its parent change besides).
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from dataclasses import dataclass, field
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import log
+from . import _aio, log
+from ._proc import die_with_parent
 from .config_schema import EXIT_CONFIG
-from .redis_server import die_with_parent
 
 _log = log.get("routerd.workers")
 
@@ -49,7 +52,7 @@ STOP, FORCE, RELOAD = b"STOP=1", b"FORCE=1", b"RELOAD=1"  # what the parent tell
 _BACKOFF_INITIAL_S = 0.5  # a worker that exits is started again after this, doubling ...
 _BACKOFF_MAX_S = 30.0  # ... up to this
 _BACKOFF_RESET_S = 60.0  # a worker that ran this long starts again at the initial backoff
-_POLL_S = 0.25  # how often a worker's pings are checked
+_POLL_S = 0.25  # how often the workers' pings are checked
 _KILL_WAIT_S = 5.0  # a killed worker is reaped within this
 
 
@@ -113,6 +116,11 @@ class _RestartsCollector(Collector):
         yield family
 
 
+def ping_interval_s(watchdog_s: float) -> float:
+    """How often a worker pings its parent: four pings to each ``daemon.worker_watchdog_s``."""
+    return watchdog_s / 4
+
+
 def worker_consumer(name: str, index: int) -> str:
     """Worker ``index``'s queue consumer name, from the daemon's (``RedisConfig.consumer_name``): stable
     across its restarts, so it reclaims its own jobs."""
@@ -174,6 +182,7 @@ class Workers:
         self._clock = clock
         self._workers = [_Worker(i) for i in range(count)]
         self._stopping = False
+        self._listening_since = clock()  # the end of the parent's last stall: silence counts from here
         self.config_failed = False  # a worker exited EX_CONFIG: the config is bad, starting again won't help
         self.failed = asyncio.Event()  # ... and the daemon stops with it
 
@@ -198,6 +207,7 @@ class Workers:
             async with asyncio.TaskGroup() as tg:
                 for w in self._workers:
                     tg.create_task(self._keep(w), name=f"worker-{w.index}")
+                tg.create_task(self._watchdog(), name="workers-watchdog")
         finally:
             for w in self._workers:  # cancelled without a stop (a failed start-up): none outlives us
                 if w.proc is not None and w.proc.returncode is None:
@@ -209,7 +219,8 @@ class Workers:
         backoff = _BACKOFF_INITIAL_S
         while not self._stopping:
             await self._spawn(w)
-            rc = await self._watch(w)
+            assert w.proc is not None
+            rc = await w.proc.wait()
             self._close(w)
             if self._stopping:
                 return
@@ -235,7 +246,8 @@ class Workers:
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "routerd", "run", "--config", self.config_path, "--worker", spec.arg(),
-                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL)
+                pass_fds=(*fds, child_end.fileno()), env=self.env, stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)  # a terminal's Ctrl-C is the parent's: it tells each worker STOP
         except BaseException:
             parent_end.close()
             raise
@@ -260,24 +272,38 @@ class Workers:
                 _log.info("worker_ready", worker=w.index, pid=w.proc.pid if w.proc else None,
                           took_s=round(self._clock() - w.started, 3))
 
-    async def _watch(self, w: _Worker) -> int:
-        """Until worker ``w`` exits (its code), killing it first when its pings stop once it was ready."""
+    async def _watchdog(self) -> None:
+        """Kill every ready worker silent for ``stall_s`` (its exit then starts it again), until a stop.
+
+        Silent for what the parent could hear: the pings already waiting on each pair are read first (a
+        loop that wakes from a stall may run this before it polls the sockets, as uvloop does), and a
+        pass that woke late by a worker's ping interval or more says the parent's own loop was held up:
+        a worker's pings sent meanwhile may be lost (a full pair drops them) or not sent at all (the
+        whole service frozen with it), so each worker's silence counts again from the end of that
+        stall. A worker that really stalls is still killed ``stall_s`` after it. A shorter lateness
+        cannot hide a ping, so a loop held up often but briefly does not keep the watchdog from biting.
+        """
+        while not self._stopping:
+            late_s = await _aio.overslept(_POLL_S, self._clock)
+            if late_s >= ping_interval_s(self.stall_s):
+                self._listening_since = self._clock()
+                _log.warning("workers_watchdog_restarted", late_s=round(late_s, 3),
+                             why="the daemon's own loop was held up: the workers' silence counts from now")
+            for w in self._workers:
+                self._judge(w)
+
+    def _judge(self, w: _Worker) -> None:
         proc = w.proc
-        assert proc is not None
-        exited = asyncio.ensure_future(proc.wait())
-        try:
-            while True:
-                done, _ = await asyncio.wait({exited}, timeout=_POLL_S)
-                if done:
-                    return exited.result()
-                silent_s = self._clock() - w.last_ping
-                if w.ready.is_set() and silent_s > self.stall_s and not self._stopping:
-                    _log.error("worker_stalled", worker=w.index, pid=proc.pid, silent_s=round(silent_s, 3),
-                               action="killed, and started again")
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-        finally:
-            exited.cancel()
+        if proc is None or proc.returncode is not None or not w.ready.is_set() or self._stopping:
+            return
+        self._read(w)
+        silent_s = self._clock() - max(w.last_ping, self._listening_since)
+        if silent_s > self.stall_s:
+            _log.error("worker_stalled", worker=w.index, pid=proc.pid, silent_s=round(silent_s, 3),
+                       action="killed, and started again")
+            w.ready.clear()  # judged once: its exit is what _keep waits for
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
 
     def _close(self, w: _Worker) -> None:
         w.ready.clear()

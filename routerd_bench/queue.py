@@ -38,6 +38,7 @@ from routerd import log
 from routerd._net import free_port
 from routerd.client import QueueClient
 from routerd.config import Config, load, parse
+from routerd.keys import Keys
 from routerd.redis_server import EmbeddedRedis
 from routerd.registry import Registry
 
@@ -112,6 +113,10 @@ async def _serve(cfg: Config, consumer: str | None) -> int:
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
+STREAM = "bench:requests"
+# Every job's result on one stream, in the producers' own family of the namespace (``bench:reply:…``):
+# any other ``bench:`` name is routerd's, and the client refuses it as a reply_to.
+REPLIES = Keys(stream=STREAM).reply("all")
 # A simulated engine in its own process (so it has its own core), through the sim's public API.
 _ENGINE = """
 import asyncio, sys
@@ -207,7 +212,7 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
             if url is None:
                 url = await stack.enter_async_context(EmbeddedRedis(Path(tmp) / "redis"))
             cfg = parse({
-                "redis": {"url": url, "stream": "bench:requests", "group": "bench",
+                "redis": {"url": url, "stream": STREAM, "group": "bench",
                           "dead_stream": "bench:dead", "consumer": "bench", "read_batch": 256},
                 "admission": {"max_inflight_per_instance": max_num_seqs},
                 "routing": {"scrape_interval_s": 0.5},
@@ -216,10 +221,10 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
             raw: Any = aioredis.Redis.from_url(url, socket_timeout=30)
             stack.push_async_callback(raw.aclose)
             base_rate = await baseline(raw, n)
-            q = QueueClient(raw, stream="bench:requests")
+            q = QueueClient(raw, stream=STREAM)
             t0 = time.perf_counter()
             await q.submit_many([{"model": "bench", "prompt": f"p{i}", "max_tokens": 1} for i in range(n)],
-                                reply_to="bench:replies")
+                                reply_to=REPLIES)
             submit_rate = n / (time.perf_counter() - t0)
             http_rate, http_cpu_us = await direct_http(urls, min(n, 5000), max_num_seqs)
             async with queue_path(cfg, url) as routerd:
@@ -228,7 +233,7 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
                 await wait_ready(routerd.registry, ["bench"], 30)
                 started, cpu = time.perf_counter(), time.process_time()
                 run = asyncio.create_task(ingress.run())
-                while await raw.xlen("bench:replies") < n:
+                while await raw.xlen(REPLIES) < n:
                     if run.done():
                         run.result()
                     await asyncio.sleep(0.01)
@@ -236,7 +241,7 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
                 cpu_us = (time.process_time() - cpu) / n * 1e6
                 ingress.stop_intake()
                 await asyncio.wait_for(run, 30)
-            errors = sum(1 for _, f in await raw.xrange("bench:replies")
+            errors = sum(1 for _, f in await raw.xrange(REPLIES)
                          if b'"status":"error"' in f[b"result"])
     finally:
         for p in procs:

@@ -288,7 +288,7 @@ def later_turn_hit_ratio(outcomes: Sequence[Outcome]) -> float:
 async def _routerd_view(session: aiohttp.ClientSession, url: str, names: dict[str, str]) -> dict[str, Any]:
     """What routerd learned of each instance (``/admin/fleets``), by the benchmark's instance names."""
     keep = ("capacity", "capacity_source", "decode_tokens_per_s", "prefill_tokens_per_s",
-            "prefix_hit_ratio", "predicted_prefix_hit_ratio")
+            "prefix_hit_ratio", "predicted_prefix_hit_ratio", "estimated_prefix_hit_ratio")
     async with session.get(url + "/admin/fleets") as r:
         instances = (await r.json())["fleets"][wl.MODEL]["instances"]
     return {names.get(i["url"], i["id"]): {k: i.get(k) for k in keep} for i in instances}

@@ -87,6 +87,9 @@ def start_replica(run_dir: Path, name: str, redis_url: str, fleets: Sequence[dic
         "http": {"host": "127.0.0.1", "port": port},
         "redis": {"url": redis_url, "consumer": name, "block_ms": 200},
         **(extra or {})}
+    # Replicas with state dirs of their own share one secret (the README's rule): their launched
+    # engines' API key is derived from it.
+    sections["control"] = {"secret": "bench-replicas-shared-secret", **sections.get("control", {})}
     path = state / "routerd.toml"
     path.write_text(config_text(sections, fleets))
     log_path = state / "routerd.log"

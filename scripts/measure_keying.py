@@ -73,7 +73,7 @@ async def main() -> None:
             elif mode == "thread":
                 await engine_keys.keys_for(keyer, head, args.block_size, root)
             else:
-                await process.keys("f", head, args.block_size, root)
+                await process.keyed("f", head, args.block_size, root)
 
     print(f"prompt: {n_tokens} tokens, {len(text)} chars, block size {args.block_size}, n={args.n}, "
           f"keyer {type(keyer).__name__}")

@@ -86,7 +86,9 @@ def replica_cfg(routerd_config: Any, tmp_path: Path, name: str, redis_url: str,
     cfg: dict[str, Any] = routerd_config(
         daemon={"state_dir": str(tmp_path / name), "stop_engines_on_exit": stop_engines},
         redis={"enabled": True, "url": redis_url, "consumer": name, "block_ms": 200},
-        control={"lease_s": LEASE_S}, **extra)
+        # One secret for every replica, as the README asks of replicas with state dirs of their own:
+        # the engines' API key is derived from it.
+        control={"lease_s": LEASE_S, "secret": "replicas-shared-secret-0123"}, **extra)
     return cfg
 
 

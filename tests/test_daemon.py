@@ -32,8 +32,12 @@ async def test_ready_only_after_listener_and_watchdog_pings(
         pass
     async with aiohttp.ClientSession() as s, s.get(f"{rp.url}/healthz") as r:
         assert r.status == 200
-    # WatchdogSec=0.4s in the fixture → a ping every 0.2s from the event loop.
-    await asyncio.to_thread(rp.read_notify, 1.0)
+    # WatchdogSec=0.4s in the fixture → a ping every 0.2s from the event loop: it keeps pinging (waited
+    # for, not counted in a window: a busy machine delays a ping, and systemd's bound is the fixture's)
+    for _ in range(100):
+        if rp.messages.count("WATCHDOG=1") >= 3:
+            break
+        await asyncio.to_thread(rp.read_notify, 0.2)
     assert rp.messages.count("WATCHDOG=1") >= 3
     assert any(m.startswith("STATUS=") for m in rp.messages)
     rp.signal(signal.SIGTERM)

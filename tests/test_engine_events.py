@@ -5,6 +5,7 @@ through a restart on new ports — on real sim-engine processes started from the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -14,22 +15,26 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
+from prometheus_client import CollectorRegistry, generate_latest
 from routerd_builtin.launchers import SimLauncher, VllmLauncher
 
+from routerd._net import free_port
 from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing import kv_hash
-from routerd.routing.engine_events import EngineEvents, connect_endpoint
+from routerd.routing.engine_events import EngineEvents, EngineEventsCollector, connect_endpoint
 from routerd.routing.kv_events import ViewHealth
 from routerd.sim_tokens import token_ids
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.sim import REPO, SimEngineFactory, SimProcessFactory, _wait_healthy
+from tests.fixtures.vllm import parse_metrics
 
 ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
 
 
-def _keys(prompt: str) -> list[int]:
-    return kv_hash.block_keys(token_ids(prompt.split()), 16, ROOT)
+def _keys(prompt: str, root: bytes = ROOT) -> list[int]:
+    return kv_hash.block_keys(token_ids(prompt.split()), 16, root)
 
 
 async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys() -> None:
@@ -39,9 +44,10 @@ async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys(
     cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert cfg["enable_kv_cache_events"] is True
     assert cfg["publisher"] == "zmq"
-    assert cfg["endpoint"].startswith("tcp://*:")  # vLLM binds only wildcards (else it connects)
-    assert cfg["replay_endpoint"].startswith("tcp://*:")
-    assert cfg["endpoint"] != cfg["replay_endpoint"]
+    # vLLM binds only wildcards (else it connects); tcp://*:0 binds its node IP, VLLM_HOST_IP: the
+    # engine's own address, never every interface, on ports it picks and reports in /kv_event_sources
+    assert (cfg["endpoint"], cfg["replay_endpoint"]) == ("tcp://*:0", "tcp://*:0")
+    assert plan.env["VLLM_HOST_IP"] == "127.0.0.1"
     assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256"
     assert plan.env["PYTHONHASHSEED"] == kv_hash.LAUNCH_SEED
     off = await VllmLauncher().plan(
@@ -55,6 +61,17 @@ async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys(
         host="127.0.0.1", port=8000, workdir="/w")
     assert mine.argv.count("--kv-events-config") == 1
     assert mine.argv[mine.argv.index("--kv-events-config") + 1] == own
+
+
+async def test_the_sims_wildcard_endpoints_bind_its_own_host_not_every_interface(
+        sim_engine: SimEngineFactory) -> None:
+    eng = await sim_engine(kv_events_config=json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}))
+    async with aiohttp.ClientSession() as s, s.get(f"{eng.url}/kv_event_sources") as r:
+        src = (await r.json())["0"]
+    for endpoint in (src["endpoint"], src["replay_endpoint"]):
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+        assert int(endpoint.rpartition(":")[2]) > 0
 
 
 def test_a_wildcard_endpoint_is_the_engines_own_host() -> None:
@@ -104,9 +121,49 @@ async def _send(url: str, prompt: str) -> None:
         assert r.status == 200
 
 
-async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(launched: Launched) -> None:
-    from routerd._net import free_port
+class Counters:
+    """``routerd_kv_events_{batches,restarts}_total`` of one instance's rank 0 as ``/metrics`` exposes
+    them, sampled every 20 ms for as long as the test runs: a counter must never go back."""
 
+    def __init__(self, events: EngineEvents, instance: str) -> None:
+        self.prom = CollectorRegistry(auto_describe=False)
+        self.prom.register(EngineEventsCollector(events))
+        self.instance = instance
+        self.samples: list[tuple[float, float]] = []
+        self.task = asyncio.create_task(self._sample())
+
+    def read(self) -> tuple[float, float] | None:
+        metrics = parse_metrics(generate_latest(self.prom).decode())
+        try:
+            batches, restarts = (metrics[f"routerd_kv_events_{name}_total"].value(instance=self.instance,
+                                                                                 rank="0")
+                                 for name in ("batches", "restarts"))
+        except KeyError:
+            return None  # no series yet
+        return batches, restarts
+
+    async def _sample(self) -> None:
+        while True:
+            got = self.read()
+            if got is not None:
+                self.samples.append(got)
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.wait([self.task])
+
+    def assert_monotonic(self) -> None:
+        for (b0, r0), (b1, r1) in itertools.pairwise(self.samples):
+            assert b1 >= b0, f"batches_total went back: {b0} -> {b1}"
+            assert r1 >= r0, f"restarts_total went back: {r0} -> {r1}"
+
+
+async def test_each_ready_engine_is_subscribed_and_followed_through_restarts(launched: Launched) -> None:
+    """Subscribed once ready; a restart (new event ports: a new generation) is followed, whether the
+    instance stayed ready or left rotation meanwhile, as the fleet manager restarts one — each counted in
+    ``restarts_total``, and ``batches_total`` never goes back (issue 26: it started again from 0 under
+    the same labels, and restarts stayed 0)."""
     port = free_port()
     await launched.start(port)
     registry = Registry()
@@ -114,14 +171,22 @@ async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(la
     async with aiohttp.ClientSession() as session:
         events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
         task = asyncio.create_task(events.run(interval_s=0.1))
+        counters = Counters(events, "f:0")
+
+        async def served(prompt: str) -> list[int]:
+            before = counters.read()
+            await _send(launched.url, prompt)
+            keys = _keys(prompt)
+            assert await eventually(lambda: events.match("f:0", keys) == len(keys), 15)
+            assert await eventually(lambda: (now := counters.read()) is not None
+                                    and (before is None or now[0] > before[0]), 15)
+            return keys
+
         try:
             assert events.match("f:0", [1]) is None  # not ready: not subscribed
             registry.set_state(inst, InstanceState.READY)
             assert await eventually(lambda: events.status("f:0")["cache_view"] == "events", 15)
-            first = "the router sends a request to the engine " * 6
-            await _send(launched.url, first)
-            keys = _keys(first)
-            assert await eventually(lambda: events.match("f:0", keys) == len(keys), 15)
+            first = await served("the router sends a request to the engine " * 6)
             assert events.block_size("f:0") == 16
             # The engine restarts (new event ports, chosen by the launcher again); the fleet manager
             # counts a new generation.
@@ -129,18 +194,100 @@ async def test_each_ready_engine_is_subscribed_and_followed_through_a_restart(la
             await launched.start(port)
             inst.generation += 1
             registry.notify()
-            second = "many users and each replica answers a batch " * 6
-            await _send(launched.url, second)
-            assert await eventually(lambda: events.match("f:0", _keys(second)) == len(_keys(second)), 15)
-            assert events.match("f:0", keys) == 0  # the old engine's blocks are gone with it
+            await served("many users and each replica answers a batch " * 6)
+            assert events.match("f:0", first) == 0  # the old engine's blocks are gone with it
             rank = events.status("f:0")["event_ranks"][0]
             assert rank["health"] == ViewHealth.COMPLETE.value
+            # Again, out of rotation meanwhile (as the fleet manager restarts an engine).
+            registry.set_state(inst, InstanceState.STARTING)
+            await asyncio.to_thread(launched.stop)
+            await launched.start(port)
+            inst.generation += 1
+            registry.set_state(inst, InstanceState.READY)
+            await served("an engine that restarted holds nothing at all " * 6)
+            batches, restarts = counters.read() or (0.0, 0.0)
+            assert restarts == 2
+            assert batches >= 3  # one at least per engine
+            assert events.status("f:0")["event_ranks"][0]["restarts"] == 2
             registry.remove("f:0")
             assert await eventually(lambda: events.status("f:0")["cache_view"] == "model", 5)
         finally:
+            await counters.stop()
             task.cancel()
             await asyncio.wait([task])
     assert events.views("f:0") == []
+    counters.assert_monotonic()
+
+
+async def test_an_engine_restarted_out_of_rotation_is_counted_by_the_next_subscription(
+        sim_process: SimProcessFactory) -> None:
+    """A static engine started again on the same ports while its instance was out of rotation (failed
+    heartbeats): no subscription saw its seq go back; the next one finds the restart — whether the new
+    engine has already published past where the last subscription left the stream (other content at
+    that seq) or nothing yet. An instance out of rotation and back with the same engine is not a
+    restart."""
+    http, pub, rep = free_port(), free_port(), free_port()
+    kv = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
+                     "replay_endpoint": f"tcp://127.0.0.1:{rep}"})
+    engine = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+    registry = Registry()
+    inst = registry.add(Instance(id="f:static0", fleet="f", url=engine.url, static=True,
+                                 state=InstanceState.READY))
+    # this process's sim processes seed their block hashes as it is seeded (as vLLM does)
+    root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+    prompts = [f"conversation {n} of many users and each replica answers a batch " * 4 for n in range(4)]
+    keys = [_keys(p, root) for p in prompts]
+    async with aiohttp.ClientSession() as session:
+        events = EngineEvents(registry, session, fleets=None, probe_interval_s=0.2, replay_timeout_s=1.0)
+        task = asyncio.create_task(events.run(interval_s=0.1))
+        counters = Counters(events, "f:static0")
+
+        def restarts() -> int:
+            return int(events.status("f:static0")["event_ranks"][0]["restarts"])
+
+        async def out_and_back(restart: bool, served_meanwhile: list[str]) -> None:
+            nonlocal engine
+            registry.set_state(inst, InstanceState.UNHEALTHY)  # the health monitor's verdict
+            assert await eventually(lambda: events.views("f:static0") == [], 15)
+            if restart:
+                await asyncio.to_thread(engine.stop)
+                engine = await sim_process(port=http, kv_events_config=kv, ttft_ms=1, itl_ms=1)
+            for prompt in served_meanwhile:  # the engine serves others while out of routerd's rotation
+                await _send(engine.url, prompt)
+            registry.set_state(inst, InstanceState.READY)
+            assert await eventually(lambda: len(events.views("f:static0")) == 1, 15)
+
+        def holds(n: int) -> bool:
+            return events.match("f:static0", keys[n]) == len(keys[n])
+
+        try:
+            with structlog.testing.capture_logs() as logs:
+                await _send(engine.url, prompts[0])
+                assert await eventually(lambda: holds(0), 15)
+                # restarted, and it has published as much as the first engine had, and more, meanwhile
+                await out_and_back(restart=True, served_meanwhile=prompts[1:3])
+                assert await eventually(lambda: holds(1) and holds(2), 15)
+                assert events.match("f:static0", keys[0]) == 0
+                assert restarts() == 1
+                # restarted, and idle: it has published nothing
+                await out_and_back(restart=True, served_meanwhile=[])
+                assert restarts() == 2
+                await _send(engine.url, prompts[3])
+                assert await eventually(lambda: holds(3), 15)
+                # out of rotation and back, the same engine: its history replayed, no restart counted
+                await out_and_back(restart=False, served_meanwhile=[])
+                assert await eventually(lambda: holds(3), 15)
+                assert restarts() == 2
+            found = [(e["left_at"], e["found"]) for e in logs if e["event"] == "kv_event_engine_restarted"]
+            assert len(found) == 2, found
+            assert found[0][1] >= found[0][0], found  # the first by its content, not its seq
+            assert found[1][1] is None, found  # the second: nothing published
+        finally:
+            await counters.stop()
+            task.cancel()
+            await asyncio.wait([task])
+    counters.assert_monotonic()
+    assert counters.samples[-1][1] == 2
 
 
 async def test_an_engine_without_events_stays_on_the_model(sim_engine: SimEngineFactory) -> None:
@@ -290,3 +437,20 @@ def test_status_shows_where_the_cache_picture_comes_from() -> None:
     assert " events+2 " in row({"cache_view": "events", "event_ranks": ranks})
     assert " events:partial " in row({"cache_view": "events", "event_ranks": [{"health": "partial"}]})
     assert " model " in row({"cache_view": "model", "events_error": "the engine publishes no KV events"})
+
+
+def test_status_tells_a_predicted_hit_ratio_from_an_estimated_one() -> None:
+    """``HIT`` is the engine's ratio, then routerd's: ``~`` marks one over prompt sizes estimated from
+    bytes (a fleet routerd does not key), never to be read as exact."""
+    from routerd.status import render
+
+    def hit(**ratios: float) -> str:
+        inst = {"id": "f:0", "state": "ready", **ratios}
+        line = next(x for x in render({"fleets": {"f": {"instances": [inst]}}}).splitlines()
+                    if x.startswith("f:0"))
+        return line
+
+    assert " 0.75/0.75 " in hit(prefix_hit_ratio=0.75, predicted_prefix_hit_ratio=0.75)
+    assert " 0.75/~0.80 " in hit(prefix_hit_ratio=0.75, estimated_prefix_hit_ratio=0.80)
+    assert " -/~0.80 " in hit(estimated_prefix_hit_ratio=0.80)
+    assert " 0.75/- " in hit(prefix_hit_ratio=0.75)

@@ -154,6 +154,21 @@ async def test_content_length_bodies_and_one_connection_reused(
     assert body == b'"0"'
 
 
+async def test_the_engine_api_key_goes_in_every_request_head_once(
+        server: Callable[[Handler], Awaitable[RawServer]], pool: EnginePool) -> None:
+    s = await keep_alive_server(server, lambda body: answer(b"ok"))
+    for key in ("rtd-one", "rtd-one", "rtd-two", ""):  # a reload may change a static fleet's key
+        resp = await pool.post(s.url + "/v1/completions", b"{}", JSON, key)
+        assert await resp.read() == b"ok"
+        resp.release()
+    heads = [head for head, _ in s.requests]
+    assert [h.count(b"Authorization") for h in heads] == [1, 1, 1, 0]
+    assert all(b"\r\nAuthorization: Bearer rtd-one\r\n" in h for h in heads[:2])
+    assert b"\r\nAuthorization: Bearer rtd-two\r\n" in heads[2]
+    with pytest.raises(ValueError, match="line break"):  # no header of ours smuggled in by a key
+        await pool.post(s.url + "/v1/completions", b"{}", JSON, "k\r\nX-Evil: 1")
+
+
 async def test_chunked_body_split_at_every_byte_passes_through_raw(
         server: Callable[[Handler], Awaitable[RawServer]], pool: EnginePool) -> None:
     events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]

@@ -118,39 +118,43 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
     keyed = await views.with_engine_keys(plain, head)
     assert len(keyed.engine_keys) == 99 // 16
     assert keyed.engine_block_tokens == 16
-    assert keyed.prompt_tokens == 6 * 16 + 1
-    views.ratio("f").add(1.0, 1000.0)  # the learned ratio moves: the floor stays
-    assert views.current(keyed).prompt_tokens == 97
+    assert keyed.prompt_tokens == keyed.engine_prompt_tokens == 100  # the engine's own count
+    assert keyed.exact_tokens
+    assert not plain.exact_tokens
+    views.ratio("f").add(1.0, 1000.0)  # the learned ratio moves: the engine's count stays
+    assert views.current(keyed).prompt_tokens == 100
     assert (await views.with_engine_keys(views.build("g", "/v1/completions", head), head)).engine_keys == ()
 
 
 async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
     keyer = engine_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)
-    expected = engine_keys.keys(keyer, head, 16, ROOT, hittable=True)
+    expected = engine_keys.keyed(keyer, head, 16, ROOT, hittable=True)
+    assert expected.tokens == 6000
+    assert len(expected.keys) == 5999 // 16
     kp = KeyingProcess({"f": keyer.spec}, timeout_s=60, restart_backoff_s=3600)
     try:
         # No request waits for the worker to start: until it is up, the caller keys in a thread.
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) is None
         assert kp.failures == 0
         await kp.wait_ready(60)  # a spawned interpreter importing routerd
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
-        assert await kp.keys("other", head, 16, ROOT) is None  # a fleet it does not key
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) == expected
+        assert await kp.keyed("other", head, 16, ROOT) is None  # a fleet it does not key
         pool = kp._pool
         assert pool is not None
         for proc in list(pool._processes.values()):  # the worker dies
             proc.kill()
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) is None  # the caller falls back
         assert kp.failures == 1
         # no new worker within the backoff: one that cannot start is not spawned again by each request
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) is None
         assert kp._pool is None
         kp.restart_backoff_s = 0.0
         kp._restart_at = 0.0
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) is None  # a new worker, starting
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) is None  # a new worker, starting
         assert kp._pool is not None
         await kp.wait_ready(60)  # a spawned interpreter importing routerd
-        assert await kp.keys("f", head, 16, ROOT, hittable=True) == expected
+        assert await kp.keyed("f", head, 16, ROOT, hittable=True) == expected
     finally:
         kp.close()
 

@@ -153,6 +153,46 @@ async def test_a_late_heartbeat_failure_does_not_restart_twice(
         await fm.shutdown(stop_engines=False)
 
 
+class NewGenerations(FakeOps):
+    """Each restart starts the engine as the next generation, as the engine actor does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 1
+
+    def _info(self) -> dict[str, Any]:
+        return {**super()._info(), "generation": self.generation}
+
+    async def restart(self, placement: Placement, spec: LaunchSpec, *, generation: int, pid: int | None,
+                      report: Callable[[str], None], grace_s: float = 1.0) -> dict[str, Any]:
+        self.generation += 1
+        return await super().restart(placement, spec, generation=generation, pid=pid, report=report,
+                                     grace_s=grace_s)
+
+
+async def test_a_new_generation_keeps_the_instances_counters(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    """A restarted engine gets a new registry Instance; the counters ``/metrics`` shows for the
+    instance (restarts, failed scrapes) go on under the same labels, never back to 0."""
+    fm, _, registry = manager(make_cfg(tmp_path), session)
+    ops = fm.ops = NewGenerations()  # type: ignore[assignment]  # a fake of EngineOps' interface
+    try:
+        ops.ready.set()
+        await fm.set_replicas("f", 1)
+        await until(lambda: registry.ready_count("f") == 1, "ready")
+        old = registry.get("f:0")
+        assert old is not None
+        old.scrape_errors_total = 3
+        ops.dead.set()
+        await until(lambda: (new := registry.get("f:0")) is not None and new is not old
+                    and new.state is InstanceState.READY, "the next generation ready")
+        new = registry.get("f:0")
+        assert new is not None
+        assert (new.generation, new.restarts, new.scrape_errors_total) == (2, 1, 3)
+    finally:
+        await fm.shutdown(stop_engines=False)
+
+
 async def test_an_instance_restarted_while_retiring_stays_out_of_rotation(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
     fm, ops, registry = manager(make_cfg(tmp_path), session)

@@ -100,6 +100,7 @@ async def test_a_follower_mirrors_the_controllers_instances_and_keeps_its_own_fi
         followed = fol.get("g:0")
         assert followed is not None
         followed.inflight = 3  # this process's own: the view never touches it
+        followed.scrape_errors_total = 4  # this process's own too: a counter on /metrics
         ended: list[str] = []
         followed.watch_lost(ended.append)
 
@@ -115,6 +116,7 @@ async def test_a_follower_mirrors_the_controllers_instances_and_keeps_its_own_fi
         await until(lambda: fol.get("g:0") is not followed, "the new generation to be followed")
         assert ended
         assert fol.get("g:0").inflight == 0
+        assert fol.get("g:0").scrape_errors_total == 4  # under the same labels it never goes back
 
         # Fields that change without a registry change (heartbeats, restarts) come with the next refresh.
         new = ctl.get("g:0")

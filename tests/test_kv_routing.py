@@ -30,6 +30,10 @@ def hits(engine: Any) -> float:
     return parse_metrics(engine.metrics.exposition().decode())["vllm:prefix_cache_hits_total"].value()
 
 
+def queries(engine: Any) -> float:
+    return parse_metrics(engine.metrics.exposition().decode())["vllm:prefix_cache_queries_total"].value()
+
+
 @pytest.fixture
 async def subscribed(sims: SimFactory, dataplane: PlaneFactory
                      ) -> AsyncIterator[tuple[RunningPlane, list[Any], EngineEvents]]:
@@ -61,8 +65,16 @@ def _words(conv: int, turn: int) -> str:
 
 async def test_predicted_hits_are_the_engines_own_request_by_request(
         subscribed: tuple[RunningPlane, list[Any], EngineEvents]) -> None:
+    """Each request's predicted hit tokens are the engine's own; so is each instance's predicted hit
+    ratio (``vllm:prefix_cache_hits`` over ``queries``: the prompt's tokens as the engine counts them,
+    not an estimate from bytes); and each log line counts in the engine's tokens and blocks."""
     plane, engines, events = subscribed
+    # The predicted ratio is windowed in routing's time (~30 s, as the engine's reported one): frozen
+    # here, so that it is the plain sum over this test's requests, as the engine's counters are.
+    frozen = plane.dp.router.clock()
+    plane.dp.router.clock = lambda: frozen
     by_id = {i.id: next(e for e in engines if e.url == i.url) for i in plane.registry}
+    start = {iid: (hits(e), queries(e)) for iid, e in by_id.items()}
     conversations: list[list[dict[str, str]]] = [[{"role": "system", "content": f"conversation {c}"}]
                                                  for c in range(6)]
     predicted_total = 0
@@ -71,7 +83,7 @@ async def test_predicted_hits_are_the_engines_own_request_by_request(
             for turn in range(4):
                 for conv in conversations:
                     conv.append({"role": "user", "content": _words(conversations.index(conv), turn)})
-                    before = {iid: hits(e) for iid, e in by_id.items()}
+                    before = {iid: (hits(e), queries(e)) for iid, e in by_id.items()}
                     body = {"model": "m", "messages": conv, "max_tokens": 4}
                     async with http.post(plane.url + "/v1/chat/completions", json=body) as r:
                         assert r.status == 200, await r.text()
@@ -80,14 +92,29 @@ async def test_predicted_hits_are_the_engines_own_request_by_request(
                     conv.append({"role": "assistant", "content": reply})
                     line = [e for e in logs if e["event"] == "request"][-1]
                     assert line["cache_view"] == "events"
-                    actual = hits(by_id[instance]) - before[instance]
+                    actual = hits(by_id[instance]) - before[instance][0]
                     assert line["cached_tokens_est"] == actual, (turn, line)  # to the token
+                    # one unit: the engine's tokens, and its blocks of 16 of them
+                    assert line["prompt_tokens"] == queries(by_id[instance]) - before[instance][1], line
+                    assert "prompt_tokens_est" not in line
+                    assert line["block_tokens"] == 16
+                    assert line["prompt_blocks"] == (line["prompt_tokens"] - 1) // 16  # what a hit can cover
+                    assert line["matched_blocks"] * 16 == line["cached_tokens_est"]
+                    assert "runner_up_matched_blocks" in line  # the other engine's, in its blocks too
                     predicted_total += actual
             async with http.get(plane.url + "/admin/fleets") as r:
                 status = await r.json()
             async with http.get(plane.url + "/metrics") as r:
                 metrics = parse_metrics(await r.text())
     assert predicted_total > 0
+    for iid, engine in by_id.items():
+        engine_ratio = (hits(engine) - start[iid][0]) / (queries(engine) - start[iid][1])
+        inst = plane.registry.get(iid)
+        assert inst is not None
+        assert inst.predicted_prefix_hit_ratio == pytest.approx(engine_ratio, abs=1e-9), iid
+        assert metrics["routerd_instance_prefix_cache_hit_ratio"].value(instance=iid, source="predicted") \
+            == pytest.approx(engine_ratio, abs=1e-9)
+        assert inst.estimated_prefix_hit_ratio is None  # every prompt was counted, none estimated
     views = [v for i in plane.registry for _, v in events.views(i.id)]
     assert sum(v.removed for v in views) > 0  # the engines evicted, and said so
     assert all(len(v) <= 32 for v in views)

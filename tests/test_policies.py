@@ -12,8 +12,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import msgspec
 import pytest
+from hypothesis import strategies as st
+from routerd_builtin.policies import CacheAware
 
 from routerd import plugins
 from routerd.config import Config, RoutingConfig
@@ -131,6 +134,12 @@ def test_cache_aware_session_is_a_soft_preference_under_the_saturation_bound() -
     assert p.choose(req, cs, random.Random(0)).id == "a"
 
 
+def explain_seeded(name: str, request: RequestView, cs: list[Candidate], seed: int) -> tuple[Candidate, str]:
+    p = plugins.load(plugins.POLICY_GROUP, name)
+    assert isinstance(p, plugins.ExplainingPolicy)
+    return p.explain(request, cs, random.Random(seed))
+
+
 def explained(name: str, request: RequestView, cs: list[Candidate]) -> tuple[str, str]:
     p = plugins.load(plugins.POLICY_GROUP, name)
     assert isinstance(p, plugins.ExplainingPolicy)
@@ -157,8 +166,8 @@ def test_cache_aware_names_the_rule_that_chose() -> None:
     # the conversation's instance, saturated, would be the least estimate on its cache: it moves
     home = msgspec.structs.replace(holds, session=True)
     assert explained("cache_aware", conv, [home, other]) == ("other", "saturation_avoided")
-    # close estimates: the emptier one, though its estimate is a little more
-    assert explained("cache_aware", REQ, [cand("busier", 0.6, ttft_s=0.249, matched_blocks=1),
+    # close estimates holding as much: the emptier one, though its estimate is a little more
+    assert explained("cache_aware", REQ, [cand("busier", 0.6, ttft_s=0.249),
                                           cand("emptier", 0.2, ttft_s=0.250)]) == ("emptier", "ttft_tie")
 
 
@@ -196,16 +205,89 @@ def test_the_other_built_in_policies_name_their_rule() -> None:
     assert explained("round_robin", REQ, cs)[1] == "round_robin"
 
 
-def test_cache_aware_close_estimates_are_decided_by_load() -> None:
-    """A saving within the band (here 1 ms of 250 ms) does not pile requests onto one instance: the
-    emptier one wins, and equal ones are drawn at random."""
+def test_cache_aware_close_estimates_holding_as_much_are_decided_by_load() -> None:
+    """Estimates within the band (here 1 ms of 250 ms) over as much of the prompt held: the emptier one
+    wins, and equal ones are drawn at random."""
     p = policy("cache_aware")
-    cs = [cand("busier", 0.6, ttft_s=0.249, matched_blocks=1), cand("emptier", 0.2, ttft_s=0.250)]
+    cs = [cand("busier", 0.6, ttft_s=0.249, matched_blocks=1, cached_tokens=16.0),
+          cand("emptier", 0.2, ttft_s=0.250, matched_blocks=1, cached_tokens=16.0)]
     assert p.choose(REQ, cs, random.Random(0)).id == "emptier"
     rng = random.Random(3)
     seen = collections.Counter(p.choose(REQ, [cand("a", ttft_s=0.25), cand("b", ttft_s=0.25)], rng).id
                                for _ in range(200))
     assert min(seen.values()) > 60
+
+
+def test_a_tie_never_gives_up_a_conversations_cache() -> None:
+    """Issue 26's decision: ``tiny:1`` (1 cached block of 32 tokens, 948 ms) was chosen over ``tiny:0``
+    (35 blocks, 936 ms) for its shorter queue wait, and the engine prefilled 1,088 tokens again. Within
+    the band, the one holding more of the prompt wins — here it is also the least estimate."""
+    rate = 1088 / 0.5  # prefill tokens per second: the 34 blocks tiny:1 lacks cost 500 ms there
+    prompt = 1200
+    req = RequestView(fleet="tiny", endpoint="/v1/chat/completions", prompt_tokens=prompt,
+                      engine_keys=tuple(range(37)), engine_block_tokens=32)
+
+    def there(id_: str, blocks: int, ttft_s: float) -> Candidate:
+        cached = blocks * 32.0
+        return cand(id_, 0.3, prefill_tokens_per_s=rate, matched_blocks=blocks, cached_tokens=cached,
+                    wait_s=ttft_s - (prompt - cached) / rate, ttft_s=ttft_s)
+
+    home, other = there("tiny:0", 35, 0.936), there("tiny:1", 1, 0.948)
+    assert other.wait_s < home.wait_s  # what the old rule chose by
+    for cs in ([home, other], [other, home]):
+        for seed in range(20):
+            chosen, rule = explain_seeded("cache_aware", req, cs, seed)
+            assert (chosen.id, rule) == ("tiny:0", "ttft_tie")
+    # more of the prompt held wins the tie even against a slightly lower estimate
+    closer = there("tiny:1", 1, 0.930)
+    assert explained("cache_aware", req, [home, closer]) == ("tiny:0", "ttft_tie")
+
+
+_RATE = 2000.0
+_CACHE_AWARE = CacheAware()  # loaded once: an entry-point lookup per example would be most of the test
+
+
+@st.composite
+def _fleets(draw: st.DrawFn) -> tuple[RequestView, list[Candidate]]:
+    prompt = draw(st.integers(1, 4000))
+    session = draw(st.booleans())
+    n = draw(st.integers(2, 5))
+    home = draw(st.integers(0, n - 1)) if session else None
+    cs = []
+    for i in range(n):
+        # few distinct values, so that equal waits, equal caches and close estimates all occur
+        wait = draw(st.sampled_from([0.0, 0.01, 0.1, 0.4, 0.9]) | st.floats(0.0, 2.0))
+        cached = float(min(draw(st.sampled_from([0, 1, 2, 35]) | st.integers(0, 200)) * 16, prompt - 1))
+        cs.append(cand(f"i{i}", draw(st.floats(0.0, 2.0)), draw(st.integers(0, 8)), wait_s=wait,
+                       matched_blocks=int(cached) // 16, cached_tokens=cached, prefill_tokens_per_s=_RATE,
+                       ttft_s=wait + (prompt - cached) / _RATE, session=i == home,
+                       saturated=draw(st.booleans())))
+    req = RequestView(fleet="f", endpoint="/v1/completions", prompt_tokens=prompt,
+                      session="s" if session else None)
+    return req, cs
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(fleet=_fleets(), seed=st.integers(0, 2**32))
+def test_cache_aware_never_picks_a_candidate_worse_on_both_estimate_and_cache(
+        fleet: tuple[RequestView, list[Candidate]], seed: int) -> None:
+    """Whatever rule chose (but ``session``, which keeps a conversation home by design), no other
+    candidate has both a lower estimate and more of the prompt held — each as cache_aware weighs it:
+    while one has room, a saturated instance's cache draws nothing (its estimate is without it)."""
+    req, cs = fleet
+    chosen, rule = _CACHE_AWARE.explain(req, cs, random.Random(seed))
+    if rule == "session":
+        return
+    mixed = any(c.saturated for c in cs) and not all(c.saturated for c in cs)
+
+    def weighed(c: Candidate) -> tuple[float, float]:
+        if mixed and c.saturated:
+            return c.ttft_s + c.cached_tokens / c.prefill_tokens_per_s, 0.0
+        return c.ttft_s, c.cached_tokens
+
+    e, h = weighed(chosen)
+    better = [c for c in cs if weighed(c)[0] < e and weighed(c)[1] > h]
+    assert not better, (rule, chosen, better)
 
 
 # a third-party policy ------------------------------------------------------------------------------

@@ -241,13 +241,15 @@ def test_predicted_hit_ratio_and_the_decision_explained() -> None:
     clock = Clock()
     _reg, router = make(clock, 2)
     first = router.choose("f", request=chat_view(router, turns(1, 1)))
-    assert first.instance.predicted_prefix_hit_ratio == 0.0
+    # prompts measured in bytes (no keyer): the prediction is over estimated sizes, kept apart
+    assert first.instance.estimated_prefix_hit_ratio == 0.0
+    assert first.instance.predicted_prefix_hit_ratio is None
     clock.t += 1.0
     second = router.choose("f", request=chat_view(router, turns(1, 2)))
     assert second.instance is first.instance
     req, chosen = second.request, second.chosen
     assert chosen.cached_tokens == pytest.approx(chosen.matched_blocks * req.block_tokens)
-    ratio = second.instance.predicted_prefix_hit_ratio
+    ratio = second.instance.estimated_prefix_hit_ratio
     assert ratio is not None
     # the ratio of predicted-cached to asked tokens over both requests (the engine's own definition)
     total = first.request.prompt_tokens + req.prompt_tokens
@@ -256,6 +258,8 @@ def test_predicted_hit_ratio_and_the_decision_explained() -> None:
     other = next(v for v in second.views if v is not chosen)
     assert fields["matched_blocks"] == chosen.matched_blocks > 0
     assert fields["prompt_blocks"] == len(req.block_keys)
+    assert fields["block_tokens"] == round(req.block_tokens, 1)  # routerd's blocks: the model's view
+    assert fields["prompt_tokens_est"] == req.prompt_tokens
     assert fields["runner_up"] == other.id
     assert fields["runner_up_matched_blocks"] == 0
     assert fields["ttft_est_ms"] < fields["runner_up_ttft_est_ms"]

@@ -116,11 +116,13 @@ def test_fast_enough_for_the_event_loop() -> None:
     page = vllm_page(running=3, waiting=2, kv=0.25)
     page = page * 4  # ≈ the size of a real vLLM page (600+ lines, mostly histogram buckets)
     n = 200
-    t0 = time.perf_counter()
+    # This thread's CPU time, not the wall clock: on a busy CI machine other processes take the core
+    # for part of the loop, which says nothing about what a parse costs the event loop.
+    t0 = time.thread_time()
     for _ in range(n):
         promtext.parse(page, 0.0)
-    per_page = (time.perf_counter() - t0) / n
-    assert per_page < 0.005, f"{per_page * 1000:.2f} ms per page"
+    per_page = (time.thread_time() - t0) / n
+    assert per_page < 0.005, f"{per_page * 1000:.2f} ms of CPU per page"
 
 
 def test_a_real_vllm_page() -> None:

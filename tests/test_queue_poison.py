@@ -201,8 +201,8 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
         assert stored.error is not None
         assert stored.error["code"] == 400
     for attr, name in names.items():
-        if attr in ("stream", "dead"):
-            continue  # streams, which the queue itself writes
+        if attr in ("stream", "dead", "consumer_names"):
+            continue  # streams, which the queue itself writes, and the consumers' names it lists
         assert await redis_async.type(name) == before[name], (attr, name)
     assert await redis_async.hget(keys.ratelimit("default"), "r") == b"5"
 
@@ -352,6 +352,31 @@ async def test_garbage_on_the_cancel_channel_does_not_stop_the_consumer(
     assert res.error["code"] == 499
     assert bench.task is not None
     assert bench.task.exception() is None
+
+
+async def test_a_job_id_on_the_cancel_channel_without_its_cancel_key_cancels_nothing(
+        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+    """Whoever may PUBLISH on the cancel channel (every producer, under ``routerd redis-acl``) used to
+    cancel any running job by naming it; a cancel is now one whose key (``<ns>:cancel:<id>``, which a
+    producer's ACL lets it set for its own jobs only) is set too."""
+    hold = asyncio.Event()
+    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    q = QueueClient(redis_async)
+    await bench.start()
+    try:
+        theirs, mine = await q.submit(BODY), await q.submit(BODY)
+        await until(lambda: _called(bench, theirs.id))
+        await until(lambda: _called(bench, mine.id))
+        assert await redis_async.publish("routerd:cancel", theirs.id) == 1  # a name, no key
+        await q.cancel(mine)  # key and name: handled after the bare name, in order
+        cancelled = await q.wait(mine, timeout=5)
+        hold.set()
+        served = await q.wait(theirs, timeout=5)
+    finally:
+        await bench.stop()
+    assert cancelled.error is not None
+    assert cancelled.error["code"] == 499
+    assert served.status == "ok", served
 
 
 async def test_unreadable_entries_on_a_shared_reply_stream_are_skipped(

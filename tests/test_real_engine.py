@@ -48,6 +48,13 @@ async def test_real_vllm_fleet_routes_streams_and_is_replaced(ray_cluster: RayTe
         lines = await stream_chat(s, r.url, "tiny-real")
         assert lines[-1] == b"data: [DONE]"
         assert any(b'"delta"' in ln for ln in lines[:-1])
+        # Only routerd is served: vLLM was started with the key routerd holds (VLLM_API_KEY), so a
+        # request straight to its port without it gets vLLM's 401; what routerd watches stays open.
+        async with s.get(f"{inst.url}/v1/models") as direct:
+            assert (direct.status, await direct.json()) == (401, {"error": "Unauthorized"})
+        for path in ("/health", "/metrics"):
+            async with s.get(inst.url + path) as opened:
+                assert opened.status == 200, path
 
         gen, pid = inst.generation, inst.pid
         assert pid is not None

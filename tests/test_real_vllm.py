@@ -89,7 +89,8 @@ async def test_captures_still_match_the_installed_vllm(vllm_server: VllmServer) 
         if (live.status, live.content_type) != (real.status, real.content_type):
             problems.append(f"{name}: {live.status} {live.content_type} != {real.status} {real.content_type}")
         elif name.endswith(".sse"):
-            problems += [f"{name}: {d}" for d in stream_diff(real.body, live.body)]
+            # how many chunks vLLM sends depends on how loaded the machine is: not compared
+            problems += [f"{name}: {d}" for d in stream_diff(real.body, live.body, exact_chunks=False)]
         elif name.endswith(".json"):
             problems += shape_diff(json.loads(real.body), json.loads(live.body), name)
     real_families = parse_metrics(captured("metrics.txt", manifest).body.decode())

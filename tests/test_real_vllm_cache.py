@@ -96,7 +96,7 @@ async def test_a_conversation_stays_and_the_engine_hits_what_routerd_predicted(
     # and routerd's own figure for that instance, over the same window as the engine's
     inst = plane.registry.get(home)
     assert inst is not None
-    assert inst.predicted_prefix_hit_ratio is not None
+    assert inst.estimated_prefix_hit_ratio is not None  # no keyer here: prompt sizes from bytes
     engine_ratio = sum(t["hits"][home] for t in turns) / sum(t["queries"][home] for t in turns)
-    assert abs(inst.predicted_prefix_hit_ratio - engine_ratio) < 0.15, (inst.predicted_prefix_hit_ratio,
+    assert abs(inst.estimated_prefix_hit_ratio - engine_ratio) < 0.15, (inst.estimated_prefix_hit_ratio,
                                                                        engine_ratio, report)

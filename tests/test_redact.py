@@ -55,12 +55,14 @@ def test_config_secrets_lists_every_secret_value() -> None:
         "fleets": [
             {"name": "s", "model": "m", "engine": "static", "urls": ["http://u:engine-pw@127.0.0.1:1"]},
             {"name": "v", "model": "v", "engine": "vllm", "env": {"HF_TOKEN": "hf-token-value", "X": "plain"},
-             "engine_args": {"api-key": "engine-api-key", "max-num-seqs": 8}},
+             "engine_args": {"hf-token": "engine-hf-token", "max-num-seqs": 8}},
+            {"name": "k", "model": "k", "engine": "static", "urls": ["http://127.0.0.1:2"],
+             "api_key": "env:ENGINE_KEY"},
         ],
-    }, environ={})
+    }, environ={"ENGINE_KEY": "engine-api-key"})
     assert sorted(config.secret_values(cfg)) == sorted([
         "client-key-1", "client-key-2", "the-admin-key", "url-redis-pw", "cfg-redis-pw", "engine-pw",
-        "hf-token-value", "engine-api-key"])
+        "hf-token-value", "engine-hf-token", "engine-api-key"])
 
 
 def test_redactor_masks_known_values_names_and_nested_values() -> None:

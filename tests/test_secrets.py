@@ -285,3 +285,20 @@ async def test_a_key_in_a_malformed_request_head_is_not_logged(
     assert key not in log
     assert key[:12] not in log  # nor a part of it
     assert "?key=***" in log  # what was sent is still told, its secret masked
+
+
+def test_a_password_in_a_redis_url_on_the_command_line_is_warned_about(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``routerd usage``/``submit --redis redis://:pw@…`` put the password in the process list; the
+    same URL from ``$ROUTERD_REDIS_URL`` does not, and is not warned about."""
+    from routerd.tenants.report import main as usage_main
+
+    url = f"redis://:{REDIS_PW}@127.0.0.1:1/0"  # nothing listens: the command fails after the warning
+    monkeypatch.delenv("ROUTERD_REDIS_URL", raising=False)
+    usage_main(["--redis", url])
+    err = capsys.readouterr().err
+    assert "the password in --redis is visible to every user of this machine" in err
+    assert REDIS_PW not in err
+    monkeypatch.setenv("ROUTERD_REDIS_URL", url)
+    usage_main([])
+    assert "visible to every user" not in capsys.readouterr().err

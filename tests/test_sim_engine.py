@@ -69,9 +69,13 @@ async def wait_until(pred: Any, timeout_s: float = 5.0) -> None:
 async def test_requests_beyond_max_num_seqs_wait_fifo(sim_engine: SimEngineFactory) -> None:
     eng = await sim_engine(model="m", max_num_seqs=2, ttft_ms=5, itl_ms=15)
     async with aiohttp.ClientSession() as s:
+        async def ended(i: int) -> tuple[str, float]:
+            text, _ = await complete(s, eng.url, f"prompt {i}", 6)
+            return text, time.monotonic()
+
         tasks = []
         for i in range(6):
-            tasks.append(asyncio.create_task(complete(s, eng.url, f"prompt {i}", 6)))
+            tasks.append(asyncio.create_task(ended(i)))
             await asyncio.sleep(0.005)  # a definite arrival order
         await wait_until(lambda: eng.stats.running == 2 and eng.stats.waiting == 4)
         m = await scrape(eng.url)
@@ -81,9 +85,11 @@ async def test_requests_beyond_max_num_seqs_wait_fifo(sim_engine: SimEngineFacto
             assert (await r.json())["server_load"] == 6
         results = await asyncio.gather(*tasks)
     assert [text for text, _ in results] == [expected_text(0, f"prompt {i}", 6) for i in range(6)]
-    took = [t for _, t in results]
-    # Three waves of two: the last wave waited for both earlier ones.
-    assert min(took[4:]) > max(took[:2]) * 1.8, took
+    ends = [t for _, t in results]
+    # Three waves of two, in arrival order: each wave ends after the one before it (the order, not how
+    # long each took, which a busy machine stretches).
+    assert max(ends[:2]) < min(ends[2:4]), ends
+    assert max(ends[2:4]) < min(ends[4:]), ends
     m = await scrape(eng.url)
     assert metric(m, "vllm:num_requests_running") == metric(m, "vllm:num_requests_waiting") == 0
     assert metric(m, "vllm:request_success_total", finished_reason="length") == 6
@@ -182,7 +188,9 @@ async def test_zero_latency_is_fast(sim_engine: SimEngineFactory) -> None:
     eng: SimEngine = await sim_engine(model="m", max_num_seqs=64, ttft_ms=0, itl_ms=0)
     n = 300
     conn = aiohttp.TCPConnector(limit=32)
-    t0 = time.monotonic()
+    # CPU time (the client and the sim are this process), not the wall clock: on a busy CI machine other
+    # processes take the cores for part of the run, which says nothing about the sim's own cost.
+    t0 = time.process_time()
     async with aiohttp.ClientSession(connector=conn) as s:
         sem = asyncio.Semaphore(32)
 
@@ -191,10 +199,10 @@ async def test_zero_latency_is_fast(sim_engine: SimEngineFactory) -> None:
                 return (await complete(s, eng.url, f"q{i}", 16))[0]
 
         texts = await asyncio.gather(*(one(i) for i in range(n)))
-    rate = n / (time.monotonic() - t0)
+    rate = n / (time.process_time() - t0)
     assert texts[5] == expected_text(0, "q5", 16)
     assert eng.stats.completed == n
-    assert rate > 100, f"{rate:.0f} req/s"
+    assert rate > 100, f"{rate:.0f} req/s per core"
 
 
 async def _tokens_beside_a_newcomer(eng: SimEngine) -> tuple[int, float]:

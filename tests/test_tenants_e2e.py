@@ -105,11 +105,12 @@ async def engine_tokens(s: aiohttp.ClientSession, urls: list[str]) -> tuple[floa
 # -- rate limits ----------------------------------------------------------------------------------------
 async def test_rate_limits_hold_across_two_routerds_sharing_one_redis(
         redis_server: RedisServer, sim_process: SimProcessFactory, routerd_process: RouterdFactory,
-        routerd_config: Callable[..., dict[str, Any]]) -> None:
+        routerd_config: Callable[..., dict[str, Any]], tmp_path: Path) -> None:
     sim = await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=1)
 
     def cfg(consumer: str) -> dict[str, Any]:
-        return routerd_config(
+        return routerd_config(  # two replicas: each its own state dir (one routerd per dir)
+            daemon={"state_dir": str(tmp_path / consumer)},
             redis={"enabled": True, "url": redis_server.url, "consumer": consumer},
             fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url], "max_num_seqs": 8}],
             tenants=[{"name": "team", "api_keys": ["sk-team"], "requests_per_minute": 6}])

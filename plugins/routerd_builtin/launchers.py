@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from routerd import log
-from routerd._net import free_port
 from routerd.plugins import LaunchPlan, LaunchSpec
 from routerd.routing import kv_hash
 
@@ -26,9 +25,10 @@ _log = log.get("routerd.launcher")
 _VLLM_TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
                          "opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
-# Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them.
+# Flags routerd sets itself (or must never be set): a fleet's engine_args may not override them. The API
+# key reaches the engine in its environment (the engine actor's VLLM_API_KEY), never on argv.
 _OWNED = {"host", "port", "served-model-name", "tensor-parallel-size", "pipeline-parallel-size", "model",
-          "prefix-caching-hash-algo", "kv-events"}
+          "prefix-caching-hash-algo", "kv-events", "api-key"}
 _FORBIDDEN = {"disable-log-stats"}  # turns off the vllm: metrics routing and health depend on
 
 
@@ -60,13 +60,17 @@ def engine_flags(args: dict[str, Any], skip: set[str] | frozenset[str] = frozens
     return out
 
 
-def kv_events(args: dict[str, Any], *, bind_host: str, default: bool) -> tuple[list[str], dict[str, str]]:
+def kv_events(args: dict[str, Any], *, default: bool) -> tuple[list[str], dict[str, str]]:
     """The flags and environment that make an engine publish its KV-cache events where routerd finds
     them (``GET /kv_event_sources``), keyed as routerd keys requests.
 
     ``engine_args."kv-events"`` turns it on or off (``default`` otherwise); an operator's own
-    ``kv-events-config`` is passed as given. Otherwise the PUB and replay ports are chosen here, on the
-    engine's node, at each start (a restarted engine publishes anew, from seq 0). The block hash is
+    ``kv-events-config`` is passed as given. Otherwise both endpoints are ``tcp://*:0``: the engine
+    binds its own address (vLLM: its node IP, ``VLLM_HOST_IP``, which the vLLM launcher sets to the
+    engine's host; the sim: its ``--host``), never every interface, on ports the kernel picks at each
+    start, and reports them in ``/kv_event_sources`` (a restarted engine publishes anew, from seq 0).
+    A specific host would not do for vLLM: it *connects* its PUB socket to any endpoint that is not a
+    wildcard. The events carry token ids (the prompts, in effect): see README "Security". The block hash is
     fixed — ``--prefix-caching-hash-algo sha256`` and ``PYTHONHASHSEED`` = :data:`kv_hash.LAUNCH_SEED` —
     because routerd computes the same keys (:mod:`routerd.routing.kv_hash`); the seed also fixes the
     engine process's own ``hash()`` salt, which vLLM's prefix caching needs stable anyway."""
@@ -75,10 +79,9 @@ def kv_events(args: dict[str, Any], *, bind_host: str, default: bool) -> tuple[l
         return [], {}
     flags = ["--prefix-caching-hash-algo", kv_hash.HASH_ALGO]
     if not any(_flag_name(k) == "kv-events-config" for k in args):
-        pub, replay = free_port(), free_port()
         flags += ["--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{bind_host}:{pub}",
-            "replay_endpoint": f"tcp://{bind_host}:{replay}", "topic": "kv"})]
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+            "replay_endpoint": "tcp://*:0", "topic": "kv"})]
     return flags, {"PYTHONHASHSEED": kv_hash.LAUNCH_SEED}
 
 
@@ -88,8 +91,7 @@ class SimLauncher:
     name = "sim"
 
     async def plan(self, spec: LaunchSpec, *, host: str, port: int, workdir: str) -> LaunchPlan:
-        # The sim binds its event endpoints as given (vLLM binds only wildcards): its HTTP host.
-        kv_flags, kv_env = kv_events(spec.engine_args, bind_host=host, default=False)
+        kv_flags, kv_env = kv_events(spec.engine_args, default=False)
         argv = [sys.executable, "-m", "routerd", "sim-engine", "--host", host, "--port", str(port),
                 "--model", spec.model, *engine_flags(spec.engine_args), *kv_flags]
         return LaunchPlan(argv=argv, env={**kv_env, **spec.env}, startup_timeout_s=60.0)
@@ -125,7 +127,9 @@ class VllmLauncher:
         if spec.pipeline_parallel_size > 1:
             argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
         argv += engine_flags(args)
-        kv_flags, kv_env = kv_events(args, bind_host="*", default=True)  # vLLM connects, not binds, else
+        kv_flags, kv_env = kv_events(args, default=True)
+        if kv_flags:
+            kv_env["VLLM_HOST_IP"] = host  # where vLLM binds tcp://*:0 (fleets.env may say otherwise)
         argv += kv_flags
         argv += await _tracing_flags(spec, binary, args)
         env: dict[str, str] = {

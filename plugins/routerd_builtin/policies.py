@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 from routerd.plugins import Candidate, RequestView
 
-# cache_aware: estimated TTFTs closer than this are one choice, decided by load. An estimate is not a
-# measurement (a guessed token count, a learned speed), and a small saving is not worth piling requests
-# on one instance: they all share its decode steps.
+# cache_aware: estimated TTFTs closer than this are one choice, decided by the cache held, then by load.
+# An estimate is not a measurement (a guessed token count, a learned speed, a wait that moves with every
+# scrape): within this band its differences are noise, the cache an instance holds is not.
 TTFT_BAND_REL = 0.1
 TTFT_BAND_ABS_S = 0.002
 
@@ -118,15 +118,20 @@ class CacheAware:
     * **Session affinity is a soft preference under the same bound**: the instance the request's
       session was last sent to wins while it is not saturated.
     * **Close estimates are a tie** (within :data:`TTFT_BAND_REL` of the best, or
-      :data:`TTFT_BAND_ABS_S`): then the least expected wait, the least load, at random — a small
-      saving does not pile requests on one instance, and prompts sharing nothing are placed as
-      ``least_load`` places them.
+      :data:`TTFT_BAND_ABS_S`): of them, the one holding the most of the prompt (its cached tokens,
+      as far as they draw: nothing for a saturated one while another has room), then the least
+      expected wait, the least load, at random. A tie never gives up cache for a shorter queue: an
+      instance with both a higher estimate and less of the prompt is never chosen, and a conversation
+      is not moved off its context by an estimate's noise (re-prefilling it there costs far more than
+      the few milliseconds the band spans). Prompts sharing nothing, or holding as much everywhere, are
+      placed as ``least_load`` places them; saturation, not the band, is what keeps a popular prefix
+      from piling onto one instance.
 
     The rules, as :meth:`explain` names them: ``session`` (the session's instance, not saturated);
     ``saturation_avoided`` (the session's instance is saturated: the conversation moves);
     ``prefix_spread`` (an instance holding the prompt's prefix would have had the least estimate but is
-    saturated: the prefix spreads); ``ttft_tie`` (close estimates, the least wait of them);
-    ``lowest_ttft`` (the least estimate, no other close to it).
+    saturated: the prefix spreads); ``ttft_tie`` (close estimates: the most of the prompt held, then the
+    least wait); ``lowest_ttft`` (the least estimate, no other close to it).
     """
 
     name = "cache_aware"
@@ -144,16 +149,19 @@ class CacheAware:
                 return home, "session"
         if all(c.saturated for c in candidates) or not any(c.saturated for c in candidates):
             estimates = [c.ttft_s for c in candidates]
+            held = [c.cached_tokens for c in candidates]
         else:  # a saturated instance's cache draws nothing while another has room
             estimates = [c.ttft_s + c.cached_tokens / c.prefill_tokens_per_s if c.saturated else c.ttft_s
                          for c in candidates]
+            held = [0.0 if c.saturated else c.cached_tokens for c in candidates]
         best = min(estimates)
         band = best + max(best * TTFT_BAND_REL, TTFT_BAND_ABS_S)
-        near = [c for c, e in zip(candidates, estimates, strict=True) if e <= band]
+        near = [(c, h) for c, e, h in zip(candidates, estimates, held, strict=True) if e <= band]
         if len(near) == 1:
-            chosen, rule = near[0], "lowest_ttft"
+            chosen, rule = near[0][0], "lowest_ttft"
         else:
-            chosen, rule = _least(near, rng), "ttft_tie"
+            most = max(h for _, h in near)
+            chosen, rule = _least([c for c, h in near if h == most], rng), "ttft_tie"
         if home is not None and chosen is not home:
             rule = "saturation_avoided"  # the session's instance would have had it but for saturation
         elif any(e > band and c.ttft_s <= band for c, e in zip(candidates, estimates, strict=True)):

@@ -164,6 +164,8 @@ class Attempts:
         self.tracing = tracing
         self.clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
+        # fleet → the API key its engines require (Upstream.update_fleets); a fleet without one gets none
+        self.bearers: dict[str, str] = {}
 
     def cut(self, fleet: str, why: str, message: str) -> str:
         """A failed stream that is not continued elsewhere (``why``: its ``resume.NOT_CONTINUABLE`` key,
@@ -254,7 +256,8 @@ class Attempts:
             if self.tracing.on:  # the attempt's span: the engine's own span joins the trace
                 self.tracing.inject(headers)
             with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
-                resp = await self.pool.post(inst.url + endpoint, body, headers)
+                resp = await self.pool.post(inst.url + endpoint, body, headers,
+                                            self.bearers.get(inst.fleet, ""))
                 first = await _first_chunk(resp, stream)
             if first is None:
                 # Non-streaming (or an error answer): the whole body is the first byte. Its read is
@@ -346,6 +349,13 @@ async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     if resp.status >= 500:
         msg = error_message(await resp.read(), resp.status)
         raise Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status, answered=True)
+    if resp.status == 401:
+        # Not the client's key (routerd checked that): the engine refused routerd's. Passed through, the
+        # client would be told its own key is bad; another instance may hold the right one.
+        msg = error_message(await resp.read(), resp.status)
+        raise Retry("unauthorized", f"the engine refused routerd's API key (HTTP 401: {msg}): a static "
+                    "fleet's engines are sent its [[fleets]] api_key, launched ones the key derived from "
+                    "[control] secret", 401, answered=True)
     if not stream or not 200 <= resp.status < 300:
         return None
     first = await resp.readany()

@@ -7,7 +7,8 @@ where its response goes (a :class:`~routerd.dataplane.sinks.ResponseSink`); ever
 :meth:`Dispatch.run`. Where they differ in policy, the request says so, not the caller's code path:
 
 * over its tenant's rate limit, a request with waiting ``rooms`` (a queue job) waits until its
-  deadline — in its tenant's room while that has space, else it is set aside (:class:`SetAside`) —
+  deadline — in its tenant's room while that has space, else it is set aside (:class:`SetAside`, as
+  is one that would wait for a slot while its tenant's or its fleet's slot room is full) —
   and its tenant is looked up again when it gets its quota (a reload reaches waiting jobs); any
   other is refused (:class:`RateLimited`, HTTP 429);
 * a ``preemptible`` request (a non-streamed queue job: nobody has seen its output) may have its slot
@@ -74,8 +75,10 @@ class Rooms(Protocol):
         set aside)."""
         ...
 
-    def slot_room_full(self) -> bool:
-        """A room's worth of its tenant's jobs wait for a slot already."""
+    def slot_room_full(self, *, capped: bool, fleet_free: int) -> bool:
+        """Whether to set it aside rather than let it wait for a slot: its tenant is at its
+        ``max_concurrent`` (``capped``) with a room's worth of its jobs waiting for a slot already, or
+        its fleet has no free slot (``fleet_free``) and a room's worth of the fleet's jobs wait."""
         ...
 
     def slot(self) -> AbstractContextManager[Callable[[], None]]:
@@ -238,8 +241,9 @@ class Dispatch:
         except PermissionDenied:
             self._tenancy.withdraw(charge)
             raise
-        if self._admission.capped(tenant.name) and rooms.slot_room_full():
-            self._tenancy.withdraw(charge)  # at its max_concurrent, a room's worth waiting already
+        if rooms.slot_room_full(capped=self._admission.capped(tenant.name),
+                                fleet_free=self._admission.free_slots(req.fleet)):
+            self._tenancy.withdraw(charge)  # a room's worth waits already: it would hold up the others
             raise SetAside(tenant.name)
         return charge
 

@@ -20,8 +20,10 @@ This client does what the engine call needs and nothing else:
   more on a new connection: the engine closed it idle, racing our write, and did not see the request;
 * a response closed before its end closes its connection: that is how vLLM learns that the client is
   gone and aborts the request (cancellation, a lost instance);
-* HTTP basic auth from the URL's userinfo (a static fleet's ``http://user:pw@host:port``), TLS for
-  ``https`` with the default certificate checks.
+* HTTP basic auth from the URL's userinfo (a static fleet's ``http://user:pw@host:port``), or the
+  engine's API key (``Authorization: Bearer``, vLLM's ``--api-key``: routerd/trust.py) written into the
+  constant part of the request's head once per URL, not per request; TLS for ``https`` with the default
+  certificate checks.
 
 The connection itself — the exchange on it, the response's framing — is
 :mod:`routerd.dataplane.engine_conn`. Every error is an ``OSError`` (:class:`ConnectError`,
@@ -56,9 +58,10 @@ _MAX_TARGETS = 4096  # parsed URLs kept (instances come and go with restarts)
 class _Target:
     """An engine URL taken apart once: where to connect and the constant part of a request's head."""
 
-    __slots__ = ("get", "host", "key", "port", "prefix", "server_hostname", "tls")
+    __slots__ = ("bearer", "get", "host", "key", "port", "prefix", "server_hostname", "tls")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, bearer: str = "") -> None:
+        self.bearer = bearer
         try:
             parts = urllib.parse.urlsplit(url)
             port = parts.port
@@ -83,6 +86,10 @@ class _Target:
             password = urllib.parse.unquote(parts.password or "")
             token = base64.b64encode(f"{user}:{password}".encode("latin-1")).decode("ascii")
             head += f"Authorization: Basic {token}\r\n"
+        elif bearer:
+            if "\r" in bearer or "\n" in bearer:
+                raise ValueError("an engine API key holds a line break")
+            head += f"Authorization: Bearer {bearer}\r\n"
         self.prefix = ("POST" + head).encode("latin-1")
         self.get = ("GET" + head + "Accept-Encoding: identity\r\n\r\n").encode("latin-1")
 
@@ -116,13 +123,14 @@ class EnginePool:
         """Connections waiting in the pool."""
         return sum(len(c) for c in self._idle.values())
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        """Send ``body`` to ``url`` and wait for the response's head (status and headers).
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], bearer: str = "") -> Response:
+        """Send ``body`` to ``url`` and wait for the response's head (status and headers); ``bearer``:
+        the engine's API key ("" none).
 
         The caller reads the body from the :class:`Response` and then calls ``release()`` (read to its
         end: the connection may serve another request) or ``close()``.
         """
-        target = self._target(url)
+        target = self._target(url, bearer)
         head = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         if head.count("\n") != len(headers) or head.count("\r") != len(headers):
             raise ValueError("a header name or value holds a line break")
@@ -201,12 +209,12 @@ class EnginePool:
         self._idle.clear()
 
     # internals --------------------------------------------------------------------------------
-    def _target(self, url: str) -> _Target:
+    def _target(self, url: str, bearer: str = "") -> _Target:
         target = self._targets.get(url)
-        if target is None:
+        if target is None or target.bearer != bearer:  # the same str object each time: compared by identity
             if len(self._targets) >= _MAX_TARGETS:
                 self._targets.clear()
-            target = self._targets[url] = _Target(url)
+            target = self._targets[url] = _Target(url, bearer)
         return target
 
     def _take_idle(self, target: _Target) -> Connection | None:

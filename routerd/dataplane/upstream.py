@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
 from .. import log
-from ..config import RoutingConfig
+from ..config import FleetConfig, RoutingConfig
 from ..errors import NoReadyInstance, UpstreamError
 from ..plugins import RequestView
 from ..registry import Instance
@@ -77,7 +77,9 @@ class Upstream:
 
     def __init__(self, router: Router, cfg: RoutingConfig, telemetry: Telemetry, *, tracing: Tracing,
                  rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, engine_api_key: str = "") -> None:
+        """``engine_api_key``: what the engines routerd launches require (``Trust.engine_api_key``);
+        which fleets' engines get it, and a static fleet's own, is :meth:`update_fleets`."""
         # Idle connections are dropped after 4 s, below uvicorn's (vLLM's) 5 s keep-alive.
         self.pool = EnginePool(connect_timeout_s=cfg.connect_timeout_s, read_timeout_s=cfg.read_timeout_s,
                                keepalive_s=4.0)
@@ -89,6 +91,14 @@ class Upstream:
         self.active = 0  # forward() calls in progress (drain waits on this)
         self.tracing = tracing  # spans per attempt and resume; the engine gets the context
         self._attempts = Attempts(self.pool, router, cfg, telemetry, tracing, clock)
+        self.engine_api_key = engine_api_key
+
+    def update_fleets(self, fleets: Sequence[FleetConfig]) -> None:
+        """The API key each fleet's engines are sent (at start-up and on reload): a static fleet's own
+        ``api_key`` (none without one: the launched engines' key never goes to an engine routerd did
+        not launch), the launched engines' key for the others."""
+        self._attempts.bearers = {f.name: f.api_key if f.engine == "static" else self.engine_api_key
+                                  for f in fleets}
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg

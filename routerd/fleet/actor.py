@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import signal
@@ -34,6 +35,9 @@ from .._net import free_port
 from ..plugins import Launcher, LaunchPlan, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
+# Where a launched engine finds its API key: vLLM reads it (--api-key on argv would show in `ps` to every
+# user of the node; a process's environment is readable only by its owner and root), the sim too.
+API_KEY_ENV = "VLLM_API_KEY"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -80,6 +84,12 @@ def _node_ip_and_id() -> tuple[str, str]:
     return "127.0.0.1", ""
 
 
+def api_key_id(key: str) -> str:
+    """A short public name of an engine API key ("" for none): which key an engine runs with can be
+    told and compared (adoption, status) without the key itself leaving the actor."""
+    return hashlib.sha256(b"routerd/engine-key-id/v1\0" + key.encode()).hexdigest()[:12] if key else ""
+
+
 class FencedOut(RuntimeError):
     """A mutating call carried a lower fencing token than one this actor has seen: it comes from a
     routerd whose term of control has ended (routerd/view/control.py), and is refused."""
@@ -115,6 +125,9 @@ class EngineActor:
         self.last_stop: dict[str, Any] = {}
         self._cpu_prev: tuple[float, float] | None = None  # (wall, cpu seconds) at the last sample
         self._lock = asyncio.Lock()
+        # The API key the engine requires (given with each start, never logged nor in info()): what
+        # the engine it starts next runs with. "" starts an engine without one.
+        self._api_key = ""
 
     # lifecycle -------------------------------------------------------------------------------
     def _fence(self, token: int) -> None:
@@ -123,17 +136,20 @@ class EngineActor:
                             "controls the fleets")
         self.token = token
 
-    async def start(self, token: int = 0) -> dict[str, Any]:
-        """Start the engine (no-op if it runs); returns ``info()``. Readiness is the manager's check."""
+    async def start(self, token: int = 0, api_key: str = "") -> dict[str, Any]:
+        """Start the engine (no-op if it runs) requiring ``api_key`` on its /v1 routes; returns
+        ``info()``. Readiness is the manager's check."""
         async with self._lock:
             self._fence(token)
             if self.proc is None or self.proc.poll() is not None:
+                self._api_key = api_key
                 await self._spawn()
         return await self.info()
 
     async def restart_engine(self, grace_s: float = 5.0, token: int = 0,
-                             generation: int = 0) -> dict[str, Any]:
-        """Stop the engine, then start a new one (new port, generation + 1) under the same resources.
+                             generation: int = 0, api_key: str = "") -> dict[str, Any]:
+        """Stop the engine, then start a new one (new port, generation + 1, requiring ``api_key``)
+        under the same resources.
 
         ``generation``: the one the caller means to replace (0: whatever runs). If a live engine of
         another generation runs, someone restarted it since the caller looked — the controller that
@@ -145,6 +161,7 @@ class EngineActor:
                 return await self.info()
             await self._stop(grace_s)
             self.generation += 1
+            self._api_key = api_key
             await self._spawn()
         return await self.info()
 
@@ -179,6 +196,10 @@ class EngineActor:
                 env.pop(key, None)  # "" removes: Ray's OMP_NUM_THREADS=1 must not reach the engine
             else:
                 env[key] = value
+        if self._api_key:  # after the plan's env: the key routerd holds is the one the engine requires
+            env[API_KEY_ENV] = self._api_key
+        else:
+            env.pop(API_KEY_ENV, None)
         self.log_path = str(workdir / f"g{self.generation}.log")
         parent = os.getpid()
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230  # a local append-open, microseconds
@@ -241,6 +262,7 @@ class EngineActor:
             "started_at": self.started_at,
             "log_path": self.log_path,
             "token": self.token,
+            "api_key_id": api_key_id(self._api_key),
             "resources": resources,
         }
 

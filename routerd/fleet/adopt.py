@@ -6,6 +6,11 @@ under a new supervisor. It is adopted even when its recorded launch spec differs
 marked stale, it keeps serving until the rolling update replaces it — and stopped when it cannot answer,
 when its record is unreadable (another routerd version's), or when it is beyond its fleet's count.
 
+Its API key (routerd/trust.py) is compared by id: an engine launched before engines had keys serves on
+(it ignores the key routerd sends) but is marked stale, so the rolling update replaces it with a keyed
+one; an engine started with another key (the shared secret was rotated, or another secret's routerd
+launched it) would refuse every request, so it is restarted at once, in place, with the current key.
+
 An engine of a fleet the config does not have at all is not this controller's to judge (a replica with
 another ``[[fleets]]`` launched it): the fleet manager leaves it running as an :class:`Orphan` until an
 operator removes it (``DELETE /admin/orphans/{instance}``) or a controller with that fleet adopts it.
@@ -87,9 +92,20 @@ async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: Eng
     # replacement (FleetManager._roll) swaps it, one instance at a time, for one with the new spec.
     sup = supervisor(recorded)
     pg = await ops.find_pg(fleet, index)
-    sup.adopt(Placement(actor=actor, pg=pg, bundle=bundle_for(recorded)), info, stale=desired != recorded)
+    key_id = str(info.get("api_key_id", ""))
+    unkeyed = bool(ops.api_key_id) and not key_id
+    sup.adopt(Placement(actor=actor, pg=pg, bundle=bundle_for(recorded)), info, stale=desired != recorded,
+              unkeyed=unkeyed, rekey=bool(key_id) and key_id != ops.api_key_id)
     _logger.info("adopted", instance=sup.slot.inst.id, pid=info["pid"], url=info["url"],
                  alive=info["alive"], stale=sup.slot.stale)
+    if unkeyed:
+        _logger.warning("engine_without_api_key", instance=sup.slot.inst.id, url=info["url"],
+                        effect="launched before engines had API keys: anyone who reaches its port is "
+                               "served; it is replaced by the rolling update")
+    elif sup.slot.rekey:
+        _logger.warning("engine_api_key_changed", instance=sup.slot.inst.id, running=key_id,
+                        expected=ops.api_key_id, effect="it would refuse routerd's requests (the shared "
+                        "secret changed): restarted now with the current key")
     return sup
 
 

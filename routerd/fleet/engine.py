@@ -31,7 +31,7 @@ from .._aio import wait_for
 from ..config import HealthConfig
 from ..plugins import LaunchSpec
 from . import naming
-from .actor import EngineActor, FencedOut, group_members
+from .actor import EngineActor, FencedOut, api_key_id, group_members
 from .health import ActorProbe
 from .nodes import NodeWatch
 from .ray_cluster import RayCluster
@@ -82,11 +82,16 @@ class EngineOps:
 
     def __init__(self, cluster: RayCluster, state_dir: str, clock: Callable[[], float],
                  session: aiohttp.ClientSession, *, spreader: Spreader | None = None,
-                 nodes: NodeWatch | None = None, token: Callable[[], int] = lambda: 0) -> None:
+                 nodes: NodeWatch | None = None, token: Callable[[], int] = lambda: 0,
+                 api_key: str = "") -> None:
         """``token()``: this process's control token, sent with every mutating actor call (the actor
-        refuses one older than it has seen: routerd/fleet/actor.py)."""
+        refuses one older than it has seen: routerd/fleet/actor.py). ``api_key``: what every engine
+        started here requires on its /v1 routes (routerd/trust.py derives it; "" none)."""
         self.cluster = cluster
         self.token = token
+        self.api_key = api_key
+        self.api_key_id = api_key_id(api_key)
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.state_dir = state_dir
         self.clock = clock
         self.session = session  # the process's one client session, for /health and warm-up
@@ -203,7 +208,7 @@ class EngineOps:
                                                 "127.0.0.1" if self.cluster.is_local() else "", self.token())
         placement.actor = actor
         placement.actor_dead = False
-        started = _resolve(actor.start.remote(self.token()))
+        started = _resolve(actor.start.remote(self.token(), self.api_key))
         info: dict[str, Any] = await self._unless_node_gone(placement, started, 120.0)
         _logger.info("engine_started", instance=_instance(spec), pid=info["pid"], url=info["url"],
                      generation=info["generation"], log=info["log_path"])
@@ -237,7 +242,8 @@ class EngineOps:
         if not placement.actor_dead and placement.actor is not None:
             try:
                 info: dict[str, Any] = await wait_for(
-                    _resolve(placement.actor.restart_engine.remote(grace_s, self.token(), generation)), 60.0)
+                    _resolve(placement.actor.restart_engine.remote(grace_s, self.token(), generation,
+                                                                   self.api_key)), 60.0)
                 _logger.info("engine_restarted", instance=_instance(spec), pid=info["pid"], url=info["url"],
                              generation=info["generation"], token=info.get("token"))
                 return info
@@ -296,7 +302,7 @@ class EngineOps:
         body = {"model": model, "prompt": "warm up", "max_tokens": 1, "temperature": 0}
         while True:  # bounded by the caller's startup timeout
             try:
-                async with self.session.post(f"{url}/v1/completions", json=body,
+                async with self.session.post(f"{url}/v1/completions", json=body, headers=self._auth,
                                              timeout=aiohttp.ClientTimeout(total=60.0)) as resp:
                     await resp.read()
                     if resp.status == 200:

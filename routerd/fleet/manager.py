@@ -66,10 +66,12 @@ class FleetManager:
 
     def __init__(self, cfg: Config, registry: Registry, cluster: RayCluster,
                  session: aiohttp.ClientSession, *, replica_store: ReplicaStore | None = None,
-                 clock: Callable[[], float] = time.monotonic, control: ControlLease | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, control: ControlLease | None = None,
+                 engine_api_key: str = "") -> None:
         """``session`` is the process's one client session (routerd/upstream.py), for ``/health``;
         ``replica_store`` (with Redis) keeps run-time replica counts for whoever controls next;
-        ``control`` the lease this process controls the fleets under (None: sole control)."""
+        ``control`` the lease this process controls the fleets under (None: sole control);
+        ``engine_api_key`` what the engines it launches require (``Trust.engine_api_key``; "" none)."""
         self.control = control if control is not None else ControlLease("")
         # In a term of control: between start() and shutdown() — from the start under sole control.
         self._active = self.control.sole
@@ -87,7 +89,7 @@ class FleetManager:
                                clock=clock)
         spreader = Spreader(cluster, self.nodes, self._placement_of)
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
-                             nodes=self.nodes, token=lambda: self.control.token)
+                             nodes=self.nodes, token=lambda: self.control.token, api_key=engine_api_key)
         self.supervisors: dict[str, Supervisor] = {}
         # Engines of fleets this controller's config lacks, found running at the start of its term: left
         # running, unmanaged, until an operator removes them (remove_orphan) or a config with their fleet

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .. import _net, log, redact
+from .. import _aio, _net, log, redact
 from ..config import Config, FleetConfig
 from ..registry import Instance, InstanceState, Registry
 from .health import ActorProbe, HealthMonitor, ProbeResult
@@ -157,9 +157,7 @@ class StaticHealth:
                     probes.append(self._admit(inst))
             if probes:
                 await asyncio.gather(*probes)
-            slept_from = self.clock()
-            await asyncio.sleep(cfg.scrape_interval_s)
-            lag = self.clock() - slept_from - cfg.scrape_interval_s
+            lag = await _aio.overslept(cfg.scrape_interval_s, self.clock)
 
     async def _admit(self, inst: Instance) -> None:
         """Back into rotation if ``/health`` answers 200 now."""

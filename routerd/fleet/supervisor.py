@@ -51,6 +51,8 @@ class Slot:
     restart_requested: bool = False
     retiring: bool = False
     stale: bool = False  # runs an older spec than the config's: replaced by the rolling update
+    unkeyed: bool = False  # adopted without an API key (launched before keys): stale whatever the spec
+    rekey: bool = False  # adopted with another API key: its engine is restarted (with ours) before use
     drained: bool = False
     streak: int = 0  # failures since it was last healthy for HEALTHY_RESET_S
     ready_since: float | None = None
@@ -99,12 +101,17 @@ class Supervisor:
         self.slot.inst.capacity_hint = capacity_hint
 
     def set_stale(self, stale: bool) -> None:
-        self.slot.stale = stale
+        self.slot.stale = stale or self.slot.unkeyed
 
-    def adopt(self, placement: Placement, info: dict[str, Any], *, stale: bool) -> None:
-        """An engine found running (launched by an earlier routerd): supervised from where it is."""
+    def adopt(self, placement: Placement, info: dict[str, Any], *, stale: bool, unkeyed: bool = False,
+              rekey: bool = False) -> None:
+        """An engine found running (launched by an earlier routerd): supervised from where it is.
+        ``unkeyed``: it runs without an API key (replaced by the rolling update); ``rekey``: with
+        another one (restarted before it is used: it would refuse routerd's requests)."""
         slot = self.slot
-        slot.stale = stale
+        slot.unkeyed = unkeyed
+        slot.rekey = rekey
+        slot.stale = stale or unkeyed
         slot.placement = placement
         self._renew(info)  # a kept entry of another generation is replaced by a fresh one
 
@@ -231,7 +238,8 @@ class Supervisor:
             placement, info = await self.ops.launch(slot.spec, slot.inst.generation, self._starting)
             slot.placement = placement
             self._renew(info)
-        elif not slot.info.get("alive", False):
+        elif not slot.info.get("alive", False) or slot.rekey:
+            slot.rekey = False  # any restart gives the engine the current key, the failure path's too
             await self._restart(grace_s=1.0)
 
     async def _restart(self, grace_s: float) -> None:
@@ -245,7 +253,9 @@ class Supervisor:
     def _renew(self, info: dict[str, Any]) -> None:
         """A new engine generation gets a new registry Instance, so nothing of the old engine's —
         its scrape snapshot and token counters, its circuit-breaker failures, its in-flight count —
-        is held against the fresh one. Requests still holding the old object finish against it."""
+        is held against the fresh one. Requests still holding the old object finish against it. What
+        ``/metrics`` exposes as the instance's counters (restarts, failed scrapes) goes on: a counter
+        under the same labels never goes back."""
         slot = self.slot
         slot.info = info
         old = slot.inst
@@ -253,8 +263,8 @@ class Supervisor:
         if old.generation and int(info["generation"]) != old.generation:
             inst = Instance(id=old.id, fleet=old.fleet, url=info["url"], capacity_hint=old.capacity_hint,
                             launch_capacity=old.launch_capacity,
-                            restarts=old.restarts, state=InstanceState.STARTING,
-                            state_reason=old.state_reason)
+                            restarts=old.restarts, scrape_errors_total=old.scrape_errors_total,
+                            state=InstanceState.STARTING, state_reason=old.state_reason)
             self.registry.add(inst)
             slot.inst = inst
         apply_info(slot.inst, info)

@@ -29,6 +29,7 @@ import os
 import re
 import resource
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
@@ -129,9 +130,11 @@ class ClientConnections:
                          "or lower http.max_connections")
 
     def site(self, runner: web.BaseRunner, host: str | None = None, port: int | None = None, *,
-             sock: socket.socket | None = None, backlog: int = 1024) -> web.BaseSite:
-        """A listener on ``host``:``port``, or on ``sock`` already bound (socket activation)."""
-        return _Site(runner, self, host, port, sock=sock, backlog=backlog)
+             sock: socket.socket | None = None, backlog: int = 1024,
+             tls: ssl.SSLContext | None = None) -> web.BaseSite:
+        """A listener on ``host``:``port``, or on ``sock`` already bound (socket activation); HTTPS
+        with ``tls``, whose handshake must end within ``client_header_timeout_s``."""
+        return _Site(runner, self, host, port, sock=sock, backlog=backlog, tls=tls)
 
     def connection(self, server: web.Server) -> ClientConnection:
         """The protocol factory of the listener (aiohttp's ``Server()`` with our class)."""
@@ -357,28 +360,34 @@ class _Site(web.BaseSite):
     """A TCP listener like ``web.TCPSite`` (or ``web.SockSite``, given ``sock``) whose connections are
     :class:`ClientConnection`."""
 
-    __slots__ = ("_connections", "_host", "_port", "_sock")
+    __slots__ = ("_connections", "_host", "_port", "_sock", "_tls")
 
     def __init__(self, runner: web.BaseRunner, connections: ClientConnections, host: str | None,
-                 port: int | None, *, sock: socket.socket | None = None, backlog: int) -> None:
+                 port: int | None, *, sock: socket.socket | None = None, backlog: int,
+                 tls: ssl.SSLContext | None = None) -> None:
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._sock, self._connections = host, port, sock, connections
+        self._tls = tls
 
     @property
     def name(self) -> str:
         if self._sock is not None:
             return f"fd {self._sock.fileno()}"
-        return f"http://{self._host}:{self._port}"
+        return f"{'https' if self._tls else 'http'}://{self._host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
         server = self._runner.server
         assert server is not None, "runner.setup() first"
         loop = asyncio.get_running_loop()
+        tls: dict[str, Any] = {}
+        if self._tls is not None:
+            tls = {"ssl": self._tls, "ssl_handshake_timeout": self._connections.cfg.client_header_timeout_s}
         if self._sock is not None:
             self._server = await loop.create_server(lambda: self._connections.connection(server),
-                                                    sock=self._sock, backlog=self._backlog)
+                                                    sock=self._sock, backlog=self._backlog, **tls)
         else:
             assert self._port is not None, "a port, or a socket"
             self._server = await loop.create_server(
-                lambda: self._connections.connection(server), self._host, self._port, backlog=self._backlog)
+                lambda: self._connections.connection(server), self._host, self._port, backlog=self._backlog,
+                **tls)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 from collections.abc import MutableMapping, Sequence
 from types import TracebackType
 
 from aiohttp import web
 
 from .. import log
+from .._net import server_tls
 from ..errors import ShuttingDown
 from ._connections import ClientConnection
 from .http import ExtraRoutes, HttpIngress
@@ -94,11 +96,11 @@ def bind_sockets(host: str, port: int, backlog: int = 1024) -> list[socket.socke
     return sockets
 
 
-def _url(address: object) -> str:
+def _url(address: object, scheme: str = "http") -> str:
     if isinstance(address, tuple):
         host = str(address[0])
-        return f"http://[{host}]:{address[1]}" if ":" in host else f"http://{host}:{address[1]}"
-    return f"http+unix://{address!s}"
+        return f"{scheme}://[{host}]:{address[1]}" if ":" in host else f"{scheme}://{host}:{address[1]}"
+    return f"{scheme}+unix://{address!s}"
 
 
 class HttpListener:
@@ -111,6 +113,7 @@ class HttpListener:
         self._runner: web.AppRunner | None = None
         self._sites: list[web.BaseSite] = []
         self.inherited = False  # serving on sockets systemd holds: a drain hands over to the next routerd
+        self._tls: ssl.SSLContext | None = None  # the HTTPS context new handshakes use
 
     async def __aenter__(self) -> HttpListener:
         return self
@@ -133,20 +136,52 @@ class HttpListener:
         self._runner = runner
         assert runner.server is not None
         self.http.connections.install(runner.server)
+        # TLS wraps each process's own site: socket activation and workers pass the listening socket
+        # (plain TCP) on, and every process that accepts on it does its own handshakes.
+        tls = None
+        if http_cfg.tls_cert:
+            # The sites keep this context; each handshake switches to the current one (SNI callback,
+            # which OpenSSL calls for every ClientHello), so a reload can swap in a renewed certificate.
+            tls = server_tls(http_cfg.tls_cert, http_cfg.tls_key)
+            self._tls = tls
+            tls.sni_callback = self._current_tls
         if sockets:
             # The accept queue's length is the socket unit's (Backlog=); listen() again must not cut it.
-            new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN) for s in sockets]
+            new = [self.http.connections.site(runner, sock=s, backlog=socket.SOMAXCONN, tls=tls)
+                   for s in sockets]
             self.inherited = True
         else:
             new = [self.http.connections.site(runner, host or http_cfg.host,
-                                              http_cfg.port if port is None else port, backlog=1024)]
+                                              http_cfg.port if port is None else port, backlog=1024, tls=tls)]
         for site in new:
             await site.start()
             self._sites.append(site)
-        self.url = _url(runner.addresses[0])
-        _log.info("http_listening", url=self.url, urls=[_url(a) for a in runner.addresses],
+        scheme = "https" if tls is not None else "http"
+        self.url = _url(runner.addresses[0], scheme)
+        _log.info("http_listening", url=self.url, urls=[_url(a, scheme) for a in runner.addresses],
                   socket_activated=self.inherited)
         return self.url
+
+    def _current_tls(self, conn: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        if self._tls is not None and self._tls is not ctx:
+            conn.context = self._tls
+
+    def reload_tls(self) -> None:
+        """SIGHUP: read the certificate and key again (a renewed certificate at the same paths, the
+        paths being restart-only); new handshakes use them, open connections keep theirs. Files that
+        no longer load leave the certificate in use, and say so."""
+        if self._tls is None:
+            return
+        http_cfg = self.http.cfg.http
+        try:
+            fresh = server_tls(http_cfg.tls_cert, http_cfg.tls_key)  # a few KB read: not worth a thread
+        except (OSError, ssl.SSLError) as e:
+            _log.error("tls_reload_failed", cert=http_cfg.tls_cert, key=http_cfg.tls_key, error=str(e),
+                       keeping="the certificate in use")
+            return
+        fresh.sni_callback = self._current_tls
+        self._tls = fresh
+        _log.info("tls_reloaded", cert=http_cfg.tls_cert)
 
     async def stop_intake(self) -> None:
         """Stop taking new connections (close our listening sockets).

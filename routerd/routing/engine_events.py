@@ -13,6 +13,14 @@ then it has no view and routing models its cache from what routerd sent it.
 the instance holds, or None when the instance has no *usable* view (none, stale). A data-parallel
 engine holds several caches; a request lands on one of them, so the best rank's match is the
 prediction. Each task is owned here (``run`` is the one loop; the subscribers are its children).
+
+**Restarts and counters.** A subscription ends whenever its instance leaves rotation, restarts or its
+subscriber fails; the *stream* — each rank's counters, ``routerd_kv_events_*_total`` — outlives it, kept
+per instance and rank for as long as routerd runs, so a counter never goes back. A new engine behind
+the instance (its generation, URL or pid moved: routerd's launchers start each generation on new
+ports) is counted as one restart of each of its ranks' streams; an engine restarted behind the same
+instance and ports while no subscription listened is found by the next subscription, whose first
+history is judged against where the last one left the stream (:mod:`routerd.routing.kv_events`).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from ..registry import InstanceState, Registry
 from . import kv_hash
 from .engine_cache import EngineCacheView
 from .engine_keys import EngineKeyer, load_keyer
-from .kv_events import KvEventSubscriber, ViewHealth
+from .kv_events import KvEventSubscriber, SubscriberStats, ViewHealth
 
 if TYPE_CHECKING:
     from ..telemetry import Telemetry
@@ -41,6 +49,7 @@ if TYPE_CHECKING:
 
 _log = log.get("routerd.routing.engine_events")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+_MAX_STREAMS = 4096  # instances whose counters are kept; past it, those of instances gone are dropped
 
 
 def connect_endpoint(published: str, engine_url: str) -> str:
@@ -60,6 +69,17 @@ class _Rank:
     sub: KvEventSubscriber
     view: EngineCacheView
     task: asyncio.Task[None]
+
+
+@dataclass
+class _Stream:
+    """What outlives the subscriptions to one instance: each rank's counters, and which engine they
+    were last counting (a different one is a restart)."""
+
+    generation: int
+    url: str
+    pid: int | None
+    ranks: dict[str, SubscriberStats] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,8 +111,16 @@ class EngineEvents:
         self.replay_timeout_s = replay_timeout_s
         self.clock = clock
         self._engines: dict[str, _Engine] = {}
+        # instance → its streams; kept after the instance leaves, so that one coming back under the same
+        # id goes on counting where it left off (ids are a config's fleets × indexes: few; bounded anyway)
+        self._streams: dict[str, _Stream] = {}
 
     # ---- what routing and status read -------------------------------------------------------------
+
+    def streams(self, instance_id: str) -> dict[str, SubscriberStats]:
+        """Each rank's counters for the instance (rank → stats), subscribed now or not."""
+        st = self._streams.get(instance_id)
+        return {} if st is None else dict(st.ranks)
 
     def views(self, instance_id: str) -> list[tuple[KvEventSubscriber, EngineCacheView]]:
         e = self._engines.get(instance_id)
@@ -174,11 +202,14 @@ class EngineEvents:
                   if i.state is InstanceState.READY and (self.fleets is None or i.fleet in self.fleets)}
         for iid in [k for k in self._engines if k not in wanted]:
             await self._drop(iid)
+        if len(self._streams) > _MAX_STREAMS:
+            for iid in [k for k in self._streams if self.registry.get(k) is None]:
+                del self._streams[iid]
         asks: list[tuple[str, Coroutine[Any, Any, None]]] = []
         for iid, inst in wanted.items():
             e = self._engines.get(iid)
-            if e is not None and (e.generation != inst.generation or e.url != inst.url
-                                  or any(r.task.done() for r in e.ranks.values())):
+            if self._new_engine(inst.id, inst.generation, inst.url, inst.pid) or (
+                    e is not None and any(r.task.done() for r in e.ranks.values())):
                 # restarted (new ports), moved, or a subscriber ended (logged by _drop): look again
                 await self._drop(iid)
                 e = None
@@ -196,6 +227,26 @@ class EngineEvents:
                 _log.error("kv_events_discover_failed", instance=iid, error=repr(res))
         for iid, inst in wanted.items():
             inst.cache_view = self.status(iid)
+
+    def _new_engine(self, iid: str, generation: int, url: str, pid: int | None) -> bool:
+        """Whether another engine than the one the instance's streams last counted is behind it now —
+        then each rank's stream counts a restart, and its last position (the old engine's) is let go."""
+        st = self._streams.get(iid)
+        if st is None:
+            self._streams[iid] = _Stream(generation, url, pid)
+            return False
+        moved = (st.generation, st.url) != (generation, url) or (
+            st.pid is not None and pid is not None and st.pid != pid)
+        st.pid = pid if pid is not None else st.pid
+        if not moved:
+            return False
+        _log.info("kv_events_engine_restarted", instance=iid, generation=generation, was=st.generation,
+                  ranks=sorted(st.ranks))
+        st.generation, st.url = generation, url
+        for stats in st.ranks.values():
+            stats.restarts += 1
+            stats.last_seq = stats.last_crc = None
+        return True
 
     async def _discover(self, iid: str, e: _Engine, capacity: int | None) -> None:
         e.next_try = self.clock() + self.retry_s
@@ -219,15 +270,17 @@ class EngineEvents:
         self._subscribe(iid, e, sources, capacity)
 
     def _subscribe(self, iid: str, e: _Engine, sources: dict[str, Any], capacity: int | None) -> None:
+        stream = self._streams.setdefault(iid, _Stream(e.generation, e.url, None))
         for rank, src in sources.items():
             if not isinstance(src, dict) or not isinstance(src.get("endpoint"), str):
                 continue
             replay = src.get("replay_endpoint")
             view = EngineCacheView(capacity)
+            stats = stream.ranks.setdefault(str(rank), SubscriberStats())
             sub = KvEventSubscriber(
                 connect_endpoint(src["endpoint"], e.url), view,
                 replay_endpoint=connect_endpoint(replay, e.url) if isinstance(replay, str) else None,
-                topic=str(src.get("topic") or ""), name=f"{iid}/{rank}",
+                topic=str(src.get("topic") or ""), name=f"{iid}/{rank}", stats=stats,
                 probe_interval_s=self.probe_interval_s, replay_timeout_s=self.replay_timeout_s)
             task = asyncio.create_task(sub.run(), name=f"kv-events:{iid}/{rank}")
             e.ranks[str(rank)] = _Rank(sub, view, task)
@@ -324,7 +377,8 @@ class EngineEventsCollector:
             ("gaps", "Seq gaps seen in the live stream (missed batches)"),
             ("gaps_unrecovered", "Gaps the replay buffer no longer held: the view was emptied and rebuilt"),
             ("replayed_batches", "Batches applied from the replay socket (gaps, late subscription, probes)"),
-            ("restarts", "Engine restarts seen in the stream (seq went back): the view was rebuilt"),
+            ("restarts", "Engine restarts: a new engine behind the instance (generation, URL, pid), or "
+                         "the stream's seq went back; the view was rebuilt, the counters go on"),
         )}
         health = GaugeMetricFamily("routerd_kv_events_view", "1 for the view's state: complete, partial "
                                    "(history missing, used), stale (not used: routing models the cache)",
@@ -335,15 +389,19 @@ class EngineEventsCollector:
                                 "last answered (a batch or a replay probe)", labels=labels)
         now = self.events.clock()
         for inst in self.events.registry:
-            for sub, view in self.events.views(inst.id):
-                lv = [inst.fleet, inst.id, sub.name.rsplit("/", 1)[-1]]
-                s = sub.stats
+            # the counters of every stream the instance had, subscribed now or not (between two
+            # subscriptions a series neither vanishes nor starts again from 0)
+            for rank, s in self.events.streams(inst.id).items():
+                lv = [inst.fleet, inst.id, rank]
                 for name, value in (("batches", s.batches), ("events", s.events),
                                     ("skipped", s.skipped_events), ("undecodable", s.undecodable),
                                     ("gaps", s.gaps),
                                     ("gaps_unrecovered", s.unrecovered_gaps),
                                     ("replayed_batches", s.replayed_batches), ("restarts", s.restarts)):
                     counters[name].add_metric(lv, value)
+            for sub, view in self.events.views(inst.id):
+                lv = [inst.fleet, inst.id, sub.name.rsplit("/", 1)[-1]]
+                s = sub.stats
                 for h in ViewHealth:
                     health.add_metric([*lv, h.value], 1.0 if sub.health is h else 0.0)
                 blocks.add_metric(lv, len(view))

@@ -13,7 +13,7 @@ see them — the model's tokenizer, the chat rendered by the model's chat templa
   renderer does. Both packages are optional (``pip install routerd[kv]``): without them, or without a
   tokenizer for the model, :func:`load_keyer` returns None and the fleet keeps the request-side model.
 
-Cost: :func:`keys_for` runs a long prompt's tokenizing and hashing in a thread, so the event loop
+Cost: :func:`keyed_for` runs a long prompt's tokenizing and hashing in a thread, so the event loop
 pays only the hand-off (``scripts/measure_keying.py`` measures both).
 """
 
@@ -25,7 +25,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..openai import ChatHead, ChatMessage, CompletionHead
 from . import kv_hash
@@ -166,29 +166,52 @@ def prompt_size(head: CompletionHead | ChatHead) -> int:
     return len(p) if isinstance(p, str | list) else 0
 
 
-def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-         hittable: bool = False, pause: Callable[[], None] | None = None) -> tuple[int, ...]:
-    """The request's block keys as the engine will announce them (empty when it cannot be keyed).
+class Keyed(NamedTuple):
+    """A request keyed as its engine will key it: the block keys, and the prompt's tokens as the engine
+    counts them (what ``vllm:prompt_tokens`` and ``vllm:prefix_cache_queries`` add for it); ``tokens``
+    is 0 when the keyer could not tokenize the prompt (no keys then either)."""
+
+    keys: tuple[int, ...]
+    tokens: int
+
+
+def keyed(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+          hittable: bool = False, pause: Callable[[], None] | None = None) -> Keyed:
+    """The request's block keys as the engine will announce them (empty when it cannot be keyed), and
+    its prompt's tokens.
 
     ``hittable``: only the blocks a cache hit can cover — vLLM computes a prompt's last token whatever
     it holds, so of a prompt of *n* tokens at most ⌊(n−1)/block⌋ blocks are ever served from cache."""
     try:
         ids = keyer.token_ids(head)
     except (ValueError, TypeError, LookupError):  # a template refusing the messages: the engine will too
-        return ()
-    if ids and hittable:
-        ids = ids[:-1]
-    return tuple(kv_hash.block_keys(ids, block_size, root, pause=pause)) if ids else ()
+        return Keyed((), 0)
+    if not ids:
+        return Keyed((), 0)
+    hashed = ids[:-1] if hittable else ids
+    return Keyed(tuple(kv_hash.block_keys(hashed, block_size, root, pause=pause)) if hashed else (), len(ids))
+
+
+def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+         hittable: bool = False, pause: Callable[[], None] | None = None) -> tuple[int, ...]:
+    """:func:`keyed`'s keys alone."""
+    return keyed(keyer, head, block_size, root, hittable=hittable, pause=pause).keys
+
+
+async def keyed_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
+                    root: bytes, *, hittable: bool = False) -> Keyed:
+    """:func:`keyed`, in a thread when the prompt is long (the request waits as long either way; the
+    loop waits less — see the module docstring for what that buys under the GIL)."""
+    if prompt_size(head) <= INLINE_MAX:
+        return keyed(keyer, head, block_size, root, hittable=hittable)
+    work = functools.partial(keyed, hittable=hittable, pause=_yield_gil)
+    return await asyncio.to_thread(work, keyer, head, block_size, root)
 
 
 async def keys_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
                    root: bytes, *, hittable: bool = False) -> tuple[int, ...]:
-    """:func:`keys`, in a thread when the prompt is long (the request waits as long either way; the loop
-    waits less — see the module docstring for what that buys under the GIL)."""
-    if prompt_size(head) <= INLINE_MAX:
-        return keys(keyer, head, block_size, root, hittable=hittable)
-    work = functools.partial(keys, hittable=hittable, pause=_yield_gil)
-    return await asyncio.to_thread(work, keyer, head, block_size, root)
+    """:func:`keyed_for`'s keys alone."""
+    return (await keyed_for(keyer, head, block_size, root, hittable=hittable)).keys
 
 
 def _yield_gil() -> None:

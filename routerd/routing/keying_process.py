@@ -6,12 +6,12 @@ In a thread (:func:`routerd.routing.engine_keys.keys_for`) the block hashing han
 worker process; the loop pays for sending the parsed head and receiving the keys (a few hundred
 microseconds for 8k tokens). The worker builds each fleet's keyer once from its ``spec``
 (:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
-``timeout_s``, makes :meth:`KeyingProcess.keys` return None — the caller keys in a thread instead — and
+``timeout_s``, makes :meth:`KeyingProcess.keyed` return None — the caller keys in a thread instead — and
 the first call after ``restart_backoff_s`` starts a new worker.
 
 A worker takes seconds to start (a spawned interpreter importing routerd and building its keyers), so
 no request waits for that: :meth:`KeyingProcess.start` begins it (routerd's start-up calls it), and until
-it is ready — and after it died, while the next one starts — :meth:`KeyingProcess.keys` answers None at
+it is ready — and after it died, while the next one starts — :meth:`KeyingProcess.keyed` answers None at
 once and the request is keyed in a thread, as if there were no worker.
 """
 
@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from .. import log
+from .. import _proc, log
 from ..openai import ChatHead, CompletionHead
 from . import engine_keys
 
@@ -36,7 +36,10 @@ _log = log.get("routerd.routing.keying_process")
 _worker_keyers: dict[str, engine_keys.EngineKeyer] = {}
 
 
-def _init_worker(specs: dict[str, tuple[str, str]]) -> None:
+def _init_worker(specs: dict[str, tuple[str, str]], parent_pid: int) -> None:
+    # routerd stops this process itself (close()), after its drain: a terminal's Ctrl-C is not for it,
+    # and a SIGKILLed routerd must not leave it behind (routerd/_proc.py)
+    _proc.leave_terminal(parent_pid)
     # One core for the worker: a tokenizer spreading one prompt over every core would take them from
     # the event loop it is there to spare (read by tokenizers when it first tokenizes).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -61,12 +64,12 @@ def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
         _log.info("keying_process_ready", fleets=fleets, start_s=round(time.monotonic() - started, 3))
 
 
-def _worker_keys(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
-                 hittable: bool) -> tuple[int, ...] | None:
+def _worker_keyed(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
+                  hittable: bool) -> engine_keys.Keyed | None:
     keyer = _worker_keyers.get(fleet)
     if keyer is None:
         return None
-    return engine_keys.keys(keyer, head, block_size, root, hittable=hittable)
+    return engine_keys.keyed(keyer, head, block_size, root, hittable=hittable)
 
 
 class KeyingProcess:
@@ -92,8 +95,9 @@ class KeyingProcess:
         if self._pool is None or self._ready is None:
             # spawn: a fork of a process holding Ray, redis and event-loop threads is not safe
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(self.specs,))
-            self._ready = self._pool.submit(_worker_ready)
+                                             initializer=_init_worker, initargs=(self.specs, os.getpid()))
+            with _proc.terminal_signals_blocked():  # the worker is spawned by this first submit
+                self._ready = self._pool.submit(_worker_ready)
             self._ready.add_done_callback(functools.partial(_log_ready, sorted(self.specs), time.monotonic()))
             _log.info("keying_process_started", fleets=sorted(self.specs))
         return self._pool, self._ready
@@ -106,12 +110,13 @@ class KeyingProcess:
 
     @property
     def ready(self) -> bool:
-        """Whether the worker is up: :meth:`keys` hands it work only then."""
+        """Whether the worker is up: :meth:`keyed` hands it work only then."""
         return self._ready is not None and self._ready.done() and not self._ready.exception()
 
-    async def keys(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-                   hittable: bool = False) -> tuple[int, ...] | None:
-        """The keys, computed in the worker; None when it could not (the caller keys in a thread)."""
+    async def keyed(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
+                    hittable: bool = False) -> engine_keys.Keyed | None:
+        """The keys and the prompt's tokens (:func:`~routerd.routing.engine_keys.keyed`), computed in
+        the worker; None when it could not (the caller keys in a thread)."""
         if fleet not in self.specs or (self._pool is None and time.monotonic() < self._restart_at):
             return None
         pool, ready = self._start()
@@ -119,7 +124,7 @@ class KeyingProcess:
             return None  # still starting: this request is keyed in a thread
         try:
             ready.result()  # raises what broke the start
-            future = pool.submit(_worker_keys, fleet, head, block_size, root, hittable)
+            future = pool.submit(_worker_keyed, fleet, head, block_size, root, hittable)
             async with asyncio.timeout(self.timeout_s):
                 return await asyncio.wrap_future(future)
         except (BrokenProcessPool, TimeoutError, OSError) as e:

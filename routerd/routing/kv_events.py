@@ -14,6 +14,12 @@ unless it is a batch already applied arriving late (the same payload), which is 
 engine publishes nothing, so silence proves nothing: every ``probe_interval_s`` the subscriber asks
 the replay socket for what follows its last seq — an answer proves the publisher alive *and* delivers
 a lost last batch, which no later batch would reveal; no answer marks the view stale.
+
+A stream outlives one subscription to it: a new subscriber may be handed the previous one's
+:class:`SubscriberStats`, so its counters go on (a Prometheus counter never goes back) and the history
+it finds is judged against where the previous one left the stream — a publisher whose seq went back,
+that holds other content at that seq, or that has published nothing is an engine that restarted while
+nobody listened, and is counted as a restart.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class SubscriberStats:
     late_duplicates: int = 0
     probes: int = 0
     last_seq: int | None = None
+    last_crc: int | None = None  # CRC-32 of the last applied batch's payload: where the stream was left
     last_event_ts: float | None = None  # the engine's wall clock at its last applied batch
     last_heard: float | None = None  # our monotonic clock: a batch or a replay answer
 
@@ -96,11 +103,13 @@ class _Applied:
     order: deque[int] = field(default_factory=deque)
     digests: dict[int, int] = field(default_factory=dict)
 
-    def add(self, seq: int, payload: bytes) -> None:
-        self.digests[seq] = zlib.crc32(payload)
+    def add(self, seq: int, payload: bytes) -> int:
+        """Remember ``payload`` as applied at ``seq``; returns its digest."""
+        crc = self.digests[seq] = zlib.crc32(payload)
         self.order.append(seq)
         while len(self.order) > self.size:
             self.digests.pop(self.order.popleft(), None)
+        return crc
 
     def seen(self, seq: int, payload: bytes) -> bool:
         return self.digests.get(seq) == zlib.crc32(payload)
@@ -117,12 +126,15 @@ class KvEventSubscriber:
     """One engine rank's event stream, applied to ``sink`` in seq order. Whoever runs :meth:`run` owns it.
 
     ``endpoint``/``replay_endpoint`` are where to *connect* (``tcp://host:port``); without a replay
-    endpoint every gap empties the view. ``clock`` (monotonic) is injectable for tests.
+    endpoint every gap empties the view. ``stats``: the stream's counters as a previous subscription to
+    it left them (see the module docstring); its last position, when it has one, is what this
+    subscription's first history is judged against. ``clock`` (monotonic) is injectable for tests.
     """
 
     def __init__(self, endpoint: str, sink: BatchSink, *, replay_endpoint: str | None = None,
                  topic: str = "", name: str = "", replay_timeout_s: float = 2.0,
                  probe_interval_s: float = 2.0, ctx: zmq.asyncio.Context | None = None,
+                 stats: SubscriberStats | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -131,7 +143,10 @@ class KvEventSubscriber:
         self.sink = sink
         self.replay_timeout_s = replay_timeout_s
         self.probe_interval_s = probe_interval_s
-        self.stats = SubscriberStats()
+        self.stats = stats if stats is not None else SubscriberStats()
+        s = self.stats
+        # where a previous subscription left the stream: (seq, payload CRC), judged once, on the first history
+        self._carried = None if s.last_seq is None or s.last_crc is None else (s.last_seq, s.last_crc)
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._clock = clock
         self._next: int | None = None  # the seq the next applied batch must carry; None: not in sync
@@ -210,7 +225,7 @@ class KvEventSubscriber:
 
     def _apply(self, batch: EventBatch, payload: bytes) -> None:
         self.sink.apply(batch)
-        self._applied.add(batch.seq, payload)
+        crc = self._applied.add(batch.seq, payload)
         self._next = batch.seq + 1
         self._stale = False
         if any(isinstance(e, AllBlocksCleared) for e in batch.events):
@@ -220,13 +235,33 @@ class KvEventSubscriber:
         s.events += len(batch.events)
         s.skipped_events += batch.skipped
         s.last_seq = batch.seq
+        s.last_crc = crc
         s.last_event_ts = batch.ts
         s.last_heard = self._clock()
 
     def _start_at(self, batch: EventBatch, payload: bytes) -> None:
         """Begin a history at ``batch`` (the view was just emptied): complete only from seq 0."""
+        if self._carried is not None:
+            self._judge_carried([(batch.seq, payload)])
         self._complete = batch.seq == 0
         self._apply(batch, payload)
+
+    def _judge_carried(self, history: list[tuple[int, bytes]]) -> None:
+        """This subscription's first history (seq order) against where the previous one left the
+        stream: the same publisher holds the same payload at that seq, or has moved past it; one whose
+        seq went back, that holds other content there, or that has published nothing restarted."""
+        if self._carried is None:
+            return
+        (seq, crc), self._carried = self._carried, None
+        same = False
+        for s, payload in history:
+            if s >= seq:
+                same = s > seq or zlib.crc32(payload) == crc
+                break
+        if not same:
+            self.stats.restarts += 1
+            _log.warning("kv_event_engine_restarted", engine=self.name, reason="seq_went_back",
+                         left_at=seq, found=history[-1][0] if history else None)
 
     def _lose(self, reason: str) -> None:
         """The view can no longer be trusted in either direction: empty it and start again."""
@@ -275,6 +310,8 @@ class KvEventSubscriber:
 
     def _take(self, got: _Replayed) -> None:
         """Apply replayed batches that continue the view; on an empty view, start its history."""
+        if self._next is None and self._carried is not None:
+            self._judge_carried([(seq, payload) for seq, payload, _ in got])
         if self._next is None and not got:
             # An empty buffer from seq 0: the publisher has published nothing since it started.
             self._next, self._complete = 0, True

@@ -15,9 +15,12 @@ template, so it works on text:
   the rendering of the turn before — what prefix caching rewards — and the same messages render the
   same whatever JSON spelling the client used (key order, spacing, ``\\u`` escapes).
 
-**Tokens from bytes.** The estimate is the rendering's UTF-8 bytes × the fleet's tokens per byte,
-learned from what the engines count (``Δvllm:prompt_tokens`` over the bytes routerd sent them between
-two scrapes, as decayed sums, :class:`TokenRatio`), starting at 1 token per 4 bytes (English BPE).
+**Tokens from bytes.** Where the fleet's engines are keyed (:mod:`routerd.routing.engine_keys`: their
+tokenizer and chat template run here), the prompt's tokens are theirs, counted by that tokenizer
+(``RequestView.engine_prompt_tokens``), and a token-id prompt counts its ids; otherwise the estimate
+is the rendering's UTF-8 bytes × the fleet's tokens per byte, learned from what the engines count
+(``Δvllm:prompt_tokens`` over the bytes routerd sent them between two scrapes, as decayed sums,
+:class:`TokenRatio`), starting at 1 token per 4 bytes (English BPE).
 Its error: a template adds a few tokens per message that the canonical rendering does not have, and a
 template that injects text (a default system prompt, a date) adds more — both are folded into the
 learned ratio as an average, so a request with unusually many short messages is underestimated by
@@ -197,9 +200,8 @@ class RequestViews:
         block_tokens = self.block_bytes * ratio
         if block_tokens == view.block_tokens:
             return view
-        return msgspec.structs.replace(view, prompt_tokens=max(_engine_floor(view),
-                                                               round(view.prompt_bytes * ratio)),
-                                       block_tokens=block_tokens)
+        tokens = view.engine_prompt_tokens or max(_engine_floor(view), round(view.prompt_bytes * ratio))
+        return msgspec.structs.replace(view, prompt_tokens=tokens, block_tokens=block_tokens)
 
     def bare(self, fleet: str, endpoint: str, *, session: str | None = None,
              priority: int = 0) -> RequestView:
@@ -248,13 +250,18 @@ class RequestViews:
         block_size = block_size or self.learned_block_size(view.fleet)
         if not block_size:
             return view
-        keys = None
+        keyed = None
         if self.keying is not None and engine_keys.prompt_size(head) > engine_keys.INLINE_MAX:
-            keys = await self.keying.keys(view.fleet, head, block_size, root, hittable=True)
-        if keys is None:
-            keys = await engine_keys.keys_for(tokenizer, head, block_size, root, hittable=True)
-        view = msgspec.structs.replace(view, engine_keys=keys, engine_block_tokens=block_size)
-        return msgspec.structs.replace(view, prompt_tokens=max(view.prompt_tokens, _engine_floor(view)))
+            keyed = await self.keying.keyed(view.fleet, head, block_size, root, hittable=True)
+        if keyed is None:
+            keyed = await engine_keys.keyed_for(tokenizer, head, block_size, root, hittable=True)
+        view = msgspec.structs.replace(view, engine_keys=keyed.keys, engine_block_tokens=block_size,
+                                       engine_prompt_tokens=keyed.tokens)
+        # The engines' own count where their tokenizer could count the prompt: exact hits are then
+        # priced, and their hit ratio predicted, in the engines' unit (an estimate only as a floor's
+        # fallback, for a prompt the keyer could not read).
+        return msgspec.structs.replace(view, prompt_tokens=keyed.tokens or max(view.prompt_tokens,
+                                                                              _engine_floor(view)))
 
     def _ids_view(self, fleet: str, endpoint: str, prompt: list[Any], max_tokens: int | None,
                   session: str | None, priority: int) -> RequestView:

@@ -2,7 +2,8 @@
 policy plugin.
 
 The router reads the registry (the circuit fields it reads are written by :class:`CircuitBreaker`,
-which upstream drives) and writes one field of it, ``Instance.predicted_prefix_hit_ratio``. Rules that
+which upstream drives) and writes two fields of it, ``Instance.predicted_prefix_hit_ratio`` and
+``Instance.estimated_prefix_hit_ratio``. Rules that
 hold whatever the policy is:
 
 * only READY instances whose circuit lets a request through are candidates — never a starting,
@@ -77,26 +78,40 @@ class Decision:
         return min(others, key=lambda v: (v.ttft_s, v.wait_s)) if others else None
 
     def log_fields(self) -> dict[str, Any]:
-        """Why this instance: the rule that chose it, its matched blocks, expected wait and estimated
-        TTFT, and the runner-up's. Made once: a traced request's attempt span and its log line both
-        read it; callers copy it, never change it."""
+        """Why this instance: the rule that chose it, its matched blocks (in one block size, stated),
+        expected wait and estimated TTFT, and the runner-up's. Made once: a traced request's attempt
+        span and its log line both read it; callers copy it, never change it."""
         if self._fields is not None:
             return self._fields
         c, req = self.chosen, self.request
+        view = "events" if c.id in self.events else "model"
+        # One unit per line: the block fields count blocks of ``block_tokens`` tokens — the engine's
+        # own blocks where its events scored the instance, routerd's (estimated) ones where its model
+        # did; tokens are the engine's count (``prompt_tokens``) wherever routerd could count them.
+        if view == "events":
+            block_tokens: float = req.engine_block_tokens
+            prompt_blocks = len(req.engine_keys)  # the blocks a hit can cover
+        else:
+            block_tokens, prompt_blocks = round(req.block_tokens, 1), len(req.block_keys)
         out: dict[str, Any] = {
-            "policy": self.policy, "rule": self.rule, "prompt_tokens_est": req.prompt_tokens,
-            "prompt_blocks": len(req.block_keys), "matched_blocks": c.matched_blocks,
+            "policy": self.policy, "rule": self.rule,
+            ("prompt_tokens" if req.exact_tokens else "prompt_tokens_est"): req.prompt_tokens,
+            "cache_view": view, "block_tokens": block_tokens,
+            "prompt_blocks": prompt_blocks, "matched_blocks": c.matched_blocks,
             "cached_tokens_est": round(c.cached_tokens),
-            "cache_view": "events" if c.id in self.events else "model",
             "wait_est_ms": round(c.wait_s * 1000, 1), "ttft_est_ms": round(c.ttft_s * 1000, 1),
         }
         if c.session:
             out["session_affinity"] = True
         r = self.runner_up()
         if r is not None:
-            out.update(runner_up=r.id, runner_up_matched_blocks=r.matched_blocks,
+            out.update(runner_up=r.id, runner_up_cached_tokens_est=round(r.cached_tokens),
                        runner_up_wait_est_ms=round(r.wait_s * 1000, 1),
                        runner_up_ttft_est_ms=round(r.ttft_s * 1000, 1))
+            if ("events" if r.id in self.events else "model") == view:
+                out["runner_up_matched_blocks"] = r.matched_blocks
+            else:  # its blocks are of another size: its cached tokens say what it holds
+                out["runner_up_cache_view"] = "model" if view == "events" else "events"
         self._fields = out
         return out
 
@@ -105,13 +120,19 @@ class _Track:
     """What the router follows of one instance (one engine generation): its predicted hit ratio, and
     the counters the fleet's tokens per byte are learned from."""
 
-    __slots__ = ("at", "bytes_at_snap", "figures", "figures_of", "generation", "ids", "ids_at_snap", "nbytes",
-                 "predicted", "resets", "snap_at", "snap_tokens")
+    __slots__ = ("at", "bytes_at_snap", "estimated", "estimated_at", "figures", "figures_of", "generation",
+                 "ids", "ids_at_snap", "nbytes", "predicted", "resets", "snap_at", "snap_tokens")
 
     def __init__(self, generation: int, now: float) -> None:
         self.generation = generation
-        self.predicted = DecayedRatio()  # windowed as the engine's reported one (learned.prefix_hit_ratio)
+        # Predicted hits over the prompt's tokens, windowed as the engine's reported ratio
+        # (learned.prefix_hit_ratio) — apart by what the prompt's size is: the engines' own count (their
+        # tokenizer, or token ids), or an estimate from its bytes. Exact hits over an estimated size
+        # would misreport a prediction that is right to the token.
+        self.predicted = DecayedRatio()
+        self.estimated = DecayedRatio()
         self.at = now
+        self.estimated_at = now
         self.nbytes = 0  # bytes of canonical text sent (text prompts)
         self.ids = 0  # tokens sent as token ids (exact: not part of the ratio)
         self.snap_at: float | None = None  # scraped_at of the last snapshot looked at
@@ -330,9 +351,14 @@ class Router:
             # Until the engine's BlockStored arrives, the blocks it is about to store: a burst sharing a
             # new prefix lands together instead of spreading over instances that all look empty.
             self.engine_cache.speculate(inst.id, req.engine_keys)
-        track.predicted.add(chosen.cached_tokens, float(req.prompt_tokens), now - track.at)
-        track.at = now
-        inst.predicted_prefix_hit_ratio = track.predicted.value
+        if req.exact_tokens:
+            track.predicted.add(chosen.cached_tokens, float(req.prompt_tokens), now - track.at)
+            track.at = now
+            inst.predicted_prefix_hit_ratio = track.predicted.value
+        else:
+            track.estimated.add(chosen.cached_tokens, float(req.prompt_tokens), now - track.estimated_at)
+            track.estimated_at = now
+            inst.estimated_prefix_hit_ratio = track.estimated.value
 
     def _track(self, inst: Instance, now: float) -> _Track:
         track = self._tracks.get(inst.id)

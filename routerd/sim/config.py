@@ -60,6 +60,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kv_events_config: str = ""
     kv_events_form: Literal["map", "array"] = "map"
     prefix_caching_hash_algo: Literal["sha256"] = "sha256"
+    # vLLM's --api-key (repeatable; else $VLLM_API_KEY): the bearer tokens its /v1, /v2, /inference and
+    # /cohere routes require. Empty: every route is open, as vLLM without a key.
+    api_key: tuple[str, ...] = ()
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -7,7 +7,8 @@ again from 0 after a restart), and a ROUTER socket that resends the last ``buffe
 a requested seq and ends with seq −1. Events come in either wire form (``form``): ``"map"`` — tagged maps,
 what vLLM sends since 2026 — or ``"array"`` — the positional arrays before — so the tolerant decoder
 meets both. Unlike vLLM, both sockets always *bind* (the sim has no central collector to connect to),
-so tests can keep them on 127.0.0.1.
+so tests can keep them on 127.0.0.1; a wildcard host binds the sim's own HTTP host, as vLLM binds its
+node IP for ``tcp://*:0``.
 
 Faults (:class:`~routerd.sim.faults.Faults`): ``kv_events_drop_rate`` leaves that fraction of batches
 unsent (still in the replay buffer, as vLLM's PUB drops past ``hwm``), ``kv_events_reorder`` holds a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -83,9 +85,21 @@ def _wire(event: KvEvent, form: EventForm) -> Any:
     return {"type": kind, **fields}
 
 
-def _bound(sock: zmq.Socket[Any], endpoint: str) -> str:
-    """Bind; ``tcp://host:0`` picks a free port, and the endpoint with it is returned."""
-    sock.bind(endpoint.replace("tcp://*:", "tcp://0.0.0.0:"))
+def _bound(sock: zmq.Socket[Any], endpoint: str, host: str) -> str:
+    """Bind; a wildcard (``tcp://*:N``) binds the engine's own ``host`` when that is an address, as vLLM
+    binds its node IP, not every interface (a host name: every interface, as before); port 0 picks a
+    free port, and the endpoint with it is returned."""
+    if endpoint.startswith("tcp://*:"):
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            where = "0.0.0.0"
+        else:
+            where = f"[{ip}]" if ip.version == 6 else str(ip)
+            if ip.version == 6:
+                sock.setsockopt(zmq.IPV6, 1)
+        endpoint = f"tcp://{where}:{endpoint[len('tcp://*:'):]}"
+    sock.bind(endpoint)
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
@@ -113,17 +127,18 @@ class KvEventPublisher:
         self._router: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    def start(self, host: str = "127.0.0.1") -> None:
+        """Bind both sockets (a wildcard endpoint on ``host``, the engine's HTTP host)."""
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         self._pub = pub
-        self.endpoint = _bound(pub, self.config.endpoint)
+        self.endpoint = _bound(pub, self.config.endpoint, host)
         if self.config.replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             self._router = router
-            self.replay_endpoint = _bound(router, self.config.replay_endpoint)
+            self.replay_endpoint = _bound(router, self.config.replay_endpoint, host)
             self._task = asyncio.create_task(self._serve_replay(), name="sim-kv-replay")
         _log.info("sim_kv_events_publishing", endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
                   form=self.form, topic=self.config.topic)

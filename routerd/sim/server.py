@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
+import hmac
 import os
 import signal
 import sys
@@ -52,6 +54,10 @@ INTERNAL_ERROR = error_json("The server had an error while processing your reque
                             "InternalServerError", 500)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# vLLM's AuthenticationMiddleware (vllm/entrypoints/serve/middleware/authenticate.py): the paths an API
+# key guards, by prefix as it matches them; everything else (/health, /metrics, /load, …) stays open.
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+UNAUTHORIZED = b'{"error":"Unauthorized"}'
 
 
 def _json_response(body: Any, status: int = 200) -> web.Response:
@@ -85,6 +91,7 @@ class SimEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache "
                              f"({config.num_gpu_blocks} blocks × {config.block_size} tokens)")
         self.config = config
+        self._key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_key]
         self.faults = Faults(seed=config.seed, on_crash=self._crash)
         self.metrics = SimMetrics(config)
         self.engine = BatchEngine(config, self.faults, self.metrics)
@@ -119,7 +126,9 @@ class SimEngine:
 
     def build_app(self) -> web.Application:
         # uvicorn sets no body limit; aiohttp's default 1 MiB would answer a long prompt 413 in plain text.
-        app = web.Application(middlewares=[self._hang_middleware, self._fastapi_errors],
+        # The key is checked first, as vLLM's middleware runs before its routes.
+        auth = [self._authenticate] if self.config.api_key else []
+        app = web.Application(middlewares=[*auth, self._hang_middleware, self._fastapi_errors],
                               client_max_size=_MAX_BODY_BYTES)
         app[SIM_KEY] = self
         r = app.router
@@ -144,7 +153,7 @@ class SimEngine:
         if self._runner is not None:
             raise RuntimeError("SimEngine already started")
         if self.kv_events is not None:
-            self.kv_events.start()
+            self.kv_events.start(host)
         self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine:{self.config.model}")
         # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
         # keepalive_timeout: uvicorn's 5 s under vLLM, so routers meet the same idle-connection resets.
@@ -214,6 +223,25 @@ class SimEngine:
         task.add_done_callback(self._tasks.discard)
 
     # ---- middlewares ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # As vLLM: OPTIONS and the paths outside GUARDED_PREFIX pass; a guarded one needs
+        # "Authorization: Bearer <one of the keys>" (scheme case-insensitive), else 401 with a flat body.
+        if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX) \
+                and not self._token_ok(request.headers.get("Authorization", "")):
+            return web.Response(status=401, body=UNAUTHORIZED, content_type="application/json")
+        return await handler(request)
+
+    def _token_ok(self, value: str) -> bool:
+        scheme, _, token = value.partition(" ")
+        if not value or scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for key in self._key_digests:  # every key compared, in constant time, as vLLM does
+            ok |= hmac.compare_digest(digest, key)
+        return ok
 
     @web.middleware
     async def _hang_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -390,8 +418,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", "--served-model-name", dest="model", required=True)
     ap.add_argument("--log-level", default="info")
+    # As vLLM's: repeatable, else $VLLM_API_KEY (main). The environment is the way to keep it off the
+    # process list, which every user of the node can read.
+    ap.add_argument("--api-key", dest="api_key", action="append", default=[],
+                    help="require 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere")
     for f in msgspec.structs.fields(SimConfig):
-        if f.name == "model":
+        if f.name in ("model", "api_key"):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool:
@@ -429,6 +461,8 @@ def main(argv: list[str]) -> int:
     """``routerd sim-engine --port P --model NAME [...]``; runs until SIGTERM/SIGINT."""
     args = vars(_parser().parse_args(argv))
     host, port, level = args.pop("host"), args.pop("port"), args.pop("log_level")
+    if not args["api_key"] and os.environ.get("VLLM_API_KEY"):  # --api-key wins, as in vLLM
+        args["api_key"] = [os.environ["VLLM_API_KEY"]]
     try:
         cfg = msgspec.convert(args, SimConfig)
         parse_config(cfg.kv_events_config)

@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--days", type=int, default=7, help="the last N UTC days, today included (default 7)")
     p.add_argument("--json", action="store_true", help="print JSON: {days, rows, totals}")
     args = p.parse_args(argv)
+    redact.warn_argv_url(p.prog, args.redis)
     if not 1 <= args.days <= _MAX_DAYS:  # a day is a key to read: a huge N would only hang
         p.error(f"--days must be 1..{_MAX_DAYS}")
     from ..config import EXIT_CONFIG, ConfigError

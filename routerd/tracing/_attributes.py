@@ -16,8 +16,9 @@ _FIELDS = {"status": "http.response.status_code", "model": "gen_ai.request.model
            "endpoint": "routerd.endpoint"}
 
 
-_ROUTE = {"policy", "rule", "prompt_tokens_est", "prompt_blocks", "matched_blocks", "cached_tokens_est",
-          "cache_view", "wait_est_ms", "ttft_est_ms", "session_affinity"}
+_ROUTE = {"policy", "rule", "prompt_tokens", "prompt_tokens_est", "block_tokens", "prompt_blocks",
+          "matched_blocks", "cached_tokens_est", "cache_view", "wait_est_ms", "ttft_est_ms",
+          "session_affinity"}
 
 TTFB = "ttfb_ms"  # a log field that is also gen_ai's time to first token (in seconds)
 TTFT = "gen_ai.latency.time_to_first_token"

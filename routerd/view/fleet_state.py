@@ -173,7 +173,9 @@ def apply_state(registry: Registry, state: FleetState) -> None:
         if inst is None or _replaced(inst, v):
             if inst is not None and inst.state in _IN_ROTATION:
                 inst.lose(f"instance {v.id}: a new engine replaced it ({v.state_reason or v.state})")
-            registry.add(_new_instance(v))
+            new = registry.add(_new_instance(v))
+            if inst is not None:  # a counter /metrics exposes under the same labels never goes back
+                new.scrape_errors_total = inst.scrape_errors_total
             continue
         inst.url, inst.generation, inst.restarts, inst.pid = v.url, v.generation, v.restarts, v.pid
         inst.node, inst.capacity_hint, inst.launch_capacity = v.node, v.capacity_hint, v.launch_capacity

@@ -7,6 +7,8 @@ Modules, each importing only those listed after it:
 - ``job``: one job's life — validate, read it into the dispatch's request (:mod:`routerd.dataplane.dispatch`),
   redelivery, result, dead letter;
 - ``reclaim``: own-pending recovery, ``XAUTOCLAIM`` of idle jobs, keep-alive, delivery counts;
+- ``name``: the lease on the consumer's name — its pending jobs are recovered once a previous holder
+  still alive (draining) let go;
 - ``sinks``: where the engine call writes a job's response (in memory, or chunks to ``reply_to``);
 - ``store``: the Lua scripts and the batching writer every Redis write goes through;
 - ``held``: the jobs this consumer holds.

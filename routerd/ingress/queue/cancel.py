@@ -1,7 +1,10 @@
-"""Producer cancels: a job id published on the cancel channel cancels that job if it is held here.
+"""Producer cancels: a job id published on the cancel channel cancels that job if it is held here and
+its cancel key is set.
 
 The cancel *key* (checked before a job is dispatched, see :mod:`.store`) covers jobs not yet read;
-the channel reaches jobs already waiting for admission or running. Only the producer's cancel becomes
+the channel reaches jobs already waiting for admission or running. The channel alone is not enough:
+whoever may publish on it could name any job, while the key is per job, so a producer's Redis ACL
+(``routerd redis-acl``) lets it cancel its own jobs only. Only the producer's cancel becomes
 the job's result (a 499 error): :mod:`.job` tells it from a shutdown by ``cancel_requested``.
 """
 
@@ -17,6 +20,7 @@ import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ..._aio import wait_for
+from ...keys import Keys
 from .held import Held, text
 from .store import REDIS_DOWN
 
@@ -36,23 +40,32 @@ def cancel_local(held: Held, job_id: str) -> bool:
     return True
 
 
-async def listen_for_cancels(client: Callable[[], aioredis.Redis], channel: str, held: Held, *,
+def _holds(held: Held, job_id: str) -> bool:
+    return job_id in held.by_job or job_id in held.aside_jobs
+
+
+async def listen_for_cancels(client: Callable[[], aioredis.Redis], keys: Keys, held: Held, *,
                              op_timeout_s: Callable[[], float], rng: random.Random) -> None:
-    """Cancel held jobs named on ``channel``, resubscribing with backoff whenever Redis goes away."""
+    """Cancel held jobs named on the cancel channel whose cancel key is set, resubscribing with backoff
+    whenever Redis goes away."""
     backoff = 0.1
     while True:
         pubsub: Any = client().pubsub()
         try:
             async with _aio.timeout(op_timeout_s()):
-                await pubsub.subscribe(channel)
+                await pubsub.subscribe(keys.cancel_channel)
             backoff = 0.1
             while True:
                 async with _aio.timeout(op_timeout_s() + 1.0):
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if msg is not None and msg.get("type") == "message":
                     job_id = text(msg["data"])
-                    if job_id is not None:  # anyone can PUBLISH here: no job id is not UTF-8
-                        cancel_local(held, job_id)
+                    # anyone who may PUBLISH here could name any job: its cancel key says it is meant
+                    if job_id is not None and _holds(held, job_id):
+                        async with _aio.timeout(op_timeout_s()):
+                            requested = await client().exists(keys.cancel(job_id))
+                        if requested:
+                            cancel_local(held, job_id)
         except REDIS_DOWN:
             pass
         except Exception:  # noqa: BLE001 — loop boundary: a bad message must not end the consumer

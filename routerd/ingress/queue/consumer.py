@@ -1,11 +1,15 @@
 """The Redis queue consumer: jobs in from a stream, exactly one result per job id out.
 
 routerd reads ``routerd:requests`` as a member of a consumer group under a stable name, so after a
-crash it finds its own unacknowledged jobs again at start; other consumers' jobs are taken over with
-``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here are kept fresh with ``XCLAIM
-JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow capacity: a read asks for at
-most what the fleets' admission can take now, so the backlog stays in Redis and routerd's memory does
-not grow with it.
+crash it finds its own unacknowledged jobs again at start; it holds that name in Redis while it lives
+(:mod:`.liveness`), and the jobs of a consumer whose name is gone are taken over at once; other
+consumers' jobs are taken over with ``XAUTOCLAIM`` once idle for ``reclaim_idle_ms`` (jobs running here
+are kept fresh with ``XCLAIM JUSTID`` so nobody takes them over) — see :mod:`.reclaim`. Reads follow
+capacity: a read asks for at most what the fleets' admission can take now, so the backlog stays in
+Redis and routerd's memory does not grow with it. The stream is one line for every fleet: a job read
+for a saturated fleet waits in that fleet's room (its limit, plus ``read_ahead_jobs`` with tenants) and
+beyond it is set aside, so one fleet's backlog never stops the reading for a fleet with free slots; a
+job between deliveries is set aside for its backoff (:mod:`.held`).
 
 Each job read runs in a task of its own (:mod:`.job`); a job is acknowledged only inside the script
 that stores its result (``JobStore.acknowledge``, :mod:`.store`). A job whose tenant is over its rate
@@ -38,8 +42,9 @@ from ...redis_server import redis_client
 from ...tenants.service import Tenancy
 from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
-from .held import Held, Running, as_str
+from .held import Held, Room, Running, as_str
 from .job import JobRunner
+from .liveness import RENEW_S, ConsumerName
 from .reclaim import Reclaimer
 from .store import REDIS_DOWN, JobStore
 
@@ -77,11 +82,13 @@ class QueueIngress:
                       "duplicates": 0, "cancelled": 0, "expired": 0, "preempted": 0, "set_aside": 0}
         # Sampled from Redis by _depth_loop for /metrics: the scrape itself never waits on Redis.
         self.depth: dict[str, int] = {}
-        self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.consumer, self._held, want=self._want,
-                                    spawn=self._spawn, reading=lambda: self._intake, stats=self.stats)
+        self._name = ConsumerName(self.keys, self.consumer)  # held from before the first read
+        self._reclaimer = Reclaimer(lambda: self._cfg.redis, self.keys, self.consumer, self._held,
+                                    want=self._want, spawn=self._spawn, reading=lambda: self._intake,
+                                    stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
                                self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
-                               tenancy=tenancy, tracing=tracing)
+                               tenancy=tenancy, tracing=tracing, fleet_room_size=self._fleet_room)
 
     @classmethod
     def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
@@ -137,18 +144,21 @@ class QueueIngress:
         """Read, reclaim and listen for cancels until intake stops and the last job is done."""
         try:
             async with asyncio.TaskGroup() as tg:
-                cancels = listen_for_cancels(self.client, self.keys.cancel_channel, self._held,
+                cancels = listen_for_cancels(self.client, self.keys, self._held,
                                              op_timeout_s=lambda: self._cfg.redis.op_timeout_s,
                                              rng=self._rng)
                 helpers = [tg.create_task(self._writer.run(), name="queue-writer"),
                            tg.create_task(cancels, name="queue-cancels"),
                            tg.create_task(self._depth_loop(), name="queue-depth"),
-                           tg.create_task(self._aside_loop(), name="queue-aside")]
+                           tg.create_task(self._aside_loop(), name="queue-aside"),
+                           tg.create_task(self._keep_name(), name="queue-name")]
                 await self._read_loop()
                 await self._drain_held()
                 await self._writer.command("PING")  # FIFO: every result queued before it is stored
                 for t in helpers:
                     t.cancel()
+            # Drained, renewals over: what is left pending here (set aside) is taken over at once.
+            await self._name.release(self.client(), self._cfg.redis.op_timeout_s)
         finally:
             jobs = list(self._tasks)
             for t in jobs:
@@ -174,6 +184,17 @@ class QueueIngress:
             if not idle.is_set():
                 with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
                     await self._reclaimer.keep_alive(self.client())
+
+    async def _keep_name(self) -> None:
+        """Renew this consumer's name while it is held, through the drain too (run() ends this after)."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._name.renew(self.client(), self._cfg.redis.op_timeout_s)
+            except (*REDIS_DOWN, redis.exceptions.ResponseError):
+                pass  # the read loop reports an outage; renewed on the next pass
+            except Exception:  # noqa: BLE001 — loop boundary: the name is renewed again next time
+                _log.exception("queue_name_renew_failed")
 
     async def _depth_loop(self, interval_s: float = 5.0) -> None:
         """Sample the stream's length, the group's pending count and the dead letters for /metrics."""
@@ -223,24 +244,53 @@ class QueueIngress:
                 backoff = min(backoff * 2, 2.0)
 
     def _want(self) -> int:
-        """How many jobs to read now: what the fleets can admit, minus what is read but not admitted.
+        """How many jobs to read now: what the fleets can take — their free slots, and with tenants the
+        space in their rooms — minus what is read but not yet admitted.
 
-        Jobs whose result is being stored no longer hold an engine slot, so they count only against
-        the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least one read batch).
+        Jobs waiting in a fleet's room are bounded by the room (beyond it they are set aside), so a
+        saturated fleet's never count against the read bound of the others; jobs waiting for their
+        tenant's quota hold no slot either. What else is held here (running, or storing its result)
+        counts against the memory bound: ``_HELD_PER_SLOT`` × the fleets' admission limit (at least
+        one read batch).
         """
-        fleets = [f.name for f in self._cfg.fleets]
-        intake = [self._admission.intake(f) for f in fleets]  # a fleet at zero: one instance's
-        limit = sum(lim for lim, _ in intake)
-        free = sum(f for _, f in intake) - self._held.unadmitted
-        ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured and limit else 0
+        held = self._held
+        if held.set_aside >= _ASIDE_MAX_JOBS:
+            return 0
         # With tenants, jobs wait in admission beyond the free slots: fair share chooses between the
         # tenants whose jobs it has read, and a stream is read in order.
-        free += ahead
+        ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured else 0
+        limit = takes = 0
+        for f in self._cfg.fleets:
+            lim, free = self._admission.intake(f.name)  # a fleet at zero: one instance's
+            limit += lim
+            takes += free
+            if ahead and lim:
+                takes += max(0, self._fleet_room(f.name, lim) - held.in_room(("fleet", f.name)))
         bound = max(_HELD_PER_SLOT * limit, self._cfg.redis.read_batch) + ahead if limit else 0
-        parked = self._held.parked  # waiting for their tenant's rate limit: they hold no slot
-        if self._held.set_aside >= _ASIDE_MAX_JOBS:
-            return 0
-        return max(0, min(self._cfg.redis.read_batch, free, bound - (self.held - parked)))
+        counted = self.held - held.parked - held.waiting
+        return max(0, min(self._cfg.redis.read_batch, takes - held.unadmitted, bound - counted))
+
+    def _fleet_room(self, fleet: str, limit: int | None = None) -> int:
+        """How many of ``fleet``'s jobs may wait here for a slot: one round of its limit, plus
+        ``read_ahead_jobs`` with tenants (fair share sees that many); beyond it they are set aside."""
+        lim = self._admission.intake_limit(fleet) if limit is None else limit
+        ahead = self._cfg.redis.read_ahead_jobs if self._admission.tenants_configured else 0
+        return max(lim, 1) + ahead
+
+    def _room_size(self, room: Room) -> int:
+        kind, name = room
+        return self._cfg.redis.read_batch if kind == "tenant" else self._fleet_room(name)
+
+    async def _wait_for_room(self, timeout: float) -> None:
+        """Until a slot is freed, a job read here leaves the read bound (admitted, set aside, ended) or
+        ``timeout`` seconds pass."""
+        waits = [asyncio.ensure_future(self._admission.wait_freed(timeout)),
+                 asyncio.ensure_future(self._held.moved.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _aside_loop(self) -> None:
         """Bring set-aside jobs back (read again from the stream, same delivery) when their tenant's
@@ -266,7 +316,7 @@ class QueueIngress:
     async def _bring_back(self) -> int:
         """One batch of due set-aside jobs spawned again; how many were due."""
         r = self._cfg.redis
-        back = self._held.due(room=r.read_batch, limit=r.read_batch)
+        back = self._held.due(self._room_size, limit=r.read_batch)
         if not back:
             return 0
         client: Any = self.client()
@@ -286,7 +336,7 @@ class QueueIngress:
         found = {as_str(e): f for e, f in claimed if f is not None}
         for a in back:
             if a.entry_id in found:
-                self._spawn(a.entry_id, found[a.entry_id], a.delivery, preempted=a.preempted)
+                self._spawn(a.entry_id, found[a.entry_id], a.delivery, preempted=a.preempted, returned=True)
             else:  # another consumer took it over, or it was deleted: not ours to run
                 self._held.gone(a.entry_id)
         return len(back)
@@ -296,6 +346,9 @@ class QueueIngress:
         client: Any = self.client()
         if not self._group_ready:
             await self._ensure_group(client)
+        if not self._name.held and not await self._name.take(client, r.op_timeout_s):
+            await asyncio.sleep(1.0)  # another live process holds the name: nothing is ours to read
+            return
         if not self._reclaimer.own_recovered:
             await self._reclaimer.recover_own(client)
         now = time.monotonic()
@@ -303,9 +356,10 @@ class QueueIngress:
             self._next_reclaim = now + r.reclaim_interval_s
             await self._reclaimer.keep_alive(client)
             await self._reclaimer.reclaim(client)
+        self._held.moved.clear()
         want = self._want()
         if want <= 0:
-            await self._admission.wait_freed(min(1.0, r.reclaim_interval_s))
+            await self._wait_for_room(min(1.0, r.reclaim_interval_s))
             return
         async with _aio.timeout(r.op_timeout_s + r.block_ms / 1000):
             reply = await client.xreadgroup(r.group, self.consumer, {r.stream: ">"}, count=want,
@@ -327,11 +381,14 @@ class QueueIngress:
                 raise
         self._group_ready = True
 
-    def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int, *, preempted: int = 0) -> None:
-        """Hold the entry and run it as a job in a task this consumer owns."""
+    def _spawn(self, entry_id: str, fields: Mapping[Any, Any], delivery: int, *, preempted: int = 0,
+               returned: bool = False) -> None:
+        """Hold the entry and run it as a job in a task this consumer owns (``returned``: brought back
+        from being set aside)."""
         raw = fields.get(b"job", fields.get("job"))
         raw = raw.encode() if isinstance(raw, str) else raw
-        running = Running(entry_id, delivery=delivery, touched=time.monotonic(), preempted=preempted)
+        running = Running(entry_id, delivery=delivery, touched=time.monotonic(), preempted=preempted,
+                          returned=returned)
         self._held.add(running)
         task = asyncio.create_task(self._jobs.run(running, raw), name=f"job-{entry_id}")
         running.task = task

@@ -13,6 +13,14 @@ nobody takes it over; its delivery given back, see ``JobStore.set_aside``) and o
 :class:`Aside` record stays here — the stream goes on being read for the other tenants. A set-aside job
 comes back (claimed again) when its tenant's room has space, when its deadline passes (for its error
 result), or when its producer cancels it.
+
+Fleets have rooms too (issue 26): the stream is one line for every fleet, so a saturated fleet's jobs
+must not fill this consumer's read bound while another fleet has free slots and its jobs wait further
+down the stream. Jobs waiting here for a slot of one fleet count in that fleet's room
+(``slot_by_fleet``), not against the read bound; a job that would wait for a fleet whose room is full
+(or which has older jobs set aside) is set aside under the fleet, and comes back when its room has
+space. A job between two deliveries (its last one failed: engine died, no instance) is set aside for its
+backoff, under no room: it comes back when the backoff is over, holding nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -25,9 +33,20 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..validate import ChatHead, CompletionHead
+
+# Where a set-aside job waits to come back: its tenant's room (rate limit, max_concurrent) or its fleet's.
+Room = tuple[Literal["tenant", "fleet"], str]
+
+
+def tenant_room(tenant: str) -> Room:
+    return ("tenant", tenant)
+
+
+def fleet_room(fleet: str) -> Room:
+    return ("fleet", fleet)
 
 
 @dataclass
@@ -46,17 +65,18 @@ class Running:
     # its checked head (validate.read_head), decoded once for every delivery's routing
     head: CompletionHead | ChatHead | None = None
     preempted: int = 0  # times its slot was taken back (kept while it is set aside)
+    returned: bool = False  # brought back from being set aside: it goes before its fleet's newer jobs
 
 
 @dataclass(slots=True)
 class Aside:
-    """A job set aside while its tenant is over its rate limit: pending in Redis, not held here."""
+    """A job set aside (its room full, or between deliveries): pending in Redis, not held here."""
 
     entry_id: str
     job_id: str
-    tenant: str
-    delivery: int
-    deadline: float | None  # Unix seconds: it comes back then, for its error result
+    room: Room | None  # the room whose space brings it back; None: its ``deadline`` alone (a backoff)
+    delivery: int  # the delivery it comes back as (the claim that brings it back counts it in Redis)
+    deadline: float | None  # Unix seconds: it comes back then (for its error result, or its retry)
     preempted: int
     touched: float  # monotonic time of its last XCLAIM (keep-alive)
     due: bool = False  # cancelled by its producer: it comes back now
@@ -72,18 +92,21 @@ class Held:
         self.parked = 0
         self.parked_by: Counter[str] = Counter()  # tenant → its jobs waiting here for quota
         self.slot_by: Counter[str] = Counter()  # tenant → its jobs waiting for an admission slot
-        self.aside: dict[str, dict[str, Aside]] = {}  # tenant → entry id → set aside, oldest first
+        self.slot_by_fleet: Counter[str] = Counter()  # fleet → its jobs waiting for an admission slot
+        self.waiting = 0  # jobs waiting for a slot, all fleets: bounded by the fleets' rooms
+        self.aside: dict[Room, dict[str, Aside]] = {}  # room → entry id → set aside, oldest first
         self.aside_entries: dict[str, Aside] = {}
         self.aside_jobs: dict[str, Aside] = {}  # job id → set aside (a producer's cancel finds it)
         self._cancelled: dict[str, Aside] = {}
-        self._returning: dict[str, str] = {}  # entry id → tenant: brought back, not yet waiting
-        self._returning_by: Counter[str] = Counter()
+        self._returning: dict[str, Room] = {}  # entry id → room: brought back, not yet waiting
+        self._returning_by: Counter[Room] = Counter()
         self._next_deadline = math.inf  # no set-aside job's deadline comes before this
         self.set_aside_total = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.wake = asyncio.Event()  # a tenant's room has space, or a set-aside job is due
         self.closing = False  # intake stopped: jobs waiting for quota are set aside
+        self.moved = asyncio.Event()  # a job read here was admitted or ended: the read bound moved
 
     def __len__(self) -> int:
         return len(self.by_entry)
@@ -107,6 +130,7 @@ class Held:
         if running.unadmitted:
             running.unadmitted = False
             self.unadmitted -= 1
+            self.moved.set()
 
     @contextlib.contextmanager
     def quota_room(self, running: Running, tenant: str, size: int) -> Iterator[Callable[[object], bool]]:
@@ -136,25 +160,32 @@ class Held:
                 self.parked_by[tenant] -= 1
                 if self.parked_by[tenant] <= 0:
                     del self.parked_by[tenant]
-                if tenant in self.aside:
+                if tenant_room(tenant) in self.aside:
                     self.wake.set()  # room for one of its set-aside jobs
 
     @contextlib.contextmanager
-    def slot_room(self, tenant: str) -> Iterator[Callable[[], None]]:
-        """Around a job's wait for an admission slot: counted in its tenant's ``slot_by`` until the
-        ``granted`` it gives is called (or it ends). A tenant at its ``max_concurrent`` with a room's
-        worth of jobs waiting has the next set aside (``QueueIngress``'s reads go on)."""
+    def slot_room(self, tenant: str, fleet: str) -> Iterator[Callable[[], None]]:
+        """Around a job's wait for an admission slot: counted in its tenant's ``slot_by`` and its fleet's
+        ``slot_by_fleet`` until the ``granted`` it gives is called (or it ends). A tenant at its
+        ``max_concurrent``, or a fleet with no free slot, with a room's worth of jobs waiting has the next
+        set aside (``QueueIngress``'s reads go on)."""
         self.slot_by[tenant] += 1
+        self.slot_by_fleet[fleet] += 1
+        self.waiting += 1
         waiting = True
 
         def granted() -> None:
             nonlocal waiting
             if waiting:
                 waiting = False
+                self.waiting -= 1
                 self.slot_by[tenant] -= 1
                 if self.slot_by[tenant] <= 0:
                     del self.slot_by[tenant]
-                if tenant in self.aside:
+                self.slot_by_fleet[fleet] -= 1
+                if self.slot_by_fleet[fleet] <= 0:
+                    del self.slot_by_fleet[fleet]
+                if tenant_room(tenant) in self.aside or fleet_room(fleet) in self.aside:
                     self.wake.set()  # room for one of its set-aside jobs
 
         try:
@@ -166,21 +197,37 @@ class Held:
     def set_aside(self) -> int:
         return len(self.aside_entries)
 
-    def put_aside(self, running: Running, tenant: str, deadline: float | None) -> None:
-        """Set ``running`` aside (its task ends next and releases it; the entry stays pending)."""
-        a = Aside(running.entry_id, running.job_id, tenant, running.delivery, deadline, running.preempted,
+    def in_room(self, room: Room) -> int:
+        """The jobs counted in ``room``: waiting in it, or brought back to it and on their way."""
+        kind, name = room
+        here = self.parked_by[name] + self.slot_by[name] if kind == "tenant" else self.slot_by_fleet[name]
+        return here + self._returning_by[room]
+
+    def fleet_room_full(self, fleet: str, size: int, *, returned: bool) -> bool:
+        """Whether a job of ``fleet`` that would wait for a slot is to be set aside instead: ``size`` of
+        the fleet's jobs wait already, or (a job not itself brought back) older ones are set aside and
+        go first."""
+        return self.in_room(fleet_room(fleet)) >= size or (not returned and fleet_room(fleet) in self.aside)
+
+    def put_aside(self, running: Running, room: Room | None, deadline: float | None, *,
+                  delivery: int) -> None:
+        """Set ``running`` aside (its task ends next and releases it; the entry stays pending): until
+        ``room`` has space, or until ``deadline``; it comes back as delivery ``delivery``."""
+        a = Aside(running.entry_id, running.job_id, room, delivery, deadline, running.preempted,
                   running.touched)
-        self.aside.setdefault(tenant, {})[a.entry_id] = a
+        if room is not None:
+            self.aside.setdefault(room, {})[a.entry_id] = a
         self.aside_entries[a.entry_id] = a
         self.aside_jobs[a.job_id] = a
-        if deadline is not None:
-            self._next_deadline = min(self._next_deadline, deadline)
+        if deadline is not None and deadline < self._next_deadline:
+            self._next_deadline = deadline
+            self.wake.set()  # the aside loop sleeps until the previous next deadline
         self.set_aside_total += 1
 
-    def due(self, room: int, limit: int, now: float | None = None) -> list[Aside]:
+    def due(self, room_size: Callable[[Room], int], limit: int, now: float | None = None) -> list[Aside]:
         """Up to ``limit`` set-aside jobs to bring back now, forgotten here (the caller holds them
-        again): those cancelled, those past their deadline, then the oldest of each tenant whose room
-        has space."""
+        again): those cancelled, those past their deadline (or backoff), then the oldest of each room
+        with space (``room_size(room)`` jobs)."""
         picked: dict[str, Aside] = {}
 
         def take(a: Aside) -> bool:
@@ -199,14 +246,15 @@ class Held:
                     continue
                 if a.deadline > now or not take(a):  # not due, or due and left for the next call
                     self._next_deadline = min(self._next_deadline, a.deadline)
-        for tenant, entries in self.aside.items():
-            space = room - self.parked_by[tenant] - self.slot_by[tenant] - self._returning_by[tenant]
+        for room, entries in self.aside.items():
+            space = room_size(room) - self.in_room(room)
             for a in itertools.islice(entries.values(), max(0, space)):
                 take(a)
         for a in picked.values():
             self._forget(a)
-            self._returning[a.entry_id] = a.tenant  # counted in its tenant's room until it waits there
-            self._returning_by[a.tenant] += 1
+            if a.room is not None:
+                self._returning[a.entry_id] = a.room  # counted in its room until it waits there
+                self._returning_by[a.room] += 1
         return list(picked.values())
 
     @property
@@ -218,7 +266,8 @@ class Held:
         """Set aside again what :meth:`due` gave and could not be brought back (Redis did not answer)."""
         for a in back:
             self.gone(a.entry_id)
-            self.aside.setdefault(a.tenant, {})[a.entry_id] = a
+            if a.room is not None:
+                self.aside.setdefault(a.room, {})[a.entry_id] = a
             self.aside_entries[a.entry_id] = a
             self.aside_jobs.setdefault(a.job_id, a)
             if a.due:
@@ -228,11 +277,11 @@ class Held:
 
     def gone(self, entry_id: str) -> None:
         """A job brought back is no longer on its way (it waits, ended, or was not found)."""
-        tenant = self._returning.pop(entry_id, None)
-        if tenant is not None:
-            self._returning_by[tenant] -= 1
-            if self._returning_by[tenant] <= 0:
-                del self._returning_by[tenant]
+        room = self._returning.pop(entry_id, None)
+        if room is not None:
+            self._returning_by[room] -= 1
+            if self._returning_by[room] <= 0:
+                del self._returning_by[room]
 
 
     def cancel_aside(self, job_id: str) -> bool:
@@ -246,10 +295,11 @@ class Held:
         return True
 
     def _forget(self, a: Aside) -> None:
-        entries = self.aside.get(a.tenant, {})
-        entries.pop(a.entry_id, None)
-        if not entries:
-            self.aside.pop(a.tenant, None)
+        if a.room is not None:
+            entries = self.aside.get(a.room, {})
+            entries.pop(a.entry_id, None)
+            if not entries:
+                self.aside.pop(a.room, None)
         self.aside_entries.pop(a.entry_id, None)
         self._cancelled.pop(a.entry_id, None)
         if self.aside_jobs.get(a.job_id) is a:
@@ -261,6 +311,7 @@ class Held:
         self.by_entry.pop(running.entry_id, None)
         if self.by_job.get(running.job_id) is running:
             del self.by_job[running.job_id]
+        self.moved.set()
         if not self.by_entry:
             self.idle.set()
 

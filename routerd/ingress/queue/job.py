@@ -1,11 +1,12 @@
 """One job's life: decode and validate, attempts under admission, redelivery with backoff, the result,
 or the dead-letter stream.
 
-A failed run (engine died, no instance) is redelivered here with backoff — ``XCLAIM`` bumps its
-delivery count, so the count survives a crash — until ``max_deliveries``, then it goes to the
-dead-letter stream with its history. A message that cannot be a valid job goes there at once, with an
-error result when its ``reply_to`` was readable: decoding and validating are deterministic, so the same
-bytes would fail the same way on every delivery.
+A failed run (engine died, no instance) is redelivered here with backoff until ``max_deliveries``,
+then it goes to the dead-letter stream with its history. Its backoff holds nothing: the job is set
+aside (:mod:`.held`) until it is due, and the claim that brings it back (``XCLAIM``) bumps its delivery
+count in Redis, so the count survives a crash. A message that cannot be a valid job goes there at
+once, with an error result when its ``reply_to`` was readable: decoding and validating are
+deterministic, so the same bytes would fail the same way on every delivery.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ... import _aio, log
+from ... import log
 from ...config import Config
 from ...dataplane.dispatch import Dispatch, Request, SetAside
 from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
@@ -42,8 +43,7 @@ from ...keys import Keys
 from ...tenants.service import Tenancy
 from ...tracing import Traced, Tracing
 from ..validate import read_head
-from .held import Held, Running
-from .reclaim import delivery_counts
+from .held import Held, Room, Running, fleet_room, tenant_room
 from .sinks import BufferSink, ReplyRefused, StreamSink
 from .store import REDIS_DOWN, JobStore
 
@@ -67,31 +67,43 @@ class _Dead(Exception):
 
 
 class _SetAside(Exception):
-    """Its tenant is over its rate limit (or at its ``max_concurrent``) and its room here is full, or a
-    drain began: set the job aside (see :mod:`.held`); it comes back when there is room, when its
-    deadline passes or when cancelled."""
+    """Set the job aside (see :mod:`.held`): its tenant is over its rate limit (or at its
+    ``max_concurrent``) or its fleet has no free slot, and that room here is full, or a drain began —
+    it comes back when there is room, when its deadline passes or when cancelled; or (``room`` None)
+    its delivery failed — it comes back at ``deadline``, the end of its backoff, as the next delivery."""
 
-    def __init__(self, tenant: str, deadline: float | None) -> None:
-        super().__init__(tenant)
-        self.tenant, self.deadline = tenant, deadline
+    def __init__(self, room: Room | None, deadline: float | None) -> None:
+        super().__init__(room)
+        self.room, self.deadline = room, deadline
 
 
 class _Rooms:
-    """:class:`routerd.dataplane.dispatch.Rooms` of one job: its tenant's rooms among the held jobs."""
+    """:class:`routerd.dataplane.dispatch.Rooms` of one job: its tenant's and its fleet's rooms among
+    the held jobs; ``full`` says which one was full when the job was set aside."""
 
-    __slots__ = ("_held", "_running", "_size", "_tenant")
+    __slots__ = ("_fleet", "_fleet_size", "_held", "_running", "_size", "_tenant", "full")
 
-    def __init__(self, held: Held, running: Running, tenant: str, size: int) -> None:
+    def __init__(self, held: Held, running: Running, tenant: str, size: int, fleet: str,
+                 fleet_size: Callable[[str], int]) -> None:
         self._held, self._running, self._tenant, self._size = held, running, tenant, size
+        self._fleet, self._fleet_size = fleet, fleet_size
+        self.full: Room = tenant_room(tenant)
 
     def quota(self) -> AbstractContextManager[Callable[[object], bool]]:
         return self._held.quota_room(self._running, self._tenant, self._size)
 
-    def slot_room_full(self) -> bool:
-        return self._held.slot_by[self._tenant] >= self._size
+    def slot_room_full(self, *, capped: bool, fleet_free: int) -> bool:
+        if capped and self._held.slot_by[self._tenant] >= self._size:
+            self.full = tenant_room(self._tenant)
+            return True
+        if fleet_free <= 0 and self._held.fleet_room_full(self._fleet, self._fleet_size(self._fleet),
+                                                          returned=self._running.returned):
+            self.full = fleet_room(self._fleet)
+            return True
+        return False
 
     def slot(self) -> AbstractContextManager[Callable[[], None]]:
-        return self._held.slot_room(self._tenant)
+        return self._held.slot_room(self._tenant, self._fleet)
 
 
 class JobRunner:
@@ -99,7 +111,9 @@ class JobRunner:
 
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
                  held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
-                 rng: random.Random, tenancy: Tenancy, tracing: Tracing) -> None:
+                 rng: random.Random, tenancy: Tenancy, tracing: Tracing,
+                 fleet_room_size: Callable[[str], int]) -> None:
+        """``fleet_room_size(fleet)``: how many of the fleet's jobs may wait here for a slot."""
         self._cfg = cfg
         self._client = client
         self._store = store
@@ -111,6 +125,7 @@ class JobRunner:
         self._rng = rng
         self._tenancy = tenancy
         self._tracing = tracing  # a job's span from its read to its acknowledgement
+        self._fleet_room_size = fleet_room_size
 
     async def run(self, running: Running, raw: bytes | None) -> None:
         read_ns = time.time_ns()
@@ -122,11 +137,12 @@ class JobRunner:
             job, fleet = valid
             traced = self._traced(job, fleet, running, read_ns)
             try:
-                await self._deliveries(running, job, raw or b"", fleet)
+                await self._deliver(running, job, raw or b"", fleet)
             except _SetAside as e:  # before release (finally): the entry stays this consumer's
-                await self._store.set_aside(running.entry_id, job.id, running.delivery)
-                self._held.put_aside(running, e.tenant, e.deadline)
-                self._stats["set_aside"] += 1
+                retry = e.room is None  # a retry counts its delivery; a room gives it back
+                await self._store.set_aside(running.entry_id, job.id, running.delivery, give_back=not retry)
+                self._held.put_aside(running, e.room, e.deadline, delivery=running.delivery + retry)
+                self._stats["redelivered" if retry else "set_aside"] += 1
             except asyncio.CancelledError:
                 # A producer's cancel (and only that) becomes the job's result; shutdown propagates.
                 task = asyncio.current_task()
@@ -198,34 +214,29 @@ class JobRunner:
             return None
         return job, fleet.name
 
-    async def _deliveries(self, running: Running, job: Job, raw: bytes, fleet: str) -> None:
-        """Run the job, redelivering after retryable failures until it has a result or is dead."""
-        backoff = 0.2
-        while True:
-            max_deliveries = self._cfg().redis.max_deliveries
-            if running.delivery > max_deliveries:
-                await self._dead(running, raw, f"delivered {running.delivery - 1} times without a result "
-                                 f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
-                return
-            try:
-                with self._tracing.span("routerd.queue.delivery",
-                                        {"routerd.queue.delivery": running.delivery}):
-                    result = await self._attempt(running, job, fleet)
-            except _Retry as e:
-                await self._record_failure(running, job.id, e.error, e.instance)
-            except _Dead as e:
-                await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
-                                 code=e.code)
-                return
-            else:
-                await self._acknowledge(running, job, result)
-                return
-            await asyncio.sleep(backoff * (0.5 + self._rng.random()))
-            backoff = min(backoff * 2, 10.0)
-            running.delivery = await self._redeliver(running)
-            if running.delivery == 0:
-                return  # another consumer owns it now (or it was deleted)
-            self._stats["redelivered"] += 1
+    async def _deliver(self, running: Running, job: Job, raw: bytes, fleet: str) -> None:
+        """Run this delivery of the job to its result or dead letter; after a retryable failure raise
+        :class:`_SetAside` for its backoff (the next delivery comes back when it is over)."""
+        max_deliveries = self._cfg().redis.max_deliveries
+        if running.delivery > max_deliveries:
+            await self._dead(running, raw, f"delivered {running.delivery - 1} times without a result "
+                             f"(max_deliveries = {max_deliveries})", job.id, job.reply_to, code=502)
+            return
+        try:
+            with self._tracing.span("routerd.queue.delivery", {"routerd.queue.delivery": running.delivery}):
+                result = await self._attempt(running, job, fleet)
+        except _Retry as e:
+            await self._record_failure(running, job.id, e.error, e.instance)
+            # 0.2 s doubling to 10 s, jittered: from the delivery count, which survives a restart
+            backoff = min(0.2 * 2 ** min(running.delivery - 1, 10), 10.0) * (0.5 + self._rng.random())
+            deadline = job.deadline_epoch_s(running.entry_id)
+            retry_at = time.time() + backoff
+            raise _SetAside(None, retry_at if deadline is None else min(retry_at, deadline)) from None
+        except _Dead as e:
+            await self._dead(running, raw, e.reason, job.id, job.reply_to if e.reply_usable else "",
+                             code=e.code)
+        else:
+            await self._acknowledge(running, job, result)
 
     async def _attempt(self, running: Running, job: Job, fleet: str) -> Result | None:
         """One delivery of ``job``: the pre-dispatch check, admission, the engine call. None = duplicate.
@@ -235,6 +246,9 @@ class JobRunner:
         """
         deadline = job.deadline_epoch_s(running.entry_id)
         state = await self._store.begin(job.id, running.entry_id, job.reply_to)
+        if isinstance(state, str) and state.startswith("refused: "):
+            raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} is not a key routerd's Redis user may "
+                        f"write ({clip(state.removeprefix('refused: '), 200)})", reply_usable=False)
         if isinstance(state, str):
             raise _Dead(f"reply_to {clip(job.reply_to, 100)!r} holds a {state}, not a stream: it cannot "
                         "take the result", reply_usable=False)
@@ -251,13 +265,14 @@ class JobRunner:
         head = running.head if running.head is not None else read_head(job.endpoint, running.body)
         # Over its limit it waits, not failing — here while its tenant's room has space (read_batch
         # jobs), else set aside.
-        rooms = _Rooms(self._held, running, job.tenant, self._cfg().redis.read_batch)
+        rooms = _Rooms(self._held, running, job.tenant, self._cfg().redis.read_batch, fleet,
+                       self._fleet_room_size)
         req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=head, stream=job.stream,
                       id=job.id, tenant=tenant, source="queue", priority=job.priority, deadline=deadline,
                       session=job.session, rooms=rooms, preemptible=not job.stream,
                       preempted=running.preempted)
         try:
-            return await self._run(running, job, req)
+            return await self._run(running, job, req, rooms)
         except DeadlineExceeded as e:
             self._stats["expired"] += 1
             return error_result(job.id, e.message, e.type, e.status, attempts=running.delivery - 1)
@@ -266,7 +281,7 @@ class JobRunner:
             return error_result(job.id, "the job's deadline passed while it ran", "DeadlineExceededError",
                                 504, attempts=running.delivery)
 
-    async def _run(self, running: Running, job: Job, req: Request) -> Result:
+    async def _run(self, running: Running, job: Job, req: Request, rooms: _Rooms) -> Result:
         """The dispatch (quota, slot, engine call — again when admission takes a non-streamed job's slot
         back), its response into the job's result or reply stream; a failure another delivery may not
         have raises :class:`_Retry`."""
@@ -286,7 +301,7 @@ class JobRunner:
         try:
             out = await self._dispatch.run(req, sink, line)
         except SetAside as e:
-            raise _SetAside(job.tenant, req.deadline) from e
+            raise _SetAside(rooms.full, req.deadline) from e
         except PermissionDenied as e:  # a reload took the fleet from its tenant while it waited
             raise _Dead(e.message, code=403) from None
         except ReplyRefused as e:  # the engine call ended with it: the engine aborts the generation
@@ -331,22 +346,6 @@ class JobRunner:
         await self._store.record_failure(job_id, Attempt(
             at_ms=now_ms(), consumer=self._consumer, delivery=running.delivery, instance=instance,
             error=error))
-
-    async def _redeliver(self, running: Running) -> int:
-        """XCLAIM the entry again (its delivery count goes up in Redis); 0 if it is no longer ours."""
-        r = self._cfg().redis
-        client: Any = self._client()
-        try:
-            async with _aio.timeout(r.op_timeout_s):
-                # Without JUSTID, XCLAIM counts a delivery: the count survives if routerd dies now.
-                got = await client.xclaim(r.stream, r.group, self._consumer, 0, [running.entry_id])
-                if not got:
-                    return 0
-                counts = await delivery_counts(client, r, self._consumer, [running.entry_id])
-        except REDIS_DOWN:
-            return running.delivery + 1  # Redis will count it when it is back; keep trying meanwhile
-        running.touched = time.monotonic()
-        return counts.get(running.entry_id, running.delivery + 1)
 
     async def _acknowledge(self, running: Running, job: Job, result: Result | None) -> None:
         """The job's one result stored and its entry acknowledged (``XACK``), in one step."""

@@ -1,5 +1,6 @@
-"""Taking jobs over: this consumer's own pending jobs after a restart, other consumers' idle ones with
-``XAUTOCLAIM``, and keeping the jobs running here fresh so that nobody takes them over.
+"""Taking jobs over: this consumer's own pending jobs after a restart, a dead consumer's at once (its name
+gone, :mod:`.liveness`), other consumers' idle ones with ``XAUTOCLAIM``, and keeping the jobs running
+here fresh so that nobody takes them over.
 
 Every claim is one more delivery in Redis (``XCLAIM`` without ``JUSTID`` bumps the count), so a job
 that crashes routerd on every delivery reaches ``max_deliveries`` and is dead-lettered (see
@@ -16,7 +17,9 @@ import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ...config import RedisConfig
+from ...keys import Keys
 from .held import Aside, Held, Running, as_str
+from .liveness import take_over
 
 _log = log.get("routerd.queue")
 _KEEP_ALIVE_PAGE = 1000  # entry ids per XCLAIM JUSTID
@@ -40,10 +43,11 @@ async def delivery_counts(client: aioredis.Redis, r: RedisConfig, consumer: str,
 class Reclaimer:
     """Own-pending recovery, ``XAUTOCLAIM`` of idle jobs, keep-alive; the read loop calls each step."""
 
-    def __init__(self, redis_cfg: Callable[[], RedisConfig], consumer: str, held: Held, *,
+    def __init__(self, redis_cfg: Callable[[], RedisConfig], keys: Keys, consumer: str, held: Held, *,
                  want: Callable[[], int], spawn: Spawn, reading: Callable[[], bool],
                  stats: dict[str, int]) -> None:
         self._cfg = redis_cfg
+        self._keys = keys
         self._consumer = consumer
         self._held = held
         self._want = want
@@ -75,8 +79,14 @@ class Reclaimer:
                 await self._run_claimed(client, entries, reason="recovered")
 
     async def reclaim(self, client: Any) -> None:
-        """XAUTOCLAIM jobs idle longer than ``reclaim_idle_ms`` (a stopped consumer's, or our own)."""
+        """Take over the jobs of consumers known dead, then XAUTOCLAIM jobs idle longer than
+        ``reclaim_idle_ms`` (a stopped consumer's, or our own)."""
         r = self._cfg()
+        want = self._want()
+        if want <= 0:
+            return
+        await self._run_claimed(client, await take_over(client, self._keys, self._consumer, want,
+                                                        r.op_timeout_s), reason="taken_over")
         want = self._want()
         if want <= 0:
             return

@@ -46,12 +46,14 @@ _pack = msgspec.msgpack.Encoder().encode
 # ARGV[1]: [consumer, now_ms, ttl_s]; ARGV[2]: records [done_key, cancel_key, status_key, entry, reply_to].
 # Per record: 1 already done (a duplicate, or reclaimed after its result was stored), 2 cancelled,
 # the type of the key reply_to names when that is not a stream (it could never take a result, so the
-# engine is not called), or 0 go (and the job is marked running here).
+# engine is not called), "refused: <error>" when routerd's Redis user may not use that key (an ACL's
+# NOPERM: this job only, not the batch), or 0 go (and the job is marked running here).
 BEGIN = """
 local c = cmsgpack.unpack(ARGV[1])
 local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
-  local kind = redis.call('TYPE', r[5])['ok']
+  local kind = redis.pcall('TYPE', r[5])
+  if kind.err then kind = 'refused: ' .. kind.err else kind = kind['ok'] end
   if redis.call('EXISTS', r[1]) == 1 then out[i] = 1
   elseif redis.call('EXISTS', r[2]) == 1 then out[i] = 2
   elseif kind ~= 'none' and kind ~= 'stream' then out[i] = kind
@@ -305,7 +307,8 @@ class JobStore:
 
     async def begin(self, job_id: str, entry_id: str, reply_to: str) -> int | str:
         """0 go (and mark the job running here), 1 it already has its result, 2 it was cancelled, or
-        the type of the key ``reply_to`` names (``"string"``, ``"hash"``…) when that is not a stream."""
+        the type of the key ``reply_to`` names (``"string"``, ``"hash"``…) when that is not a stream, or
+        ``"refused: <error>"`` when Redis does not let routerd's user use it (its ACL)."""
         k = self.keys
         state: int | bytes = await self.writer.step(
             "begin", [k.done(job_id), k.cancel(job_id), k.status(job_id), entry_id, reply_to])
@@ -315,13 +318,16 @@ class JobStore:
         """Queue one stream chunk (written once even if its batch is resent)."""
         return self.writer.step("chunk", [reply_to, self.keys.chunks(job_id), run, seq, chunk])
 
-    async def set_aside(self, entry_id: str, job_id: str, delivery: int) -> None:
+    async def set_aside(self, entry_id: str, job_id: str, delivery: int, *, give_back: bool = True) -> None:
         """The job is set aside, not run (see :mod:`.held`): its delivery is given back in Redis
         (``XCLAIM … RETRYCOUNT``, the count before it was read), so the claim that brings it back — or a
         restart's recovery, or another consumer's takeover — counts this delivery again, once: a
-        backlog waiting for quota across restarts is never dead-lettered for ``max_deliveries``."""
+        backlog waiting for quota across restarts is never dead-lettered for ``max_deliveries``. Not
+        ``give_back``: a failed delivery waiting for its retry, which stays counted."""
         r = self._cfg()
         self.writer.send("HSET", self.keys.status(job_id), "state", "queued")
+        if not give_back:
+            return
         # Redis away (or the group deleted): the delivery stays counted, the job is set aside all the same.
         with contextlib.suppress(*REDIS_DOWN, redis.exceptions.ResponseError):
             async with _aio.timeout(r.op_timeout_s):
