@@ -84,7 +84,7 @@ async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: Eng
         _logger.warning("adopt_unreadable_record", actor=name, error=repr(e))
         await stop(actor, True, "unreadable launch record")
         return None
-    if desired is None:  # its fleet is gone, or it is beyond the replica count
+    if desired is None:  # beyond its fleet's replica count (a fleet the config lacks is orphaned instead)
         _logger.info("adopt_unwanted_stopping", actor=name, recorded=msgspec.to_builtins(recorded))
         await stop(actor, True, "not wanted by the controller's config")
         return None
