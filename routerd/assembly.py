@@ -263,7 +263,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                                 shared_sessions=view.sessions if view is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
-                                    token=lambda: control.token, seals=seals)
+                                    token=lambda: control.token, seals=seals, worker=role is Role.WORKER)
     elastic, wake_relay = _elastic(cfg, registry, fleets, admin_relay)
     admission = Admission(registry, cfg.admission, clock=clock, elastic=elastic, shares=tenancy.shares())
     upstream = Upstream(router, cfg.routing, telemetry, tracing=tracing, rng=rng, clock=clock,
@@ -302,10 +302,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     metrics = Metrics(telemetry, [*collectors, *extra])
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
-                       desired_replicas=_desired(fleet_view, fleets), elastic=elastic,
-                       view_status=fleet_view.status if fleet_view is not None else None,
-                       view_untrusted=fleet_view.untrusted if fleet_view is not None else None,
-                       control=control.status)
+                       elastic=elastic, control=control.status, **_http_view(fleet_view, fleets))
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -365,9 +362,10 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
 
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
           controls: Callable[[], bool] | None, fleets: FleetManager | None,
-          clock: Callable[[], float], *,
-          token: Callable[[], int], seals: Seals | None) -> tuple[FleetView | None, AdminRelay | None]:
-    """With Redis: the fleet state this process publishes or follows, and the admin calls' relay."""
+          clock: Callable[[], float], *, token: Callable[[], int], seals: Seals | None,
+          worker: bool = False) -> tuple[FleetView | None, AdminRelay | None]:
+    """With Redis: the fleet state this process publishes or follows, and the admin calls' relay. A
+    ``worker``'s parent is the daemon whose consumer name its own extends (workers.worker_consumer)."""
     if client is None:
         return None, None
     seals = _required(seals)
@@ -382,11 +380,35 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
     def replicas() -> dict[str, int]:
         return {name: n for name, n, _, _ in fleets.replica_figures()} if fleets is not None else {}
 
+    def orphans() -> list[dict[str, Any]]:
+        return fleets.orphan_list() if fleets is not None else []
+
     view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
                      controls=controls, seals=seals, token=token, replicas=replicas,
-                     op_timeout_s=cfg.redis.op_timeout_s, clock=clock)
+                     op_timeout_s=cfg.redis.op_timeout_s, clock=clock,
+                     parent=ident.rpartition("-w")[0] if worker else None, orphans=orphans)
+    if fleets is not None:  # a term of control that begins here starts from the last state seen
+        fleets.published = view.published_replicas
     return view, AdminRelay(client, keys, ident=ident, controls=controls, seals=seals,
                             op_timeout_s=cfg.redis.op_timeout_s)
+
+
+def _http_view(view: FleetView | None, fleets: FleetManager | None) -> dict[str, Any]:
+    """What the HTTP ingress reads of the fleets beyond its registry: the replica counts, the fleets
+    there are (the controller's, while following), the orphaned engines and the view's status."""
+    out: dict[str, Any] = {"desired_replicas": _desired(view, fleets)}
+    if view is not None:
+        out["view_status"] = view.status
+        out["view_untrusted"] = view.untrusted
+        out["served_fleets"] = view.followed_fleets
+    if view is not None or fleets is not None:
+        def orphaned() -> list[dict[str, Any]]:
+            followed = view.followed_orphans() if view is not None else None
+            if followed is not None:
+                return followed
+            return fleets.orphan_list() if fleets is not None else []
+        out["orphaned"] = orphaned
+    return out
 
 
 def _desired(view: FleetView | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:

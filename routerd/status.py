@@ -179,6 +179,10 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
     for r in rows:
         lines.append(r[0] if len(r) == 1 else "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
                      .rstrip())
+    for o in status.get("orphaned") or []:  # engines of fleets the controller's config lacks
+        lines.append(f"orphaned: {o.get('id')} pid={o.get('pid') or '-'} url={o.get('url') or '-'} "
+                     f"(fleet {o.get('fleet')!r} is not in the controller's config; running, not routed to; "
+                     f"stop it with DELETE /admin/orphans/{o.get('id')})")
     return "\n".join(_view_line(status.get("view")) + lines)
 
 

@@ -72,13 +72,17 @@ class Autoscaler:
         self._requested: list[dict[str, float]] | None = None  # what Ray's autoscaler was last asked
 
     # the fleet manager's side ----------------------------------------------------------------
-    def begin(self, adopted: dict[str, int]) -> None:
-        """Policies for the autoscaled fleets, each starting from the engines adopted for it (a
-        restart keeps what runs) or, when none, from its ``replicas``."""
+    def begin(self, adopted: dict[str, int], published: dict[str, int] | None = None) -> None:
+        """Policies for the autoscaled fleets, each starting from the count the last fleet state
+        ``published`` (the previous controller's decision: a change of controller neither wakes a fleet
+        at zero nor drops what it scaled up to), else from the engines adopted for it (a restart keeps
+        what runs), else from its ``replicas``."""
         now = self.clock()
         for fleet in self._autoscaled(self.cfg):
             assert fleet.autoscale is not None
-            start = adopted.get(fleet.name) or fleet.replicas
+            start = published.get(fleet.name) if published is not None else None
+            if start is None:
+                start = adopted.get(fleet.name) or fleet.replicas
             self.policies[fleet.name] = ScalingPolicy(fleet.autoscale, start, now)
 
     def replicas(self, fleet: str) -> int | None:

@@ -39,11 +39,11 @@ from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
 from ..view.control import ControlLease
 from ..view.replicas import ReplicaStore
-from .adopt import adopt
+from .adopt import Orphan, adopt, find_orphan
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
 from .health import HealthMonitor, ProbeResult, in_rotation
-from .naming import NAME_RE, bundle_for, instance_id, spec_for
+from .naming import NAME_RE, actor_name, bundle_for, instance_id, spec_for
 from .nodes import NodeWatch
 from .ray_cluster import RayCluster
 from .spread import Spreader
@@ -91,6 +91,14 @@ class FleetManager:
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
                              nodes=self.nodes, token=lambda: self.control.token, api_key=engine_api_key)
         self.supervisors: dict[str, Supervisor] = {}
+        # Engines of fleets this controller's config lacks, found running at the start of its term: left
+        # running, unmanaged, until an operator removes them (remove_orphan) or a config with their fleet
+        # controls again (README "Several routerd": the controller's fleets are the fleets).
+        self.orphans: dict[str, Orphan] = {}
+        # The launched fleets' desired counts in the last fleet state this process published or followed
+        # (routerd/view/fleet_state.py; set by the builder, which makes the view after this): where a
+        # new term of control starts the autoscaled fleets from. None: no state seen.
+        self.published: Callable[[], dict[str, int] | None] = lambda: None
         self._replicas_override: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
@@ -162,16 +170,21 @@ class FleetManager:
             self._replicas_override.update(pins)
         keep_pgs: set[str] = set()
         counts: dict[str, int] = {}  # fleet → highest adopted index + 1
+        self.orphans = {}
         for name in await self.cluster.named_actors():
             m = NAME_RE.match(name)
             if m is None:
                 continue
             fleet_name, index = str(m["fleet"]), int(m["index"])
-            if await self._adopt(name, fleet_name, index):
+            if self.cfg.fleet(fleet_name) is None:
+                if await self._orphan(name, fleet_name, index):
+                    keep_pgs.add(self.ops.pg_name(fleet_name, index))
+            elif await self._adopt(name, fleet_name, index):
                 keep_pgs.add(self.ops.pg_name(fleet_name, index))
                 counts[fleet_name] = max(counts.get(fleet_name, 0), index + 1)
         await self.ops.remove_stray_pgs(keep_pgs)
-        self.autoscaler.begin(counts)
+        self._forget_unsupervised()
+        self.autoscaler.begin(counts, self.published())
         self._reconcile()
         adopted = [s for s in self.supervisors.values() if s.slot.info]
         if adopted:  # an unchanged restart serves again before start() returns
@@ -185,11 +198,89 @@ class FleetManager:
             assert fcfg is not None  # else nothing is desired at this index: adopt() stops the engine
             return self._new_supervisor(fcfg, spec, adopting=True)
 
+        iid = instance_id(fleet, index)
+
+        async def stop(actor: Any, graceful: bool, why: str) -> dict[str, Any]:
+            return await self._stop_engine(iid, why, actor, self.ops.pg_name(fleet, index), graceful=graceful)
+
         sup = await adopt(name, fleet, index, self.cluster, self.ops,
-                          desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor)
+                          desired=self._desired_spec(fleet, index, adopting=True), supervisor=supervisor,
+                          stop=stop)
         if sup is not None:
             self._spawn_supervisor(sup)
         return sup is not None
+
+    async def _orphan(self, name: str, fleet: str, index: int) -> bool:
+        """An engine of a fleet this config lacks, left running and reported (adopt.py ``orphan``); out
+        of the registry, so not routed to. False when its actor is gone."""
+        orphan = await find_orphan(name, fleet, index, self.cluster, self.ops)
+        if orphan is None:
+            return False
+        self.orphans[orphan.id] = orphan
+        inst = self.registry.get(orphan.id)
+        if inst is not None and not inst.static:  # followed from a controller that had the fleet
+            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                inst.lose(f"instance {orphan.id}: its fleet is not in the controller's config")
+            self.registry.remove(orphan.id)
+        return True
+
+    def orphan_list(self) -> list[dict[str, Any]]:
+        """The orphaned engines, for ``/admin/fleets`` and the published fleet state."""
+        return [o.status() for o in sorted(self.orphans.values(), key=lambda o: o.id)]
+
+    async def remove_orphan(self, instance_id: str) -> dict[str, Any]:
+        """Admin: stop an orphaned engine (its actor and placement group too). ``KeyError`` for an id
+        that is not one."""
+        self.control.check()
+        orphan = self.orphans.pop(instance_id)
+        try:
+            report = await self._stop_engine(instance_id, "orphan removed by admin", orphan.actor,
+                                             self.ops.pg_name(orphan.fleet, orphan.index))
+        except BaseException:
+            self.orphans.setdefault(instance_id, orphan)  # still there: it may be asked again
+            raise
+        _logger.info("orphan_removed", instance=instance_id, **report)
+        return {"removed": instance_id, **report}
+
+    async def _adopt_orphans(self) -> None:
+        """A reload gave this controller the fleet of an orphaned engine: adopted as any running engine."""
+        for iid, orphan in list(self.orphans.items()):
+            fcfg = self.cfg.fleet(orphan.fleet)
+            if fcfg is None or fcfg.engine == "static":
+                continue
+            del self.orphans[iid]
+            await self._adopt(actor_name(orphan.fleet, orphan.index), orphan.fleet, orphan.index)
+
+    def _forget_unsupervised(self) -> None:
+        """After adoption: an instance this process's registry holds (followed from the previous
+        controller) that no supervisor took has no engine behind it any more — out of every view now,
+        not left published as it was last seen."""
+        for inst in list(self.registry):
+            if not inst.static and inst.id not in self.supervisors:
+                _logger.info("instance_forgotten", instance=inst.id, state=inst.state.value,
+                             why="no engine of it was found to adopt")
+                if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                    inst.lose(f"instance {inst.id}: its engine is gone")
+                self.registry.remove(inst.id)
+
+    async def _stop_engine(self, iid: str, reason: str, actor: Any, pg_name: str, *,
+                           graceful: bool = True) -> dict[str, Any]:
+        """The one way an engine this controller stops goes (scale-down, replacement, unwanted or
+        unreadable at adoption, the owner's stop): out of rotation first (its requests here ended,
+        ``stopped`` published), then stopped, then out of the registry — so out of the state every other
+        process follows — in the same step, whether or not the stop went cleanly."""
+        inst = self.registry.get(iid)
+        if inst is not None and inst.static:
+            inst = None
+        if inst is not None:
+            if inst.state in (InstanceState.READY, InstanceState.DRAINING):
+                inst.lose(f"instance {iid}: {reason}")
+            self.registry.set_state(inst, InstanceState.STOPPED, reason)
+        try:
+            return await self.ops.dispose(actor, pg_name, stop=graceful)
+        finally:
+            if inst is not None and self.registry.get(iid) is inst:
+                self.registry.remove(iid)
 
     @property
     def active(self) -> bool:
@@ -295,6 +386,8 @@ class FleetManager:
             # Not part of the spec (no relaunch), so applied in place, as for static fleets.
             capacity = fcfg.max_num_seqs if fcfg is not None else sup.slot.inst.capacity_hint
             sup.update_config(cfg.health, capacity)
+        if self._active:
+            await self._adopt_orphans()
         self._reconcile()
 
     async def shutdown(self, stop_engines: bool) -> None:
@@ -308,6 +401,7 @@ class FleetManager:
         the engines and their registry entries stay as they are (a follower's view of the fleet takes
         them over) and :meth:`start` may begin another term."""
         self._active = False
+        self.orphans = {}  # the next controller finds them again, and judges them by its own config
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -320,16 +414,18 @@ class FleetManager:
             with contextlib.suppress(Exception):  # best effort: the cluster may be going away too
                 await self.autoscaler.withdraw()
             # Slots still being placed have no Placement yet but may own a pending placement group.
-            await asyncio.gather(*(self._dispose(sup) for sup in self.supervisors.values()),
+            await asyncio.gather(*(self._dispose(sup, "routerd stopped its engines")
+                                   for sup in self.supervisors.values()),
                                  return_exceptions=True)
             for sup in self.supervisors.values():
                 sup.remove()
 
-    async def _dispose(self, sup: Supervisor) -> dict[str, Any]:
+    async def _dispose(self, sup: Supervisor, reason: str) -> dict[str, Any]:
         """Stop the instance's engine and actor and remove its placement group (placed or pending)."""
         slot = sup.slot
         actor = slot.placement.actor if slot.placement is not None else None
-        return await self.ops.dispose(actor, self.ops.pg_name(slot.spec.fleet, slot.spec.index), stop=True)
+        return await self._stop_engine(slot.inst.id, reason, actor,
+                                       self.ops.pg_name(slot.spec.fleet, slot.spec.index))
 
     # reconcile -------------------------------------------------------------------------------
     def _new_supervisor(self, fleet: FleetConfig, spec: LaunchSpec, *, adopting: bool = False) -> Supervisor:
@@ -414,7 +510,7 @@ class FleetManager:
             sup.task.cancel()
             await asyncio.gather(sup.task, return_exceptions=True)
         # Never placed (or cancelled mid-placement): dispose still removes a pending placement group.
-        report = await self._dispose(sup)
+        report = await self._dispose(sup, sup.slot.inst.state_reason or "retired")
         _logger.info("instance_stopped", instance=sup.slot.inst.id, **report)
         sup.remove()
         if self.supervisors.get(sup.slot.inst.id) is sup:

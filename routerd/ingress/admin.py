@@ -63,6 +63,8 @@ class FleetControl(Protocol):
 
     def wake(self, fleet: str) -> dict[str, Any]: ...
 
+    async def remove_orphan(self, instance_id: str) -> dict[str, Any]: ...
+
 
 class StaticControl(Protocol):
     """What these routes ask of the static fleets' monitor (:class:`routerd.fleet.StaticHealth`)."""
@@ -82,8 +84,9 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
     ``POST /admin/instances/{id}/undrain`` (a static instance), ``POST /admin/fleets/{fleet}/replicas``
     (``{"replicas": n}``: an autoscaled fleet is pinned there) and ``DELETE /admin/fleets/{fleet}/replicas``
-    (back to the autoscaler, or to the file's count). Instance ids look like ``small:0`` (launched) or
-    ``small:static0`` (static).
+    (back to the autoscaler, or to the file's count) and ``DELETE /admin/orphans/{id}`` (stop an engine
+    whose fleet is not in the controller's config, listed under ``orphaned``). Instance ids look like
+    ``small:0`` (launched) or ``small:static0`` (static).
 
     ``fleet_manager`` is None when nothing is launched (no Ray): a static instance is still drained and
     undrained, and what applies only to launched engines answers 400 saying why. ``admin_key`` may be a
@@ -110,6 +113,7 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
     app.router.add_post("/admin/instances/{instance}/undrain", route("undrain", "instance"))
     app.router.add_post("/admin/fleets/{fleet}/replicas", route("replicas", "fleet"))
     app.router.add_delete("/admin/fleets/{fleet}/replicas", route("unpin", "fleet"))
+    app.router.add_delete("/admin/orphans/{instance}", route("remove_orphan", "instance"))
 
 
 def _wait_s(op: str, body: bytes) -> float:
@@ -130,7 +134,8 @@ class AdminActions:
         self.static = static
         self._ops: dict[str, Callable[[str, bytes], Awaitable[Any]]] = {
             "restart": self.restart, "drain": self.drain, "undrain": self.undrain,
-            "replicas": self.replicas, "unpin": self.unpin, "wake": self.wake}
+            "replicas": self.replicas, "unpin": self.unpin, "wake": self.wake,
+            "remove_orphan": self.remove_orphan}
 
     async def run(self, op: str, target: str, body: bytes) -> Any:
         """The action's JSON answer; raises routerd's errors (a missing instance or fleet: NotFound)."""
@@ -200,6 +205,10 @@ class AdminActions:
     async def unpin(self, fleet: str, raw: bytes) -> Any:
         self.not_static_fleet(fleet)
         return await self.launched(fleet).unset_replicas(fleet)
+
+    async def remove_orphan(self, instance: str, raw: bytes) -> Any:
+        """Stop an engine left running because its fleet is not in the controller's config."""
+        return await self.launched(instance).remove_orphan(instance)
 
     async def wake(self, fleet: str, raw: bytes) -> Any:
         """Not a route: a follower's request found ``fleet`` scaled to zero (AdminRelay.ask_wake)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -132,7 +132,9 @@ class HttpIngress:
                  elastic: Elastic | None = None,
                  view_status: Callable[[], dict[str, Any]] | None = None,
                  view_untrusted: Callable[[], str] | None = None,
-                 control: Callable[[], dict[str, Any]] | None = None) -> None:
+                 control: Callable[[], dict[str, Any]] | None = None,
+                 served_fleets: Callable[[], Collection[str] | None] | None = None,
+                 orphaned: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
         self.tenancy = tenancy  # the data plane's, shared with the queue
@@ -159,6 +161,11 @@ class HttpIngress:
         self.view_status = view_status
         self.view_untrusted = view_untrusted  # why this follower has no fleet view it can trust ("": has)
         self.control = control
+        # The controller's fleets while following (None: this process's config's): the controller's
+        # fleets are the fleets — a fleet only this process's file has is not served, listed or awaited
+        # for readiness here. And the engines it left running unmanaged (orphaned), in /admin/fleets.
+        self.served_fleets = served_fleets
+        self.orphaned = orphaned
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
         self.idle = asyncio.Event()
@@ -170,6 +177,11 @@ class HttpIngress:
         self.cfg = cfg
         self.connections.update_config(cfg.http)
         self._models = {f.model: f.name for f in cfg.fleets}
+
+    def serves(self, fleet: str) -> bool:
+        """Whether ``fleet`` is one of the fleets there are (routerd/view/fleet_state.py's docstring)."""
+        served = self.served_fleets() if self.served_fleets is not None else None
+        return served is None or fleet in served
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
@@ -254,9 +266,10 @@ class HttpIngress:
             model, stream = head.model, bool(head.stream)
             fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
-            if fleet is None:
+            if fleet is None or not self.serves(fleet):
+                valid = sorted(m for m, f in self._models.items() if self.serves(f))
                 raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
-                               f"{', '.join(sorted(self._models)) or 'none'}", param="model")
+                               f"{', '.join(valid) or 'none'}", param="model")
             fields["fleet"] = fleet
             self.tenancy.check_fleet(tenant, fleet)
             req = Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
@@ -313,7 +326,8 @@ class HttpIngress:
         # listed: a model it would get 403 for is not one it has.
         tenant = authenticate(request, self.tenancy.directory)
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
-                 "root": f.model, "parent": None} for f in self.cfg.fleets if tenant.allows(f.name)]
+                 "root": f.model, "parent": None} for f in self.cfg.fleets
+                if tenant.allows(f.name) and self.serves(f.name)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     # operations ------------------------------------------------------------------------------
@@ -321,7 +335,7 @@ class HttpIngress:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        fleets = {f.name: self.registry.ready_count(f.name) for f in self.cfg.fleets}
+        fleets = {f.name: self.registry.ready_count(f.name) for f in self.cfg.fleets if self.serves(f.name)}
         elastic = self.elastic
         # A fleet scaled to zero is ready: a request for it waits while an instance starts.
         standby = sorted(name for name, n in fleets.items()
@@ -367,8 +381,11 @@ class HttpIngress:
                 "instances": instances,
                 "admission": self.admission.stats(name),
                 "autoscale": self.elastic.status(name) if self.elastic is not None else None,
+                "served": self.serves(name),
             }
         status: dict[str, Any] = {"fleets": out, "policy": self.router.policy.name}
+        if self.orphaned is not None:
+            status["orphaned"] = self.orphaned()
         if self.view_status is not None:
             status["view"] = self.view_status()
         if self.control is not None:

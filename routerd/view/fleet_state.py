@@ -33,8 +33,11 @@ none, or that one is stale, it is not ready (``/readyz`` 503 says why: :meth:`Fl
 Which config wins: what decides launches and the fleets' life — ``[[fleets]]``, ``[health]``,
 ``ray.namespace`` (:func:`config_fingerprint`) — is the controller's: a follower routes over the
 controller's instances and replica counts whatever its own file says, and says loudly when its own
-differs (a warning at start and on every change, ``routerd_view_config_mismatch``). Routing, tenants,
-admission and ``[http]`` are each process's own.
+differs (a warning at start and on every change, ``routerd_view_config_mismatch``; not while a reload of
+a worker's own parent is still reaching it: the state carries the controller's count of reloads).
+Routing, tenants, admission and ``[http]`` are each process's own. The controller's fleets are the
+fleets: a follower serves, lists and reports readiness only for those (:meth:`FleetView.followed_fleets`),
+and engines of fleets the controller lacks are published as orphaned, left running, not routed to.
 """
 
 from __future__ import annotations
@@ -100,6 +103,19 @@ class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat: float = 0.0
 
 
+class OrphanView(msgspec.Struct, frozen=True, kw_only=True):
+    """A running engine of a fleet the controller's config lacks (routerd/fleet/adopt.py ``Orphan``)."""
+
+    id: str
+    fleet: str
+    url: str = ""
+    pid: int | None = None
+    node: str = ""
+    since: float = 0.0
+    state: str = "orphaned"
+    reason: str = ""
+
+
 class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     """One published state: the instances, the fleets' desired replicas, who published it."""
 
@@ -108,6 +124,10 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     fleets: list[str] = []
     instances: list[InstanceView] = []
     replicas: dict[str, int] = {}
+    # How many reloads the controller has applied: its own workers tell a reload still reaching them
+    # (their parent's count moved on, theirs not yet) from a config that differs (FleetView.mismatch).
+    reloads: int = 0
+    orphans: list[OrphanView] = []
 
 
 class Published(msgspec.Struct, frozen=True, array_like=True):
@@ -199,10 +219,14 @@ class FleetView:
                  token: Callable[[], int] = lambda: 0,
                  replicas: Callable[[], dict[str, int]] = dict, op_timeout_s: float = 5.0,
                  publish_every_s: float = PUBLISH_EVERY_S, expire_ms: int = EXPIRE_MS,
-                 stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic,
+                 parent: str | None = None,
+                 orphans: Callable[[], list[dict[str, Any]]] = list) -> None:
         """``client``: the caller's (it closes it); ``controls()``/``token()``: the control lease's;
         ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish; ``seals``:
-        the process's (the state is sealed, and opened)."""
+        the process's (the state is sealed, and opened); ``parent``: a worker's parent's ident
+        (routerd/workers.py), whose reloads reach this process after its own; ``orphans()``: the engines
+        the fleet manager left running unmanaged, to publish."""
         self.registry = registry
         self.client = client
         self.keys = keys
@@ -212,6 +236,7 @@ class FleetView:
         self.seals = seals
         self.token = token
         self.replicas_of = replicas
+        self.orphans_of = orphans
         self.op_timeout_s = op_timeout_s
         self.publish_every_s = publish_every_s
         self.expire_ms = expire_ms
@@ -230,12 +255,20 @@ class FleetView:
         self._stale_logged = False
         self._fenced = False  # the last publish was refused (logged once until one is taken again)
         self._mismatch_logged = ""  # the controller fingerprint last warned about
+        self.parent = parent
+        self.reloads = 0  # reloads applied here (published while controlling)
+        # A worker: its parent's reload count when both last had the same fleet config, plus the reloads
+        # this worker applied since — the count its parent has when their configs agree (None: not known).
+        self._parent_reloads: int | None = None
 
     # what others read -------------------------------------------------------------------------
     def update_config(self, cfg: Config) -> None:
         """Reload: this process's own fingerprint, compared again on the next state."""
         self.fingerprint = config_fingerprint(cfg)
         self._mismatch_logged = ""
+        self.reloads += 1
+        if self._parent_reloads is not None:
+            self._parent_reloads += 1
 
     def age_s(self) -> float:
         """Seconds since this process last had fresh state: 0 while it publishes."""
@@ -247,8 +280,23 @@ class FleetView:
         return not self.controls() and self.age_s() > self.stale_after_s
 
     def mismatch(self) -> bool:
-        """This follower's fleet config differs from the controller's (the controller's wins)."""
-        return not self.controls() and self.state is not None and self.state.fingerprint != self.fingerprint
+        """This follower's fleet config differs from the controller's (the controller's wins) — not
+        while a reload of its own parent is still reaching this worker."""
+        state = self.state
+        return not self.controls() and state is not None and state.fingerprint != self.fingerprint \
+            and not self._reload_reaching(state)
+
+    def _reload_reaching(self, state: FleetState) -> bool:
+        """``state`` is this worker's parent's, one or more reloads apart from this worker's own: the
+        parent reloaded and told it to (or it reloaded first), and the two configs are the same file's
+        at different moments — not a difference between replicas. It ends when both applied the same
+        number of reloads; the configs are compared then."""
+        return state.controller == self.parent and self._parent_reloads is not None \
+            and state.reloads != self._parent_reloads
+
+    def _sync_parent(self, state: FleetState) -> None:
+        if state.controller == self.parent and state.fingerprint == self.fingerprint:
+            self._parent_reloads = state.reloads
 
     def untrusted(self) -> str:
         """Why this follower has no fleet view it can trust ("": it has one): the published state is
@@ -268,6 +316,27 @@ class FleetView:
         if self.controls() or self.state is None:
             return None
         return self.state.replicas.get(fleet)
+
+    def followed_fleets(self) -> frozenset[str] | None:
+        """The fleets there are, as the controller says, while following (None: this process controls,
+        or has no state yet — its own config's fleets are the fleets). The controller's fleets are the
+        fleets: a follower serves, lists and reports readiness only for these."""
+        if self.controls() or self.state is None:
+            return None
+        return frozenset(self.state.fleets)
+
+    def followed_orphans(self) -> list[dict[str, Any]] | None:
+        """The controller's orphaned engines while following (None: this process controls, or has no
+        state yet)."""
+        if self.controls() or self.state is None:
+            return None
+        return [msgspec.structs.asdict(o) for o in self.state.orphans]
+
+    def published_replicas(self) -> dict[str, int] | None:
+        """The launched fleets' desired counts in the last state published or followed here, whoever
+        controlled then (None: none seen): where this process's fleet control starts its autoscaled
+        fleets when it takes over."""
+        return dict(self.state.replicas) if self.state is not None else None
 
     def status(self) -> dict[str, Any]:
         """The ``view`` section of ``GET /admin/fleets``."""
@@ -336,7 +405,9 @@ class FleetView:
     async def publish(self) -> int:
         """Write this process's fleet state now; returns its version (-1: a newer controller wrote)."""
         state = FleetState(controller=self.ident, fingerprint=self.fingerprint, fleets=self.registry.fleets(),
-                           instances=[view_of(i) for i in self.registry], replicas=self.replicas_of())
+                           instances=[view_of(i) for i in self.registry], replicas=self.replicas_of(),
+                           reloads=self.reloads,
+                           orphans=msgspec.convert(self.orphans_of(), list[OrphanView]))
         blob = _encode(state)
         changed = blob != self._blob
         token = self.token()
@@ -434,6 +505,9 @@ class FleetView:
                          instances=len(self.state.instances) if self.state is not None else 0)
 
     def _check_fingerprint(self, state: FleetState) -> None:
+        self._sync_parent(state)
+        if self._reload_reaching(state):
+            return
         if state.fingerprint != self.fingerprint and state.fingerprint != self._mismatch_logged:
             self._mismatch_logged = state.fingerprint
             _log.warning("fleet_config_mismatch", controller=state.controller,
@@ -462,3 +536,6 @@ class ViewCollector:
                                 value=1.0 if view.mismatch() else 0.0)
         yield GaugeMetricFamily("routerd_view_controller", "1 while this process controls the fleets",
                                 value=1.0 if view.controls() else 0.0)
+        yield GaugeMetricFamily("routerd_view_orphaned_engines", "Engines of fleets the controller's config "
+                                "lacks, left running unmanaged (DELETE /admin/orphans/{id} stops one)",
+                                value=float(len(view.state.orphans)) if view.state is not None else 0.0)
