@@ -315,3 +315,19 @@ async def test_a_reload_that_makes_a_followers_fleet_config_differ_is_warned_abo
             sub.update_config(msgspec.convert({"fleets": [{"name": "g", "model": "m"}]}, Config))
             await until(lambda: any(e["event"] == "fleet_config_mismatch" for e in logs), "the warning")
             assert sub.mismatch()
+
+
+def test_the_published_config_fingerprint_is_not_a_hash_of_a_fleets_secrets() -> None:
+    """The fingerprint is published in Redis: a static fleet's key (or a URL password) does not change
+    it, so it cannot be searched offline; what decides launches still does."""
+    from routerd.config import parse
+    from routerd.view.fleet_state import config_fingerprint
+
+    def fingerprint(url: str, **extra: object) -> str:
+        return config_fingerprint(parse({"fleets": [{"name": "s", "model": "m", "engine": "static",
+                                                     "urls": [url], **extra}]}, environ={}))
+
+    keyed = fingerprint("http://127.0.0.1:9", api_key="sk-engine-key-1")
+    assert fingerprint("http://127.0.0.1:9", api_key="sk-engine-key-2") == keyed
+    assert fingerprint("http://127.0.0.1:10", api_key="sk-engine-key-1") != keyed
+    assert fingerprint("http://u:pw1@127.0.0.1:9") == fingerprint("http://u:pw2@127.0.0.1:9")

@@ -53,7 +53,7 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client.core import GaugeMetricFamily
 
-from .. import _aio, log
+from .. import _aio, log, redact
 from ..config import Config
 from ..keys import Keys
 from ..redis_server import REDIS_DOWN
@@ -146,9 +146,17 @@ _decode_published = msgspec.msgpack.Decoder(Published).decode
 
 def config_fingerprint(cfg: Config) -> str:
     """A short hash of what decides launches and the fleets' life: ``[[fleets]]``, ``[health]`` and
-    ``ray.namespace``. Two processes with the same fingerprint would launch and restart the same way."""
-    blob = msgspec.json.encode({"fleets": cfg.fleets, "health": cfg.health,
-                                "ray_namespace": cfg.ray.namespace})
+    ``ray.namespace``. Two processes with the same fingerprint would launch and restart the same way.
+
+    The fleets' secrets (a static fleet's ``api_key``, URL passwords, secret-named ``env`` and
+    ``engine_args``) are left out: the fingerprint is published in Redis, where a short unsalted hash
+    of a guessable key could be searched offline."""
+    fleets = [msgspec.structs.replace(
+        f, api_key="", urls=[redact.url(u) for u in f.urls],
+        env={k: redact.MASK if redact.secret_name(k) else v for k, v in f.env.items()},
+        engine_args={k: redact.MASK if redact.secret_name(k) else v for k, v in f.engine_args.items()})
+        for f in cfg.fleets]
+    blob = msgspec.json.encode({"fleets": fleets, "health": cfg.health, "ray_namespace": cfg.ray.namespace})
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
