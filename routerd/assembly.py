@@ -283,7 +283,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         from .ingress.queue import QueueIngress
 
         queue = QueueIngress.from_config(cfg, url=redis_url, dispatch=dispatch, admission=admission,
-                                         tenancy=tenancy, tracing=tracing)
+                                         tenancy=tenancy, tracing=tracing,
+                                         serves=fleet_view.serves if fleet_view is not None else None)
     extra, collectors = collectors, [registry_collector(registry, admission.stats, clock),
                   tenancy.collector(admission.tenant_stats)]
     if queue is not None:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from routerd import assembly, config
+from routerd.client import QueueClient
 from routerd.config import ControlConfig, RedisConfig
 from routerd.fleet.actor import group_members
 from routerd.keys import Keys
@@ -188,6 +189,13 @@ async def test_the_controllers_fleets_are_the_fleets(
         async with s.post(f"{ea.url}/v1/completions", json={"model": "mx", "prompt": "hi", "max_tokens": 2},
                           timeout=aiohttp.ClientTimeout(total=10)) as r:
             assert r.status == 404, await r.text()
+        # Both ways in: a queue job for it is answered at once too (either replica may read it; ea's
+        # file has the fleet, and used to hold such a job the whole waiting room, then 503).
+        async with QueueClient.from_url(redis_server.url) as q:
+            jobs = [await q.submit({"model": "mx", "prompt": "hi", "max_tokens": 2}) for _ in range(6)]
+            answers = await q.wait_many(jobs, timeout=10)
+        assert {a.status for a in answers.values()} == {"error"}
+        assert all("no fleet serves model" in str(a.error) for a in answers.values()), answers
 
         async with s.delete(f"{ea.url}/admin/orphans/extra:0") as r:  # relayed to the controller
             assert r.status == 200, await r.text()

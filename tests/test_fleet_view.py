@@ -331,3 +331,23 @@ def test_the_published_config_fingerprint_is_not_a_hash_of_a_fleets_secrets() ->
     assert fingerprint("http://127.0.0.1:9", api_key="sk-engine-key-2") == keyed
     assert fingerprint("http://127.0.0.1:10", api_key="sk-engine-key-1") != keyed
     assert fingerprint("http://u:pw1@127.0.0.1:9") == fingerprint("http://u:pw2@127.0.0.1:9")
+
+
+async def test_a_new_term_starts_from_the_counts_it_took_over_not_from_its_own_first_publication(
+        redis_server: RedisServer) -> None:
+    """The follower that takes control may publish before its fleet manager begins its term, with the
+    file's counts (nothing scaled yet): the counts the term starts from stay the ones it took over — a
+    fleet the last controller scaled to zero is not woken by the change (issue 26)."""
+    term = {"token": 1}
+    follower_controls = Flag(False)
+    async with view_running(redis_server, Registry(), follower_controls, ident="b",
+                            token=lambda: term["token"], replicas={"zz": 1}) as sub:
+        async with view_running(redis_server, Registry(), Flag(True), ident="a", token=lambda: 1,
+                                replicas={"zz": 0}):
+            await until(lambda: sub.published_replicas() == {"zz": 0}, "the follower seeing zz at zero")
+        term["token"] = 2  # "a" is gone; "b" takes control
+        follower_controls.on = True
+        assert await sub.publish() > 0  # its first publication, before its fleet manager began
+        assert sub.state is not None
+        assert sub.state.replicas == {"zz": 1}
+        assert sub.published_replicas() == {"zz": 0}

@@ -257,6 +257,8 @@ class FleetView:
         self._seq = 0  # this process's last publish's sequence (sealed with its token)
         self._order = (-1, -1)  # (token, seq) of the last state followed: an older one is a copy
         self._refused: tuple[Why, str | None] | None = None  # why the last read state was refused
+        # (lease token, the launched fleets' counts in the state seen before this term's first publication)
+        self._handover: tuple[int, dict[str, int] | None] | None = None
         self._applied_at = -1  # the registry's version right after the last state was applied
         self._fresh_at = clock()  # when this process last published or saw a new version
         self._following_since = clock()
@@ -333,6 +335,11 @@ class FleetView:
             return None
         return frozenset(self.state.fleets)
 
+    def serves(self, fleet: str) -> bool:
+        """Whether ``fleet`` is one of the fleets there are (:meth:`followed_fleets`)."""
+        followed = self.followed_fleets()
+        return followed is None or fleet in followed
+
     def followed_orphans(self) -> list[dict[str, Any]] | None:
         """The controller's orphaned engines while following (None: this process controls, or has no
         state yet)."""
@@ -344,6 +351,9 @@ class FleetView:
         """The launched fleets' desired counts in the last state published or followed here, whoever
         controlled then (None: none seen): where this process's fleet control starts its autoscaled
         fleets when it takes over."""
+        handover = self._handover
+        if handover is not None and handover[0] == self.token():
+            return handover[1]
         return dict(self.state.replicas) if self.state is not None else None
 
     def status(self) -> dict[str, Any]:
@@ -419,6 +429,11 @@ class FleetView:
         blob = _encode(state)
         changed = blob != self._blob
         token = self.token()
+        if self._handover is None or self._handover[0] != token:
+            # The first publication of a term replaces the state this term took over from: keep its
+            # counts for published_replicas (the fleet manager may begin its term after this, and its
+            # figures before then are the file's).
+            self._handover = (token, dict(self.state.replicas) if self.state is not None else None)
         self._seq += 1
         record = self.seals.seal(FLEET_STATE, _encode(Published(token=token, seq=self._seq, state=blob)))
         async with _aio.timeout(self.op_timeout_s):

@@ -60,7 +60,9 @@ class QueueIngress:
 
     def __init__(self, cfg: Config, redis_factory: Callable[[], aioredis.Redis], *, dispatch: Dispatch,
                  admission: Admission, tenancy: Tenancy, tracing: Tracing, consumer: str | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, serves: Callable[[str], bool] | None = None) -> None:
+        """``serves(fleet)``: whether the fleet is one of the fleets there are — a follower's are the
+        controller's (routerd/view/fleet_state.py); None: every configured fleet."""
         self._cfg = cfg
         self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
         self._redis_factory = redis_factory
@@ -88,14 +90,16 @@ class QueueIngress:
                                     stats=self.stats)
         self._jobs = JobRunner(lambda: self._cfg, self.client, self._store, self._held, self.keys,
                                self.consumer, dispatch=dispatch, stats=self.stats, rng=self._rng,
-                               tenancy=tenancy, tracing=tracing, fleet_room_size=self._fleet_room)
+                               tenancy=tenancy, tracing=tracing, fleet_room_size=self._fleet_room,
+                               serves=serves)
 
     @classmethod
     def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
-                    tenancy: Tenancy, tracing: Tracing) -> QueueIngress:
+                    tenancy: Tenancy, tracing: Tracing,
+                    serves: Callable[[str], bool] | None = None) -> QueueIngress:
         """The assembly's constructor: a Redis client for ``url`` built from ``[redis]``."""
         return cls(cfg, lambda: redis_client(url, cfg.redis), dispatch=dispatch, admission=admission,
-                   tenancy=tenancy, tracing=tracing)
+                   tenancy=tenancy, tracing=tracing, serves=serves)
 
     async def __aenter__(self) -> QueueIngress:
         return self

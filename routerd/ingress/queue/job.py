@@ -112,8 +112,9 @@ class JobRunner:
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
                  held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
                  rng: random.Random, tenancy: Tenancy, tracing: Tracing,
-                 fleet_room_size: Callable[[str], int]) -> None:
-        """``fleet_room_size(fleet)``: how many of the fleet's jobs may wait here for a slot."""
+                 fleet_room_size: Callable[[str], int], serves: Callable[[str], bool] | None = None) -> None:
+        """``fleet_room_size(fleet)``: how many of the fleet's jobs may wait here for a slot;
+        ``serves(fleet)``: whether the fleet is one of the fleets there are (None: every configured one)."""
         self._cfg = cfg
         self._client = client
         self._store = store
@@ -126,6 +127,7 @@ class JobRunner:
         self._tenancy = tenancy
         self._tracing = tracing  # a job's span from its read to its acknowledgement
         self._fleet_room_size = fleet_room_size
+        self._serves = serves
 
     async def run(self, running: Running, raw: bytes | None) -> None:
         read_ns = time.time_ns()
@@ -198,6 +200,8 @@ class JobRunner:
         self._held.name(running, job.id)
         problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
         fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
+        if fleet is not None and self._serves is not None and not self._serves(fleet.name):
+            fleet = None  # only this process's file has it: the controller's fleets are the fleets
         owned = self._keys.reserved(job.reply_to)
         if problem is None and owned is not None:  # a result there would break what routerd keeps in it
             problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is routerd's own key: {owned}", ""
