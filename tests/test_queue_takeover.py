@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
@@ -25,7 +26,7 @@ from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
-RECLAIM_IDLE_MS = 60_000
+RECLAIM_IDLE_MS = 120_000
 
 
 def _taken_over(rp: RouterdProcess) -> list[str]:
@@ -39,6 +40,7 @@ async def _pending(r: aioredis.Redis, consumer: str) -> list[str]:
     return [row["message_id"].decode() for row in rows]
 
 
+@pytest.mark.timeout(240)
 async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
         redis_server: RedisServer, redis_async: aioredis.Redis, routerd_process: RouterdFactory,
         routerd_config: Any, sim_process: SimProcessFactory, tmp_path: Path) -> None:
@@ -51,16 +53,18 @@ async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
                    "reclaim_idle_ms": RECLAIM_IDLE_MS, "reclaim_interval_s": 0.5},
             fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim.url]}])
 
-    doomed, survivor = (routerd_process(cfg(name), wait_ready=False) for name in ("a", "b"))
-    await asyncio.gather(*(asyncio.to_thread(rp.wait_notify, "READY=1", 120) for rp in (doomed, survivor)))
+    # The doomed replica first, so that it surely holds jobs (two started together: either may read
+    # all 16); the survivor once it does.
+    doomed = await asyncio.to_thread(routerd_process, cfg("a"))
     q = QueueClient(redis_async)
-    # ~5 s of tokens each: still running on both when one is killed
-    bodies = [{"model": "m", "prompt": f"job {i}", "max_tokens": 100} for i in range(16)]
+    # ~15 s of tokens each: still running when the survivor is up and the doomed one is killed
+    bodies = [{"model": "m", "prompt": f"job {i}", "max_tokens": 300} for i in range(16)]
     jobs = await q.submit_many(bodies, reply_to="replies")
     deadline = time.monotonic() + 30
     while not await _pending(redis_async, "a"):
         assert time.monotonic() < deadline, doomed.log()
         await asyncio.sleep(0.05)
+    survivor = await asyncio.to_thread(routerd_process, cfg("b"))
     await asyncio.sleep(1.5)  # several take-over passes of the survivor while both live
     assert _taken_over(survivor) == [], "jobs of a live consumer were taken over"
 
@@ -69,7 +73,7 @@ async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
     killed_at = time.monotonic()
     stranded = await _pending(redis_async, "a")
     assert stranded, "it died holding no job"
-    # Known dead TTL_S after its last renewal; the jobs then run ~5 s. The old wait alone is a minute.
+    # Known dead TTL_S after its last renewal; the jobs then run ~15 s. The old wait alone is 2 minutes.
     results = await q.wait_many(jobs, timeout=RECLAIM_IDLE_MS / 1000 * 0.75)
     took_s = time.monotonic() - killed_at
     assert all(r.status == "ok" for r in results.values()), results
