@@ -209,8 +209,10 @@ async def test_one_view_publishes_while_it_controls_and_follows_otherwise(redis_
     a.add(launched("g", 0))
     b.add(launched("h", 0))
     flag_a, flag_b = Flag(True), Flag(False)
-    async with view_running(redis_server, a, flag_a, ident="a"), \
-            view_running(redis_server, b, flag_b, ident="b") as vb:
+    # Tokens as the lease gives them: a later term's is higher (with equal tokens, b's first states
+    # would be older than a's own last one, which a may read back once it follows, and be refused).
+    async with view_running(redis_server, a, flag_a, ident="a", token=lambda: 1), \
+            view_running(redis_server, b, flag_b, ident="b", token=lambda: 2) as vb:
         await until(lambda: sorted(i.id for i in b) == ["g:0"], "b to follow a")
         # Control moves to b: b publishes what it has; a follows it.
         flag_a.on, flag_b.on = False, True
