@@ -401,7 +401,7 @@ def _http_view(view: FleetView | None, fleets: FleetManager | None) -> dict[str,
     if view is not None:
         out["view_status"] = view.status
         out["view_untrusted"] = view.untrusted
-        out["served_fleets"] = view.followed_fleets
+        out["serves"] = view.serves
     if view is not None or fleets is not None:
         def orphaned() -> list[dict[str, Any]]:
             followed = view.followed_orphans() if view is not None else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -133,7 +133,7 @@ class HttpIngress:
                  view_status: Callable[[], dict[str, Any]] | None = None,
                  view_untrusted: Callable[[], str] | None = None,
                  control: Callable[[], dict[str, Any]] | None = None,
-                 served_fleets: Callable[[], Collection[str] | None] | None = None,
+                 serves: Callable[[str], bool] | None = None,
                  orphaned: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
@@ -161,10 +161,11 @@ class HttpIngress:
         self.view_status = view_status
         self.view_untrusted = view_untrusted  # why this follower has no fleet view it can trust ("": has)
         self.control = control
-        # The controller's fleets while following (None: this process's config's): the controller's
-        # fleets are the fleets — a fleet only this process's file has is not served, listed or awaited
-        # for readiness here. And the engines it left running unmanaged (orphaned), in /admin/fleets.
-        self.served_fleets = served_fleets
+        # serves(fleet): whether it is one of the fleets there are (FleetView.serves; None: every fleet of
+        # this process's config) — while following, the controller's fleets are the fleets, so a fleet only
+        # this process's file has is not served, listed or awaited for readiness here. And the engines it
+        # left running unmanaged (orphaned), in /admin/fleets.
+        self._serves = serves
         self.orphaned = orphaned
         self.handlers: set[asyncio.Task[Any]] = set()  # in-flight OpenAI requests (drain, close_streams)
         self.close_reason = ""
@@ -180,8 +181,7 @@ class HttpIngress:
 
     def serves(self, fleet: str) -> bool:
         """Whether ``fleet`` is one of the fleets there are (routerd/view/fleet_state.py's docstring)."""
-        served = self.served_fleets() if self.served_fleets is not None else None
-        return served is None or fleet in served
+        return self._serves is None or self._serves(fleet)
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
