@@ -11,7 +11,7 @@ fleet. Two steps:
 * :func:`assemble` — the whole start-up, each step's undo on one ``AsyncExitStack``, so a start-up
   that fails half-way undoes what it did (README, "Start-up order"): Redis (embedded or reachable) →
   the one ``aiohttp.ClientSession`` → Ray and the fleet manager → the control lease (with Redis: one
-  process at a time controls the fleets, routerd/view/control.py) → :func:`build` → fleets adopted or
+  process at a time controls the fleets, routerd/peers/lease.py) → :func:`build` → fleets adopted or
   launched (by the controller; a follower's fleet control starts when it takes the lease) → the HTTP
   listener bound. The long-running loops are the caller's to run
   (:meth:`Routerd.loops`, in the caller's TaskGroup); :func:`running` runs them too (benchmarks, tests)::
@@ -51,14 +51,14 @@ from .file_sd import FileSdWriter
 from .fleet.static import StaticHealth
 from .ingress.http import HttpIngress
 from .ingress.listener import HttpListener
+from .peers.lease import ControlLease
+from .peers.sealed import Seals
 from .registry import Registry
 from .routing import RequestViews, Router, Scraper
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
 from .trust import Trust
-from .view.control import ControlLease
-from .view.sealed import Seals
 
 _log = log.get("routerd.assembly")
 
@@ -69,12 +69,12 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
 
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
-    from .routing.engine_events import EngineEvents
-    from .routing.keying_process import KeyingProcess
-    from .view import SharedView
-    from .view.admin_relay import AdminRelay
-    from .view.fleet_state import FleetView
-    from .view.wake import RelayedElastic
+    from .peers import SharedMeasures
+    from .peers.admin_relay import AdminRelay
+    from .peers.fleet_state import FleetStateSync
+    from .peers.wake import RelayedElastic
+    from .routing.engine_cache.keying_process import KeyingProcess
+    from .routing.engine_cache.subscriptions import EngineEvents
 
 
 class Role(enum.Enum):
@@ -117,15 +117,15 @@ class Routerd:
     # the lease that lets one process at a time control the fleets (sole without Redis)
     control: ControlLease
     # with Redis: the fleet state published while this process controls, followed otherwise; admin
-    # calls made on a follower, carried out by the controller (routerd/view/)
-    fleet_view: FleetView | None = None
+    # calls made on a follower, carried out by the controller (routerd/peers/)
+    fleet_view: FleetStateSync | None = None
     admin_relay: AdminRelay | None = None
     # whether this process controls the fleets now (the control lease's, unless a test says); None: always
     controls: Callable[[], bool] | None = None
     role: Role = Role.ONE
     # load, scrapes and sessions shared with the other routerd processes on the same Redis (None
     # without Redis)
-    view: SharedView | None = None
+    view: SharedMeasures | None = None
     # with Redis and launched fleets: admission's view of fleets at zero, whose wakes go to the controller
     wake_relay: RelayedElastic | None = None
 
@@ -223,9 +223,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     process's name there, default ``redis.consumer``; ``scrapes_here()``: whether this process scrapes
     the engines for all — default: while it controls). ``trust``: the shared secret's keys (the launched
     engines' API key among them; None: engines are sent no key, as a test's own engines want).
-    ``seals`` (routerd/view/sealed.py) seal and open every record shared through Redis: required with
+    ``seals`` (routerd/peers/sealed.py) seal and open every record shared through Redis: required with
     Redis (their refusals in ``/metrics`` are the caller's to add to ``collectors``)."""
-    from .routing.engine_events import EngineEventsCollector, fleet_keyers, static_sources
+    from .routing.engine_cache.subscriptions import EngineEventsCollector, fleet_keyers, static_sources
 
     rng = rng if rng is not None else random.Random()
     if control is None:
@@ -237,20 +237,20 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         controls = lambda: lease.controls  # noqa: E731  # the lease's verdict, read each time
     view = None
     if redis_url:
-        from .view import SharedView
+        from .peers import SharedMeasures
 
-        view = SharedView(cfg, registry, redis_url, seals=_required(seals), ident=ident,
+        view = SharedMeasures(cfg, registry, redis_url, seals=_required(seals), ident=ident,
                           is_scraper=scrapes_here or controls,
                           serves=role is not Role.PARENT, clock=clock)
 
     telemetry = Telemetry()
     # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores their
-    # instances by the engines' own cache views (routerd/routing/engine_events.py).
+    # instances by the engines' own cache views (routerd/routing/engine_cache/subscriptions.py).
     keyers = fleet_keyers(cfg.fleets)
     engine_events = keying = None
     if keyers:
-        from .routing.engine_events import EngineEvents
-        from .routing.keying_process import KeyingProcess
+        from .routing.engine_cache.keying_process import KeyingProcess
+        from .routing.engine_cache.subscriptions import EngineEvents
 
         _log.info("kv_events_routing", fleets=sorted(keyers))
         engine_events = EngineEvents(registry, session, fleets=list(keyers),
@@ -355,7 +355,7 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
     local = fleets.autoscaler if fleets is not None else None
     if relay is None or not launches(cfg):
         return local, None
-    from .view.wake import RelayedElastic
+    from .peers.wake import RelayedElastic
 
     wake = RelayedElastic(cfg, registry, local, relay=relay.ask_wake, controls=relay.controls)
     return wake, wake
@@ -364,17 +364,17 @@ def _elastic(cfg: Config, registry: Registry, fleets: FleetManager | None,
 def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
           controls: Callable[[], bool] | None, fleets: FleetManager | None,
           clock: Callable[[], float], *, token: Callable[[], int], seals: Seals | None,
-          worker: bool = False) -> tuple[FleetView | None, AdminRelay | None]:
+          worker: bool = False) -> tuple[FleetStateSync | None, AdminRelay | None]:
     """With Redis: the fleet state this process publishes or follows, and the admin calls' relay. A
     ``worker``'s parent is the daemon whose consumer name its own extends (workers.worker_consumer)."""
     if client is None:
         return None, None
     seals = _required(seals)
-    from .keys import Keys
-    from .view.admin_relay import AdminRelay
-    from .view.fleet_state import FleetView, config_fingerprint
+    from .peers.admin_relay import AdminRelay
+    from .peers.fleet_state import FleetStateSync, config_fingerprint
+    from .redis_keys import RedisKeys
 
-    keys = Keys.from_config(cfg.redis)
+    keys = RedisKeys.from_config(cfg.redis)
     ident = _ident(cfg)
     controls = controls if controls is not None else (lambda: True)
 
@@ -384,7 +384,7 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
     def orphans() -> list[dict[str, Any]]:
         return fleets.orphan_list() if fleets is not None else []
 
-    view = FleetView(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
+    view = FleetStateSync(registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
                      controls=controls, seals=seals, token=token, replicas=replicas,
                      op_timeout_s=cfg.redis.op_timeout_s, clock=clock,
                      parent=ident.rpartition("-w")[0] if worker else None, orphans=orphans)
@@ -394,7 +394,7 @@ def _view(cfg: Config, registry: Registry, client: aioredis.Redis | None,
                             op_timeout_s=cfg.redis.op_timeout_s)
 
 
-def _http_view(view: FleetView | None, fleets: FleetManager | None) -> dict[str, Any]:
+def _http_view(view: FleetStateSync | None, fleets: FleetManager | None) -> dict[str, Any]:
     """What the HTTP ingress reads of the fleets beyond its registry: the replica counts, the fleets
     there are (the controller's, while following), the orphaned engines and the view's status."""
     out: dict[str, Any] = {"desired_replicas": _desired(view, fleets)}
@@ -412,7 +412,7 @@ def _http_view(view: FleetView | None, fleets: FleetManager | None) -> dict[str,
     return out
 
 
-def _desired(view: FleetView | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:
+def _desired(view: FleetStateSync | None, fleets: FleetManager | None) -> Callable[[FleetConfig], int] | None:
     """A launched fleet's replica count in ``/admin/fleets``: the controller's (followed), else this
     process's fleet manager's, else the file's."""
     if view is None and fleets is None:
@@ -461,7 +461,7 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         status("redis")
         redis_url = await _redis(cfg, stack, state)
         view_redis = None
-        if redis_url:  # the shared view's client (routerd/view/), closed last but Redis
+        if redis_url:  # the shared view's client (routerd/peers/), closed last but Redis
             from .redis_server import redis_client
 
             view_redis = redis_client(redis_url, cfg.redis)
@@ -482,10 +482,10 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
             ray_connected()
             replica_store = None
             if view_redis is not None:
-                from .keys import Keys
-                from .view.replicas import ReplicaStore
+                from .peers.replicas import ReplicaStore
+                from .redis_keys import RedisKeys
 
-                replica_store = ReplicaStore(view_redis, Keys.from_config(cfg.redis), seals=seals,
+                replica_store = ReplicaStore(view_redis, RedisKeys.from_config(cfg.redis), seals=seals,
                                              op_timeout_s=cfg.redis.op_timeout_s)
             fleets = FleetManager(cfg, registry, cluster, session, replica_store=replica_store, clock=clock,
                                   control=control, engine_api_key=trust.engine_api_key)

@@ -27,8 +27,8 @@ import redis.exceptions
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
-from .jobs import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
-from .keys import Keys
+from .queue_wire import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
+from .redis_keys import RedisKeys
 
 State = Literal["unknown", "queued", "running", "done"]
 
@@ -57,7 +57,7 @@ class QueueClient:
     def __init__(self, redis: aioredis.Redis, *, stream: str = "routerd:requests",
                  op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "") -> None:
         self.redis: Any = redis
-        self.keys = Keys(stream=stream)
+        self.keys = RedisKeys(stream=stream)
         # Begins every job id this client makes, and so every per-job key (reply, result, status,
         # cancel): the scope of a producer's Redis ACL (``routerd redis-acl --producer-prefix``).
         self.id_prefix = id_prefix

@@ -165,7 +165,8 @@ def _api_key_problems(where: str, f: FleetConfig) -> list[str]:
 
 
 def _kv_event_problems(where: str, f: FleetConfig) -> list[str]:
-    """The engine args routerd itself reads for KV-event routing (routerd/routing/engine_events.py)."""
+    """The engine args routerd itself reads for KV-event routing
+    (routerd/routing/engine_cache/subscriptions.py)."""
     args, at = f.engine_args, f"{where}.engine_args"
     problems = []
     on = args.get("kv-events", args.get("kv_events"))
@@ -295,7 +296,7 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
 
 def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
     """``env:VAR`` API keys replaced by their values (read once, at load); every key form checked."""
-    from .apikeys import KeyFormError, key_digest, resolve_env
+    from .api_keys import KeyFormError, key_digest, resolve_env
     from .trust import MIN_SECRET_CHARS
 
     problems: list[str] = []
@@ -341,7 +342,7 @@ def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list
 
 def _tenant_problems(cfg: Config) -> list[str]:
     """Tenant names unique, their fleets configured, no key given to two tenants."""
-    from .apikeys import KeyFormError, key_digest
+    from .api_keys import KeyFormError, key_digest
 
     problems: list[str] = []
     names: dict[str, int] = {}

@@ -185,7 +185,7 @@ class HealthConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[fleets.autoscale]``: the fleet's replica count floats between the bounds, driven by what routerd
-    measures (routerd/fleet/autoscale.py says how); ``replicas`` is then only the count a fresh start
+    measures (routerd/fleet/scaling_policy.py says how); ``replicas`` is then only the count a fresh start
     launches."""
 
     min_replicas: Replicas = 0  # 0: an idle fleet stops its last engine and starts one on demand
@@ -230,7 +230,7 @@ class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     name: Name
-    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (routerd/apikeys.py)
+    api_keys: list[str] = []  # "sk-…" | "sha256:<hex of the key's SHA-256>" | "env:VAR" (routerd/api_keys.py)
     weight: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0  # share of a saturated fleet's slots
     # 0 = no limit; shared by every routerd on the same Redis. The bounds keep a bucket's arithmetic in
     # the integers a double holds exactly (Redis' Lua) and in msgpack's.
@@ -259,7 +259,7 @@ class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[control]``: the lease in Redis that lets one routerd at a time control the fleets
-    (routerd/view/control.py). Replicas on one Redis must agree on it."""
+    (routerd/peers/lease.py). Replicas on one Redis must agree on it."""
 
     # How long a controller that stops renewing keeps the lease; it renews every lease_s / 3 and stops
     # controlling lease_s / 10 before the lease can pass to another. 0.3 s .. 1 hour.

@@ -44,7 +44,8 @@ class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     block_tokens: float = 0.0  # estimated tokens per block
     session: str | None = None  # X-Session-Id, else the body's `user`, else a queue job's `session`
     priority: int = 0  # routerd's priority (a queue job's; HTTP: 0); larger is served first
-    # The block keys the engines will compute (their tokenizer, their hash; routerd.routing.engine_keys)
+    # The block keys the engines will compute (their tokenizer, their hash;
+    # routerd.routing.engine_cache.block_keys)
     # when the fleet has a keyer, over blocks of engine_block_tokens tokens; else empty
     engine_keys: tuple[int, ...] = ()
     engine_block_tokens: int = 0

@@ -1,10 +1,10 @@
 """Least-privilege Redis users for one deployment: the ACL rules ``routerd redis-acl`` prints.
 
-Two users. **routerd's own** may use routerd's namespace (every key of :mod:`routerd.keys`, the request
+Two users. **routerd's own** may use routerd's namespace (every key of :mod:`routerd.redis_keys`, the request
 and dead-letter streams, the pub/sub channels) with exactly the commands routerd sends, its Lua scripts'
 commands included (Redis checks those against the caller's ACL too). **A producer** may ``XADD`` to the
 request stream and use the keys of its own jobs, nothing else: "its own" is a job-id prefix. Every
-per-job key is ``<ns>:<family>:<job id>`` (:class:`~routerd.keys.Keys`), so a producer whose client
+per-job key is ``<ns>:<family>:<job id>`` (:class:`~routerd.redis_keys.RedisKeys`), so a producer whose client
 starts every job id with ``acme-`` (:class:`routerd.client.QueueClient` ``id_prefix``, ``routerd submit
 --id-prefix``) touches only ``<ns>:reply:acme-*`` (its reply streams: read, delete), ``<ns>:done:acme-*``
 (its results: read), ``<ns>:job:acme-*`` (the "queued" mark) and ``<ns>:cancel:acme-*``, and may publish
@@ -22,10 +22,10 @@ import hashlib
 import re
 
 from .config import RedisConfig
-from .keys import Keys
+from .redis_keys import RedisKeys
 
 # What routerd sends, by where it is sent from (grep routerd/ for the client calls, and the Lua scripts
-# in ingress/queue/store.py, tenants/ratelimit.py, view/control.py and view/fleet_state.py). A command
+# in ingress/queue/results.py, tenants/ratelimit.py, peers/lease.py and peers/fleet_state.py). A command
 # added to routerd must be added here: tests/test_redis_acl.py runs routerd under these rules.
 ROUTERD_COMMANDS: tuple[str, ...] = (
     # a URL's database (/N), the queue writer's barrier, Lua's clock. Not CLIENT SETINFO (Redis 7.2+),
@@ -34,14 +34,14 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     # the queue: consumer group, reads, reclaims, results, dead letters (ingress/queue/)
     "xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "xdel", "xlen", "xadd",
     "type", "exists", "lrange", "rpush",
-    # admin relay (view/admin_relay.py): calls stream, claims, answers
+    # admin relay (peers/admin_relay.py): calls stream, claims, answers
     "xread", "blpop",
     # strings: done records, cursors, lease, sessions, load records, fencing tokens
     "get", "set", "mget", "del", "incr",
     # hashes: job status, rate-limit buckets, usage, fleet state, replicas, scrapes
     "hset", "hget", "hmget", "hgetall", "hdel", "hkeys", "hincrby",
     "expire", "pexpire", "pttl",
-    # the process set (view/load.py)
+    # the process set (peers/load.py)
     "sadd", "srem", "smembers",
     # the cancel and fleet-state channels
     "publish", "subscribe", "unsubscribe",
@@ -74,7 +74,7 @@ def _checked(what: str, value: str) -> str:
     return value
 
 
-def routerd_rules(keys: Keys, reply_patterns: tuple[str, ...] = ()) -> list[str]:
+def routerd_rules(keys: RedisKeys, reply_patterns: tuple[str, ...] = ()) -> list[str]:
     """Rules (after ``user NAME``) for routerd's own user."""
     ns = glob_escape(_checked("the namespace", keys.ns))
     rules = ["resetchannels", "-@all", *(f"+{c}" for c in ROUTERD_COMMANDS), f"~{ns}:*"]
@@ -86,7 +86,7 @@ def routerd_rules(keys: Keys, reply_patterns: tuple[str, ...] = ()) -> list[str]
     return rules
 
 
-def producer_rules(keys: Keys, prefix: str, reply_patterns: tuple[str, ...] = ()) -> list[str]:
+def producer_rules(keys: RedisKeys, prefix: str, reply_patterns: tuple[str, ...] = ()) -> list[str]:
     """Rules (after ``user NAME``) for a producer whose job ids start with ``prefix``."""
     own = glob_escape(_checked("the producer prefix", prefix)) + "*"
     ns = glob_escape(keys.ns)
@@ -121,7 +121,7 @@ def acl_file(cfg: RedisConfig, *, routerd_user: str, producer_user: str, produce
             raise ValueError(f"{what} {name!r}: letters, digits and _.@+- only (1-64)")
     if routerd_user == producer_user:
         raise ValueError("the routerd user and the producer user must differ")
-    keys = Keys.from_config(cfg)
+    keys = RedisKeys.from_config(cfg)
     return "\n".join([
         _line(routerd_user, routerd_rules(keys, reply_patterns), routerd_password),
         _line(producer_user, producer_rules(keys, producer_prefix, reply_patterns), producer_password),

@@ -2,9 +2,9 @@
 
 Each field has one writer: the fleet manager adds, removes and sets ``state``/``url``/runtime info;
 the scraper writes ``snapshot`` and feeds ``learned`` (capacity and speed, :mod:`routerd.speed`) — in a
-process that applies another's scrapes, :mod:`routerd.view.scrapes` does, instead of scraping;
+process that applies another's scrapes, :mod:`routerd.peers.scrapes` does, instead of scraping;
 the health monitor writes ``health``; upstream writes ``inflight`` and the circuit fields; the shared
-view (:mod:`routerd.view.load`) writes ``inflight_elsewhere`` and ``Registry.processes``. The router
+view (:mod:`routerd.peers.load`) writes ``inflight_elsewhere`` and ``Registry.processes``. The router
 reads, and writes only ``predicted_prefix_hit_ratio`` and ``estimated_prefix_hit_ratio``. Everything
 runs on one event loop, so plain attributes are enough; what needs care is that a reader never sees an
 instance in rotation that is not ready.
@@ -69,7 +69,7 @@ class Instance:
     learned: Learned = field(default_factory=Learned, repr=False, compare=False)
     inflight_at_scrape: int = 0
     scrape_error: str = ""
-    shared_scrape: bool = False  # the snapshot came from another process's scrape (routerd.view.scrapes)
+    shared_scrape: bool = False  # the snapshot came from another process's scrape (routerd.peers.scrapes)
     scrape_errors_total: int = 0
     last_scrape_attempt: float = 0.0
     # health monitor
@@ -81,12 +81,13 @@ class Instance:
     # only estimate from their bytes (a fleet routerd does not key)
     predicted_prefix_hit_ratio: float | None = None
     estimated_prefix_hit_ratio: float | None = None
-    # KV-cache events (routerd.routing.engine_events): where routing's picture of its cache comes from
+    # KV-cache events (routerd.routing.engine_cache.subscriptions): where routing's picture of its cache
+    # comes from
     # ("events" or "model") and how its event stream is doing, per rank
     cache_view: dict[str, Any] = field(default_factory=dict)
     # upstream
     inflight: int = 0
-    # routerd.view.load: what the other routerd processes sharing this Redis have in flight on it, as
+    # routerd.peers.load: what the other routerd processes sharing this Redis have in flight on it, as
     # they last published it (0 with one process); load figures count it with routerd's own
     inflight_elsewhere: int = 0
     consecutive_failures: int = 0
@@ -269,7 +270,7 @@ class Registry:
         # the autoscaler as demand (the one state both share, so neither holds the other).
         self.queued: dict[str, int] = {}
         # routerd processes sharing this one's Redis and serving now, itself included (1 alone): written
-        # by routerd.view.load alone, read by admission, which bounds a fleet per fleet, not per process
+        # by routerd.peers.load alone, read by admission, which bounds a fleet per fleet, not per process
         self.processes = 1
 
     # writers -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""What one ``/metrics`` scrape of an engine said: the scraper makes it (:mod:`routerd.routing.promtext`),
+"""What one ``/metrics`` scrape of an engine said: the scraper makes it
+(:mod:`routerd.vllm_wire.metrics_text`),
 the registry keeps the newest per instance, the health monitor compares two, and :mod:`routerd.speed`
 learns from the deltas. A type on the floor so none of them imports another for it.
 """

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import SpanKind
 
 from .client import QueueClient
-from .jobs import ResultView, json_encode
+from .queue_wire import ResultView, json_encode
 from .redact import warn_argv_url
 
 if TYPE_CHECKING:

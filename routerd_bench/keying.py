@@ -1,15 +1,15 @@
 """What keying a request for the engines' own cache view costs routerd's event loop, at long prompts.
 
 To score a request against the engines' KV-event views, routerd tokenizes it as the engine will and
-hashes its blocks (:mod:`routerd.routing.engine_keys`) — milliseconds for an 8k-token prompt, too long
-for the event loop. Method: ``requests`` chat prompts of about ``prompt_tokens`` tokens (each opens a
+hashes its blocks (:mod:`routerd.routing.engine_cache.block_keys`) — milliseconds for an 8k-token prompt,
+too long for the event loop. Method: ``requests`` chat prompts of about ``prompt_tokens`` tokens (each opens a
 conversation of its own: nothing is shared), read as the ingress reads them (``read_head``) and keyed
 one at a time, on a running event loop, the way routerd keys them
 (``RequestViews.with_engine_keys``), in three ways:
 
 * ``process`` — routerd's way above ``INLINE_MAX``: in the keying worker process
-  (:mod:`routerd.routing.keying_process`), started and ready before the first request;
-* ``thread`` — the fallback while that worker starts: in a thread (``engine_keys.keys_for``);
+  (:mod:`routerd.routing.engine_cache.keying_process`), started and ready before the first request;
+* ``thread`` — the fallback while that worker starts: in a thread (``block_keys.keys_for``);
 * ``inline`` — on the loop itself, for comparison: what the request waits for its keys without either.
 
 Figures per request: ``loop_us`` — the CPU time *this process* spent while the request was keyed
@@ -34,10 +34,11 @@ import msgspec
 from routerd.config import RoutingConfig
 from routerd.ingress.validate import read_head
 from routerd.openai import ChatHead
-from routerd.routing import engine_keys, kv_hash
-from routerd.routing.keying_process import KeyingProcess
+from routerd.routing.engine_cache import block_keys
+from routerd.routing.engine_cache.keying_process import KeyingProcess
 from routerd.routing.request import RequestViews
 from routerd.sim_tokens import VOCAB
+from routerd.vllm_wire import block_hash
 
 from ._common import summary
 
@@ -46,7 +47,7 @@ FLEET = "f"
 BLOCK = 16
 
 
-def _bodies(keyer: engine_keys.EngineKeyer, prompt_tokens: int, requests: int, seed: int) -> list[bytes]:
+def _bodies(keyer: block_keys.EngineKeyer, prompt_tokens: int, requests: int, seed: int) -> list[bytes]:
     """Chat bodies of about ``prompt_tokens`` tokens by ``keyer``, sharing nothing."""
     rng = random.Random(seed)
 
@@ -69,9 +70,9 @@ def _head(body: bytes) -> ChatHead:
     return head
 
 
-async def _run(views: RequestViews, keyer: engine_keys.EngineKeyer, bodies: list[bytes],
+async def _run(views: RequestViews, keyer: block_keys.EngineKeyer, bodies: list[bytes],
                mode: str) -> dict[str, Any]:
-    root = kv_hash.none_hash(None)
+    root = block_hash.none_hash(None)
     loop_s: list[float] = []
     wait_s: list[float] = []
     blocks = 0
@@ -80,7 +81,7 @@ async def _run(views: RequestViews, keyer: engine_keys.EngineKeyer, bodies: list
         view = views.build(FLEET, CHAT, head)
         c0, w0 = time.process_time(), time.perf_counter()
         if mode == "inline":
-            keys = engine_keys.keys(keyer, head, BLOCK, root, hittable=True)
+            keys = block_keys.keys(keyer, head, BLOCK, root, hittable=True)
         else:
             keys = (await views.with_engine_keys(view, head)).engine_keys
         loop_s.append(time.process_time() - c0)
@@ -90,10 +91,10 @@ async def _run(views: RequestViews, keyer: engine_keys.EngineKeyer, bodies: list
     return {"blocks": blocks, "loop_us": summary(loop_s, 1e6), "wait_ms": summary(wait_s)}
 
 
-async def _keyer_cost(keyer: engine_keys.EngineKeyer, prompt_tokens: int, requests: int,
+async def _keyer_cost(keyer: block_keys.EngineKeyer, prompt_tokens: int, requests: int,
                       seed: int) -> dict[str, Any]:
     bodies = _bodies(keyer, prompt_tokens, requests, seed)
-    root = kv_hash.none_hash(None)
+    root = block_hash.none_hash(None)
     process = KeyingProcess({FLEET: keyer.spec}, timeout_s=60)
     try:
         await process.wait_ready(120)
@@ -112,12 +113,12 @@ async def keying_cost(prompt_tokens: int = 8192, *, model_dir: str = "", request
                       seed: int = 1) -> dict[str, Any]:
     """Per request: this process's CPU time while a prompt is keyed, and the request's wait, by way of
     keying and keyer (see the module docstring)."""
-    keyers: dict[str, engine_keys.EngineKeyer] = {"sim": engine_keys.SimKeyer()}
+    keyers: dict[str, block_keys.EngineKeyer] = {"sim": block_keys.SimKeyer()}
     if model_dir:
-        hf = engine_keys.load_keyer("vllm", model_dir)
+        hf = block_keys.load_keyer("vllm", model_dir)
         if hf is None:
             raise ValueError(f"{model_dir}: no tokenizer.json there (or routerd[kv] not installed)")
         keyers["hf"] = hf
-    return {"requests": requests, "block_size": BLOCK, "inline_max_chars": engine_keys.INLINE_MAX,
+    return {"requests": requests, "block_size": BLOCK, "inline_max_chars": block_keys.INLINE_MAX,
             "keyers": {name: await _keyer_cost(k, prompt_tokens, requests, seed)
                        for name, k in keyers.items()}}

@@ -38,7 +38,7 @@ from routerd import log
 from routerd._net import free_port
 from routerd.client import QueueClient
 from routerd.config import Config, load, parse
-from routerd.keys import Keys
+from routerd.redis_keys import RedisKeys
 from routerd.redis_server import EmbeddedRedis
 from routerd.registry import Registry
 
@@ -116,7 +116,7 @@ async def _serve(cfg: Config, consumer: str | None) -> int:
 STREAM = "bench:requests"
 # Every job's result on one stream, in the producers' own family of the namespace (``bench:reply:…``):
 # any other ``bench:`` name is routerd's, and the client refuses it as a reply_to.
-REPLIES = Keys(stream=STREAM).reply("all")
+REPLIES = RedisKeys(stream=STREAM).reply("all")
 # A simulated engine in its own process (so it has its own core), through the sim's public API.
 _ENGINE = """
 import asyncio, sys

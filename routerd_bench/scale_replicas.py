@@ -46,7 +46,7 @@ import aiohttp
 
 from routerd._net import free_port
 from routerd.client import QueueClient
-from routerd.jobs import decode_result
+from routerd.queue_wire import decode_result
 from routerd.redis_server import EmbeddedRedis
 
 from . import routing

@@ -40,8 +40,8 @@ from typing import Any
 
 import msgspec
 
-from routerd.routing import kv_hash
 from routerd.sim_tokens import count_prompt_tokens, expected_text, prompt_words, render_chat, token_ids
+from routerd.vllm_wire import block_hash
 
 MODEL = "bench"
 CHAT = "/v1/chat/completions"
@@ -189,11 +189,12 @@ def conversations(*, scale: float, engine_seed: int, apps: list[tuple[str, float
 def _request_blocks(plan: Sequence[Request], block_size: int) -> list[tuple[Request, list[int]]]:
     """Each request with its prompt's full KV blocks (the sim's tokens, vLLM's block keys; any root:
     only which keys are equal counts), in the order they are sent: by conversation start, then turn."""
-    root = kv_hash.none_hash(None)
+    root = block_hash.none_hash(None)
     out = []
     for r in sorted(plan, key=lambda r: (r.at, r.conversation, r.turn)):
         messages = msgspec.json.decode(r.body)["messages"]
-        out.append((r, kv_hash.block_keys(token_ids(prompt_words(render_chat(messages))), block_size, root)))
+        ids = token_ids(prompt_words(render_chat(messages)))
+        out.append((r, block_hash.block_keys(ids, block_size, root)))
     return out
 
 

@@ -4,10 +4,10 @@
 
 Without ``--model-dir`` the sim's keyer is measured. Prints the time one keying takes (tokenize +
 vLLM's sha256 block chain: what the request waits) and, while keyings run back to back through
-:func:`routerd.routing.engine_keys.keys_for`, the longest stretches the event loop could not run
+:func:`routerd.routing.engine_cache.block_keys.keys_for`, the longest stretches the event loop could not run
 anything else (how late a 1 ms timer fires): inline for comparison, in a thread
-(:func:`~routerd.routing.engine_keys.keys_for`), and in the keying process routerd uses above
-``INLINE_MAX`` (:mod:`routerd.routing.keying_process`).
+(:func:`~routerd.routing.engine_cache.block_keys.keys_for`), and in the keying process routerd uses above
+``INLINE_MAX`` (:mod:`routerd.routing.engine_cache.keying_process`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import statistics
 import time
 
 from routerd.ingress.validate import ChatHead, ChatMessage
-from routerd.routing import engine_keys, kv_hash
-from routerd.routing.keying_process import KeyingProcess
+from routerd.routing.engine_cache import block_keys
+from routerd.routing.engine_cache.keying_process import KeyingProcess
 from routerd.sim_tokens import VOCAB
+from routerd.vllm_wire import block_hash
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -45,7 +46,7 @@ async def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("-n", type=int, default=200)
     args = ap.parse_args()
-    keyer = engine_keys.load_keyer("vllm", args.model_dir) if args.model_dir else engine_keys.SimKeyer()
+    keyer = block_keys.load_keyer("vllm", args.model_dir) if args.model_dir else block_keys.SimKeyer()
     assert keyer is not None, "no tokenizer there (or tokenizers/jinja2 not installed)"
     words = [VOCAB[i % len(VOCAB)] for i in range(args.tokens * 2)]
     text = " ".join(words)
@@ -54,12 +55,12 @@ async def main() -> None:
     text = " ".join(words[: int(len(words) * args.tokens / max(1, len(ids)))])
     head = ChatHead(model="m", messages=[ChatMessage(role="system", content="You are careful."),
                                          ChatMessage(role="user", content=text)])
-    root = kv_hash.none_hash(None)
+    root = block_hash.none_hash(None)
     n_tokens = len(keyer.token_ids(head) or [])
     once = []
     for _ in range(args.n):
         t0 = time.perf_counter()
-        engine_keys.keys(keyer, head, args.block_size, root)
+        block_keys.keys(keyer, head, args.block_size, root)
         once.append(time.perf_counter() - t0)
 
     process = KeyingProcess({"f": keyer.spec}, timeout_s=60)
@@ -68,10 +69,10 @@ async def main() -> None:
     async def run(mode: str) -> None:
         for _ in range(args.n):
             if mode == "inline":
-                engine_keys.keys(keyer, head, args.block_size, root)
+                block_keys.keys(keyer, head, args.block_size, root)
                 await asyncio.sleep(0)
             elif mode == "thread":
-                await engine_keys.keys_for(keyer, head, args.block_size, root)
+                await block_keys.keys_for(keyer, head, args.block_size, root)
             else:
                 await process.keyed("f", head, args.block_size, root)
 
@@ -93,7 +94,7 @@ async def main() -> None:
             time.sleep(0)
             last = time.perf_counter()
 
-        kv_hash.block_keys(ids, args.block_size, root, pause=pause)
+        block_hash.block_keys(ids, args.block_size, root, pause=pause)
         slices.append(time.perf_counter() - last)
     print(f"GIL held by the hashing between hand-backs: p50 {_pct(slices, 0.5):.3f} ms  "
           f"p99 {_pct(slices, 0.99):.3f} ms  max {max(slices) * 1000:.3f} ms")

@@ -15,8 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from routerd import _aio
-from routerd.ingress.queue.store import BatchWriter
-from routerd.keys import Keys
+from routerd.ingress.queue.results import ResultWriter
+from routerd.redis_keys import RedisKeys
 from routerd.stop_deadline import StopDeadline
 from routerd.tenants.usage import UsageLedger
 from tests.fixtures.redis_server import RedisServer
@@ -121,7 +121,7 @@ async def test_busy_queue_writer_always_ends_when_cancelled(redis_server: RedisS
     client = aioredis.Redis.from_url(redis_server.url, socket_timeout=5)
 
     def writer() -> Busy:
-        w, n = BatchWriter(lambda: client, op_timeout_s=2.0, common={}), itertools.count()
+        w, n = ResultWriter(lambda: client, op_timeout_s=2.0, common={}), itertools.count()
         return w.run(), lambda: w.send("SET", f"k{next(n) % 100}", "v")
 
     try:
@@ -138,7 +138,8 @@ async def test_busy_usage_ledger_always_ends_when_cancelled(redis_server: RedisS
     rng = random.Random(24)
 
     def ledger() -> Busy:
-        led = UsageLedger(lambda: client, Keys(), retention_days=1, flush_interval_s=0.0, op_timeout_s=2.0)
+        led = UsageLedger(lambda: client, RedisKeys(), retention_days=1, flush_interval_s=0.0,
+                          op_timeout_s=2.0)
         return led.run(), lambda: led.add(f"t{rng.randint(0, 19)}", "f", requests=1, prompt_tokens=7,
                                           completion_tokens=3)
 

@@ -1,4 +1,5 @@
-"""The autoscaling policy (routerd/fleet/autoscale.py) and its driver's signals, by the clock — no sleeping.
+"""The autoscaling policy (routerd/fleet/scaling_policy.py) and its driver's signals, by the clock — no
+sleeping.
 
 The policy is fed :class:`Signals` at chosen times; the driver (routerd/fleet/autoscaler.py) is run over a
 real registry whose instances carry scrape snapshots, as the scraper leaves them.
@@ -17,8 +18,8 @@ from routerd import config
 from routerd.config import AdmissionConfig, AutoscaleConfig
 from routerd.dataplane.admission import Admission
 from routerd.errors import NoReadyInstance
-from routerd.fleet.autoscale import TOLERANCE, Decision, ScalingPolicy, Signals
 from routerd.fleet.autoscaler import Autoscaler
+from routerd.fleet.scaling_policy import TOLERANCE, ScaleDecision, ScalingPolicy, Signals
 from routerd.registry import Instance, InstanceState, LoadSnapshot, Registry
 
 CAP = 8.0
@@ -37,7 +38,7 @@ def sig(ready: int, demand: float, *, waiting: float = 0.0, wait_s: float = 0.0,
 
 
 def run(policy: ScalingPolicy, signals: Signals | Callable[[int], Signals], start: float, end: float,
-        step: float = 0.5) -> list[Decision]:
+        step: float = 0.5) -> list[ScaleDecision]:
     """Observe ``signals`` every ``step`` from ``start`` to ``end`` (exclusive): the same ones, or drawn
     anew each step from the policy's current replica count."""
     out = []

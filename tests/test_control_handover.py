@@ -20,9 +20,9 @@ from routerd import assembly, config
 from routerd.client import QueueClient
 from routerd.config import ControlConfig, RedisConfig
 from routerd.fleet.actor import group_members
-from routerd.keys import Keys
+from routerd.peers.fleet_state import config_fingerprint
+from routerd.redis_keys import RedisKeys
 from routerd.registry import InstanceState, Registry
-from routerd.view.fleet_state import config_fingerprint
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
@@ -119,7 +119,7 @@ async def test_a_reload_still_reaching_the_workers_is_no_config_mismatch(
     new = copy.deepcopy(cfg)
     new.setdefault("health", {})["failure_threshold"] = 5
     fingerprint = config_fingerprint(config.parse(new, environ={}))
-    state_key = Keys.from_config(config.parse(cfg, environ={}).redis).fleet_state()
+    state_key = RedisKeys.from_config(config.parse(cfg, environ={}).redis).fleet_state()
     redis = redis_server.client()
     workers = [int(e["pid"]) for e in events(rp, "worker_started")]
     assert len(workers) == 2

@@ -17,9 +17,9 @@ import redis
 from routerd.config import ConfigError, ControlConfig, RedisConfig, parse
 from routerd.fleet.actor import EngineActor, FencedOut
 from routerd.fleet.ray_cluster import RayCluster
+from routerd.peers.lease import _MARGIN, ControlLease, NotController
 from routerd.plugins import LaunchSpec
 from routerd.status import render
-from routerd.view.control import _MARGIN, ControlLease, NotController
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)

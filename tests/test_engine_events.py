@@ -22,19 +22,19 @@ from routerd_builtin.launchers import SimLauncher, VllmLauncher
 from routerd._net import free_port
 from routerd.plugins import LaunchSpec
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.routing import kv_hash
-from routerd.routing.engine_events import EngineEvents, EngineEventsCollector, connect_endpoint
-from routerd.routing.kv_events import ViewHealth
+from routerd.routing.engine_cache.subscriber import ViewHealth
+from routerd.routing.engine_cache.subscriptions import EngineEvents, EngineEventsCollector, connect_endpoint
 from routerd.sim_tokens import token_ids
+from routerd.vllm_wire import block_hash
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.sim import REPO, SimEngineFactory, SimProcessFactory, _wait_healthy
 from tests.fixtures.vllm import parse_metrics
 
-ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+ROOT = block_hash.none_hash(block_hash.LAUNCH_SEED)
 
 
 def _keys(prompt: str, root: bytes = ROOT) -> list[int]:
-    return kv_hash.block_keys(token_ids(prompt.split()), 16, root)
+    return block_hash.block_keys(token_ids(prompt.split()), 16, root)
 
 
 async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys() -> None:
@@ -49,7 +49,7 @@ async def test_the_vllm_launcher_makes_the_engine_publish_keyed_as_routerd_keys(
     assert (cfg["endpoint"], cfg["replay_endpoint"]) == ("tcp://*:0", "tcp://*:0")
     assert plan.env["VLLM_HOST_IP"] == "127.0.0.1"
     assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256"
-    assert plan.env["PYTHONHASHSEED"] == kv_hash.LAUNCH_SEED
+    assert plan.env["PYTHONHASHSEED"] == block_hash.LAUNCH_SEED
     off = await VllmLauncher().plan(
         LaunchSpec(fleet="f", index=0, model="m", engine="vllm", engine_args={"kv-events": False}),
         host="127.0.0.1", port=8000, workdir="/w")
@@ -234,7 +234,7 @@ async def test_an_engine_restarted_out_of_rotation_is_counted_by_the_next_subscr
     inst = registry.add(Instance(id="f:static0", fleet="f", url=engine.url, static=True,
                                  state=InstanceState.READY))
     # this process's sim processes seed their block hashes as it is seeded (as vLLM does)
-    root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+    root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
     prompts = [f"conversation {n} of many users and each replica answers a batch " * 4 for n in range(4)]
     keys = [_keys(p, root) for p in prompts]
     async with aiohttp.ClientSession() as session:
@@ -350,8 +350,8 @@ async def test_a_daemon_routes_a_static_fleet_by_its_engines_events(
 
 def test_which_fleets_are_keyed(tmp_path: Path) -> None:
     from routerd.config import FleetConfig
-    from routerd.routing.engine_events import fleet_keyers
-    from routerd.routing.engine_keys import SimKeyer
+    from routerd.routing.engine_cache.block_keys import SimKeyer
+    from routerd.routing.engine_cache.subscriptions import fleet_keyers
 
     fleets = [
         FleetConfig(name="sim-off", model="m", engine="sim"),
@@ -368,15 +368,15 @@ def test_which_fleets_are_keyed(tmp_path: Path) -> None:
     keyer, size, root = keyers["sim-on"]
     assert isinstance(keyer, SimKeyer)
     assert size == 32
-    assert root == kv_hash.none_hash(kv_hash.LAUNCH_SEED)
-    assert keyers["static"][1:] == (16, kv_hash.none_hash("7"))
+    assert root == block_hash.none_hash(block_hash.LAUNCH_SEED)
+    assert keyers["static"][1:] == (16, block_hash.none_hash("7"))
 
 
 async def test_a_static_fleet_can_name_each_urls_publisher(sim_engine: SimEngineFactory) -> None:
     """``engine_args.kv-event-sources``, one per URL: used instead of asking the engine (here the URL's
     engine publishes nothing itself; the named publisher is another's)."""
     from routerd.config import FleetConfig
-    from routerd.routing.engine_events import static_sources
+    from routerd.routing.engine_cache.subscriptions import static_sources
 
     quiet = await sim_engine()
     publishing = await sim_engine(kv_events_config=json.dumps(
@@ -396,8 +396,8 @@ async def test_a_static_fleet_can_name_each_urls_publisher(sim_engine: SimEngine
             assert await eventually(lambda: events.status("f:static0")["cache_view"] == "events", 10)
             prompt = "the router sends a request to the engine " * 6
             await _send(publishing.url, prompt)
-            root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
-            keys = kv_hash.block_keys(token_ids(prompt.split()), 16, root)
+            root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+            keys = block_hash.block_keys(token_ids(prompt.split()), 16, root)
             assert await eventually(lambda: events.match("f:static0", keys) == len(keys), 10)
         finally:
             task.cancel()

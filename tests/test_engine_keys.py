@@ -12,11 +12,12 @@ import aiohttp
 import pytest
 
 from routerd.ingress.validate import ChatHead, ChatMessage, CompletionHead
-from routerd.routing import engine_keys, kv_hash
-from routerd.routing.keying_process import KeyingProcess
+from routerd.routing.engine_cache import block_keys
+from routerd.routing.engine_cache.keying_process import KeyingProcess
+from routerd.vllm_wire import block_hash
 from tests.fixtures.sim import SimEngineFactory
 
-ROOT = kv_hash.none_hash(None)
+ROOT = block_hash.none_hash(None)
 CONVERSATION = [
     {"role": "system", "content": "You are careful. " * 12},
     {"role": "user", "content": "the router sends a request to the engine which streams tokens back " * 4},
@@ -38,29 +39,29 @@ async def test_the_sim_keyer_predicts_the_blocks_the_sim_caches(sim_engine: SimE
         body = {"messages": CONVERSATION, "max_tokens": 1}
         async with s.post(f"{eng.url}/v1/chat/completions", json=body) as r:
             assert r.status == 200
-        chat_keys = engine_keys.keys(engine_keys.SimKeyer(), _chat(), 16, ROOT)
+        chat_keys = block_keys.keys(block_keys.SimKeyer(), _chat(), 16, ROOT)
         assert len(chat_keys) > 5
         assert eng.engine.cached_block_keys() == set(chat_keys)
         async with s.post(f"{eng.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
             assert r.status == 200
-    done_keys = engine_keys.keys(engine_keys.SimKeyer(), CompletionHead(model="m", prompt=prompt), 16, ROOT)
+    done_keys = block_keys.keys(block_keys.SimKeyer(), CompletionHead(model="m", prompt=prompt), 16, ROOT)
     assert len(done_keys) == 150 // 16
     assert eng.engine.cached_block_keys() == set(chat_keys) | set(done_keys)
 
 
 async def test_a_long_prompt_is_keyed_off_the_loop_with_the_same_result() -> None:
     head = CompletionHead(model="m", prompt="many users " * 4000)
-    keyer = engine_keys.SimKeyer()
-    assert engine_keys.prompt_size(head) > engine_keys.INLINE_MAX
-    assert await engine_keys.keys_for(keyer, head, 16, ROOT) == engine_keys.keys(keyer, head, 16, ROOT)
+    keyer = block_keys.SimKeyer()
+    assert block_keys.prompt_size(head) > block_keys.INLINE_MAX
+    assert await block_keys.keys_for(keyer, head, 16, ROOT) == block_keys.keys(keyer, head, 16, ROOT)
 
 
 def test_what_cannot_be_keyed_has_no_keys() -> None:
-    keyer = engine_keys.SimKeyer()
-    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt=["a", "b"]), 16, ROOT) == ()
-    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="short"), 16, ROOT) == ()
-    assert engine_keys.load_keyer("vllm", None) is None
-    assert engine_keys.load_keyer("vllm", "/nonexistent") is None
+    keyer = block_keys.SimKeyer()
+    assert block_keys.keys(keyer, CompletionHead(model="m", prompt=["a", "b"]), 16, ROOT) == ()
+    assert block_keys.keys(keyer, CompletionHead(model="m", prompt="short"), 16, ROOT) == ()
+    assert block_keys.load_keyer("vllm", None) is None
+    assert block_keys.load_keyer("vllm", "/nonexistent") is None
 
 
 @pytest.mark.vllm
@@ -81,8 +82,8 @@ def test_the_hf_keyer_tokenizes_as_transformers_renders_for_vllm(vllm_bin: Path,
     out = subprocess.run([str(python), "-c", script, str(tiny_model_dir), json.dumps(CONVERSATION), prompt],
                          capture_output=True, text=True, timeout=300, check=True)
     chat_ids, prompt_ids = json.loads(out.stdout.strip().splitlines()[-1])
-    keyer = engine_keys.load_keyer("vllm", str(tiny_model_dir))
-    assert isinstance(keyer, engine_keys.HfKeyer)
+    keyer = block_keys.load_keyer("vllm", str(tiny_model_dir))
+    assert isinstance(keyer, block_keys.HfKeyer)
     assert keyer.token_ids(_chat()) == chat_ids
     assert keyer.token_ids(CompletionHead(model="m", prompt=prompt)) == prompt_ids
 
@@ -97,11 +98,11 @@ def test_a_template_that_fails_on_the_messages_leaves_the_request_unkeyed(tmp_pa
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}{{ m.content }}{{ no_such.thing }}{% endfor %}"}))
-    keyer = engine_keys.load_keyer("vllm", str(tmp_path))
+    keyer = block_keys.load_keyer("vllm", str(tmp_path))
     assert keyer is not None
     head = ChatHead(model="m", messages=[ChatMessage(role="user", content="hello " * 64)])
-    assert engine_keys.keys(keyer, head, 16, ROOT) == ()  # the template fails: no crash, no keys
-    assert engine_keys.keys(keyer, CompletionHead(model="m", prompt="hello " * 64), 16, ROOT) != ()
+    assert block_keys.keys(keyer, head, 16, ROOT) == ()  # the template fails: no crash, no keys
+    assert block_keys.keys(keyer, CompletionHead(model="m", prompt="hello " * 64), 16, ROOT) != ()
 
 
 async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
@@ -111,7 +112,7 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
     from routerd.routing.request import RequestViews
 
     views = RequestViews(RoutingConfig())
-    views.keyers["f"] = (engine_keys.SimKeyer(), 16, ROOT)
+    views.keyers["f"] = (block_keys.SimKeyer(), 16, ROOT)
     head = CompletionHead(model="m", prompt="a " * 100)
     plain = views.build("f", "/v1/completions", head)
     assert plain.prompt_tokens == 50
@@ -127,9 +128,9 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
 
 
 async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
-    keyer = engine_keys.SimKeyer()
+    keyer = block_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)
-    expected = engine_keys.keyed(keyer, head, 16, ROOT, hittable=True)
+    expected = block_keys.keyed(keyer, head, 16, ROOT, hittable=True)
     assert expected.tokens == 6000
     assert len(expected.keys) == 5999 // 16
     kp = KeyingProcess({"f": keyer.spec}, timeout_s=60, restart_backoff_s=3600)

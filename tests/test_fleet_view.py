@@ -1,6 +1,6 @@
-"""The fleet state shared through Redis (routerd/view/): the controller publishes, followers follow.
+"""The fleet state shared through Redis (routerd/peers/): the controller publishes, followers follow.
 
-Two registries in one test process on a real redis-server: one :class:`FleetView` publishes while its
+Two registries in one test process on a real redis-server: one :class:`FleetStateSync` publishes while its
 flag says it controls, the other follows; the flag stands in for the control lease.
 """
 
@@ -17,19 +17,19 @@ import redis.asyncio as aioredis
 import structlog
 
 from routerd.config import RedisConfig
-from routerd.keys import Keys
+from routerd.peers.fleet_state import FleetState, FleetStateSync, Published
+from routerd.peers.sealed import FLEET_STATE, Seals
+from routerd.redis_keys import RedisKeys
 from routerd.redis_server import redis_client
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.telemetry import Metrics, Telemetry
 from routerd.trust import Trust
-from routerd.view.fleet_state import FleetState, FleetView, Published
-from routerd.view.sealed import FLEET_STATE, Seals
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
-KEYS = Keys()
+KEYS = RedisKeys()
 SEALS = Seals(Trust(b"the tests' shared secret", source="test"))  # what every process here holds
 
 
@@ -55,9 +55,9 @@ async def client_of(server: RedisServer) -> AsyncIterator[aioredis.Redis]:
 @contextlib.asynccontextmanager
 async def view_running(server: RedisServer, registry: Registry, controls: Callable[[], bool], *,
                        ident: str, fingerprint: str = "fp", token: Callable[[], int] = lambda: 0,
-                       replicas: dict[str, int] | None = None, **kw: Any) -> AsyncIterator[FleetView]:
+                       replicas: dict[str, int] | None = None, **kw: Any) -> AsyncIterator[FleetStateSync]:
     async with client_of(server) as client:
-        view = FleetView(registry, client, KEYS, ident=ident, fingerprint=fingerprint, controls=controls,
+        view = FleetStateSync(registry, client, KEYS, ident=ident, fingerprint=fingerprint, controls=controls,
                          seals=kw.pop("seals", SEALS), token=token, replicas=lambda: dict(replicas or {}),
                          op_timeout_s=2.0, **kw)
         task = asyncio.create_task(view.run())
@@ -189,9 +189,9 @@ async def test_a_deposed_controller_cannot_overwrite_its_successor(redis_server:
     new.add(launched("g", 0))
     new.add(launched("g", 1))
     async with client_of(redis_server) as client:
-        def view(registry: Registry, token: int, ident: str) -> FleetView:
-            return FleetView(registry, client, KEYS, ident=ident, fingerprint="fp", controls=lambda: True,
-                             seals=SEALS, token=lambda: token)
+        def view(registry: Registry, token: int, ident: str) -> FleetStateSync:
+            return FleetStateSync(registry, client, KEYS, ident=ident, fingerprint="fp",
+                                  controls=lambda: True, seals=SEALS, token=lambda: token)
         assert await view(new, 7, "new").publish() > 0
         assert await view(old, 6, "old").publish() == -1
         raw = await client.hget(KEYS.fleet_state(), "state")
@@ -242,7 +242,7 @@ async def test_a_follower_with_another_fleet_config_says_so(redis_server: RedisS
 async def test_a_pinned_count_holds_until_the_file_changes_the_fleets_count(
         redis_server: RedisServer) -> None:
     from routerd.config import FleetConfig
-    from routerd.view.replicas import ReplicaStore
+    from routerd.peers.replicas import ReplicaStore
 
     def fleet(name: str, replicas: int) -> FleetConfig:
         return FleetConfig(name=name, model=name, engine="sim", replicas=replicas)
@@ -305,7 +305,7 @@ async def test_a_local_change_to_a_followers_registry_is_undone_by_the_next_refr
 async def test_a_reload_that_makes_a_followers_fleet_config_differ_is_warned_about(
         redis_server: RedisServer) -> None:
     from routerd.config import Config
-    from routerd.view.fleet_state import config_fingerprint
+    from routerd.peers.fleet_state import config_fingerprint
 
     ctl, fol = Registry(), Registry()
     ctl.add(launched("g", 0))
@@ -324,7 +324,7 @@ def test_the_published_config_fingerprint_is_not_a_hash_of_a_fleets_secrets() ->
     """The fingerprint is published in Redis: a static fleet's key (or a URL password) does not change
     it, so it cannot be searched offline; what decides launches still does."""
     from routerd.config import parse
-    from routerd.view.fleet_state import config_fingerprint
+    from routerd.peers.fleet_state import config_fingerprint
 
     def fingerprint(url: str, **extra: object) -> str:
         return config_fingerprint(parse({"fleets": [{"name": "s", "model": "m", "engine": "static",

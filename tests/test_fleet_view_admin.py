@@ -1,5 +1,5 @@
 """Two routerd on one Redis, one controlling: the follower routes over the controller's fleet state,
-and its admin calls are carried out by the controller (routerd/view/admin_relay.py).
+and its admin calls are carried out by the controller (routerd/peers/admin_relay.py).
 
 Both are built by the one builder (``assembly.running``) over a static fleet of scripted engines; a flag
 stands in for the control lease.

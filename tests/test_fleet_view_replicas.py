@@ -1,5 +1,5 @@
 """A replica count set at run time lives in Redis, so the next controller starts from it, not from the
-file (routerd/view/replicas.py) — on a real Ray cluster with simulated engines.
+file (routerd/peers/replicas.py) — on a real Ray cluster with simulated engines.
 
 The issue's failure: a count set on one routerd was invisible to the next, whose start stopped the
 extra engine as unwanted.
@@ -15,7 +15,7 @@ import pytest
 
 from routerd import assembly
 from routerd.config import RedisConfig
-from routerd.keys import Keys
+from routerd.redis_keys import RedisKeys
 from routerd.registry import Registry
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
 from tests.fixtures.redis_server import RedisServer
@@ -30,7 +30,7 @@ async def test_a_replica_count_set_at_run_time_outlives_its_controller(
              "tensor_parallel_size": 1, "engine_args": SIM_ARGS}
     cfg = make_cfg(ray_cluster, tmp_path, "rp", [fleet])
     cfg = msgspec.structs.replace(cfg, redis=RedisConfig(url=redis_server.url, consumer="a"))
-    pinned = Keys.from_config(cfg.redis).replicas()
+    pinned = RedisKeys.from_config(cfg.redis).replicas()
     async with assembly.running(cfg, Registry(), stop_engines=False, consume=False) as r, \
             aiohttp.ClientSession() as s:
         async with s.post(f"{r.url}/admin/fleets/rp/replicas", json={"replicas": 1}) as resp:

@@ -16,10 +16,12 @@ import pytest
 
 from routerd import _aio
 from routerd._net import free_port
-from routerd.routing import kv_hash
-from routerd.routing.engine_cache import EngineCacheView
-from routerd.routing.kv_events import KvEventSubscriber, ViewHealth
-from routerd.routing.kv_wire import (
+from routerd.routing.engine_cache.blocks import EngineBlocks
+from routerd.routing.engine_cache.subscriber import KvEventSubscriber, ViewHealth
+from routerd.sim.server import SimEngine
+from routerd.sim_tokens import token_ids
+from routerd.vllm_wire import block_hash
+from routerd.vllm_wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -27,8 +29,6 @@ from routerd.routing.kv_wire import (
     EventBatch,
     decode_batch,
 )
-from routerd.sim.server import SimEngine
-from routerd.sim_tokens import token_ids
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 
@@ -127,7 +127,7 @@ def test_unknown_kinds_fields_and_bad_events_are_skipped_and_counted() -> None:
     assert batch.dp_rank == 3
     first, last = batch.events
     assert isinstance(first, BlockStored)
-    assert first.block_hashes == (kv_hash.external(digest),)
+    assert first.block_hashes == (block_hash.external(digest),)
     assert first.block_hashes[0] == int.from_bytes(digest[-8:], "big")  # the int form of the same key
     assert isinstance(last, BlockStored)
     assert last.parent_block_hash == 8
@@ -142,7 +142,7 @@ def test_odd_but_readable_numbers_decode_as_before() -> None:
                                   "token_ids": [1.0, 2, True], "block_size": 16}], None])
     (ev,) = decode_batch(0, payload).events
     assert isinstance(ev, BlockStored)
-    assert ev.block_hashes == (kv_hash.external(big), kv_hash.external(negative), 7)
+    assert ev.block_hashes == (block_hash.external(big), block_hash.external(negative), 7)
     assert ev.token_ids == (1, 2, 1)
 
 
@@ -162,10 +162,10 @@ def _kv_config(**over: Any) -> str:
 
 
 class Subscribed:
-    """A subscriber task over an EngineCacheView, cancelled at teardown."""
+    """A subscriber task over an EngineBlocks, cancelled at teardown."""
 
     def __init__(self, endpoint: str, replay: str | None, **kw: Any) -> None:
-        self.view = EngineCacheView()
+        self.view = EngineBlocks()
         self.sub = KvEventSubscriber(endpoint, self.view, replay_endpoint=replay, topic="kv",
                                      replay_timeout_s=kw.pop("replay_timeout_s", 2.0),
                                      probe_interval_s=kw.pop("probe_interval_s", 0.2), **kw)
@@ -202,7 +202,7 @@ def _prompt(conv: int, turn: int) -> str:
 
 def _keys(prompt: str) -> list[int]:
     """What a router computes for a prompt to the sim: its token ids, keyed as vLLM keys blocks."""
-    return kv_hash.block_keys(token_ids(prompt.split()), 16, kv_hash.none_hash(None))
+    return block_hash.block_keys(token_ids(prompt.split()), 16, block_hash.none_hash(None))
 
 
 async def _send(session: aiohttp.ClientSession, url: str, prompt: str) -> None:
@@ -470,7 +470,7 @@ async def test_a_subscriber_on_a_busy_stream_always_ends_when_cancelled() -> Non
     publisher = asyncio.create_task(publish())
     try:
         for trial in range(60):
-            sub = KvEventSubscriber(endpoint, EngineCacheView(), topic="kv", probe_interval_s=0.002)
+            sub = KvEventSubscriber(endpoint, EngineBlocks(), topic="kv", probe_interval_s=0.002)
             task = asyncio.create_task(sub.run())
             await asyncio.sleep(0.005 + rng.random() * 0.02)
             task.cancel()
@@ -486,7 +486,7 @@ def test_the_view_is_bounded_by_the_engines_kv_capacity() -> None:
     """An engine holds at most its KV's blocks, so its view does too (the oldest go first); and the
     speculative entries of requests sent there — however fast they come — at most four times that."""
     now = 100.0
-    view = EngineCacheView(64, clock=lambda: now)
+    view = EngineBlocks(64, clock=lambda: now)
     keys = list(range(1, 1001))
     view.apply(EventBatch(seq=0, ts=0.0, events=(
         BlockStored(block_hashes=tuple(keys), parent_block_hash=None, token_ids=(), block_size=16,

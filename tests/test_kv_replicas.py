@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from routerd.routing import kv_hash
-from routerd.routing.engine_events import attach
-from routerd.routing.engine_keys import SimKeyer
+from routerd.routing.engine_cache.block_keys import SimKeyer
+from routerd.routing.engine_cache.subscriptions import attach
+from routerd.vllm_wire import block_hash
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.vllm import parse_metrics
 
@@ -59,7 +59,7 @@ async def _alternate(planes: list[RunningPlane], engines: list[Any]) -> float:
 async def _run(sims: SimFactory, dataplane: PlaneFactory, routerds: int, events: bool) -> float:
     engines = [await sims(kv_events_config=KV, max_num_seqs=8, prefill_ms_per_token=0.05) for _ in range(3)]
     planes = [await dataplane([e.url for e in engines]) for _ in range(routerds)]
-    root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+    root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
     tasks = []
     async with aiohttp.ClientSession() as session:
         try:

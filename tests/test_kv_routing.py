@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import structlog
 
-from routerd.routing import kv_hash
-from routerd.routing.engine_events import EngineEvents, attach
-from routerd.routing.engine_keys import SimKeyer
+from routerd.routing.engine_cache.block_keys import SimKeyer
+from routerd.routing.engine_cache.subscriptions import EngineEvents, attach
+from routerd.vllm_wire import block_hash
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.vllm import parse_metrics
 
@@ -44,7 +44,7 @@ async def subscribed(sims: SimFactory, dataplane: PlaneFactory
                for _ in range(2)]
     plane = await dataplane([e.url for e in engines])
     # The in-process sims seed their block hashes from this process's PYTHONHASHSEED (as vLLM does).
-    root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+    root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         events = attach(plane.dp.router, plane.dp.telemetry, plane.registry, session,
                         {"f": (SimKeyer(), 16, root)})

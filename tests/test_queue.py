@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from routerd.client import QueueClient
 from routerd.errors import BadRequest
 from routerd.ingress.validate import read_head
-from routerd.jobs import decode_result
+from routerd.queue_wire import decode_result
 from routerd.telemetry import Metrics
 from tests.fixtures.redis_server import (
     FakeUpstream,

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
-from routerd.keys import Keys
+from routerd.redis_keys import RedisKeys
 from tests.fixtures.redis_server import (
     FakeForwardResult,
     FakeUpstream,
@@ -136,11 +136,11 @@ async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(
     assert bench.ingress.stats["dead"] == len(entries)
 
 
-def _every_key(keys: Keys, job_id: str = "x1") -> dict[str, str]:
-    """Every name :class:`Keys` gives, found by looking at the class: a key family added later is
+def _every_key(keys: RedisKeys, job_id: str = "x1") -> dict[str, str]:
+    """Every name :class:`RedisKeys` gives, found by looking at the class: a key family added later is
     covered without touching this test."""
     names = {}
-    for attr in dir(Keys):
+    for attr in dir(RedisKeys):
         if attr.startswith("_") or attr in ("from_config", "reserved", "group"):  # group: not a key
             continue
         value = getattr(keys, attr)
@@ -153,7 +153,8 @@ def _every_key(keys: Keys, job_id: str = "x1") -> dict[str, str]:
 
 
 def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() -> None:
-    for keys in (Keys(), Keys(stream="acme:jobs:in", dead="acme-dead"), Keys(stream="solo", dead="x")):
+    for keys in (RedisKeys(), RedisKeys(stream="acme:jobs:in", dead="acme-dead"),
+                 RedisKeys(stream="solo", dead="x")):
         for attr, name in _every_key(keys).items():
             why = keys.reserved(name)
             if attr == "reply":
@@ -162,8 +163,8 @@ def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() 
                 assert why is not None, (attr, name)
         assert keys.reserved(keys.usage("2026-01-01") + ":more") is not None
         assert keys.reserved(keys.ns + "x:done:1") is None  # another namespace
-    assert Keys().reserved("elsewhere") is None
-    assert Keys().reserved("routerd") is not None  # the namespace itself
+    assert RedisKeys().reserved("elsewhere") is None
+    assert RedisKeys().reserved("routerd") is not None  # the namespace itself
 
 
 async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
@@ -171,7 +172,7 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
     """``reply_to: routerd:ratelimit:<tenant>`` turned the bucket into a stream (every rate-limit call
     then failed WRONGTYPE, for every routerd). Every key family is refused; each job is dead-lettered
     with the reason and its error result is stored, and nothing is written to the key it named."""
-    keys = Keys()
+    keys = RedisKeys()
     await redis_async.hset(keys.ratelimit("default"), mapping={"r": "5", "t": "0", "ts": "1"})
     await redis_async.hset(keys.usage("2026-01-01"), "default|f|requests", "3")
     names = {attr: name for attr, name in _every_key(keys, "victim").items() if attr != "reply"}

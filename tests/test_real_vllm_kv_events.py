@@ -28,8 +28,9 @@ import structlog
 from routerd import _aio
 from routerd.ingress.validate import ChatHead, ChatMessage
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.routing import engine_keys, kv_hash
-from routerd.routing.engine_events import EngineEvents, attach
+from routerd.routing.engine_cache import block_keys
+from routerd.routing.engine_cache.subscriptions import EngineEvents, attach
+from routerd.vllm_wire import block_hash
 from tests.fixtures.dataplane import PlaneFactory
 from tests.fixtures.ray_cluster import eventually
 from tests.fixtures.vllm import PAIR_BLOCK, PAIR_KV_BLOCKS, EnginePair, VllmServer, parse_metrics
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK = PAIR_BLOCK
 BLOCKS = PAIR_KV_BLOCKS  # 544 tokens of KV: four conversations of ~150 tokens and their replies do not fit
-ROOT = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+ROOT = block_hash.none_hash(block_hash.LAUNCH_SEED)
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 TURNS = ["the router sends a request to the engine and it streams tokens back",
          "each replica answers a batch of prompts with cache blocks in time",
@@ -58,7 +59,7 @@ async def _hits_queries(http: aiohttp.ClientSession, url: str) -> tuple[float, f
 
 
 async def _conversations(http: aiohttp.ClientSession, events: EngineEvents, iid: str, url: str,
-                         keyer: engine_keys.EngineKeyer) -> list[tuple[int, float]]:
+                         keyer: block_keys.EngineKeyer) -> list[tuple[int, float]]:
     """Four conversations of three turns, one request at a time: (predicted, engine's) hit tokens."""
     out: list[tuple[int, float]] = []
     convs: list[list[dict[str, Any]]] = [[{"role": "system", "content": f"conversation number {c}."}]
@@ -68,7 +69,7 @@ async def _conversations(http: aiohttp.ClientSession, events: EngineEvents, iid:
             conv.append({"role": "user", "content": f"{turn} ({c})"})
             head = ChatHead(model="tiny", messages=[ChatMessage(role=m["role"], content=m["content"])
                                                     for m in conv])
-            keys = engine_keys.keys(keyer, head, BLOCK, ROOT, hittable=True)
+            keys = block_keys.keys(keyer, head, BLOCK, ROOT, hittable=True)
             predicted = events.match(iid, keys)
             assert predicted is not None, events.status(iid)
             before = await _hits(http, url)
@@ -79,14 +80,14 @@ async def _conversations(http: aiohttp.ClientSession, events: EngineEvents, iid:
             conv.append({"role": "assistant", "content": reply})
             out.append((predicted * BLOCK, await _hits(http, url) - before))
             # The engine announced this request's blocks when it scheduled it; wait until routerd has them.
-            full = engine_keys.keys(keyer, head, BLOCK, ROOT)
+            full = block_keys.keys(keyer, head, BLOCK, ROOT)
             assert await eventually(lambda k=full: events.match(iid, k) == len(k), 10), events.status(iid)
     return out
 
 
 async def test_predicted_hits_equal_the_engines_across_a_restart(engine_pair: EnginePair,
                                                                  tiny_model_dir: Path) -> None:
-    keyer = engine_keys.load_keyer("vllm", str(tiny_model_dir))
+    keyer = block_keys.load_keyer("vllm", str(tiny_model_dir))
     assert keyer is not None
     server = await asyncio.to_thread(engine_pair.one)
     registry = Registry()
@@ -132,7 +133,7 @@ async def test_routing_two_engines_predicts_each_hit_to_the_token(
     request's ``cached_tokens_est`` in its log line is what its engine then counted as hit, its
     ``prompt_tokens`` what the engine counted as queried; and so each instance's predicted hit ratio is
     the engine's own (issue 26: 0.80 against the engine's 0.75, over a size estimated from bytes)."""
-    keyer = engine_keys.load_keyer("vllm", str(tiny_model_dir))
+    keyer = block_keys.load_keyer("vllm", str(tiny_model_dir))
     assert keyer is not None
     plane = await dataplane([s.url for s in vllm_pair], model="tiny")
     # routing's window (~30 s, as the engine's reported ratio) frozen: the plain sum over these requests
@@ -170,7 +171,7 @@ async def test_routing_two_engines_predicts_each_hit_to_the_token(
                         # wait until routerd has the engine's announcement of this request's blocks
                         head = ChatHead(model="tiny", messages=[
                             ChatMessage(role=m["role"], content=m["content"]) for m in conv[:-1]])
-                        full = engine_keys.keys(keyer, head, BLOCK, ROOT)
+                        full = block_keys.keys(keyer, head, BLOCK, ROOT)
                         assert await eventually(lambda k=full, i=iid: events.match(i, k) == len(k), 10)
             ratios = []
             for iid, s in by_id.items():

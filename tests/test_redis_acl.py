@@ -23,15 +23,15 @@ import redis.exceptions
 
 from routerd.client import QueueClient
 from routerd.config import RedisConfig
-from routerd.keys import Keys
 from routerd.redis_acl import acl_file
+from routerd.redis_keys import RedisKeys
 from tests.fixtures.daemon import RouterdFactory, base_config, to_toml
 from tests.fixtures.redis_server import AclRedisFactory
 from tests.fixtures.sim import SimProcessFactory
 
 ROUTERD_PW = "routerd-pw-Acl1"
 PRODUCER_PW = "producer-pw-Acl2"
-KEYS = Keys()
+KEYS = RedisKeys()
 
 
 async def _cli(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

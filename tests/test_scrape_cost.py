@@ -1,5 +1,5 @@
 """Watching many instances cheaply: the /metrics fast path, the lean fetch, idle-rate scrapes and
-heartbeats (routerd/routing/promtext.py, routing/scraper.py, fleet/health.py, dataplane/engine_http.py).
+heartbeats (routerd/routing/metrics_text.py, routing/scraper.py, fleet/health.py, dataplane/engine_http.py).
 
 Rates are compared, never timed: an idle instance's scrapes and heartbeats against a busy one's over
 the same window, counted at the simulated engines (``SimEngine.watched``).
@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 
 from routerd.dataplane.engine_http import EnginePool, ProtocolError
-from routerd.routing import promtext
 from routerd.sim.config import SimConfig
 from routerd.sim.metrics import SimMetrics
 from routerd.sim.server import SimEngine
+from routerd.vllm_wire import metrics_text
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.test_promtext import vllm_page
 
@@ -39,9 +39,9 @@ REAL_PAGE = (Path(__file__).parent / "data" / "vllm" / "metrics.txt").read_bytes
     b"# HELP x\nvllm:generation_tokens 7\nvllm:num_requests_running 2\n",
 ], ids=["real_vllm", "sim_idle", "current", "pre_012", "two_engines", "no_help", "foreign_help"])
 def test_fast_path_reads_what_the_full_parser_reads(page: bytes) -> None:
-    full = promtext.parse(page.decode(), 4.0)
-    assert promtext.parse_page(page, 4.0) == full
-    assert promtext.parse_page(page, 4.0) == full  # again: its family blocks as read the first time
+    full = metrics_text.parse(page.decode(), 4.0)
+    assert metrics_text.parse_page(page, 4.0) == full
+    assert metrics_text.parse_page(page, 4.0) == full  # again: its family blocks as read the first time
 
 
 async def test_fast_path_on_a_busy_sim_page(sims: SimFactory) -> None:
@@ -63,8 +63,8 @@ async def test_fast_path_on_a_busy_sim_page(sims: SimFactory) -> None:
             for t in long:
                 t.cancel()
             await asyncio.gather(*long, return_exceptions=True)
-    fast = promtext.parse_page(page, 1.0)
-    assert fast == promtext.parse(page.decode(), 1.0)
+    fast = metrics_text.parse_page(page, 1.0)
+    assert fast == metrics_text.parse(page.decode(), 1.0)
     assert (fast.running, fast.waiting) == (2, 1)
     assert fast.running_seconds_count == 1
     assert fast.generation_tokens >= 3
@@ -76,9 +76,9 @@ def test_fast_path_skips_the_families_routing_does_not_read() -> None:
     page = REAL_PAGE.replace(b'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="tiny"}',
                              b'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="tiny"', 1)
     assert page != REAL_PAGE
-    with pytest.raises(promtext.ParseError):
-        promtext.parse(page.decode(), 0.0)
-    assert promtext.parse_page(page, 0.0) == promtext.parse(REAL_PAGE.decode(), 0.0)
+    with pytest.raises(metrics_text.ParseError):
+        metrics_text.parse(page.decode(), 0.0)
+    assert metrics_text.parse_page(page, 0.0) == metrics_text.parse(REAL_PAGE.decode(), 0.0)
 
 
 # the watchers' lean fetch ---------------------------------------------------------------------------
@@ -89,7 +89,8 @@ async def test_fetch_reads_whole_pages_on_one_kept_alive_connection(sims: SimFac
         for _ in range(3):
             status, page = await pool.fetch(eng.url + "/metrics", 8 * 1024 * 1024)
             assert status == 200
-            assert promtext.parse_page(page, 0.0) == promtext.parse(eng.metrics.exposition().decode(), 0.0)
+            text = eng.metrics.exposition().decode()
+            assert metrics_text.parse_page(page, 0.0) == metrics_text.parse(text, 0.0)
         assert (await pool.fetch(eng.url + "/health", 1024))[0] == 200
         assert (await pool.fetch(eng.url + "/nope", 1024))[0] == 404
         assert pool.connects == 1

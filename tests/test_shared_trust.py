@@ -18,19 +18,19 @@ import pytest
 
 from routerd import assembly
 from routerd.config import RedisConfig
-from routerd.keys import Keys
+from routerd.peers.admin_relay import AdminAnswer, AdminCall, AdminRelay
+from routerd.peers.fleet_state import FleetStateSync
+from routerd.peers.load import LoadRecord
+from routerd.peers.replicas import file_of
+from routerd.peers.scrapes import ScrapeRecord
+from routerd.peers.sealed import ADMIN_ANSWER, ADMIN_CALL, FLEET_STATE, Seals
+from routerd.peers.sessions import SessionRecord, digest
+from routerd.redis_keys import RedisKeys
 from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.snapshot import LoadSnapshot
 from routerd.status import render
 from routerd.trust import Trust
-from routerd.view.admin_relay import AdminAnswer, AdminCall, AdminRelay
-from routerd.view.fleet_state import FleetView
-from routerd.view.load import LoadRecord
-from routerd.view.replicas import file_of
-from routerd.view.scrapes import ScrapeRecord
-from routerd.view.sealed import ADMIN_ANSWER, ADMIN_CALL, FLEET_STATE, Seals
-from routerd.view.sessions import SessionRecord, digest
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.ray_cluster import RayTestCluster, eventually
@@ -43,7 +43,7 @@ from tests.test_shared_view import plane
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
-KEYS = Keys()  # the default stream routerd:requests: routerd:admin:calls, routerd:fleet:state, …
+KEYS = RedisKeys()  # the default stream routerd:requests: routerd:admin:calls, routerd:fleet:state, …
 
 
 def replica(routerd_config: Any, tmp_path: Path, name: str, redis_url: str, urls: list[str],
@@ -310,9 +310,9 @@ async def test_an_older_fleet_state_written_again_is_not_followed(
     controlling.add(launched("g", 0))
     client = redis_client(redis_server.url, RedisConfig(op_timeout_s=2.0))
     try:
-        ctl = FleetView(controlling, client, KEYS, ident="a", fingerprint="fp", controls=lambda: True,
+        ctl = FleetStateSync(controlling, client, KEYS, ident="a", fingerprint="fp", controls=lambda: True,
                         seals=seals, token=lambda: 7)
-        fol = FleetView(following, client, KEYS, ident="b", fingerprint="fp", controls=lambda: False,
+        fol = FleetStateSync(following, client, KEYS, ident="b", fingerprint="fp", controls=lambda: False,
                         seals=seals)
         await ctl.publish()
         older = await client.hget(KEYS.fleet_state(), "state")

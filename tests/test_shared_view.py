@@ -1,4 +1,4 @@
-"""The shared view (routerd/view/): two routerd processes on one Redis route, scrape and admit on the
+"""The shared view (routerd/peers/): two routerd processes on one Redis route, scrape and admit on the
 fleet's whole load, and keep sessions — real Redis, simulated engines as processes, two data planes in
 one test process (each with its own registry, Redis client and ``redis.consumer``)."""
 
@@ -18,13 +18,13 @@ import structlog
 
 from routerd.assembly import Routerd, running
 from routerd.config import Config, parse
-from routerd.keys import Keys
+from routerd.peers import SharedMeasures
+from routerd.peers.load import LoadRecord
+from routerd.peers.sealed import LOAD
+from routerd.peers.sessions import digest
+from routerd.redis_keys import RedisKeys
 from routerd.redis_server import redis_client
 from routerd.registry import Instance, Registry
-from routerd.view import SharedView
-from routerd.view.load import LoadRecord
-from routerd.view.sealed import LOAD
-from routerd.view.sessions import digest
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcess, SimProcessFactory
 
@@ -62,7 +62,7 @@ async def plane(cfg: Config) -> AsyncIterator[Routerd]:
         yield dp
 
 
-def view(dp: Routerd) -> SharedView:
+def view(dp: Routerd) -> SharedMeasures:
     assert dp.view is not None
     return dp.view
 
@@ -133,7 +133,7 @@ async def test_a_dead_processs_figures_expire_and_a_stopped_one_withdraws(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     sim = await sim_process(model="m", max_num_seqs=32, ttft_ms=1, itl_ms=20)
     cfg = config(redis_server.url, "b", [sim.url])
-    keys = Keys.from_config(cfg.redis)
+    keys = RedisKeys.from_config(cfg.redis)
     async with plane(cfg) as b:
         inst = b.registry.get("f:static0")
         assert inst is not None
@@ -215,7 +215,7 @@ async def test_a_sessions_next_turn_through_the_other_process_keeps_its_instance
     sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=1) for _ in range(2)]
     urls = [s.url for s in sims]
     cfg_a = config(redis_server.url, "a", urls)
-    keys = Keys.from_config(cfg_a.redis)
+    keys = RedisKeys.from_config(cfg_a.redis)
     r = redis_server.client()
     async with plane(cfg_a) as a, plane(config(redis_server.url, "b", urls)) as b, \
             aiohttp.ClientSession() as s:

@@ -18,8 +18,8 @@ from routerd import config
 from routerd.assembly import running
 from routerd.config import Config
 from routerd.registry import Instance, LoadSnapshot, Registry
-from routerd.routing import promtext
 from routerd.status import render
+from routerd.vllm_wire import metrics_text
 from tests.fixtures.sim import SimProcessFactory
 from tests.test_fleet_supervise import FakeOps, manager, until
 
@@ -159,7 +159,7 @@ async def test_a_static_fleet_learns_each_engines_capacity_and_speed_under_load(
         # What the engine really did over the run (the learning window is longer than the test): on a
         # busy machine its steps run late, so the configured speeds are only a ceiling.
         engine_page = engine_pages[eng.url]
-        engine = promtext.parse(engine_page, 0.0)
+        engine = metrics_text.parse(engine_page, 0.0)
         itl = sample(engine_page, "vllm:inter_token_latency_seconds_sum") / sample(
             engine_page, "vllm:inter_token_latency_seconds_count")
         # decode: one token per step; learned from whole requests, checked against per-token latency

@@ -23,12 +23,12 @@ from routerd.assembly import running
 from routerd.client import QueueClient
 from routerd.config import Config, RedisConfig, parse
 from routerd.ingress.queue import QueueIngress
-from routerd.keys import Keys
+from routerd.redis_keys import RedisKeys
 from routerd.redis_server import redis_client
 from routerd.registry import Registry
-from routerd.routing.promtext import parse as parse_metrics
 from routerd.tenants.service import Tenancy
 from routerd.tenants.usage import UsageLedger, day_of, read_days
+from routerd.vllm_wire.metrics_text import parse as parse_metrics
 from tests.fixtures.daemon import RouterdFactory, to_toml
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
@@ -450,7 +450,7 @@ async def test_usage_and_submit_log_in_with_the_configs_password_whatever_its_ke
         path = tmp_path / "routerd.toml"
         path.write_text(to_toml(cfg))
         writer = redis_client(server.url, RedisConfig(password=password))
-        ledger = UsageLedger(lambda: writer, Keys(), retention_days=1)  # what a routerd on it counted
+        ledger = UsageLedger(lambda: writer, RedisKeys(), retention_days=1)  # what a routerd on it counted
         ledger.add("web", "f", requests=3, prompt_tokens=5, completion_tokens=7)
         assert await ledger.flush()
         await writer.aclose()
@@ -506,7 +506,7 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
     # 600 tokens a minute, 10 a second refilled: 8 streams of 40 tokens read leave it far from full.
     cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"], "tokens_per_minute": 600},
                                          {"name": "jobs"}])
-    keys = Keys.from_config(cfg.redis)
+    keys = RedisKeys.from_config(cfg.redis)
     async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
         start = await engine_tokens(s, urls)
         began = time.monotonic()

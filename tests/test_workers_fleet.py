@@ -1,4 +1,4 @@
-"""``[daemon] workers = 2`` over a fleet launched on Ray (routerd/workers.py, routerd/view/): the parent
+"""``[daemon] workers = 2`` over a fleet launched on Ray (routerd/workers.py, routerd/peers/): the parent
 controls the engines, the workers follow the fleet state it publishes in Redis and relay their admin
 calls to it. Real ``routerd run``, real redis-server, a real Ray head, simulated engines as processes.
 """

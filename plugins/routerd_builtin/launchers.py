@@ -16,7 +16,7 @@ from typing import Any
 
 from routerd import log
 from routerd.plugins import LaunchPlan, LaunchSpec
-from routerd.routing import kv_hash
+from routerd.vllm_wire import block_hash
 
 _log = log.get("routerd.launcher")
 
@@ -71,18 +71,18 @@ def kv_events(args: dict[str, Any], *, default: bool) -> tuple[list[str], dict[s
     start, and reports them in ``/kv_event_sources`` (a restarted engine publishes anew, from seq 0).
     A specific host would not do for vLLM: it *connects* its PUB socket to any endpoint that is not a
     wildcard. The events carry token ids (the prompts, in effect): see README "Security". The block hash is
-    fixed — ``--prefix-caching-hash-algo sha256`` and ``PYTHONHASHSEED`` = :data:`kv_hash.LAUNCH_SEED` —
-    because routerd computes the same keys (:mod:`routerd.routing.kv_hash`); the seed also fixes the
+    fixed — ``--prefix-caching-hash-algo sha256`` and ``PYTHONHASHSEED`` = :data:`block_hash.LAUNCH_SEED` —
+    because routerd computes the same keys (:mod:`routerd.vllm_wire.block_hash`); the seed also fixes the
     engine process's own ``hash()`` salt, which vLLM's prefix caching needs stable anyway."""
     on = args.get("kv-events", args.get("kv_events", default))
     if not on:
         return [], {}
-    flags = ["--prefix-caching-hash-algo", kv_hash.HASH_ALGO]
+    flags = ["--prefix-caching-hash-algo", block_hash.HASH_ALGO]
     if not any(_flag_name(k) == "kv-events-config" for k in args):
         flags += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
             "replay_endpoint": "tcp://*:0", "topic": "kv"})]
-    return flags, {"PYTHONHASHSEED": kv_hash.LAUNCH_SEED}
+    return flags, {"PYTHONHASHSEED": block_hash.LAUNCH_SEED}
 
 
 class SimLauncher:

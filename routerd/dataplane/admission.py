@@ -29,7 +29,7 @@ engines run at once (``engine_queue_per_instance``, 0 by default): a request adm
 would wait in the engine's own first-come queue, where no share or priority applies. Without tenants
 there is one line, and each step is the single-line case of the same code.
 
-Several routerd processes sharing one Redis (workers, replicas: :mod:`routerd.view`) share each fleet's
+Several routerd processes sharing one Redis (workers, replicas: :mod:`routerd.peers`) share each fleet's
 bounds rather than multiply them: a process may hold its part of the fleet's slots (``ceil(limit /
 processes)``), or more while the others leave slots unused — the fleet's limit less what they have in
 flight on its instances (``Instance.inflight_elsewhere``, published every 0.1 s; the limit is recomputed
@@ -60,7 +60,7 @@ from ..config import AdmissionConfig
 from ..errors import NoReadyInstance, Overloaded, RouterdError
 from ..registry import InstanceState, Registry
 from ..tenants.fairshare import Line, Share, pick, victim
-from .fleet_queue import FleetQueue, Source, Waiter
+from .slots import FleetSlots, Source, Waiter
 
 if TYPE_CHECKING:
     from ..elastic import Elastic
@@ -110,7 +110,7 @@ class Admission:
         self._registry = registry
         self._clock = clock
         self._elastic = elastic
-        self._fleets: dict[str, FleetQueue] = {}
+        self._fleets: dict[str, FleetSlots] = {}
         self._seq = itertools.count()
         self._served = itertools.count(1)
         self._freed = asyncio.Event()
@@ -169,7 +169,7 @@ class Admission:
         processes = self._registry.processes
         return bound if processes <= 1 else -(-bound // processes)
 
-    def _slots(self, fleet: str, q: FleetQueue, now: float) -> int:
+    def _slots(self, fleet: str, q: FleetSlots, now: float) -> int:
         """:meth:`limit` for the request path: recomputed when the registry changed (an instance came,
         went or changed state) and at least every ``_LIMIT_TTL_S`` (a scrape revealed a capacity)."""
         version = self._registry.version
@@ -200,7 +200,7 @@ class Admission:
         return self.intake(fleet)[1]
 
     def stats(self, fleet: str) -> dict[str, int]:
-        return (self._fleets.get(fleet) or FleetQueue()).stats(self.limit(fleet))
+        return (self._fleets.get(fleet) or FleetSlots()).stats(self.limit(fleet))
 
     def tenant_stats(self) -> Iterator[tuple[str, str, dict[str, float]]]:
         """``(tenant, fleet, {active, queued, admitted_total, slot_seconds})`` for every line."""
@@ -236,7 +236,7 @@ class Admission:
 
     async def _acquire(self, fleet: str, priority: int, deadline: float | None, source: Source,
                        tenant: str) -> Line[Waiter]:
-        q = self._fleets.get(fleet) or self._fleets.setdefault(fleet, FleetQueue())
+        q = self._fleets.get(fleet) or self._fleets.setdefault(fleet, FleetSlots())
         now = self._clock()
         if deadline is not None and deadline <= now:
             raise q.expired()
@@ -279,7 +279,7 @@ class Admission:
                 self._dispatch(fleet, q)
         return line
 
-    def _check_room(self, fleet: str, q: FleetQueue, line: Line[Waiter]) -> None:
+    def _check_room(self, fleet: str, q: FleetSlots, line: Line[Waiter]) -> None:
         """An HTTP request may wait if the fleet's waiting room, and its tenant's part of it, have room."""
         if q.queued_http < self._room(self._cfg.max_queued) \
                 and line.queued_http < self._room(self._http_parts.get(line.tenant, self._cfg.max_queued)):
@@ -290,7 +290,7 @@ class Admission:
         raise Overloaded(f"fleet {fleet!r} is at capacity ({q.active} in flight, "
                          f"{q.queued_http} waiting)", retry_after_s=q.retry_after())
 
-    def _timer(self, fleet: str, q: FleetQueue, w: Waiter, now: float) -> asyncio.TimerHandle | None:
+    def _timer(self, fleet: str, q: FleetSlots, w: Waiter, now: float) -> asyncio.TimerHandle | None:
         """A wake-up for this waiter's deadline or waiting room, when it has one; anything else that
         changes (instances leaving, the waiting room starting later) :meth:`run` sees within
         ``_SLICE_S / 2``."""
@@ -318,11 +318,11 @@ class Admission:
         rather than cut off when the listener closes); how many were failed."""
         return sum(q.shed(source, error) for q in self._fleets.values())
 
-    def _sweep_fleet(self, fleet: str, q: FleetQueue, now: float) -> None:
+    def _sweep_fleet(self, fleet: str, q: FleetSlots, now: float) -> None:
         self._note_readiness(fleet, q, now)
         q.sweep(now, self._cfg.waiting_room_s, lambda: self._no_ready(fleet))
 
-    def _note_readiness(self, fleet: str, q: FleetQueue, now: float) -> None:
+    def _note_readiness(self, fleet: str, q: FleetSlots, now: float) -> None:
         self._slots(fleet, q, now)
         if q.ready == 0:
             if q.unready_since is None:
@@ -339,7 +339,7 @@ class Admission:
         return NoReadyInstance(f"fleet {fleet!r} is starting an instance (expected ready in {eta:.0f}s)",
                                retry_after_s=max(1.0, eta))
 
-    def _preempt_for(self, q: FleetQueue, line: Line[Waiter], now: float, margin: float | None) -> None:
+    def _preempt_for(self, q: FleetSlots, line: Line[Waiter], now: float, margin: float | None) -> None:
         """``line`` waits below its share on a full fleet (or, with ``margin``, behind over time): abort
         the most recently started preemptible request of the tenant furthest above its share (its slot
         comes here once its holder left)."""
@@ -359,7 +359,7 @@ class Admission:
         cap = self._share(tenant).max_concurrent
         return cap > 0 and self._tenant_active.get(tenant, 0) >= cap
 
-    def _grant(self, q: FleetQueue, line: Line[Waiter], now: float) -> None:
+    def _grant(self, q: FleetSlots, line: Line[Waiter], now: float) -> None:
         q.active += 1
         q.admitted_total += 1
         line.take(now, next(self._served))
@@ -380,7 +380,7 @@ class Admission:
         self._freed.set()
         self._freed = asyncio.Event()
 
-    def _dispatch(self, fleet: str, q: FleetQueue) -> None:
+    def _dispatch(self, fleet: str, q: FleetSlots) -> None:
         waiting = q.waiting
         if not waiting:
             return

@@ -37,8 +37,8 @@ from ..tenants import RequestFacts, Tenant, inspect
 from ..tenants.service import Charge, Tenancy
 from ..tracing import Tracing
 from .admission import Admission
-from .fleet_queue import Source
 from .sinks import EngineCall, ForwardResult, ResponseSink
+from .slots import Source
 from .usage import UsageTap
 
 __all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request", "Rooms", "SetAside"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from ..plugins import RequestView
-    from ..routing import Decision
+    from ..routing import RouteDecision
 
 __all__ = ["EngineCall", "ForwardResult", "ResponseSink"]
 
@@ -38,7 +38,7 @@ class ForwardResult:
     ok: bool  # 2xx and, for streams, ended with [DONE] and no error event
     error: str | None
     ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
-    decision: Decision | None = None  # why its first instance was chosen (for the request's log line)
+    decision: RouteDecision | None = None  # why its first instance was chosen (for the request's log line)
     resumes: int = 0  # times the stream was continued on another instance after its engine failed
     # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
     # generation), whether or not the client asked for it, as far as it was read — a stream that

@@ -8,11 +8,10 @@ Ray, ``ray_cluster`` the connection to it, ``health`` the heartbeat tracker and 
 run on, ``spread`` where a new placement group may go (spread over nodes, never onto a lost one).
 ``autoscale`` decides how many replicas an autoscaled fleet wants (pure), ``autoscaler`` feeds it signals
 and carries out its decisions through the manager. All of it acts only in a term of the control lease
-(routerd/view/control.py): every Ray mutation is fenced by it, and the manager starts and stops with it.
+(routerd/peers/lease.py): every Ray mutation is fenced by it, and the manager starts and stops with it.
 """
 
 from .actor import EngineActor
-from .autoscale import Decision, ScalingPolicy, Signals
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, Placement
 from .health import ActorProbe, HealthMonitor, HealthTracker, ProbeResult, in_rotation
@@ -20,6 +19,7 @@ from .manager import FleetManager
 from .naming import actor_name, bundle_for, spec_for
 from .nodes import NodeWatch
 from .ray_cluster import LocalHead, NodeInfo, RayCluster, RayConnectError
+from .scaling_policy import ScaleDecision, ScalingPolicy, Signals
 from .spread import Spreader, Where
 from .static import STATIC, StaticHealth, static_instances
 from .supervisor import Slot, Supervisor
@@ -28,7 +28,6 @@ __all__ = [
     "STATIC",
     "ActorProbe",
     "Autoscaler",
-    "Decision",
     "EngineActor",
     "EngineOps",
     "FleetCollector",
@@ -42,6 +41,7 @@ __all__ = [
     "ProbeResult",
     "RayCluster",
     "RayConnectError",
+    "ScaleDecision",
     "ScalingPolicy",
     "Signals",
     "Slot",

@@ -92,7 +92,7 @@ def api_key_id(key: str) -> str:
 
 class FencedOut(RuntimeError):
     """A mutating call carried a lower fencing token than one this actor has seen: it comes from a
-    routerd whose term of control has ended (routerd/view/control.py), and is refused."""
+    routerd whose term of control has ended (routerd/peers/lease.py), and is refused."""
 
 
 class EngineActor:

@@ -1,4 +1,4 @@
-"""The autoscaler: runs each autoscaled fleet's :class:`~routerd.fleet.autoscale.ScalingPolicy`.
+"""The autoscaler: runs each autoscaled fleet's :class:`~routerd.fleet.scaling_policy.ScalingPolicy`.
 
 It gathers the policy's signals from what routerd already knows — the registry (engines' running and
 waiting counts, KV use, expected wait, readiness, and the requests and queue jobs admission has
@@ -33,9 +33,9 @@ from .. import log
 from ..config import Config, FleetConfig
 from ..registry import Instance, InstanceState, Registry
 from ..speed import spec_capacity
-from .autoscale import Decision, ScalingPolicy, Signals
 from .naming import bundle_for, spec_for
 from .ray_cluster import RayCluster
+from .scaling_policy import ScaleDecision, ScalingPolicy, Signals
 
 _logger = log.get("routerd.autoscale")
 
@@ -220,7 +220,7 @@ class Autoscaler:
         return Signals(ready=len(ready), demand=demand, waiting=waiting, capacity=float(capacity),
                        expected_wait_s=wait, kv_usage=kv / len(ready) if ready else 0.0)
 
-    def _record(self, fleet: str, decision: Decision, signals: Signals | None) -> None:
+    def _record(self, fleet: str, decision: ScaleDecision, signals: Signals | None) -> None:
         self.decisions[(fleet, decision.direction, decision.reason)] += 1
         inputs = _signal_fields(signals) if signals is not None else {}
         entry = {"at": time.time(), "from": decision.previous, "to": decision.replicas,

@@ -34,11 +34,11 @@ from .. import log
 from .._aio import wait_for
 from ..config import Config, FleetConfig
 from ..errors import RouterdError
+from ..peers.lease import ControlLease
+from ..peers.replicas import ReplicaStore
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
 from ..tracing import engine_env
-from ..view.control import ControlLease
-from ..view.replicas import ReplicaStore
 from .adopt import Orphan, adopt, find_orphan
 from .autoscaler import Autoscaler, FleetCollector
 from .engine import EngineOps, ProbeAnswer
@@ -58,7 +58,7 @@ MAX_REPLICAS = 1024
 class FleetManager:
     """Keeps every launched fleet at its desired replicas on Ray; the daemon owns ``run()``.
 
-    It acts only in a term of control (routerd/view/control.py): :meth:`start` begins one — adopting
+    It acts only in a term of control (routerd/peers/lease.py): :meth:`start` begins one — adopting
     what runs, launching what is missing — and ``shutdown(stop_engines=False)`` ends it, supervising
     nothing more and stopping no engine, so the same manager can start again in a later term. Every
     Ray mutation is checked against ``control`` (its ``check()``, through the cluster's fence) and
@@ -96,7 +96,7 @@ class FleetManager:
         # controls again (README "Several routerd": the controller's fleets are the fleets).
         self.orphans: dict[str, Orphan] = {}
         # The launched fleets' desired counts in the last fleet state this process published or followed
-        # (routerd/view/fleet_state.py; set by the builder, which makes the view after this): where a
+        # (routerd/peers/fleet_state.py; set by the builder, which makes the view after this): where a
         # new term of control starts the autoscaled fleets from. None: no state seen.
         self.published: Callable[[], dict[str, int] | None] = lambda: None
         self._replicas_override: dict[str, int] = {}

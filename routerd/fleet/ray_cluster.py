@@ -168,7 +168,7 @@ class RayCluster:
                  fence: Callable[[], None] = lambda: None) -> None:
         """``fence()`` runs before every call that changes the cluster (create or kill an actor, create
         or remove a placement group, ask for resources) and raises when this process may not: the
-        control lease's ``check`` (routerd/view/control.py)."""
+        control lease's ``check`` (routerd/peers/lease.py)."""
         self.address = address
         self.namespace = namespace
         self._owns_connection = owns_connection

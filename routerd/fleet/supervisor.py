@@ -24,10 +24,10 @@ from typing import Any
 
 from .. import log
 from ..config import HealthConfig
+from ..peers.lease import NotController
 from ..plugins import LaunchSpec
 from ..registry import Instance, InstanceState, Registry
 from ..speed import spec_capacity
-from ..view.control import NotController
 from . import naming
 from .actor import FencedOut
 from .engine import EngineOps, Placement, ProbeAnswer

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from ..config import Config
 from ..errors import BadRequest, NotFound, RouterdError, error_json
+from ..peers.admin_relay import AdminAnswer, AdminCall, AdminRelay
 from ..registry import Instance, Registry
-from ..view.admin_relay import AdminAnswer, AdminCall, AdminRelay
 from .auth import check_admin
 
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
@@ -92,7 +92,7 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
     undrained, and what applies only to launched engines answers 400 saying why. ``admin_key`` may be a
     callable so a reload that changes the key applies to these routes too. With ``relay`` (several
     routerd on one Redis), a process that does not control the fleets hands each call, once authorised
-    here, to the one that does and answers with its answer (routerd/view/admin_relay.py)."""
+    here, to the one that does and answers with its answer (routerd/peers/admin_relay.py)."""
     key = admin_key if callable(admin_key) else (lambda: admin_key)
     actions = AdminActions(fleet_manager, static)
 

@@ -2,7 +2,7 @@
 (or a loopback peer) for every admin route, read or write.
 
 Both checks read ``Authorization: Bearer <key>`` the same way. API keys (``http.api_keys`` and each
-tenant's) are looked up by their SHA-256 (:mod:`routerd.apikeys`: one dict lookup, whatever
+tenant's) are looked up by their SHA-256 (:mod:`routerd.api_keys`: one dict lookup, whatever
 the number of keys, and nothing learnt from its timing); the admin key is compared with
 :func:`hmac.compare_digest`. Header bytes that are not UTF-8 (aiohttp keeps them as surrogate escapes)
 are a wrong key, never a 500.

@@ -156,12 +156,13 @@ class HttpIngress:
         # Fleets that scale to zero: ready while at zero (a request starts one); their autoscaling
         # state in /admin/fleets.
         self.elastic = elastic
-        # With several routerd on one Redis: this process's view of the fleet state (routerd/view/),
-        # and who controls the fleets (routerd/view/control.py ControlLease.status), in /admin/fleets.
+        # With several routerd on one Redis: this process's view of the fleet state (routerd/peers/),
+        # and who controls the fleets (routerd/peers/lease.py ControlLease.status), in /admin/fleets.
         self.view_status = view_status
         self.view_untrusted = view_untrusted  # why this follower has no fleet view it can trust ("": has)
         self.control = control
-        # serves(fleet): whether it is one of the fleets there are (FleetView.serves; None: every fleet of
+        # serves(fleet): whether it is one of the fleets there are (FleetStateSync.serves; None: every fleet
+        # of
         # this process's config) — while following, the controller's fleets are the fleets, so a fleet only
         # this process's file has is not served, listed or awaited for readiness here. And the engines it
         # left running unmanaged (orphaned), in /admin/fleets.
@@ -180,7 +181,7 @@ class HttpIngress:
         self._models = {f.model: f.name for f in cfg.fleets}
 
     def serves(self, fleet: str) -> bool:
-        """Whether ``fleet`` is one of the fleets there are (routerd/view/fleet_state.py's docstring)."""
+        """Whether ``fleet`` is one of the fleets there are (routerd/peers/fleet_state.py's docstring)."""
         return self._serves is None or self._serves(fleet)
 
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:

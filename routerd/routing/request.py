@@ -15,7 +15,8 @@ template, so it works on text:
   the rendering of the turn before — what prefix caching rewards — and the same messages render the
   same whatever JSON spelling the client used (key order, spacing, ``\\u`` escapes).
 
-**Tokens from bytes.** Where the fleet's engines are keyed (:mod:`routerd.routing.engine_keys`: their
+**Tokens from bytes.** Where the fleet's engines are keyed (:mod:`routerd.routing.engine_cache.block_keys`:
+their
 tokenizer and chat template run here), the prompt's tokens are theirs, counted by that tokenizer
 (``RequestView.engine_prompt_tokens``), and a token-id prompt counts its ids; otherwise the estimate
 is the rendering's UTF-8 bytes × the fleet's tokens per byte, learned from what the engines count
@@ -51,10 +52,10 @@ import msgspec
 from ..config import RoutingConfig
 from ..openai import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
-from . import engine_keys
+from .engine_cache import block_keys as engine_keys
 
 if TYPE_CHECKING:
-    from .keying_process import KeyingProcess
+    from .engine_cache.keying_process import KeyingProcess
 
 __all__ = ["BYTES_PER_TOKEN", "RequestView", "RequestViews", "TokenRatio", "block_keys", "render_chat"]
 
@@ -175,7 +176,8 @@ class RequestViews:
         # block size the engines' own events state, for a fleet whose config does not say
         self.keyers = keyers if keyers is not None else {}
         self.learned_block_size: Callable[[str], int | None] = learned_block_size or _no_block_size
-        # long prompts are keyed there when set (routerd.routing.keying_process), else in a thread
+        # long prompts are keyed there when set (routerd.routing.engine_cache.keying_process), else in a
+        # thread
         self.keying = keying
         self.configure(cfg)
 
@@ -242,7 +244,7 @@ class RequestViews:
 
     async def with_engine_keys(self, view: RequestView, head: CompletionHead | ChatHead) -> RequestView:
         """``view`` with the block keys its fleet's engines will compute (see
-        :mod:`routerd.routing.engine_keys`), when the fleet has a keyer and a known block size."""
+        :mod:`routerd.routing.engine_cache.block_keys`), when the fleet has a keyer and a known block size."""
         keyer = self.keyers.get(view.fleet)
         if keyer is None:
             return view

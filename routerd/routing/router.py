@@ -27,7 +27,7 @@ slots; slots it has not shown are counted as its siblings' at most).
 Once the policy chose, the router records the prompt's blocks on the chosen instance (the index learns
 only from decisions, at pick time), notes the session, counts the prediction into the instance's
 predicted hit ratio, and learns the fleet's tokens per byte from the engines' prompt-token
-counters. The :class:`Decision` it returns explains itself in the request's log line.
+counters. The :class:`RouteDecision` it returns explains itself in the request's log line.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from ..plugins import Candidate, RequestView, RoutingPolicy
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 from ..speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
 from .breaker import CircuitBreaker
-from .engine_cache import EngineCacheSource
+from .engine_cache.blocks import EngineCacheSource
 from .prefix_index import PrefixIndex, Sessions
 from .request import RequestViews
 
 SWEEP_EVERY = 1024  # decisions between two sweeps of what is kept for instances no longer registered
 
 
-class Decision:
+class RouteDecision:
     """One routing decision: the instance, the candidate view chosen and the others the policy saw.
 
     :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
@@ -148,7 +148,7 @@ class _Track:
 
 
 class SharedSessionTable(Protocol):
-    """Sessions shared with other routerd processes (:class:`routerd.view.SharedSessions`)."""
+    """Sessions shared with other routerd processes (:class:`routerd.peers.SharedSessions`)."""
 
     def noted(self, session: str, instance: str, generation: int) -> None: ...
 
@@ -164,7 +164,8 @@ class Router:
                  engine_cache: EngineCacheSource | None = None,
                  shared_sessions: SharedSessionTable | None = None) -> None:
         """``views`` builds the request views (with the engines' keyers when their KV events are
-        followed); ``engine_cache`` is the engines' own cache views (routerd.routing.engine_events);
+        followed); ``engine_cache`` is the engines' own cache views
+        (routerd.routing.engine_cache.subscriptions);
         ``shared_sessions`` the session table other routerd processes share (None: this one's only)."""
         self.shared_sessions = shared_sessions
         self.registry = registry
@@ -285,7 +286,7 @@ class Router:
         return out, req, frozenset(by_events)
 
     def choose(self, fleet: str, exclude: Collection[str] = (),
-               request: RequestView | None = None) -> Decision:
+               request: RequestView | None = None) -> RouteDecision:
         """Decide where a request to ``fleet`` goes, and record it (see the module docstring); raises
         :class:`NoReadyInstance` when no instance may take it."""
         pairs, req, events = self._candidates(fleet, exclude, request)
@@ -306,11 +307,11 @@ class Router:
                 raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
             inst = found
         self._sent(inst, chosen, req, inst.id in events)
-        return Decision(inst, chosen, views, req, self.policy.name, rule, events)
+        return RouteDecision(inst, chosen, views, req, self.policy.name, rule, events)
 
     async def recall(self, session: str) -> None:
         """Before a turn of ``session`` is routed: if this process has not routed it, learn where
-        another process did (bounded; see :mod:`routerd.view.sessions`)."""
+        another process did (bounded; see :mod:`routerd.peers.sessions`)."""
         if self.shared_sessions is None or self.sessions.last(session) is not None:
             return
         found = await self.shared_sessions.recall(session)

@@ -10,7 +10,7 @@ feeds each new snapshot to the instance's learned capacity and speed (:mod:`.spe
 ``inflight_at_scrape`` is routerd's in-flight count when the answer arrived: the engine's gauges
 already include those requests, so only what routerd sends *after* it is added on top (see
 ``Instance.estimated_queue``). With several routerd processes that count is every process's
-(``Instance.inflight_total``), and ``shared`` (:class:`ScrapeShare`, :mod:`routerd.view.scrapes`)
+(``Instance.inflight_total``), and ``shared`` (:class:`ScrapeShare`, :mod:`routerd.peers.scrapes`)
 decides per round whether this process scrapes at all: one process scrapes and publishes, the others
 apply what it published while that is fresh.
 
@@ -40,7 +40,7 @@ from .. import _aio, _net, log
 from ..config import RoutingConfig
 from ..registry import Instance, InstanceState, Registry
 from ..telemetry import Telemetry
-from . import promtext
+from ..vllm_wire import metrics_text
 
 _log = log.get("routerd.scraper")
 
@@ -140,9 +140,9 @@ class Scraper:
             async with asyncio.timeout(self.cfg.scrape_timeout_s):
                 status, page = await self._fetch(inst.url + "/metrics", MAX_PAGE_BYTES)
             if status != 200:
-                raise promtext.ParseError(f"HTTP {status}")
-            snap = promtext.parse_page(page, self.clock())
-        except (aiohttp.ClientError, OSError, TimeoutError, promtext.ParseError) as e:
+                raise metrics_text.ParseError(f"HTTP {status}")
+            snap = metrics_text.parse_page(page, self.clock())
+        except (aiohttp.ClientError, OSError, TimeoutError, metrics_text.ParseError) as e:
             message = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             if not inst.scrape_error:
                 _log.info("scrape_failing", instance=inst.id, error=message)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from routerd import _aio, log
-from routerd.routing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from routerd.vllm_wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 from .config import SimConfig
 from .faults import Faults

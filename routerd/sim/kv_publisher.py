@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from routerd import log
-from routerd.routing.kv_wire import BlockRemoved, BlockStored, KvEvent
+from routerd.vllm_wire.kv_events import BlockRemoved, BlockStored, KvEvent
 
 from .faults import Faults
 

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from routerd import log
 from routerd.errors import error_body, error_json, sse_error_event
-from routerd.routing import kv_hash
+from routerd.vllm_wire import block_hash
 
 from ..sim_tokens import generate, token_ids
 from . import protocol as p
@@ -98,7 +98,7 @@ class SimEngine:
         # KV-cache events as vLLM publishes them; block keys then as vLLM computes them (seeded alike).
         kv_cfg = parse_config(config.kv_events_config)
         self.kv_events: KvEventPublisher | None = None
-        self._kv_root = kv_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
+        self._kv_root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
         if kv_cfg is not None and kv_cfg.enabled:
             self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
             self.engine.kv_publish = self.kv_events.publish
@@ -318,7 +318,7 @@ class SimEngine:
         ids: list[int] = []
         if self.kv_events is not None:
             ids = token_ids(req.words)
-            hashes = kv_hash.block_keys(ids, cfg.block_size, self._kv_root)
+            hashes = block_hash.block_keys(ids, cfg.block_size, self._kv_root)
         else:
             hashes = p.block_hashes(req.words, cfg.block_size)
         seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,

@@ -4,7 +4,7 @@ they used. The fair share itself is decided by the one scheduler, :mod:`routerd.
 Only the light parts are re-exported here (the config loader checks key forms through this package);
 the per-data-plane service, which talks to Redis, is :mod:`routerd.tenants.service`."""
 
-from ..apikeys import KeyFormError
+from ..api_keys import KeyFormError
 from .body import RequestFacts, inspect
 from .directory import DEFAULT, Directory, Tenant
 from .fairshare import Share

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..apikeys import digest, key_digest
+from ..api_keys import digest, key_digest
 from ..config import Config, TenantConfig
 
 __all__ = ["DEFAULT", "Directory", "Tenant"]

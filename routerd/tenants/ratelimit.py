@@ -39,7 +39,7 @@ import redis.exceptions
 
 from .. import _aio, log
 from ..errors import RateLimitFailed
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN
 from .directory import Tenant
 
@@ -202,7 +202,7 @@ class _Record:
 class RateLimiter:
     """Checks and corrections against the shared buckets; :meth:`run` sends them to Redis in batches."""
 
-    def __init__(self, client: Callable[[], aioredis.Redis] | None, keys: Keys, *,
+    def __init__(self, client: Callable[[], aioredis.Redis] | None, keys: RedisKeys, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._keys = keys

@@ -18,7 +18,7 @@ import msgspec
 
 from .. import redact
 from .._table import print_table
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import RedisTarget, redis_target
 from .usage import COUNTERS, day_of, read_days
 
@@ -35,7 +35,7 @@ async def _read(target: RedisTarget, days: list[str]) -> list[dict[str, Any]]:
 
     client: Any = redis_client(target.url, target.redis, block_ms=0)  # password and TLS as the daemon's
     try:
-        return await read_days(client, Keys(stream=target.redis.stream), days)
+        return await read_days(client, RedisKeys(stream=target.redis.stream), days)
     finally:
         await client.aclose()
 

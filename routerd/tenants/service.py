@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..config import Config
 from ..errors import BadRequest, DeadlineExceeded, PermissionDenied, RateLimited, quote
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import redis_client
 from .body import RequestFacts
 from .directory import Directory, Tenant
@@ -60,7 +60,7 @@ class Tenancy:
         self._redis: aioredis.Redis | None = None
         self._rng = rng or random.Random()
         self._wall = wall
-        keys = Keys.from_config(cfg.redis)
+        keys = RedisKeys.from_config(cfg.redis)
         client = self._client if redis_url else None
         self.directory = Directory(cfg)
         self._look_again = asyncio.Event()  # set (and replaced) by look_again(): waiters wake

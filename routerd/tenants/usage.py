@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from .. import _aio, log
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 
 __all__ = ["COUNTERS", "Usage", "UsageLedger", "day_of", "read_days"]
 
@@ -51,7 +51,7 @@ class Usage(NamedTuple):
 class UsageLedger:
     """Counts usage; :meth:`run` writes it to Redis (when there is one) until cancelled."""
 
-    def __init__(self, client: Callable[[], aioredis.Redis] | None, keys: Keys, *, retention_days: int,
+    def __init__(self, client: Callable[[], aioredis.Redis] | None, keys: RedisKeys, *, retention_days: int,
                  flush_interval_s: float = 1.0, op_timeout_s: float = 5.0,
                  wall: Callable[[], float] = time.time) -> None:
         self._client = client
@@ -139,7 +139,7 @@ class UsageLedger:
         return True
 
 
-async def read_days(client: Any, keys: Keys, days: Iterable[str]) -> list[dict[str, Any]]:
+async def read_days(client: Any, keys: RedisKeys, days: Iterable[str]) -> list[dict[str, Any]]:
     """Rows ``{day, tenant, fleet, <counters>, total_tokens}`` of the stored days, sorted."""
     days = list(days)
     pipe = client.pipeline(transaction=False)

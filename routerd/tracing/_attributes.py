@@ -36,5 +36,5 @@ def field_name(key: str) -> str:
 
 
 def route_name(key: str) -> str:
-    """A routing decision's field (:meth:`Decision.log_fields`) as an attempt span's attribute."""
+    """A routing decision's field (:meth:`RouteDecision.log_fields`) as an attempt span's attribute."""
     return "routerd.route." + key

@@ -13,12 +13,20 @@ Modules, each importing only those listed after it:
 - ``store``: the Lua scripts and the batching writer every Redis write goes through;
 - ``held``: the jobs this consumer holds.
 
-The messages and key names are :mod:`routerd.jobs` and :mod:`routerd.keys`, shared with the client.
+The messages and key names are :mod:`routerd.queue_wire` and :mod:`routerd.redis_keys`, shared with the
+client.
 """
 
 from .consumer import QueueIngress
+from .results import REDIS_DOWN, JobStore, ResultWriter
 from .sinks import BufferSink, ReplyRefused, StreamSink
-from .store import REDIS_DOWN, BatchWriter, JobStore
 
-__all__ = ["REDIS_DOWN", "BatchWriter", "BufferSink", "JobStore", "QueueIngress", "ReplyRefused",
-           "StreamSink"]
+__all__ = [
+           "REDIS_DOWN",
+           "BufferSink",
+           "JobStore",
+           "QueueIngress",
+           "ReplyRefused",
+           "ResultWriter",
+           "StreamSink",
+]

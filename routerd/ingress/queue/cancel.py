@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ..._aio import wait_for
-from ...keys import Keys
+from ...redis_keys import RedisKeys
 from .held import Held, text
-from .store import REDIS_DOWN
+from .results import REDIS_DOWN
 
 _log = log.get("routerd.queue")
 
@@ -44,7 +44,7 @@ def _holds(held: Held, job_id: str) -> bool:
     return job_id in held.by_job or job_id in held.aside_jobs
 
 
-async def listen_for_cancels(client: Callable[[], aioredis.Redis], keys: Keys, held: Held, *,
+async def listen_for_cancels(client: Callable[[], aioredis.Redis], keys: RedisKeys, held: Held, *,
                              op_timeout_s: Callable[[], float], rng: random.Random) -> None:
     """Cancel held jobs named on the cancel channel whose cancel key is set, resubscribing with backoff
     whenever Redis goes away."""

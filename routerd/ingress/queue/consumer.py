@@ -37,7 +37,7 @@ from ..._aio import wait_for
 from ...config import Config
 from ...dataplane.admission import Admission
 from ...dataplane.dispatch import Dispatch
-from ...keys import Keys
+from ...redis_keys import RedisKeys
 from ...redis_server import redis_client
 from ...tenants.service import Tenancy
 from ...tracing import Tracing
@@ -46,7 +46,7 @@ from .held import Held, Room, Running, as_str
 from .job import JobRunner
 from .liveness import RENEW_S, ConsumerName
 from .reclaim import Reclaimer
-from .store import REDIS_DOWN, JobStore
+from .results import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
 _HELD_PER_SLOT = 2
@@ -62,14 +62,14 @@ class QueueIngress:
                  admission: Admission, tenancy: Tenancy, tracing: Tracing, consumer: str | None = None,
                  rng: random.Random | None = None, serves: Callable[[str], bool] | None = None) -> None:
         """``serves(fleet)``: whether the fleet is one of the fleets there are — a follower's are the
-        controller's (routerd/view/fleet_state.py); None: every configured fleet."""
+        controller's (routerd/peers/fleet_state.py); None: every configured fleet."""
         self._cfg = cfg
         self.tenancy = tenancy  # the data plane's: its tenants decide which jobs may run
         self._redis_factory = redis_factory
         self._client: aioredis.Redis | None = None
         self._admission = admission
         self.consumer = consumer or cfg.redis.consumer_name
-        self.keys = Keys.from_config(cfg.redis)
+        self.keys = RedisKeys.from_config(cfg.redis)
         self._rng = rng or random.Random()
         self._store = JobStore(self.client, self.keys, self.consumer, lambda: self._cfg.redis,
                                rng=self._rng)

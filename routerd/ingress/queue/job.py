@@ -25,7 +25,7 @@ from ... import log
 from ...config import Config
 from ...dataplane.dispatch import Dispatch, Request, SetAside
 from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
-from ...jobs import (
+from ...queue_wire import (
     Attempt,
     InvalidJob,
     Job,
@@ -39,13 +39,13 @@ from ...jobs import (
     now_ms,
     salvage,
 )
-from ...keys import Keys
+from ...redis_keys import RedisKeys
 from ...tenants.service import Tenancy
 from ...tracing import Traced, Tracing
 from ..validate import read_head
 from .held import Held, Room, Running, fleet_room, tenant_room
+from .results import REDIS_DOWN, JobStore
 from .sinks import BufferSink, ReplyRefused, StreamSink
-from .store import REDIS_DOWN, JobStore
 
 _log = log.get("routerd.queue")
 
@@ -110,7 +110,7 @@ class JobRunner:
     """Runs held jobs to their one result; ``QueueIngress`` owns the task each :meth:`run` runs in."""
 
     def __init__(self, cfg: Callable[[], Config], client: Callable[[], aioredis.Redis], store: JobStore,
-                 held: Held, keys: Keys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
+                 held: Held, keys: RedisKeys, consumer: str, *, dispatch: Dispatch, stats: dict[str, int],
                  rng: random.Random, tenancy: Tenancy, tracing: Tracing,
                  fleet_room_size: Callable[[str], int], serves: Callable[[str], bool] | None = None) -> None:
         """``fleet_room_size(fleet)``: how many of the fleet's jobs may wait here for a slot;

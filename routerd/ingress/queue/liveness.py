@@ -1,7 +1,8 @@
 """Which queue consumers are alive: each holds its name in Redis while it lives, so that the others take
 over a dead one's pending jobs at once rather than after ``reclaim_idle_ms`` (issue 26).
 
-The holder of a consumer name keeps ``<ns>:consumer:<name>`` (:meth:`routerd.keys.Keys.consumer`): its
+The holder of a consumer name keeps ``<ns>:consumer:<name>`` (:meth:`routerd.redis_keys.RedisKeys.consumer`):
+its
 own value, with a TTL of :data:`TTL_S` renewed every :data:`RENEW_S`, from before its first read or
 claim until its drain ended, when it deletes it. A consumer reads, recovers and claims nothing while
 another process holds its name (two processes under one name would run each other's jobs again): it
@@ -11,7 +12,8 @@ is ``"<random> <boot id>/<pid namespace> <pid> <hostname>"``, so a process of an
 is never taken for dead by a missing pid here.
 
 So the key is there exactly while some process may run jobs under the name. Every name that ever held it
-is listed in the hash :meth:`routerd.keys.Keys.consumer_names`; a listed name whose key is gone is dead,
+is listed in the hash :meth:`routerd.redis_keys.RedisKeys.consumer_names`; a listed name whose key is gone is
+dead,
 and :func:`take_over` claims its pending entries with no idle time (checked and claimed in one script:
 a holder coming back takes its key before it claims anything, so it never finds a job of its own
 claimed meanwhile). A name never listed — a consumer of a routerd without this record, during a rolling
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import _aio, log
-from ...keys import Keys
+from ...redis_keys import RedisKeys
 from ...redis_server import REDIS_DOWN
 
 _log = log.get("routerd.queue")
@@ -120,7 +122,7 @@ def _gone(value: str, host: str) -> bool:
 class ConsumerName:
     """This process's hold on its consumer name; the consumer's read loop, renewal task and drain drive it."""
 
-    def __init__(self, keys: Keys, name: str) -> None:
+    def __init__(self, keys: RedisKeys, name: str) -> None:
         self.name = name
         self.key = keys.consumer(name)
         self._names = keys.consumer_names()
@@ -179,7 +181,7 @@ class ConsumerName:
                 await client.register_script(_RELEASE)(keys=[self.key], args=[self.value])
 
 
-async def take_over(client: Any, keys: Keys, me: str, count: int, op_timeout_s: float) -> list[Any]:
+async def take_over(client: Any, keys: RedisKeys, me: str, count: int, op_timeout_s: float) -> list[Any]:
     """Claim for ``me`` up to ``count`` pending entries of consumers known dead (their name listed, its
     key gone), with no idle time; ``[(entry id, fields)]`` as ``XCLAIM`` gives them."""
     async with _aio.timeout(op_timeout_s):

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from ... import _aio, log
 from ...config import RedisConfig
-from ...keys import Keys
+from ...redis_keys import RedisKeys
 from .held import Aside, Held, Running, as_str
 from .liveness import take_over
 
@@ -43,7 +43,7 @@ async def delivery_counts(client: aioredis.Redis, r: RedisConfig, consumer: str,
 class Reclaimer:
     """Own-pending recovery, ``XAUTOCLAIM`` of idle jobs, keep-alive; the read loop calls each step."""
 
-    def __init__(self, redis_cfg: Callable[[], RedisConfig], keys: Keys, consumer: str, held: Held, *,
+    def __init__(self, redis_cfg: Callable[[], RedisConfig], keys: RedisKeys, consumer: str, held: Held, *,
                  want: Callable[[], int], spawn: Spawn, reading: Callable[[], bool],
                  stats: dict[str, int]) -> None:
         self._cfg = redis_cfg

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import redis.exceptions
 
-from ...jobs import Chunk, Result, error_result, json_encode
-from .store import JobStore
+from ...queue_wire import Chunk, Result, error_result, json_encode
+from .results import JobStore
 
 INSTANCE_HEADER = "x-routerd-instance"
 

@@ -8,7 +8,7 @@ parent, token_ids, block_size, lora_id, medium, lora_name, …]`` became tagged 
 "BlockStored", "block_hashes": …}`` — and every field vLLM added broke subscribers that decoded a batch
 as one typed whole. So :func:`decode_batch` decodes each event on its own, accepts both forms, ignores
 fields it does not know and counts (never raises on) events it cannot use. Shared by the subscriber
-(:mod:`routerd.routing.kv_events`), the engine views and the simulator's publisher.
+(:mod:`routerd.routing.engine_cache.subscriber`), the engine views and the simulator's publisher.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from .kv_hash import external
+from .block_hash import external
 
 _unpack = msgspec.msgpack.Decoder()
 _INT_TUPLE = tuple[int, ...]
@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks the engine committed to its cache (keys as :func:`kv_hash.external` ints)."""
+    """Blocks the engine committed to its cache (keys as :func:`block_hash.external` ints)."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None

@@ -1,6 +1,6 @@
 """vLLM's KV-cache events off the wire, decoded tolerantly, in order, with what was missed replayed.
 
-The wire and its tolerant decoding are :mod:`routerd.routing.kv_wire`'s: one ZMQ PUB message per
+The wire and its tolerant decoding are :mod:`routerd.vllm_wire.kv_events`'s: one ZMQ PUB message per
 scheduler step that changed the cache, frames ``[topic, 8-byte big-endian seq, msgpack batch]``.
 
 Delivery: PUB drops what a subscriber misses (before it subscribed, while disconnected, more than
@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from routerd import log
 
-from .kv_wire import (
+from ...vllm_wire.kv_events import (
     END_SEQ,
     MAX_MESSAGE_BYTES,
     AllBlocksCleared,
@@ -49,7 +49,7 @@ from .kv_wire import (
     decode_seq,
 )
 
-_log = log.get("routerd.routing.kv_events")
+_log = log.get("routerd.routing.engine_cache.subscriber")
 
 
 class BatchSink(Protocol):

@@ -22,7 +22,7 @@ that. Its cost is one small pipeline per period per process, whatever the number
 scrape interval does not slow it. When Redis does not answer for as long as figures live, the others'
 figures are dropped (each process routes on its own again) and the failure is logged once.
 
-Each process's figures are sealed for its ident (routerd/view/sealed.py): a record written by hand, by a
+Each process's figures are sealed for its ident (routerd/peers/sealed.py): a record written by hand, by a
 routerd with another secret, or copied to another ident's key is refused — its figures not added, its
 writer not counted among the processes (a phantom process would shrink every process's part of the
 admission bounds).
@@ -40,13 +40,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .. import _aio, log
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..registry import Registry
 from ..trust import Rejected
 from .outage import Outage
 from .sealed import LOAD, Seals
 
-_log = log.get("routerd.view.load")
+_log = log.get("routerd.peers.load")
 
 MIN_PERIOD_S = 0.05
 MAX_PERIOD_S = 0.1
@@ -75,7 +75,8 @@ class SharedLoad:
     """Publishes this process's in-flight counts and keeps ``inflight_elsewhere`` from the others';
     ``run()`` until cancelled (the one writer of ``inflight_elsewhere`` and ``Registry.processes``)."""
 
-    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, ident: str, *, seals: Seals,
+    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: RedisKeys, ident: str, *,
+                 seals: Seals,
                  scrape_interval_s: float, op_timeout_s: float, publish: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Not ``publish``: a process that takes no request (the daemon of workers) reads the others'

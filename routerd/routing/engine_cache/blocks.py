@@ -2,7 +2,8 @@
 
 Where :mod:`routerd.routing.prefix_index` is routerd's *model* (what it sent where, forgotten by its own
 LRU guess), this is the engine's *truth*, fed in order by a
-:class:`~routerd.routing.kv_events.KvEventSubscriber`. A key is counted, not just present: vLLM may
+:class:`~routerd.routing.engine_cache.subscriber.KvEventSubscriber`. A key is counted, not just present: vLLM
+may
 cache two physical blocks with one hash (two requests filling the same block in one step) and removes
 them one event at a time, so a block is held while its count is above zero.
 
@@ -18,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from .kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ...vllm_wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 # Media that are the engine's own device cache (vLLM: None before offloading existed, then "GPU").
 _DEVICE_MEDIA = (None, "GPU")
@@ -29,7 +30,7 @@ SPECULATIVE_TTL_S = 5.0
 
 
 class EngineCacheSource(Protocol):
-    """What routing asks of the engines' own cache views (``routing.engine_events.EngineEvents``)."""
+    """What routing asks of the engines' own cache views (``routing.engine_cache.subscriptions.EngineEvents``)."""
 
     def match(self, instance_id: str, keys: Sequence[int]) -> int | None:
         """Leading blocks of ``keys`` the instance holds by its own events; None: no usable view."""
@@ -40,7 +41,7 @@ class EngineCacheSource(Protocol):
         ...
 
 
-class EngineCacheView:
+class EngineBlocks:
     """The block keys one engine (rank) holds. ``apply``/``reset`` are the subscriber's sink."""
 
     def __init__(self, capacity_blocks: int | None = None, *,

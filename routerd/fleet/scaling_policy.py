@@ -74,7 +74,7 @@ class Signals:
 
 
 @dataclass(frozen=True)
-class Decision:
+class ScaleDecision:
     """A change of the desired count: from ``previous`` to ``replicas`` because of ``reason``."""
 
     replicas: int
@@ -103,7 +103,7 @@ class ScalingPolicy:
         self._history: deque[tuple[float, float, float]] = deque()
         self._down_from = now  # the down-window runs from the last change or the last reason to add
 
-    def reconfigure(self, cfg: AutoscaleConfig, now: float) -> Decision | None:
+    def reconfigure(self, cfg: AutoscaleConfig, now: float) -> ScaleDecision | None:
         """A reload: new bounds and targets; the count is clamped into the new bounds at once."""
         self.cfg = cfg
         clamped = min(max(self.replicas, cfg.min_replicas), cfg.max_replicas)
@@ -114,7 +114,7 @@ class ScalingPolicy:
         self.replicas = min(max(replicas, self.cfg.min_replicas), self.cfg.max_replicas)
         self._restart(now)
 
-    def wake(self, now: float) -> Decision | None:
+    def wake(self, now: float) -> ScaleDecision | None:
         """A request is waiting for this fleet and it has no replica: start one now."""
         if self.replicas > 0:
             return None
@@ -137,7 +137,7 @@ class ScalingPolicy:
                     best, reason = by_kv, "kv"
         return min(max(best, cfg.min_replicas), cfg.max_replicas), reason
 
-    def observe(self, s: Signals, now: float) -> Decision | None:
+    def observe(self, s: Signals, now: float) -> ScaleDecision | None:
         """One tick: a decision when the desired count changes, else None."""
         cfg = self.cfg
         rec, _ = self.recommend(s)
@@ -222,8 +222,8 @@ class ScalingPolicy:
         kv = sum(k for _, k in window) / len(window)
         return None if kv > left * cfg.target_kv_usage / (1.0 + TOLERANCE) else "underused"
 
-    def _change(self, replicas: int, reason: str, rec: int, now: float) -> Decision:
-        decision = Decision(replicas=replicas, previous=self.replicas, reason=reason, recommendation=rec,
+    def _change(self, replicas: int, reason: str, rec: int, now: float) -> ScaleDecision:
+        decision = ScaleDecision(replicas=replicas, previous=self.replicas, reason=reason, recommendation=rec,
                             at=now)
         self.replicas = replicas
         self._restart(now)

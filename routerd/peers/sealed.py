@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily
 from .. import log
 from ..trust import Rejected, Trust, Why
 
-_log = log.get("routerd.view.sealed")
+_log = log.get("routerd.peers.sealed")
 
 # The kinds of shared record (the metric's ``kind`` label). Wake calls are admin calls (op ``wake``).
 ADMIN_CALL: Final = "admin_call"

@@ -15,7 +15,7 @@ vLLM 0.32 (``vllm/v1/core/kv_cache_utils.py``, ``vllm/utils/hashing.py``) chains
   default on) or the whole digest as bytes — :func:`external` maps both to the same int.
 
 The chain runs on full digests, so the published ints cannot be extended: keys are recomputed from
-token ids (the sim and :mod:`routerd.routing.engine_cache` do), never from a published parent.
+token ids (the sim and :mod:`routerd.routing.engine_cache.blocks` do), never from a published parent.
 """
 
 from __future__ import annotations

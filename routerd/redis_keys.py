@@ -5,8 +5,8 @@ per-job key is derived from a namespace — the request stream's name up to its 
 for ``routerd:requests``) — so two routerd deployments with different stream names can share one
 Redis without seeing each other's jobs. The client computes the same names from the same stream name.
 
-Every name derived here is ``<ns>:<family>:<suffix>`` (built by ``Keys._key``), so one prefix rule,
-:meth:`Keys.reserved`, covers every key routerd owns — a key added later included: a producer's
+Every name derived here is ``<ns>:<family>:<suffix>`` (built by ``RedisKeys._key``), so one prefix rule,
+:meth:`RedisKeys.reserved`, covers every key routerd owns — a key added later included: a producer's
 ``reply_to`` must not name one (a stream created over the rate-limit buckets or a day's usage would break
 them for every routerd). The one family a producer's client owns is ``reply:<id>``, its default reply
 stream.
@@ -29,7 +29,7 @@ CLIENT_FAMILIES = ("reply",)
 
 
 @dataclass(frozen=True, slots=True)
-class Keys:
+class RedisKeys:
     """Names for one deployment. Build with :meth:`from_config` or directly from the stream name."""
 
     stream: str = "routerd:requests"
@@ -37,7 +37,7 @@ class Keys:
     dead: str = "routerd:dead"
 
     @classmethod
-    def from_config(cls, cfg: RedisConfig) -> Keys:
+    def from_config(cls, cfg: RedisConfig) -> RedisKeys:
         return cls(stream=cfg.stream, group=cfg.group, dead=cfg.dead_stream)
 
     @property
@@ -94,10 +94,10 @@ class Keys:
         """Hash: one UTC day's (``2026-01-31``) usage, fields ``<tenant>|<fleet>|<counter>``."""
         return self._key("usage", day)
 
-    # the shared view of several routerd processes (routerd/view/)
+    # the shared view of several routerd processes (routerd/peers/)
     def fleet_state(self) -> str:
         """Hash: the controller's published fleet state (``token``, ``version``, ``state`` sealed msgpack),
-        expiring a few seconds after its last publish (routerd/view/fleet_state.py)."""
+        expiring a few seconds after its last publish (routerd/peers/fleet_state.py)."""
         return self._key("fleet", "state")
 
     def fleet_version(self) -> str:
@@ -109,11 +109,11 @@ class Keys:
         return self._key("fleet", "changed")
 
     def replicas(self) -> str:
-        """Hash: replica counts set at run time (``set_replicas``), by fleet (routerd/view/replicas.py)."""
+        """Hash: replica counts set at run time (``set_replicas``), by fleet (routerd/peers/replicas.py)."""
         return self._key("fleet", "replicas")
 
     def admin_calls(self) -> str:
-        """Stream: admin calls a follower hands to the controller (routerd/view/admin_relay.py)."""
+        """Stream: admin calls a follower hands to the controller (routerd/peers/admin_relay.py)."""
         return self._key("admin", "calls")
 
     def admin_claim(self, call_id: str) -> str:
@@ -124,7 +124,7 @@ class Keys:
         """List: the controller's answer to one admin call."""
         return self._key("admin", f"reply:{call_id}")
     def control_lease(self) -> str:
-        """The fleet-control lease: ``"<token> <holder json>"``, with a TTL (routerd/view/control.py)."""
+        """The fleet-control lease: ``"<token> <holder json>"``, with a TTL (routerd/peers/lease.py)."""
         return self._key("control", "lease")
 
     def control_token(self) -> str:
@@ -141,7 +141,7 @@ class Keys:
         return self._key("consumers", "named")
 
     def load(self, ident: str) -> str:
-        """One routerd process's in-flight per instance (routerd/view/load.py), expiring unless renewed."""
+        """One routerd process's in-flight per instance (routerd/peers/load.py), expiring unless renewed."""
         return self._key("load", ident)
 
     @property
@@ -151,11 +151,11 @@ class Keys:
 
     @property
     def scrapes(self) -> str:
-        """Hash: instance id → the scraping process's last scrape of it (routerd/view/scrapes.py)."""
+        """Hash: instance id → the scraping process's last scrape of it (routerd/peers/scrapes.py)."""
         return self._key("view", "scrapes")
 
     def session(self, digest: str) -> str:
-        """A session's last instance and generation (routerd/view/sessions.py); ``digest`` of its key."""
+        """A session's last instance and generation (routerd/peers/sessions.py); ``digest`` of its key."""
         return self._key("session", digest)
 
     @property

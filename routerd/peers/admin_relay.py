@@ -6,12 +6,12 @@ authorised by the follower — to the controller through Redis and answers with 
 the same status and JSON a call on the controller gets.
 
 The exchange is exactly-once without a consumer group: the call is appended to the stream
-:meth:`routerd.keys.Keys.admin_calls`; the controller reads the stream and *claims* each call
-(``SET NX`` on :meth:`~routerd.keys.Keys.admin_claim`) before it acts; a caller that has no answer
+:meth:`routerd.redis_keys.RedisKeys.admin_calls`; the controller reads the stream and *claims* each call
+(``SET NX`` on :meth:`~routerd.redis_keys.RedisKeys.admin_claim`) before it acts; a caller that has no answer
 within ``answer_within_s`` tries the same claim for itself. Whoever claims first decides: the caller
 answers 503 ("no controller answered"), and the controller skips the call; or the controller carries
-it out and the caller waits for its answer in the list :meth:`~routerd.keys.Keys.admin_reply` as long
-as the call may take. So a call is never carried out after its caller said it was not, and never
+it out and the caller waits for its answer in the list :meth:`~routerd.redis_keys.RedisKeys.admin_reply`
+as long as the call may take. So a call is never carried out after its caller said it was not, and never
 twice — also when control changes hands meanwhile (the new controller reads back ``answer_within_s``
 and finds the earlier calls claimed or still waiting).
 
@@ -21,7 +21,7 @@ records it without waiting and :meth:`send_wakes` relays it, at most once per ``
 fleet — its requests wait in admission meanwhile, as they do on the controller.
 
 Anyone who can write to Redis can append to the stream (queue producers must reach Redis), so every
-call is sealed (routerd/view/sealed.py) and the controller carries out only calls it can open: one
+call is sealed (routerd/peers/sealed.py) and the controller carries out only calls it can open: one
 written by hand, or by a routerd with another secret, is refused, counted and logged, never carried
 out. The call's id and the Redis server time it was made at are inside the seal, so a copy written again
 is refused as replayed: read more than ``answer_within_s`` after the call was made (Redis's clock both
@@ -43,12 +43,12 @@ import redis.asyncio as aioredis
 
 from .. import _aio, log
 from ..errors import error_json
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN
 from ..trust import Rejected, Why
 from .sealed import ADMIN_ANSWER, ADMIN_CALL, Seals
 
-_log = log.get("routerd.view")
+_log = log.get("routerd.peers")
 
 ANSWER_WITHIN_S = 5.0  # a controller reads its calls within a second; this covers a takeover too
 _STREAM_MAXLEN = 1000
@@ -90,7 +90,7 @@ def unavailable(message: str) -> AdminAnswer:
 class AdminRelay:
     """A follower's :meth:`call`; the controller's :meth:`run` carries calls out while ``controls()``."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, *, ident: str, controls: Callable[[], bool],
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, *, ident: str, controls: Callable[[], bool],
                  seals: Seals, op_timeout_s: float = 5.0, answer_within_s: float = ANSWER_WITHIN_S) -> None:
         """``client``: the caller's (it closes it); ``seals``: the calls' and answers' (the process's)."""
         self.client = client

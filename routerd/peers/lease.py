@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .. import _aio, log
 from ..config import ControlConfig, RedisConfig
 from ..errors import RouterdError
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import redis_client
 
 _log = log.get("routerd.control")
@@ -144,7 +144,7 @@ class ControlLease:
         self._url = url
         self._redis_cfg = redis_cfg if redis_cfg is not None else RedisConfig()
         self._cfg = cfg if cfg is not None else ControlConfig()
-        self._keys = Keys.from_config(self._redis_cfg)
+        self._keys = RedisKeys.from_config(self._redis_cfg)
         self._clock = clock
         self._wall = wall
         self.me = Holder(ident=ident, incarnation=f"{os.getpid()}-{uuid.uuid4().hex[:8]}",

@@ -1,11 +1,12 @@
 """Keying long prompts in a process of their own, so the event loop never waits for it.
 
-In a thread (:func:`routerd.routing.engine_keys.keys_for`) the block hashing hands the GIL back every
+In a thread (:func:`routerd.routing.engine_cache.block_keys.keys_for`) the block hashing hands the GIL back
+every
 32 blocks, but a tokenizer still holds it for stretches of milliseconds on an ~8k-token prompt
 (``scripts/measure_keying.py``). Here the whole of it — tokenizing, rendering, hashing — runs in one
 worker process; the loop pays for sending the parsed head and receiving the keys (a few hundred
 microseconds for 8k tokens). The worker builds each fleet's keyer once from its ``spec``
-(:func:`~routerd.routing.engine_keys.load_keyer`). A worker that dies, or an answer later than
+(:func:`~routerd.routing.engine_cache.block_keys.load_keyer`). A worker that dies, or an answer later than
 ``timeout_s``, makes :meth:`KeyingProcess.keyed` return None — the caller keys in a thread instead — and
 the first call after ``restart_backoff_s`` starts a new worker.
 
@@ -25,15 +26,15 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from .. import _proc, log
-from ..openai import ChatHead, CompletionHead
-from . import engine_keys
+from ... import _proc, log
+from ...openai import ChatHead, CompletionHead
+from . import block_keys
 
-_log = log.get("routerd.routing.keying_process")
+_log = log.get("routerd.routing.engine_cache.keying_process")
 
 # The worker process's keyers, built once per fleet by its initializer (this module's only state, and
 # only in the worker: the pool's processes are separate interpreters).
-_worker_keyers: dict[str, engine_keys.EngineKeyer] = {}
+_worker_keyers: dict[str, block_keys.EngineKeyer] = {}
 
 
 def _init_worker(specs: dict[str, tuple[str, str]], parent_pid: int) -> None:
@@ -45,7 +46,7 @@ def _init_worker(specs: dict[str, tuple[str, str]], parent_pid: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     for fleet, (engine, source) in specs.items():
-        keyer = engine_keys.load_keyer(engine, source)
+        keyer = block_keys.load_keyer(engine, source)
         if keyer is not None:
             _worker_keyers[fleet] = keyer
 
@@ -65,11 +66,11 @@ def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
 
 
 def _worker_keyed(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
-                  hittable: bool) -> engine_keys.Keyed | None:
+                  hittable: bool) -> block_keys.Keyed | None:
     keyer = _worker_keyers.get(fleet)
     if keyer is None:
         return None
-    return engine_keys.keyed(keyer, head, block_size, root, hittable=hittable)
+    return block_keys.keyed(keyer, head, block_size, root, hittable=hittable)
 
 
 class KeyingProcess:
@@ -114,8 +115,9 @@ class KeyingProcess:
         return self._ready is not None and self._ready.done() and not self._ready.exception()
 
     async def keyed(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-                    hittable: bool = False) -> engine_keys.Keyed | None:
-        """The keys and the prompt's tokens (:func:`~routerd.routing.engine_keys.keyed`), computed in
+                    hittable: bool = False) -> block_keys.Keyed | None:
+        """The keys and the prompt's tokens (:func:`~routerd.routing.engine_cache.block_keys.keyed`),
+        computed in
         the worker; None when it could not (the caller keys in a thread)."""
         if fleet not in self.specs or (self._pool is None and time.monotonic() < self._restart_at):
             return None

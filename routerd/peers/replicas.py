@@ -2,11 +2,11 @@
 
 In a process's memory alone such a count dies with it: the next controller would start from the file's
 count and stop the engines the admin asked for as unwanted. Kept in the hash
-:meth:`routerd.keys.Keys.replicas`, the next controller starts from it. Each entry remembers the
+:meth:`routerd.redis_keys.RedisKeys.replicas`, the next controller starts from it. Each entry remembers the
 file's ``replicas`` and ``autoscale`` it was set over: a controller whose file says otherwise for that
 fleet drops it (the file changed the count or bounds: the file wins — the rule a reload follows too).
 
-Each entry is sealed for its fleet (routerd/view/sealed.py): one written by hand, by a routerd with
+Each entry is sealed for its fleet (routerd/peers/sealed.py): one written by hand, by a routerd with
 another secret, or copied from another fleet's field is refused (counted, logged) and dropped, never
 applied. A genuine entry of the same fleet written back later can only restore a count an admin set
 before over the same file.
@@ -23,12 +23,12 @@ import redis.asyncio as aioredis
 from .. import _aio, log
 from ..config import FleetConfig
 from ..errors import RouterdError
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN
 from ..trust import Rejected
 from .sealed import REPLICAS, Seals
 
-_log = log.get("routerd.view")
+_log = log.get("routerd.peers")
 
 
 class ReplicasNotStored(RouterdError):
@@ -51,7 +51,7 @@ def file_of(fleet: FleetConfig) -> str:
 class ReplicaStore:
     """The run-time replica counts of every fleet, in Redis; the fleet manager reads and writes it."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, *, seals: Seals,
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, *, seals: Seals,
                  op_timeout_s: float = 5.0) -> None:
         """``client``: the caller's (it closes it); ``seals``: the process's (entries are sealed)."""
         self.client = client

@@ -3,7 +3,7 @@
 ``load`` — each process's in-flight requests per instance, so every process routes and admits on the
 whole fleet's load; ``scrapes`` — the engines scraped once per interval in total, by the process that
 controls the fleets, and applied by the others; ``sessions`` — a session's instance, whichever process
-receives its next turn. :class:`SharedView` builds the three over one Redis client and runs their loops.
+receives its next turn. :class:`SharedMeasures` builds the three over one Redis client and runs their loops.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..config import Config
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import redis_client
 from ..registry import Registry
 from .load import SharedLoad
@@ -26,7 +26,7 @@ from .sealed import Seals
 from .sessions import SharedSessions
 
 
-class SharedView:
+class SharedMeasures:
     """Shared load, scrapes and sessions of one process over one Redis client; ``run()`` until
     cancelled (the client is closed then)."""
 
@@ -42,7 +42,7 @@ class SharedView:
         exchanged is sealed)."""
         self.ident = ident or cfg.redis.consumer_name
         self.redis = redis_client(redis_url, cfg.redis, block_ms=0)
-        keys = Keys.from_config(cfg.redis)
+        keys = RedisKeys.from_config(cfg.redis)
         op = cfg.redis.op_timeout_s
         interval = cfg.routing.scrape_interval_s
         self.load = SharedLoad(registry, self.redis, keys, self.ident, seals=seals,
@@ -70,13 +70,13 @@ class SharedView:
             await self.redis.aclose()
 
     def collector(self) -> Collector:
-        return _ViewCollector(self)
+        return _MeasuresCollector(self)
 
 
-class _ViewCollector(Collector):
+class _MeasuresCollector(Collector):
     """The shared view's state at collection time."""
 
-    def __init__(self, view: SharedView) -> None:
+    def __init__(self, view: SharedMeasures) -> None:
         self._view = view
 
     def describe(self) -> list[Any]:

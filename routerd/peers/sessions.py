@@ -13,7 +13,7 @@ of the TTL (so a long conversation on one instance does not expire in Redis). Wh
 knows it does not look up again: if another process moved the session meanwhile (its instance was
 saturated), this one keeps sending its turns where it last did until its own entry leaves the LRU.
 
-Each entry is sealed for its session's digest (routerd/view/sealed.py): one written by hand (a
+Each entry is sealed for its session's digest (routerd/peers/sealed.py): one written by hand (a
 conversation pinned where its writer chose) or copied from another session is refused and counted; the
 turn is routed as a new session's.
 """
@@ -31,12 +31,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .. import _aio, log
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..trust import Rejected
 from .outage import Outage
 from .sealed import SESSION, Seals
 
-_log = log.get("routerd.view.sessions")
+_log = log.get("routerd.peers.sessions")
 
 SESSION_TTL_S = 3600.0
 LOOKUP_TIMEOUT_S = 0.01  # the most a request with an unknown session waits for Redis before routing
@@ -61,7 +61,7 @@ class SharedSessions:
     """The shared backing of the router's session table; ``run()`` (the batched writes) until
     cancelled."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, seals: Seals, processes: Callable[[], int],
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, seals: Seals, processes: Callable[[], int],
                  max_entries: int, op_timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  lookup_timeout_s: float = LOOKUP_TIMEOUT_S, ttl_s: float = SESSION_TTL_S) -> None:
         """``processes()``: how many routerd processes share the Redis (lookups only when > 1)."""

@@ -1,6 +1,6 @@
 """The block keys an engine will compute for a request, computed by routerd before it routes it.
 
-An engine's KV-cache events name its blocks by keys over its *tokens* (:mod:`routerd.routing.kv_hash`),
+An engine's KV-cache events name its blocks by keys over its *tokens* (:mod:`routerd.vllm_wire.block_hash`),
 so scoring a request against an engine's own cache view needs the request's tokens as the engine will
 see them — the model's tokenizer, the chat rendered by the model's chat template — in process: a
 ``/tokenize`` call per request on the request path is what collapsed under concurrency elsewhere.
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from ..openai import ChatHead, ChatMessage, CompletionHead
-from . import kv_hash
+from ...openai import ChatHead, ChatMessage, CompletionHead
+from ...vllm_wire import block_hash
 
 # Prompts longer than this (UTF-8 bytes of text, or token ids) are keyed in a thread: measured, a few
 # thousand bytes cost well under the event loop's budget inline, and a thread hand-off costs ~50 µs.
@@ -76,7 +76,7 @@ class SimKeyer:
     spec = ("sim", "")
 
     def token_ids(self, head: CompletionHead | ChatHead) -> list[int] | None:
-        from ..sim_tokens import prompt_words, render_chat, token_ids
+        from ...sim_tokens import prompt_words, render_chat, token_ids
 
         if isinstance(head, ChatHead):
             return token_ids(prompt_words(render_chat(_message_dicts(head.messages))))
@@ -189,7 +189,8 @@ def keyed(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, 
     if not ids:
         return Keyed((), 0)
     hashed = ids[:-1] if hittable else ids
-    return Keyed(tuple(kv_hash.block_keys(hashed, block_size, root, pause=pause)) if hashed else (), len(ids))
+    keys = tuple(block_hash.block_keys(hashed, block_size, root, pause=pause)) if hashed else ()
+    return Keyed(keys, len(ids))
 
 
 def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,

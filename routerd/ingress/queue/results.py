@@ -1,7 +1,7 @@
 """The queue consumer's Redis writes: Lua scripts for the atomic steps, and one batching writer.
 
 Every per-job write (the pre-dispatch check, stream chunks, the final result + acknowledgement) goes
-through :class:`BatchWriter`. Whatever is waiting goes out as one pipeline, and consecutive steps of the
+through :class:`ResultWriter`. Whatever is waiting goes out as one pipeline, and consecutive steps of the
 same kind go as *one* script call that loops over their records (msgpack, unpacked by Redis' built-in
 ``cmsgpack``): the per-job cost is a few bytes of msgpack rather than a command to pack and parse. Order
 is kept — a job's chunks are always sent before its result because they sit earlier in the same FIFO.
@@ -12,7 +12,7 @@ safe to run twice (a resent batch whose first reply was lost).
 The result step is what makes "exactly one result per job id" true: the idempotency record
 (``SET done:<id> <result> NX``), the ``XADD`` to ``reply_to``, the status hash and the ``XACK`` happen
 inside one script, so Redis never holds a result without its record or an acknowledgement without its
-result. Key names come from :mod:`routerd.keys` inside each record; scripts touch keys they are not
+result. Key names come from :mod:`routerd.redis_keys` inside each record; scripts touch keys they are not
 given in KEYS, so Redis Cluster is not supported (one Redis, or Sentinel).
 """
 
@@ -31,8 +31,8 @@ import redis.exceptions
 
 from ... import _aio, log
 from ...config import RedisConfig
-from ...jobs import Attempt, Result, json_encode, now_ms
-from ...keys import Keys
+from ...queue_wire import Attempt, Result, json_encode, now_ms
+from ...redis_keys import RedisKeys
 from ...redis_server import REDIS_DOWN as REDIS_DOWN  # Redis did not answer; re-exported for the queue
 
 _log = log.get("routerd.queue")
@@ -152,7 +152,7 @@ class _Item:
         repr=False, default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class BatchWriter:
+class ResultWriter:
     """Pipelines queued steps; each caller awaits its own reply. One instance per consumer.
 
     ``common`` gives, per script, the arguments shared by every record of a call (evaluated at send
@@ -286,15 +286,15 @@ def _log_failure(fut: asyncio.Future[Any]) -> None:
 
 
 class JobStore:
-    """The per-job steps of one consumer, each atomic, all through one :class:`BatchWriter`."""
+    """The per-job steps of one consumer, each atomic, all through one :class:`ResultWriter`."""
 
-    def __init__(self, client: Callable[[], aioredis.Redis], keys: Keys, consumer: str,
+    def __init__(self, client: Callable[[], aioredis.Redis], keys: RedisKeys, consumer: str,
                  cfg: Callable[[], RedisConfig], *, rng: random.Random | None = None) -> None:
         self.keys = keys
         self.consumer = consumer
         self._cfg = cfg
         self._client = client
-        self.writer = BatchWriter(client, op_timeout_s=cfg().op_timeout_s, rng=rng, common={
+        self.writer = ResultWriter(client, op_timeout_s=cfg().op_timeout_s, rng=rng, common={
             "begin": lambda: [consumer, str(now_ms()), str(cfg().result_ttl_s)],
             "acknowledge": self._acknowledge_common,
             "chunk": lambda: [str(cfg().reply_maxlen), str(cfg().result_ttl_s)],

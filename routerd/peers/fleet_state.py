@@ -4,10 +4,11 @@ Exactly one process controls the fleets (launch, adopt, health, restarts, scalin
 the static fleets' heartbeats run there). It *publishes* what its registry knows of every instance — id,
 URL, state and why, generation, restarts, PID, node, capacity, health, last heartbeat, resources —
 plus each launched fleet's desired replica count, its own ident and its config fingerprint: one msgpack
-value in the hash :meth:`routerd.keys.Keys.fleet_state`, written by one Lua script that refuses a
+value in the hash :meth:`routerd.redis_keys.RedisKeys.fleet_state`, written by one Lua script that refuses a
 writer whose fencing token is older than the stored one (a deposed controller cannot overwrite its
 successor), gives each write the next version of a counter, renews a short expiry and announces a
-changed value on :meth:`~routerd.keys.Keys.fleet_channel`. It publishes on every registry change and at
+changed value on :meth:`~routerd.redis_keys.RedisKeys.fleet_channel`. It publishes on every registry change
+and at
 least every ``publish_every_s``.
 
 Every other process *follows*: on the notice (or at the latest after ``publish_every_s``, the poll that
@@ -22,13 +23,13 @@ hosts' clocks may differ). Past ``stale_after_s`` — no controller publishing �
 last state it had (the engines still serve; readiness does not flap), logs it, and says so in
 ``/admin/fleets`` and ``routerd_view_age_seconds``.
 
-The value is sealed (routerd/view/sealed.py) with the publisher's fencing token and a sequence number
+The value is sealed (routerd/peers/sealed.py) with the publisher's fencing token and a sequence number
 inside the seal: a follower applies only a state it can open, and never one older (lower token, or the
 same token and a lower sequence) than one it applied — so neither a state written by hand (an instance
 URL of anyone's choosing) nor a genuine older one written again is followed. Freshness is the sealed
 sequence moving, not the hash's version (which anyone could bump). A follower whose published state it
 cannot trust keeps the last one it could (a forgery is overwritten by the next publish); when it has
-none, or that one is stale, it is not ready (``/readyz`` 503 says why: :meth:`FleetView.untrusted`).
+none, or that one is stale, it is not ready (``/readyz`` 503 says why: :meth:`FleetStateSync.untrusted`).
 
 Which config wins: what decides launches and the fleets' life — ``[[fleets]]``, ``[health]``,
 ``ray.namespace`` (:func:`config_fingerprint`) — is the controller's: a follower routes over the
@@ -36,7 +37,8 @@ controller's instances and replica counts whatever its own file says, and says l
 differs (a warning at start and on every change, ``routerd_view_config_mismatch``; not while a reload of
 a worker's own parent is still reaching it: the state carries the controller's count of reloads).
 Routing, tenants, admission and ``[http]`` are each process's own. The controller's fleets are the
-fleets: a follower serves, lists and reports readiness only for those (:meth:`FleetView.followed_fleets`),
+fleets: a follower serves, lists and reports readiness only for those
+(:meth:`FleetStateSync.followed_fleets`),
 and engines of fleets the controller lacks are published as orphaned, left running, not routed to.
 """
 
@@ -55,13 +57,13 @@ from prometheus_client.core import GaugeMetricFamily
 
 from .. import _aio, log, redact
 from ..config import Config
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN
 from ..registry import Instance, InstanceState, Registry
 from ..trust import Rejected, Trust, Why
 from .sealed import FLEET_STATE, Seals
 
-_log = log.get("routerd.view")
+_log = log.get("routerd.peers")
 
 PUBLISH_EVERY_S = 0.5  # the controller's refresh; a follower's poll when a notice is lost
 EXPIRE_MS = 5000  # a controller gone this long leaves no state behind
@@ -82,7 +84,7 @@ return v
 """
 
 
-class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
+class PublishedInstance(msgspec.Struct, frozen=True, kw_only=True):
     """The controller-owned fields of one instance: what routing, readiness and status read."""
 
     id: str
@@ -103,7 +105,7 @@ class InstanceView(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat: float = 0.0
 
 
-class OrphanView(msgspec.Struct, frozen=True, kw_only=True):
+class PublishedOrphan(msgspec.Struct, frozen=True, kw_only=True):
     """A running engine of a fleet the controller's config lacks (routerd/fleet/adopt.py ``Orphan``)."""
 
     id: str
@@ -122,12 +124,12 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     controller: str
     fingerprint: str
     fleets: list[str] = []
-    instances: list[InstanceView] = []
+    instances: list[PublishedInstance] = []
     replicas: dict[str, int] = {}
     # How many reloads the controller has applied: its own workers tell a reload still reaching them
-    # (their parent's count moved on, theirs not yet) from a config that differs (FleetView.mismatch).
+    # (their parent's count moved on, theirs not yet) from a config that differs (FleetStateSync.mismatch).
     reloads: int = 0
-    orphans: list[OrphanView] = []
+    orphans: list[PublishedOrphan] = []
 
 
 class Published(msgspec.Struct, frozen=True, array_like=True):
@@ -160,8 +162,8 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def view_of(inst: Instance) -> InstanceView:
-    return InstanceView(id=inst.id, fleet=inst.fleet, url=inst.url, state=inst.state.value,
+def view_of(inst: Instance) -> PublishedInstance:
+    return PublishedInstance(id=inst.id, fleet=inst.fleet, url=inst.url, state=inst.state.value,
                         state_reason=inst.state_reason, generation=inst.generation, restarts=inst.restarts,
                         pid=inst.pid, node=inst.node, capacity_hint=inst.capacity_hint,
                         launch_capacity=inst.launch_capacity, static=inst.static, started_at=inst.started_at,
@@ -175,7 +177,7 @@ def _state(value: str) -> InstanceState:
         return InstanceState.UNHEALTHY
 
 
-def _new_instance(v: InstanceView) -> Instance:
+def _new_instance(v: PublishedInstance) -> Instance:
     return Instance(id=v.id, fleet=v.fleet, url=v.url, state=_state(v.state), state_reason=v.state_reason,
                     capacity_hint=v.capacity_hint, static=v.static, launch_capacity=v.launch_capacity,
                     generation=v.generation, restarts=v.restarts, pid=v.pid, node=v.node,
@@ -183,7 +185,7 @@ def _new_instance(v: InstanceView) -> Instance:
                     last_heartbeat=v.last_heartbeat)
 
 
-def _replaced(inst: Instance, v: InstanceView) -> bool:
+def _replaced(inst: Instance, v: PublishedInstance) -> bool:
     """A new engine behind the same id: nothing of the old one's (scrapes, breaker, in-flight) holds."""
     return bool(inst.generation and v.generation != inst.generation) or bool(
         inst.url and v.url and inst.url != v.url)
@@ -218,11 +220,11 @@ def apply_state(registry: Registry, state: FleetState) -> None:
             registry.remove(inst.id)
 
 
-class FleetView:
+class FleetStateSync:
     """Publishes the fleet state while this process controls, follows it otherwise: one loop,
     :meth:`run`, that switches with ``controls()`` (the control lease's verdict)."""
 
-    def __init__(self, registry: Registry, client: aioredis.Redis, keys: Keys, *, ident: str,
+    def __init__(self, registry: Registry, client: aioredis.Redis, keys: RedisKeys, *, ident: str,
                  fingerprint: str, controls: Callable[[], bool], seals: Seals,
                  token: Callable[[], int] = lambda: 0,
                  replicas: Callable[[], dict[str, int]] = dict, op_timeout_s: float = 5.0,
@@ -367,8 +369,8 @@ class FleetView:
                 "refused": self._refused[0].value if self._refused is not None else None,
                 "untrusted": self.untrusted() or None}
 
-    def collector(self) -> ViewCollector:
-        return ViewCollector(self)
+    def collector(self) -> FleetStateCollector:
+        return FleetStateCollector(self)
 
     # the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -425,7 +427,7 @@ class FleetView:
         state = FleetState(controller=self.ident, fingerprint=self.fingerprint, fleets=self.registry.fleets(),
                            instances=[view_of(i) for i in self.registry], replicas=self.replicas_of(),
                            reloads=self.reloads,
-                           orphans=msgspec.convert(self.orphans_of(), list[OrphanView]))
+                           orphans=msgspec.convert(self.orphans_of(), list[PublishedOrphan]))
         blob = _encode(state)
         changed = blob != self._blob
         token = self.token()
@@ -541,10 +543,10 @@ class FleetView:
             self._mismatch_logged = ""
 
 
-class ViewCollector:
+class FleetStateCollector:
     """``/metrics``: how old this process's fleet state is and whether its config matches."""
 
-    def __init__(self, view: FleetView) -> None:
+    def __init__(self, view: FleetStateSync) -> None:
         self._view = view
 
     def describe(self) -> list[Any]:

@@ -2,8 +2,8 @@
 
 For every ready instance routerd asks the engine where it publishes — ``GET /kv_event_sources``, which
 vLLM 0.32 and the sim answer with each rank's endpoint, replay endpoint and topic — and runs a
-:class:`~routerd.routing.kv_events.KvEventSubscriber` per rank into an
-:class:`~routerd.routing.engine_cache.EngineCacheView`. A wildcard host in a published endpoint
+:class:`~routerd.routing.engine_cache.subscriber.KvEventSubscriber` per rank into an
+:class:`~routerd.routing.engine_cache.blocks.EngineBlocks`. A wildcard host in a published endpoint
 (``tcp://*:P``) is the engine's own host, taken from its URL. An instance that restarts (its
 ``generation`` moves) is looked up again — routerd's launchers choose new ports for each start — and an
 engine that publishes nothing (no route, ``{}``, events off) is asked again every ``retry_s``; until
@@ -20,7 +20,7 @@ per instance and rank for as long as routerd runs, so a counter never goes back.
 the instance (its generation, URL or pid moved: routerd's launchers start each generation on new
 ports) is counted as one restart of each of its ranks' streams; an engine restarted behind the same
 instance and ports while no subscription listened is found by the next subscription, whose first
-history is judged against where the last one left the stream (:mod:`routerd.routing.kv_events`).
+history is judged against where the last one left the stream (:mod:`routerd.routing.engine_cache.subscriber`).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .. import log
-from ..config import FleetConfig
-from ..registry import InstanceState, Registry
-from . import kv_hash
-from .engine_cache import EngineCacheView
-from .engine_keys import EngineKeyer, load_keyer
-from .kv_events import KvEventSubscriber, SubscriberStats, ViewHealth
+from ... import log
+from ...config import FleetConfig
+from ...registry import InstanceState, Registry
+from ...vllm_wire import block_hash
+from .block_keys import EngineKeyer, load_keyer
+from .blocks import EngineBlocks
+from .subscriber import KvEventSubscriber, SubscriberStats, ViewHealth
 
 if TYPE_CHECKING:
-    from ..telemetry import Telemetry
+    from ...telemetry import Telemetry
+    from ..router import Router
     from .keying_process import KeyingProcess
-    from .router import Router
 
-_log = log.get("routerd.routing.engine_events")
+_log = log.get("routerd.routing.engine_cache.subscriptions")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
 _MAX_STREAMS = 4096  # instances whose counters are kept; past it, those of instances gone are dropped
 
@@ -67,7 +67,7 @@ def connect_endpoint(published: str, engine_url: str) -> str:
 @dataclass
 class _Rank:
     sub: KvEventSubscriber
-    view: EngineCacheView
+    view: EngineBlocks
     task: asyncio.Task[None]
 
 
@@ -122,7 +122,7 @@ class EngineEvents:
         st = self._streams.get(instance_id)
         return {} if st is None else dict(st.ranks)
 
-    def views(self, instance_id: str) -> list[tuple[KvEventSubscriber, EngineCacheView]]:
+    def views(self, instance_id: str) -> list[tuple[KvEventSubscriber, EngineBlocks]]:
         e = self._engines.get(instance_id)
         return [] if e is None else [(r.sub, r.view) for r in e.ranks.values()]
 
@@ -275,7 +275,7 @@ class EngineEvents:
             if not isinstance(src, dict) or not isinstance(src.get("endpoint"), str):
                 continue
             replay = src.get("replay_endpoint")
-            view = EngineCacheView(capacity)
+            view = EngineBlocks(capacity)
             stats = stream.ranks.setdefault(str(rank), SubscriberStats())
             sub = KvEventSubscriber(
                 connect_endpoint(src["endpoint"], e.url), view,
@@ -343,12 +343,12 @@ def fleet_keyers(fleets: Sequence[FleetConfig]) -> dict[str, tuple[EngineKeyer, 
         if f.engine not in ("sim", "vllm", "static") or not on:
             continue
         engine, source = f.engine, str(_arg(args, "model", f.model))
-        root = kv_hash.none_hash(kv_hash.LAUNCH_SEED)
+        root = block_hash.none_hash(block_hash.LAUNCH_SEED)
         if engine == "static":
             source = str(_arg(args, "tokenizer", ""))
             engine = "sim" if source == "sim" else "vllm"
             seed = _arg(args, "hash-seed")
-            root = kv_hash.none_hash(None if seed is None else str(seed))
+            root = block_hash.none_hash(None if seed is None else str(seed))
         keyer = load_keyer(engine, source)
         if keyer is None:
             _log.info("kv_events_no_tokenizer", fleet=f.name, tokenizer=source)

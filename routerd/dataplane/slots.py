@@ -15,7 +15,7 @@ from typing import Literal
 from ..errors import DeadlineExceeded, RouterdError
 from ..tenants.fairshare import Line
 
-__all__ = ["FleetQueue", "Source", "Waiter"]
+__all__ = ["FleetSlots", "Source", "Waiter"]
 
 _CREDIT_S = 5.0  # seconds of its fair share a tenant that starts waiting may be behind the others
 
@@ -40,7 +40,7 @@ class Waiter:
 
 
 @dataclass
-class FleetQueue:
+class FleetSlots:
     active: int = 0
     lines: dict[str, Line[Waiter]] = field(default_factory=dict)  # every tenant seen in this fleet
     waiting: dict[str, Line[Waiter]] = field(default_factory=dict)  # those with waiters (maybe done)

@@ -24,7 +24,7 @@ intervals for the first records before it does.
 A record's age is the reader's wall clock minus the scraper's: hosts are assumed within a fraction of a
 scrape interval of each other (NTP); a record that looks older than that is not used.
 
-Each record is sealed for its instance (routerd/view/sealed.py): a scrape written by hand (an idle-looking
+Each record is sealed for its instance (routerd/peers/sealed.py): a scrape written by hand (an idle-looking
 engine that draws every process's traffic), by a routerd with another secret, or copied to another
 instance is refused and counted, never applied; a genuine older one written again is not newer than the
 one applied, and is skipped.
@@ -41,14 +41,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .. import _aio, log
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..registry import Instance, Registry
 from ..snapshot import LoadSnapshot
 from ..trust import Rejected
 from .outage import Outage
 from .sealed import SCRAPE, Seals
 
-_log = log.get("routerd.view.scrapes")
+_log = log.get("routerd.peers.scrapes")
 
 FRESH_INTERVALS = 3  # a shared scrape stands in for an own one while at most this many intervals old
 
@@ -74,7 +74,7 @@ class SharedScrapes:
     """The scraper's seam (:class:`routerd.routing.scraper.ScrapeShare`) and the publish/apply loop;
     ``run()`` until cancelled."""
 
-    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: Keys, *, seals: Seals,
+    def __init__(self, registry: Registry, redis: aioredis.Redis, keys: RedisKeys, *, seals: Seals,
                  is_scraper: Callable[[], bool], scrape_interval_s: float, op_timeout_s: float,
                  idle_period_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
