@@ -10,8 +10,6 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import SpanKind
-
 from .client import QueueClient
 from .queue_wire import ResultView, json_encode
 from .redact import warn_argv_url
@@ -67,7 +65,7 @@ async def _submit(args: argparse.Namespace, target: RedisTarget, model: str) -> 
     """The job inside a producer span of its own when tracing is on (``[tracing]`` of ``--config``, or
     the ``OTEL_*`` variables): the job's trace starts here and its id goes to stderr."""
     from .config import TracingConfig
-    from .tracing import Tracing
+    from .tracing import SpanKind, Tracing
 
     stream = target.redis.stream
     tracing = Tracing.from_config(target.cfg.tracing if target.cfg is not None else TracingConfig())

@@ -1,4 +1,4 @@
-"""One trace per request, both ways in: the real OpenTelemetry SDK and OTLP/HTTP exporter sending to a
+"""One trace per request, both ways in: routerd's own spans and OTLP/HTTP exporter sending to a
 receiver the test starts (tests/fixtures/otlp.py), simulated engines as processes with injected faults.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+import structlog
 
 from routerd import log
 from routerd.assembly import running
@@ -333,6 +334,39 @@ async def test_the_exporters_otel_variables_are_honoured(otlp_receiver: OtlpRece
     headers = {k.lower(): v for k, v in otlp_receiver.headers[0].items()}  # (names are case-blind)
     assert (headers["authorization"], headers["x-tenant"]) == ("Bearer s3cret", "a")
     assert (headers["content-encoding"], headers["content-type"]) == ("gzip", "application/x-protobuf")
+
+
+async def test_otel_settings_routerd_lacks_are_named_once_and_spans_still_go_out_over_http(
+        otlp_receiver: OtlpReceiver) -> None:
+    """routerd sends OTLP/HTTP protobuf only: the collector's gRPC protocol, a sampler, a propagator
+    and an export variable it does not implement are named in one start-up warning, and the spans go
+    out over OTLP/HTTP all the same; what it implements is not warned about."""
+    env = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on",
+           "OTEL_PROPAGATORS": "tracecontext,b3", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "3000",
+           "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "gzip"}
+    with structlog.testing.capture_logs() as logs:
+        tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ=env)
+        with tracing.start("unit"):
+            pass
+        await tracing.aclose()
+    (warning,) = [e for e in logs if e["event"] == "tracing_otel_unsupported"]
+    assert warning["log_level"] == "warning"
+    assert sorted(warning["ignored"]) == ["OTEL_EXPORTER_OTLP_PROTOCOL=grpc",
+                                          "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT=3000",
+                                          "OTEL_PROPAGATORS=b3", "OTEL_TRACES_SAMPLER=always_on"]
+    (span,) = otlp_receiver.spans
+    assert span.name == "unit"
+
+    # the traces' own protocol wins over the general one; the parent-based samplers are routerd's own
+    supported = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                 "OTEL_TRACES_SAMPLER": "parentbased_always_off", "OTEL_PROPAGATORS": "tracecontext"}
+    with structlog.testing.capture_logs() as logs:
+        tracing = Tracing.from_config(TracingConfig(endpoint=otlp_receiver.url), environ=supported)
+        with tracing.start("unsampled") as unsampled:
+            assert unsampled is not None
+            assert not unsampled.sampled  # always_off: a trace routerd starts is not sampled
+        await tracing.aclose()
+    assert not [e for e in logs if e["log_level"] == "warning"]
 
 
 async def test_log_lines_under_a_span_carry_its_ids(otlp_receiver: OtlpReceiver) -> None:

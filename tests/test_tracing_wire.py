@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from routerd.tracing import Span, SpanKind
 from routerd.tracing._export import encode, resource
-from routerd.tracing._span import CLIENT, SERVER, Span, parse_traceparent
+from routerd.tracing._span import parse_traceparent
 from tests.fixtures.otlp import _value
 
 TRACE, PARENT = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
@@ -19,13 +20,13 @@ def test_spans_encode_to_what_opentelemetry_proto_decodes() -> None:
     arrays, non-ASCII text), an event, an error status, a trace state — read back as written."""
     attrs = {"s": "tëxt", "t": True, "f": False, "zero": 0, "neg": -3, "big": 2**63 - 1, "x": 0.25,
              "list": ["a", "b"], "empty": ""}
-    server = Span(TRACE, 0xABCDEF0123456789, PARENT, "POST /v1/completions", SERVER,
+    server = Span(TRACE, 0xABCDEF0123456789, PARENT, "POST /v1/completions", SpanKind.SERVER,
                   1_700_000_000_000_000_001, attrs, sampled=True, tracestate="vendor=1")
     server.end_ns = 1_700_000_000_500_000_000
     server.record_exception(ValueError("bad"))
     server.set_error("HTTP 502")
     # the same keys with values equal in Python but not on the wire (True == 1 == 1.0, "1"): each as it is
-    child = Span(TRACE, 7, server.span_id, "routerd.attempt", CLIENT, 5,
+    child = Span(TRACE, 7, server.span_id, "routerd.attempt", SpanKind.CLIENT, 5,
                  {"t": 1, "f": 0.0, "zero": "0", "s": "tëxt"}, sampled=True)
     child.end_ns = 6
     body = encode(resource({"service.name": "routerd", "pid": 12}), [server, child])
@@ -73,7 +74,7 @@ def test_traceparent_is_parsed_as_w3c_says(header: str | None, parsed: tuple[int
     """An invalid ``traceparent`` is ignored (a new trace starts), never an error for the request."""
     assert parse_traceparent(header) == parsed
     if parsed is not None and parsed[2]:
-        span = Span(parsed[0], parsed[1], 0, "x", SERVER, 0, {}, sampled=True)
+        span = Span(parsed[0], parsed[1], 0, "x", SpanKind.SERVER, 0, {}, sampled=True)
         assert span.traceparent == f"00-{TRACE:032x}-{PARENT:016x}-01"
 
 
@@ -82,13 +83,13 @@ def test_a_log_line_and_a_routing_decision_become_attributes_in_the_export_threa
     they are; the encoder names them (``gen_ai.*``, ``routerd.*``), adds gen_ai's time to first token,
     leaves out of the server span the routing facts (they are its attempts') and the request id it
     already has, and leaves lists out of a log line's — the same the second time, from its caches."""
-    server = Span(TRACE, 1, 0, "POST /v1/completions", SERVER, 1, {"routerd.request_id": "r1"}, True)
+    server = Span(TRACE, 1, 0, "POST /v1/completions", SpanKind.SERVER, 1, {"routerd.request_id": "r1"}, True)
     server.fields = {"request_id": "r1", "model": "m", "status": 200, "stream": False, "ttfb_ms": 12.5,
                      "admission_ms": 0.25, "policy": "least_load", "rule": "least_wait",
                      "cache_view": "model", "wait_est_ms": 1.0, "runner_up": "f:static1",
                      "runner_up_wait_est_ms": 2.0, "tenant": "t", "resumes": 0, "custom": "x",
                      "tags": ["a"], "gone": None}
-    attempt = Span(TRACE, 2, 1, "routerd.attempt", CLIENT, 2, {"routerd.attempt": 1}, True)
+    attempt = Span(TRACE, 2, 1, "routerd.attempt", SpanKind.CLIENT, 2, {"routerd.attempt": 1}, True)
     attempt.route = {"policy": "least_load", "matched_blocks": 3, "wait_est_ms": 1.0,
                      "session_affinity": True, "runner_up": "f:static1"}
     server.end_ns = attempt.end_ns = 3

@@ -36,13 +36,11 @@ from collections.abc import Awaitable, Mapping
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from opentelemetry.trace import SpanKind
-
 from .. import _aio, log
 from ._export import Collector, Exporter, resource
-from ._scopes import _CURRENT, Traced, _error, _Scope, _Waiting, current_context
-from ._setup import _pairs, engine_env, otlp_endpoint
-from ._span import CLIENT, CONSUMER, INTERNAL, SERVER, Span, clean_tracestate, parse_traceparent
+from ._scopes import CURRENT, Scope, Traced, Waiting, current_context
+from ._setup import engine_env, otlp_endpoint, otlp_setting, pairs, unsupported
+from ._span import Span, SpanKind, clean_tracestate, parse_traceparent
 
 if TYPE_CHECKING:
     from ..config import TracingConfig
@@ -54,7 +52,6 @@ T = TypeVar("T")
 _NULL: nullcontext[None] = nullcontext()
 _OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 _ID_BITS = (1 << 64) - 1
-WAITED_NS = 1_000_000  # an admission wait this long (1 ms) or longer gets a span
 
 
 class Tracing:
@@ -78,33 +75,30 @@ class Tracing:
     @classmethod
     def from_config(cls, cfg: TracingConfig, environ: Mapping[str, str] | None = None) -> Tracing:
         """Tracing as ``[tracing]`` and the ``OTEL_*`` variables say (:func:`otlp_endpoint`; also
-        ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_RESOURCE_ATTRIBUTES`` and
-        ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ``…_COMPRESSION`` (gzip), ``…_CERTIFICATE``)."""
+        ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER`` (the parent-based ones) and ``…_SAMPLER_ARG``,
+        ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``, ``…_COMPRESSION``
+        (gzip), ``…_CERTIFICATE``). What routerd does not implement of them (OTLP/gRPC, another
+        sampler, …) is named in one warning, ``tracing_otel_unsupported``: spans still go out, over
+        OTLP/HTTP."""
         env = os.environ if environ is None else environ
         endpoint = otlp_endpoint(cfg, env)
         if not endpoint:
             return cls.off()
+        if ignored := unsupported(env):
+            _log.warning("tracing_otel_unsupported", ignored=ignored, endpoint=endpoint,
+                         sends="OTLP/HTTP protobuf, parent-based ratio sampling, W3C traceparent")
         # A key left at its default gives way to its OTEL_* variable (README, "Tracing").
         service = cfg.service_name if cfg.service_name != "routerd" \
             else env.get("OTEL_SERVICE_NAME", "").strip() or "routerd"
-        ratio = cfg.sample_ratio
-        if ratio == 1.0 and env.get("OTEL_TRACES_SAMPLER_ARG", "").strip():
-            try:
-                ratio = min(1.0, max(0.0, float(env["OTEL_TRACES_SAMPLER_ARG"])))
-            except ValueError:
-                _log.warning("tracing_bad_sampler_arg", value=env["OTEL_TRACES_SAMPLER_ARG"][:50])
-        attributes: dict[str, Any] = {**_pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", "")),
+        attributes: dict[str, Any] = {**pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", "")),
                                       "service.name": service, "telemetry.sdk.name": "routerd",
                                       "telemetry.sdk.language": "python"}
-        def otlp(name: str) -> str:  # OTEL_EXPORTER_OTLP_TRACES_<name>, else OTEL_EXPORTER_OTLP_<name>
-            return env.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}", "").strip() \
-                or env.get(f"OTEL_EXPORTER_OTLP_{name}", "").strip()
-
         exporter = Exporter(endpoint, resource(attributes), max_queue=cfg.max_queue_spans,
-                            timeout_s=cfg.export_timeout_s, headers=_pairs(otlp("HEADERS")),
-                            gzip=otlp("COMPRESSION").lower() == "gzip", cafile=otlp("CERTIFICATE"))
-        return cls(exporter, sample_ratio=ratio, shutdown_timeout_s=cfg.shutdown_timeout_s,
-                   max_queue=cfg.max_queue_spans)
+                            timeout_s=cfg.export_timeout_s, headers=pairs(otlp_setting(env, "HEADERS")),
+                            gzip=otlp_setting(env, "COMPRESSION").lower() == "gzip",
+                            cafile=otlp_setting(env, "CERTIFICATE"))
+        return cls(exporter, sample_ratio=_ratio(cfg.sample_ratio, env),
+                   shutdown_timeout_s=cfg.shutdown_timeout_s, max_queue=cfg.max_queue_spans)
 
     def collector(self) -> Collector:
         """The ``routerd_trace_spans_*`` metrics for ``/metrics``."""
@@ -142,7 +136,7 @@ class Tracing:
             _log.warning("tracing_shutdown_timeout", timeout_s=timeout, waiting=exporter.counts.waiting)
 
     # ---- making spans ------------------------------------------------------------------------------
-    def _root(self, name: str, kind: int, attributes: dict[str, Any], start_ns: int,
+    def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], start_ns: int,
               parent: tuple[int, int, bool] | None, tracestate: str) -> Span:
         """A span starting or continuing a trace from outside (a client's, a producer's context):
         parent-based sampling, else the ratio on the trace id."""
@@ -155,12 +149,14 @@ class Tracing:
         return Span(trace_id, span_id, parent_id, name, kind, start_ns, attributes if sampled else {},
                     sampled, tracestate)
 
-    def _child(self, parent: Span, name: str, kind: int, attributes: dict[str, Any],
-               start_ns: int) -> Span:
+    def child(self, parent: Span, name: str, kind: SpanKind, attributes: dict[str, Any],
+              start_ns: int) -> Span:
+        """A span of ``parent``'s trace, its child (not made current: :class:`Scope` does that)."""
         return Span(parent.trace_id, self._bits(64) or 1, parent.span_id, name, kind, start_ns, attributes,
                     parent.sampled, parent.tracestate, parent.trace_hex)
 
-    def _end(self, span: Span, end_ns: int = 0) -> None:
+    def finish(self, span: Span, end_ns: int = 0) -> None:
+        """End ``span`` (at ``end_ns``, else now) and queue it for export when it is sampled."""
         span.end_ns = end_ns or time.time_ns()
         if span.sampled and self._exporter is not None:
             self._exporter.add(span)
@@ -171,11 +167,11 @@ class Tracing:
         (``routerd submit``'s producer span); the shared no-op when off."""
         if not self.on:
             return _NULL
-        parent = _CURRENT.get()
+        parent = CURRENT.get()
         attrs = dict(attributes or {})
-        span = self._child(parent, name, kind.value + 1, attrs, time.time_ns()) if parent is not None \
-            else self._root(name, kind.value + 1, attrs, time.time_ns(), None, "")
-        return _Scope(self, span)
+        span = self.child(parent, name, kind, attrs, time.time_ns()) if parent is not None \
+            else self._root(name, kind, attrs, time.time_ns(), None, "")
+        return Scope(self, span)
 
     # ---- the hooks the request path calls ------------------------------------------------------------
     def server(self, headers: Mapping[str, str], endpoint: str, request_id: str) -> Traced | None:
@@ -184,7 +180,7 @@ class Tracing:
         if not self.on:
             return None
         parent = parse_traceparent(headers.get("traceparent"))
-        span = self._root(f"POST {endpoint}", SERVER, {
+        span = self._root(f"POST {endpoint}", SpanKind.SERVER, {
             "http.request.method": "POST", "url.path": endpoint,
             "gen_ai.operation.name": _OPERATION.get(endpoint, ""), "routerd.request_id": request_id},
             time.time_ns(), parent, clean_tracestate(headers.get("tracestate")) if parent else "")
@@ -197,7 +193,7 @@ class Tracing:
         if not self.on:
             return None
         parent = parse_traceparent(traceparent)
-        span = self._root("routerd.queue.job", CONSUMER, {
+        span = self._root("routerd.queue.job", SpanKind.CONSUMER, {
             "messaging.system": "redis", "messaging.operation.type": "process",
             "messaging.destination.name": stream, "messaging.message.id": entry},
             read_ns, parent, clean_tracestate(tracestate) if parent else "")
@@ -207,34 +203,25 @@ class Tracing:
              kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span | None]:
         """A child span of the current one, current inside the ``with`` (the shared no-op when off);
         an exception leaving it marks it an error."""
-        parent = _CURRENT.get() if self.on else None
+        parent = CURRENT.get() if self.on else None
         if parent is None or not parent.sampled:
             return _NULL
-        return _Scope(self, self._child(parent, name, kind.value + 1, dict(attributes or {}), time.time_ns()))
+        return Scope(self, self.child(parent, name, kind, dict(attributes or {}), time.time_ns()))
 
     def _recording(self) -> Span | None:
         """The current span when tracing is on and it is sampled: a request that is not sampled makes
         no child span, only the context it passes on."""
-        span = _CURRENT.get() if self.on else None
+        span = CURRENT.get() if self.on else None
         return span if span is not None and span.sampled else None
 
     def waiting(self, name: str, cm: AbstractAsyncContextManager[T]) -> AbstractAsyncContextManager[T]:
         """``cm`` (an admission ticket) with a span over its ``__aenter__`` when that waited
-        (:data:`WAITED_NS` or more) or failed: a slot taken at once is the server span's
+        (:data:`._scopes.WAITED_NS`, 1 ms, or more) or failed: a slot taken at once is the server span's
         ``routerd.admission_ms``, not a span of its own."""
         parent = self._recording()
         if parent is None:
             return cm
-        return _Waiting(self, parent, name, cm)
-
-    def _waited(self, parent: Span, name: str, start_ns: int, error: BaseException | None) -> None:
-        now = time.time_ns()
-        if error is None and now - start_ns < WAITED_NS:
-            return
-        span = self._child(parent, name, INTERNAL, {}, start_ns)
-        if error is not None:
-            _error(span, error)
-        self._end(span, now)
+        return Waiting(self, parent, name, cm)
 
     def timed(self, name: str, awaitable: Awaitable[T], when: bool = True) -> Awaitable[T]:
         """``awaitable`` (a tenant's charge, a rate-limit wait) inside a span of its own — ``when`` it
@@ -255,14 +242,14 @@ class Tracing:
         parent = self._recording()
         if parent is None:
             return _NULL
-        span = self._child(parent, name, CLIENT, {
+        span = self.child(parent, name, SpanKind.CLIENT, {
             "routerd.attempt": number, "routerd.instance": instance, "url.full": url}, time.time_ns())
         span.route = decision or None  # named and encoded by the export thread
-        return _Scope(self, span)
+        return Scope(self, span)
 
     def inject(self, headers: dict[str, str]) -> None:
         """Put the current span's ``traceparent``/``tracestate`` on an engine request's headers."""
-        span = _CURRENT.get() if self.on else None
+        span = CURRENT.get() if self.on else None
         if span is not None:
             headers["traceparent"] = span.traceparent
             if span.tracestate:
@@ -301,8 +288,23 @@ class Tracing:
                 span.attributes.update(attributes)
 
 
-def now_ns() -> int:
-    return time.time_ns()
+def _ratio(ratio: float, env: Mapping[str, str]) -> float:
+    """``[tracing] sample_ratio``, or when left at its default (1.0) what ``OTEL_TRACES_SAMPLER`` and
+    ``OTEL_TRACES_SAMPLER_ARG`` say: ``parentbased_always_off`` 0, ``parentbased_always_on`` 1 (its
+    argument unread, as the SDK), else the argument."""
+    if ratio != 1.0:
+        return ratio
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler == "parentbased_always_off":
+        return 0.0
+    arg = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if sampler == "parentbased_always_on" or not arg:
+        return ratio
+    try:
+        return min(1.0, max(0.0, float(arg)))
+    except ValueError:
+        _log.warning("tracing_bad_sampler_arg", value=arg[:50])
+        return ratio
 
 
-__all__ = ["Span", "Traced", "Tracing", "current_context", "engine_env", "now_ns", "otlp_endpoint"]
+__all__ = ["Span", "SpanKind", "Traced", "Tracing", "current_context", "engine_env", "otlp_endpoint"]

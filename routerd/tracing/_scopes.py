@@ -12,7 +12,7 @@ from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .. import log
-from ._span import Span
+from ._span import Span, SpanKind
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -22,19 +22,20 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # the span in progress (routerd.log reads it for the log line's ids); set and reset only in tracing
-_CURRENT = cast("ContextVar[Span | None]", log.current_span)
+CURRENT = cast("ContextVar[Span | None]", log.current_span)
+WAITED_NS = 1_000_000  # an admission wait this long (1 ms) or longer gets a span
 
 
 def current_context() -> dict[str, str]:
     """``traceparent`` (and ``tracestate``) of routerd's span in progress (``routerd submit``'s);
     ``{}`` without one."""
-    span = _CURRENT.get()
+    span = CURRENT.get()
     if span is None:
         return {}
     return {"traceparent": span.traceparent, **({"tracestate": span.tracestate} if span.tracestate else {})}
 
 
-class _Scope:
+class Scope:
     """A span current for a ``with`` block, ended (and queued for export) when it leaves; an
     exception leaving it marks it an error. A class, not ``@contextmanager``: this is per span."""
 
@@ -46,19 +47,19 @@ class _Scope:
         self.token: Token[Span | None] | None = None
 
     def __enter__(self) -> Span:
-        self.token = _CURRENT.set(self.span)
+        self.token = CURRENT.set(self.span)
         return self.span
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc is not None:
-            _error(self.span, exc)
+            mark_error(self.span, exc)
         if self.token is not None:
-            _CURRENT.reset(self.token)
-        self.tracing._end(self.span)
+            CURRENT.reset(self.token)
+        self.tracing.finish(self.span)
 
 
-class _Waiting(AbstractAsyncContextManager[T]):
+class Waiting(AbstractAsyncContextManager[T]):
     """:meth:`Tracing.waiting`'s wrapper: times ``cm.__aenter__`` and passes everything else through
     (a class, not ``@asynccontextmanager``: an async generator per request costs more than the span)."""
 
@@ -72,17 +73,27 @@ class _Waiting(AbstractAsyncContextManager[T]):
         try:
             got = await self.cm.__aenter__()
         except BaseException as e:
-            self.tracing._waited(self.parent, self.name, start, e)
+            self._waited(start, e)
             raise
-        self.tracing._waited(self.parent, self.name, start, None)
+        self._waited(start, None)
         return got
+
+    def _waited(self, start_ns: int, error: BaseException | None) -> None:
+        now = time.time_ns()
+        if error is None and now - start_ns < WAITED_NS:
+            return
+        span = self.tracing.child(self.parent, self.name, SpanKind.INTERNAL, {}, start_ns)
+        if error is not None:
+            mark_error(span, error)
+        self.tracing.finish(span, now)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
         return await self.cm.__aexit__(exc_type, exc, tb)
 
 
-def _error(span: Span, e: BaseException) -> None:
+def mark_error(span: Span, e: BaseException) -> None:
+    """Mark ``span`` failed by ``e``: cancelled, or an error with the exception as its event."""
     if isinstance(e, asyncio.CancelledError):
         span.attributes["error.type"] = "cancelled"
         span.set_error("cancelled")
@@ -106,7 +117,7 @@ class Traced:
     def __init__(self, tracing: Tracing, span: Span) -> None:
         self.tracing = tracing
         self.span = span
-        self.token = _CURRENT.set(span)
+        self.token = CURRENT.set(span)
 
     @property
     def trace_id(self) -> str:
@@ -132,5 +143,5 @@ class Traced:
             elif error:
                 span.set_error(error)
         finally:
-            _CURRENT.reset(self.token)
-            self.tracing._end(span)
+            CURRENT.reset(self.token)
+            self.tracing.finish(span)

@@ -12,12 +12,24 @@ the propagator's regex and context objects. The span in progress is :data:`route
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from typing import Any
 
-# OTLP's Span.SpanKind and Status.StatusCode numbers (opentelemetry/proto/trace/v1/trace.proto)
-INTERNAL, SERVER, CLIENT, PRODUCER, CONSUMER = 1, 2, 3, 4, 5
+
+class SpanKind(enum.IntEnum):
+    """A span's kind, numbered as OTLP's ``Span.SpanKind`` (opentelemetry/proto/trace/v1/trace.proto):
+    the number the export thread writes, so nothing translates it (OpenTelemetry's API counts from 0)."""
+
+    INTERNAL = 1
+    SERVER = 2
+    CLIENT = 3
+    PRODUCER = 4
+    CONSUMER = 5
+
+
+# OTLP's Status.StatusCode numbers
 UNSET, ERROR = 0, 2
 _HEX = frozenset("0123456789abcdef")
 _MAX_TRACESTATE = 512  # W3C: 32 list members; longer is cut by propagators, here dropped whole
@@ -35,7 +47,7 @@ class Span:
     __slots__ = ("attributes", "end_ns", "events", "fields", "kind", "message", "name", "parent_id",
                  "route", "sampled", "span_id", "start_ns", "status", "trace_hex", "trace_id", "tracestate")
 
-    def __init__(self, trace_id: int, span_id: int, parent_id: int, name: str, kind: int, start_ns: int,
+    def __init__(self, trace_id: int, span_id: int, parent_id: int, name: str, kind: SpanKind, start_ns: int,
                  attributes: dict[str, Any], sampled: bool, tracestate: str = "",
                  trace_hex: str = "") -> None:
         self.trace_id = trace_id
@@ -56,10 +68,6 @@ class Span:
         self.tracestate = tracestate
         self.fields: Mapping[str, Any] | None = None
         self.route: Mapping[str, Any] | None = None
-
-    def set_attributes(self, attributes: dict[str, Any]) -> None:
-        if self.sampled:
-            self.attributes.update(attributes)
 
     def set_error(self, message: str) -> None:
         if self.sampled:
@@ -107,5 +115,4 @@ def clean_tracestate(value: str | None) -> str:
     return value.strip()
 
 
-__all__ = ["CLIENT", "CONSUMER", "ERROR", "INTERNAL", "PRODUCER", "SERVER", "UNSET", "Span",
-           "clean_tracestate", "parse_traceparent"]
+__all__ = ["ERROR", "UNSET", "Span", "SpanKind", "clean_tracestate", "parse_traceparent"]
