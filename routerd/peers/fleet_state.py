@@ -544,7 +544,8 @@ class FleetStateSync:
 
 
 class FleetStateCollector:
-    """``/metrics``: how old this process's fleet state is and whether its config matches."""
+    """``/metrics``: how old this process's fleet state is and whether its config matches (whether it
+    controls the fleets is the lease's ``routerd_control_is_controller``)."""
 
     def __init__(self, view: FleetStateSync) -> None:
         self._view = view
@@ -559,8 +560,6 @@ class FleetStateCollector:
         yield GaugeMetricFamily("routerd_view_config_mismatch", "1 when this process's fleet config "
                                 "differs from the controller's (the controller's wins)",
                                 value=1.0 if view.mismatch() else 0.0)
-        yield GaugeMetricFamily("routerd_view_controller", "1 while this process controls the fleets",
-                                value=1.0 if view.controls() else 0.0)
         yield GaugeMetricFamily("routerd_view_orphaned_engines", "Engines of fleets the controller's config "
                                 "lacks, left running unmanaged (DELETE /admin/orphans/{id} stops one)",
                                 value=float(len(view.state.orphans)) if view.state is not None else 0.0)
