@@ -19,7 +19,6 @@ import msgspec
 from msgspec import Meta
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
-ENDPOINTS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 
 # A deadline this small cannot be a Unix time in ms (it would be before 1973): it is read as
 # "milliseconds after the job was enqueued", measured from the stream entry id's timestamp.

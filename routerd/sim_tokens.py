@@ -1,7 +1,7 @@
 """The simulated engine's tokenizer and deterministic "model output": what it generates is a pure
 function of its inputs. A floor module rather than part of ``routerd/sim/``: routing keys a request for
-a sim fleet with these very token ids (``routing/engine_cache/block_keys.py``), as it keys a vLLM fleet's with the
-model's own tokenizer.
+a sim fleet with these very token ids (``routing/engine_cache/block_keys.py``), as it keys a vLLM
+fleet's with the model's own tokenizer.
 
 Tests on the router, the queue and failover need to know *exactly* what should reach a client, so the
 text depends only on (seed, prompt or rendered chat messages, max_tokens, stop, eos settings) and never

@@ -94,7 +94,6 @@ class SharedScrapes:
         self._grace_until = clock() + FRESH_INTERVALS * scrape_interval_s
         self._own: set[str] = set()  # instances this process scrapes itself for want of fresh records
         self.own_scrapes_total = 0
-        self.applied_total = 0
 
     def update_config(self, scrape_interval_s: float, idle_period_s: float | None = None) -> None:
         self.interval_s = scrape_interval_s
@@ -224,4 +223,3 @@ class SharedScrapes:
         inst.inflight_at_scrape = rec.inflight
         inst.scrape_error = ""
         inst.learned.observe(snap)
-        self.applied_total += 1

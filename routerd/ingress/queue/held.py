@@ -101,7 +101,6 @@ class Held:
         self._returning: dict[str, Room] = {}  # entry id → room: brought back, not yet waiting
         self._returning_by: Counter[Room] = Counter()
         self._next_deadline = math.inf  # no set-aside job's deadline comes before this
-        self.set_aside_total = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.wake = asyncio.Event()  # a tenant's room has space, or a set-aside job is due
@@ -222,7 +221,6 @@ class Held:
         if deadline is not None and deadline < self._next_deadline:
             self._next_deadline = deadline
             self.wake.set()  # the aside loop sleeps until the previous next deadline
-        self.set_aside_total += 1
 
     def due(self, room_size: Callable[[Room], int], limit: int, now: float | None = None) -> list[Aside]:
         """Up to ``limit`` set-aside jobs to bring back now, forgotten here (the caller holds them

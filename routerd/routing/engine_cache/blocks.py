@@ -30,7 +30,8 @@ SPECULATIVE_TTL_S = 5.0
 
 
 class EngineCacheSource(Protocol):
-    """What routing asks of the engines' own cache views (``routing.engine_cache.subscriptions.EngineEvents``)."""
+    """What routing asks of the engines' own cache views
+    (``routing.engine_cache.subscriptions.EngineEvents``)."""
 
     def match(self, instance_id: str, keys: Sequence[int]) -> int | None:
         """Leading blocks of ``keys`` the instance holds by its own events; None: no usable view."""
@@ -118,12 +119,6 @@ class EngineBlocks:
                 del spec[k]
             while len(spec) > limit // 2:
                 del spec[next(iter(spec))]
-
-    @property
-    def speculative(self) -> int:
-        """Speculative entries not yet expired."""
-        now = self._clock()
-        return sum(1 for until in self._speculative.values() if until > now)
 
     def _store(self, keys: Iterable[int]) -> None:
         blocks, spec = self._blocks, self._speculative

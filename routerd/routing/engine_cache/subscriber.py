@@ -82,11 +82,9 @@ class SubscriberStats:
     skipped_events: int = 0
     undecodable: int = 0
     gaps: int = 0
-    replays: int = 0
     replayed_batches: int = 0
     unrecovered_gaps: int = 0
     restarts: int = 0
-    late_duplicates: int = 0
     probes: int = 0
     last_seq: int | None = None
     last_crc: int | None = None  # CRC-32 of the last applied batch's payload: where the stream was left
@@ -195,8 +193,7 @@ class KvEventSubscriber:
             self._apply(batch, payload)
             return
         if nxt is not None and seq < nxt and self._applied.seen(seq, payload):
-            self.stats.late_duplicates += 1  # replay already brought it, or a reordered copy
-            return
+            return  # replay already brought it, or a reordered copy
         if nxt is not None and seq > nxt:
             self.stats.gaps += 1
             _log.info("kv_event_gap", engine=self.name, expected=nxt, got=seq)
@@ -286,8 +283,6 @@ class KvEventSubscriber:
         anchor = self._next - 1 if self._next else None
         if probe:
             self.stats.probes += 1
-        else:
-            self.stats.replays += 1
         got = await self._replay(0 if anchor is None else anchor)
         if got is None:
             if not self._stale:
