@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from aiohttp import web
     from prometheus_client.registry import Collector
 
+    from .batches import BatchRunner
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
     from .peers import SharedMeasures
@@ -128,6 +129,7 @@ class Routerd:
     view: SharedMeasures | None = None
     # with Redis and launched fleets: admission's view of fleets at zero, whose wakes go to the controller
     wake_relay: RelayedElastic | None = None
+    batches: BatchRunner | None = None  # the Batch API's runner, with the queue (issue 31)
 
     @property
     def url(self) -> str:
@@ -161,6 +163,8 @@ class Routerd:
                 loops["wake_relay"] = self.admin_relay.send_wakes()
         if self.view is not None:
             loops["view"] = self.view.run()
+        if self.batches is not None:  # batches (issue 31)
+            loops["batches"] = self.batches.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -178,6 +182,8 @@ class Routerd:
         self.watch_pool.configure(connect_timeout_s=cfg.routing.connect_timeout_s,
                                   read_timeout_s=cfg.routing.scrape_timeout_s)
         self.http.update_config(cfg)
+        if self.batches is not None:  # batches (issue 31)
+            self.batches.update_config(cfg)
         self.listener.reload_tls()
         self.static_health.sync(cfg)
         for name in self.registry.fleets():
@@ -289,6 +295,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                   tenancy.collector(admission.tenant_stats)]
     if queue is not None:
         collectors.append(queue_collector(queue))
+    batches = _batches(cfg, redis_url if queue is not None else "", tenancy, collectors)  # issue 31
     if fleets is not None:
         collectors.append(fleets.collector())
     if engine_events is not None:
@@ -304,6 +311,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        elastic=elastic, control=control.status, **_http_view(fleet_view, fleets))
+    _batch_routes(http, batches, tenancy)  # issue 31
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -315,7 +323,30 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
-                   admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay)
+                   admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay,
+                   batches=batches)
+
+
+# batches (issue 31) ------------------------------------------------------------------------------
+def _batches(cfg: Config, redis_url: str, tenancy: Tenancy, collectors: list[Any]) -> BatchRunner | None:
+    """The Batch API's runner (with the queue, unless ``[batches] enabled = false``); its metrics."""
+    if not redis_url or not cfg.batches.enabled:
+        return None
+    from .batches import BatchCollector, BatchRunner
+
+    runner = BatchRunner(cfg, redis_url, tenancy, _ident(cfg))
+    collectors.append(BatchCollector(runner))
+    return runner
+
+
+def _batch_routes(http: HttpIngress, runner: BatchRunner | None, tenancy: Tenancy) -> None:
+    """The Batch API's routes and its part of ``/admin/fleets`` on the HTTP ingress."""
+    if runner is None:
+        return
+    from .batches import add_batch_routes
+
+    http.batch_routes = lambda app: add_batch_routes(app, runner, tenancy)
+    http.batch_status = runner.status
 
 
 def _required(seals: Seals | None) -> Seals:

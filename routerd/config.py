@@ -25,6 +25,7 @@ from .config_schema import (
     EXIT_CONFIG,
     AdmissionConfig,
     AutoscaleConfig,
+    BatchesConfig,
     Config,
     ControlConfig,
     Count,
@@ -47,7 +48,7 @@ from .config_schema import (
 )
 
 __all__ = [
-    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "ConfigError", "ControlConfig", "Count",
+    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "ConfigError", "ControlConfig", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
     "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
     "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"

@@ -12,7 +12,7 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
-    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "Config", "Count", "DaemonConfig",
+    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "Count", "DaemonConfig",
     "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount", "MaybeSeconds",
     "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds", "TenantConfig",
     "TracingConfig",
@@ -270,6 +270,21 @@ class ControlConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     secret: str = ""
 
 
+class BatchesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[batches]``: the OpenAI Batch API (``/v1/files``, ``/v1/batches``; routerd/batches/), with Redis."""
+
+    enabled: bool = True
+    max_file_bytes: Annotated[int, Meta(ge=1024, le=1 << 40)] = 200 * 1000 * 1000  # OpenAI's 200 MB
+    # Every file a tenant has (uploads and batch outputs) counts; an upload that would pass it is refused.
+    tenant_quota_bytes: Annotated[int, Meta(ge=1024, le=1 << 44)] = 10 * 1000 * 1000 * 1000
+    max_lines: Annotated[int, Meta(ge=1, le=10_000_000)] = 50_000  # requests in one batch (OpenAI's)
+    lines_in_flight: Annotated[int, Meta(ge=1, le=100_000)] = 512  # queue jobs of one batch at once
+    # Its lines' queue priority: below interactive requests' 0, so they keep their share while it runs.
+    priority: Annotated[int, Meta(ge=-1_000_000_000, le=1_000_000_000)] = -10
+    lease_s: Annotated[float, Meta(ge=0.3, le=3_600)] = 10.0  # a dead runner's batches move after this
+    poll_s: Interval = 1.0  # how often a routerd looks for batches nobody runs
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = DaemonConfig()
     http: HttpConfig = HttpConfig()
@@ -282,6 +297,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     tenants: list[TenantConfig] = []
     tracing: TracingConfig = TracingConfig()
     control: ControlConfig = ControlConfig()
+    batches: BatchesConfig = BatchesConfig()
 
     def fleet(self, name: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.name == name), None)

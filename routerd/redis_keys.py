@@ -158,6 +158,59 @@ class RedisKeys:
         """A session's last instance and generation (routerd/peers/sessions.py); ``digest`` of its key."""
         return self._key("session", digest)
 
+    # the OpenAI Batch API (routerd/batches/)
+    def file(self, file_id: str) -> str:
+        """Hash: one file's object (``id``, ``tenant``, ``bytes``, ``chunks``, …)."""
+        return self._key("file", file_id)
+
+    def file_chunk(self, file_id: str, n: int) -> str:
+        """String: the ``n``-th piece (≤ 256 KiB) of a file's bytes."""
+        return self._key("filedata", f"{file_id}:{n}")
+
+    def files_of(self, tenant: str) -> str:
+        """Sorted set: a tenant's file ids by creation (ms)."""
+        return self._key("files", tenant)
+
+    @property
+    def files_bytes(self) -> str:
+        """Hash: tenant → bytes of its files (the quota's count)."""
+        return self._key("files", "bytes")
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's object and progress (routerd/batches/store.py)."""
+        return self._key("batch", batch_id)
+
+    def batches_of(self, tenant: str) -> str:
+        """Sorted set: a tenant's batch ids by creation (ms)."""
+        return self._key("batches", tenant)
+
+    @property
+    def batches_active(self) -> str:
+        """Set: the batches not yet in a final state, which some routerd must run."""
+        return self._key("batches", "active")
+
+    @property
+    def batch_states(self) -> str:
+        """Hash: state → how many batches are in it (``/metrics``)."""
+        return self._key("batches", "states")
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Who runs a batch now: a holder's token, with a TTL it renews."""
+        return self._key("batchrun", f"{batch_id}:lease")
+
+    def batch_written(self, batch_id: str) -> str:
+        """Bitmap: bit n set once line n's output (or error) line is written."""
+        return self._key("batchrun", f"{batch_id}:written")
+
+    def batch_inflight(self, batch_id: str) -> str:
+        """Hash: line number → custom_id (JSON) of each line fed as a queue job and not yet written."""
+        return self._key("batchrun", f"{batch_id}:inflight")
+
+    def batch_results(self, batch_id: str) -> str:
+        """Stream: the results of a batch's queue jobs (their ``reply_to``: a reply stream, the
+        client's family, as any producer's)."""
+        return self.reply(f"batch:{batch_id}")
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""

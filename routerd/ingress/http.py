@@ -173,6 +173,9 @@ class HttpIngress:
         self.idle = asyncio.Event()
         self.idle.set()
         self.connections = ClientConnections(cfg.http, telemetry)
+        # batches (issue 31): the Batch API's routes and its part of /admin/fleets, set by the assembly
+        self.batch_routes: ExtraRoutes | None = None
+        self.batch_status: Callable[[], dict[str, Any]] | None = None
         self.update_config(cfg)
 
     def update_config(self, cfg: Config) -> None:
@@ -194,6 +197,8 @@ class HttpIngress:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/admin/fleets", self.admin_fleets)
+        if self.batch_routes is not None:  # batches (issue 31): /v1/files, /v1/batches
+            self.batch_routes(app)
         app.on_response_prepare.append(_stamp_request_id)
         app.on_response_prepare.append(self._close_when_draining)
         if extra_routes is not None:
@@ -391,6 +396,8 @@ class HttpIngress:
             status["view"] = self.view_status()
         if self.control is not None:
             status["control"] = self.control()
+        if self.batch_status is not None:  # batches (issue 31)
+            status["batches"] = self.batch_status()
         return status
 
 

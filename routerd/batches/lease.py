@@ -1,0 +1,56 @@
+"""Who runs a batch: a lease in Redis (``SET NX PX``, renewed by its holder, given up on the way out).
+
+Exactly one routerd feeds and collects a batch at a time; when its holder dies the lease lapses after
+``[batches] lease_s`` and any other routerd takes the batch over. The lease is about work, not about
+correctness: every step a runner takes is atomic and refused or skipped when already done
+(:mod:`.store`), so a holder that lost its lease without knowing it (a long pause) can do no harm
+before its next renew tells it so.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from .. import _aio
+from ..keys import Keys
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class BatchLease:
+    """This process's leases on batches, all under one token (``<holder> <random>``)."""
+
+    def __init__(self, client: Callable[[], Any], keys: Keys, holder: str, *,
+                 op_timeout_s: float) -> None:
+        self._client = client
+        self.keys = keys
+        self.token = f"{holder} {secrets.token_hex(8)}"
+        self._timeout = op_timeout_s
+
+    async def take(self, batch_id: str, lease_ms: int) -> bool:
+        async with _aio.timeout(self._timeout):
+            return bool(await self._client().set(self.keys.batch_lease(batch_id), self.token, nx=True,
+                                                 px=lease_ms))
+
+    async def renew(self, batch_id: str, lease_ms: int) -> bool:
+        async with _aio.timeout(self._timeout):
+            return bool(await self._client().eval(_RENEW, 1, self.keys.batch_lease(batch_id), self.token,
+                                                  str(lease_ms)))
+
+    async def release(self, batch_id: str) -> None:
+        async with _aio.timeout(self._timeout):
+            await self._client().eval(_RELEASE, 1, self.keys.batch_lease(batch_id), self.token)
+
+    async def holder(self, batch_id: str) -> str | None:
+        async with _aio.timeout(self._timeout):
+            raw = await self._client().get(self.keys.batch_lease(batch_id))
+        return None if raw is None else raw.decode(errors="replace")

@@ -1,0 +1,166 @@
+"""The OpenAI Batch API on routerd (issue 31): the ``openai`` client unchanged against real ``routerd
+run`` processes on one real Redis, in front of simulated engines — whose answers are deterministic per
+prompt, so every output line is checked for the right answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from routerd.sim_tokens import generate
+from tests.fixtures.daemon import RouterdFactory, RouterdProcess
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.sim import SimProcessFactory
+
+MODEL = "m"
+
+
+def _answer(prompt: str, max_tokens: int) -> str:
+    """What the sim engine (seed 0, no EOS) answers ``prompt`` with."""
+    return "".join(generate(0, prompt, max_tokens)[0])
+
+
+def _line(i: int, *, endpoint: str = "/v1/completions", max_tokens: int = 3, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens}
+    if endpoint == "/v1/completions":
+        body["prompt"] = f"line {i} of the batch"
+    else:
+        body["messages"] = [{"role": "user", "content": f"line {i}"}]
+    return {"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": {**body, **extra}}
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def _config(routerd_config: Any, redis_server: RedisServer, tmp_path: Path, name: str, sim_url: str,
+            **batches: Any) -> dict[str, Any]:
+    return routerd_config(
+        daemon={"state_dir": str(tmp_path / name)},
+        http={"max_body_bytes": 4096},
+        redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 200},
+        batches={"poll_s": 0.2, "lease_s": 2.0, **batches},
+        tenants=[{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}],
+        fleets=[{"name": "f", "model": MODEL, "engine": "static", "urls": [sim_url]}])
+
+
+def _client(rp: RouterdProcess, key: str = "sk-a") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=rp.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+async def _until_final(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, batch
+        await asyncio.sleep(0.1)
+
+
+async def _output(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [json.loads(x) for x in content.text.splitlines()]
+
+
+@pytest.mark.timeout(120)
+async def test_the_openai_client_runs_a_batch_and_reads_its_output(
+        redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any,
+        sim_process: SimProcessFactory, tmp_path: Path) -> None:
+    sim = await sim_process(model=MODEL, max_num_seqs=64, ttft_ms=1, itl_ms=1)
+    rp = await asyncio.to_thread(routerd_process, _config(routerd_config, redis_server, tmp_path, "r1",
+                                                          sim.url))
+    lines = [_line(i) for i in range(40)] + [_line(i, endpoint="/v1/chat/completions") for i in range(40, 50)]
+    for x in lines[40:]:
+        x["url"] = "/v1/chat/completions"
+    async with _client(rp) as a, _client(rp, "sk-b") as b:
+        uploaded = await a.files.create(file=("in.jsonl", _jsonl(lines[:40])), purpose="batch")
+        assert uploaded.object == "file"
+        assert uploaded.bytes == len(_jsonl(lines[:40]))
+        assert uploaded.purpose == "batch"
+        assert (await a.files.retrieve(uploaded.id)).id == uploaded.id
+        batch = await a.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                       completion_window="24h", metadata={"job": "nightly"})
+        assert batch.status == "validating"
+        assert batch.metadata == {"job": "nightly"}
+        # a second batch on the same file while the first runs: allowed, as OpenAI does
+        again = await a.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                       completion_window="24h")
+        chat_file = await a.files.create(file=("chat.jsonl", _jsonl(lines[40:])), purpose="batch")
+        chat = await a.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+
+        # another tenant sees none of it
+        with pytest.raises(openai.NotFoundError):
+            await b.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            await b.files.content(uploaded.id)
+        assert (await b.batches.list()).data == []
+
+        done = await _until_final(a, batch.id)
+        assert done.status == "completed", done
+        assert done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (40, 40, 0)
+        assert done.in_progress_at and done.finalizing_at and done.completed_at
+        assert done.error_file_id is None
+        out = await _output(a, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
+        for x in out:
+            i = int(x["custom_id"].split("-")[1])
+            assert x["error"] is None
+            assert x["response"]["status_code"] == 200
+            assert x["response"]["body"]["choices"][0]["text"] == _answer(f"line {i} of the batch", 3)
+        assert (await _until_final(a, again.id)).request_counts.completed == 40  # type: ignore[union-attr]
+        chat_done = await _until_final(a, chat.id)
+        assert chat_done.status == "completed"
+        chat_out = await _output(a, chat_done.output_file_id)
+        assert len(chat_out) == 10
+        assert all(x["response"]["body"]["choices"][0]["message"]["content"] for x in chat_out)
+
+        listed = await a.batches.list(limit=2)
+        assert [x.id for x in listed.data] == [chat.id, again.id]
+        assert listed.has_more
+        rest = await a.batches.list(after=again.id)
+        assert [x.id for x in rest.data] == [batch.id]
+        files = {f.id: f.purpose for f in (await a.files.list()).data}
+        assert files[uploaded.id] == "batch"
+        assert files[done.output_file_id] == "batch_output"  # type: ignore[index]
+
+        # cancelling a finished batch is refused and changes nothing
+        with pytest.raises(openai.ConflictError, match="completed"):
+            await a.batches.cancel(batch.id)
+        assert (await a.batches.retrieve(batch.id)).status == "completed"
+
+        deleted = await a.files.delete(uploaded.id)
+        assert deleted.deleted
+        with pytest.raises(openai.NotFoundError):
+            await a.files.retrieve(uploaded.id)
+
+        async with rp_get(rp, "/metrics") as text:
+            assert 'routerd_batches{state="completed"} 3.0' in text
+
+
+class rp_get:  # noqa: N801 — reads like a function at its use
+    """``async with rp_get(rp, path) as text``: GET a routerd page."""
+
+    def __init__(self, rp: RouterdProcess, path: str) -> None:
+        self.url = rp.url + path
+
+    async def __aenter__(self) -> str:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s, s.get(self.url) as r:
+            return await r.text()
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
