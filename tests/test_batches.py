@@ -110,8 +110,11 @@ async def test_the_openai_client_runs_a_batch_and_reads_its_output(
         done = await _until_final(a, batch.id)
         assert done.status == "completed", done
         assert done.request_counts is not None
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (40, 40, 0)
-        assert done.in_progress_at and done.finalizing_at and done.completed_at
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (40, 40, 0)
+        assert done.in_progress_at
+        assert done.finalizing_at
+        assert done.completed_at
         assert done.error_file_id is None
         out = await _output(a, done.output_file_id)
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
@@ -146,21 +149,116 @@ async def test_the_openai_client_runs_a_batch_and_reads_its_output(
         with pytest.raises(openai.NotFoundError):
             await a.files.retrieve(uploaded.id)
 
-        async with rp_get(rp, "/metrics") as text:
-            assert 'routerd_batches{state="completed"} 3.0' in text
+        assert 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics")
 
 
-class rp_get:  # noqa: N801 — reads like a function at its use
-    """``async with rp_get(rp, path) as text``: GET a routerd page."""
+async def _get(rp: RouterdProcess, path: str) -> str:
+    import aiohttp
 
-    def __init__(self, rp: RouterdProcess, path: str) -> None:
-        self.url = rp.url + path
+    async with aiohttp.ClientSession() as s, s.get(rp.url + path) as r:
+        return await r.text()
 
-    async def __aenter__(self) -> str:
-        import aiohttp
 
-        async with aiohttp.ClientSession() as s, s.get(self.url) as r:
-            return await r.text()
+@pytest.mark.timeout(120)
+async def test_bad_input_gets_clear_errors_and_loses_nothing(
+        redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any,
+        sim_process: SimProcessFactory, tmp_path: Path) -> None:
+    sim = await sim_process(model=MODEL, max_num_seqs=64, ttft_ms=1, itl_ms=1)
+    rp = await asyncio.to_thread(routerd_process, _config(
+        routerd_config, redis_server, tmp_path, "r1", sim.url, max_file_bytes=100_000,
+        tenant_quota_bytes=150_000))
+    async with _client(rp) as a:
+        good = await a.files.create(file=("good.jsonl", _jsonl([_line(i) for i in range(5)])),
+                                    purpose="batch")
+        # a file that is not JSONL, and one with a line over the body limit (4096 bytes here), another
+        # endpoint's line, a duplicate custom_id and a model nobody serves: failed, the lines named
+        bad = b"this is not json\n" + _jsonl([
+            _line(1), _line(2, prompt="x" * 5000), {**_line(3), "url": "/v1/chat/completions"}, _line(1),
+            _line(5, model="nope")])
+        bad_file = await a.files.create(file=("bad.jsonl", bad), purpose="batch")
+        failed = await _until_final(a, (await a.batches.create(
+            input_file_id=bad_file.id, endpoint="/v1/completions", completion_window="24h")).id)
+        assert failed.status == "failed"
+        assert failed.failed_at
+        assert failed.errors is not None
+        by_line = {e.line: e.code for e in failed.errors.data or []}
+        assert by_line == {1: "invalid_json_line", 3: "request_too_large", 4: "mismatched_endpoint",
+                           5: "duplicate_custom_id", 6: "model_not_found"}
+        assert failed.output_file_id is None
 
-    async def __aexit__(self, *exc: object) -> None:
-        return None
+        with pytest.raises(openai.NotFoundError, match="No such File"):
+            await a.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
+                                   completion_window="24h")
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            await a.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                                   completion_window="24h")
+        # too big, and past the tenant's quota: refused while read, nothing kept
+        with pytest.raises(openai.APIStatusError, match="max_file_bytes") as too_big:
+            await a.files.create(file=("big.jsonl", b"x" * 120_000), purpose="batch")
+        assert too_big.value.status_code == 413
+        kept = await a.files.create(file=("ok.jsonl", b"y" * 90_000), purpose="batch")
+        with pytest.raises(openai.APIStatusError, match="quota"):
+            await a.files.create(file=("more.jsonl", b"z" * 90_000), purpose="batch")
+        await a.files.delete(kept.id)
+        assert {f.id for f in (await a.files.list()).data} == {good.id, bad_file.id}
+
+        # an expired file: gone, and no batch on it
+        short = await a.files.create(file=("short.jsonl", _jsonl([_line(0)])), purpose="batch",
+                                     extra_body={"expires_after": {"anchor": "created_at", "seconds": 1}})
+        assert short.expires_at
+        await asyncio.sleep(2.1)
+        with pytest.raises(openai.BadRequestError, match="expired"):
+            await a.batches.create(input_file_id=short.id, endpoint="/v1/completions",
+                                   completion_window="24h")
+
+        # the good file still runs to the end after all of that
+        done = await _until_final(a, (await a.batches.create(
+            input_file_id=good.id, endpoint="/v1/completions", completion_window="24h")).id)
+        assert done.status == "completed"
+        assert len(await _output(a, done.output_file_id)) == 5
+        with pytest.raises(openai.ConflictError):
+            await a.batches.cancel(failed.id)
+
+
+async def _holder(r: aioredis.Redis, batch_id: str) -> str:
+    raw = await r.get(f"routerd:batchrun:{batch_id}:lease")
+    return raw.decode().split()[0] if raw else ""
+
+
+@pytest.mark.timeout(180)
+async def test_a_batch_survives_the_sigkill_of_the_routerd_running_it(
+        redis_server: RedisServer, redis_async: aioredis.Redis, routerd_process: RouterdFactory,
+        routerd_config: Any, sim_process: SimProcessFactory, tmp_path: Path) -> None:
+    """2,000 lines; the routerd running the batch is SIGKILLed mid-way; the other one finishes it: the
+    output has every line once, each with its prompt's answer."""
+    n = 2000
+    sim = await sim_process(model=MODEL, max_num_seqs=256, ttft_ms=1, itl_ms=5)
+    pair = [routerd_process(_config(routerd_config, redis_server, tmp_path, name, sim.url,
+                                    lines_in_flight=200), wait_ready=False) for name in ("r1", "r2")]
+    await asyncio.gather(*(asyncio.to_thread(rp.wait_notify, "READY=1", 120) for rp in pair))
+    async with _client(pair[0]) as a:
+        upload = await a.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(n)])),
+                                      purpose="batch")
+        batch = await a.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                       completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (await a.batches.retrieve(batch.id)).request_counts.completed < n // 5:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, pair[0].log()
+            await asyncio.sleep(0.05)
+    runner = await _holder(redis_async, batch.id)
+    doomed, survivor = pair if runner == "r1" else pair[::-1]
+    doomed.proc.send_signal(signal.SIGKILL)
+    doomed.proc.wait(10)
+    written = int(await redis_async.hget(f"routerd:batch:{batch.id}", "completed") or 0)
+    assert written < n, "the batch ended before its runner was killed: nothing was tested"
+    async with _client(survivor) as a:
+        done = await _until_final(a, batch.id, timeout=120)
+        assert done.status == "completed", survivor.log()
+        assert done.request_counts.completed == n  # type: ignore[union-attr]
+        out = await _output(a, done.output_file_id)
+    assert len(out) == n
+    assert len({x["custom_id"] for x in out}) == n
+    for x in out:
+        i = int(x["custom_id"].split("-")[1])
+        assert x["response"]["body"]["choices"][0]["text"] == _answer(f"line {i} of the batch", 3), x
+    assert await _holder(redis_async, batch.id) == ""

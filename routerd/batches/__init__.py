@@ -11,7 +11,7 @@ Modules, each importing only those listed after it:
 - ``files``: files in Redis in bounded pieces, streamed in and out;
 - ``wire``: OpenAI's objects and errors, ids.
 
-Key names are :mod:`routerd.keys`'; the jobs are :mod:`routerd.jobs`' wire format.
+Key names are :mod:`routerd.redis_keys`'; the jobs are :mod:`routerd.queue_wire`' wire format.
 """
 
 from .metrics import BatchCollector

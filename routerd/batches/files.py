@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import _aio
 from ..config import BatchesConfig
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from .wire import ApiError, decoded, new_file_id
 
 CHUNK_BYTES = 256 * 1024
@@ -30,7 +30,7 @@ _UPLOAD_TTL_S = 3600  # an upload's pieces, until its file object makes them dur
 class FileStore:
     """One deployment's files; every Redis call bounded by ``op_timeout_s``."""
 
-    def __init__(self, client: Callable[[], Any], keys: Keys, cfg: Callable[[], BatchesConfig],
+    def __init__(self, client: Callable[[], Any], keys: RedisKeys, cfg: Callable[[], BatchesConfig],
                  *, op_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
         self._client = client
         self.keys = keys

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _aio
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -29,7 +29,7 @@ return 0
 class BatchLease:
     """This process's leases on batches, all under one token (``<holder> <random>``)."""
 
-    def __init__(self, client: Callable[[], Any], keys: Keys, holder: str, *,
+    def __init__(self, client: Callable[[], Any], keys: RedisKeys, holder: str, *,
                  op_timeout_s: float) -> None:
         self._client = client
         self.keys = keys

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ..jobs import clip
+from ..queue_wire import clip
 
 
 class Line(msgspec.Struct):
@@ -30,7 +30,7 @@ class _Head(msgspec.Struct):
 
 
 class JobOut(msgspec.Struct, omit_defaults=True):
-    """A queue job as routerd's wire has it (routerd/jobs.py's Job), its body embedded byte for byte."""
+    """A queue job as routerd's wire has it (routerd/queue_wire.py's Job), its body embedded byte for byte."""
 
     id: str
     endpoint: str
@@ -42,7 +42,7 @@ class JobOut(msgspec.Struct, omit_defaults=True):
 
 
 class Outcome(msgspec.Struct, kw_only=True):
-    """A queue job's result (routerd/jobs.py's Result) with the engine's answer left as bytes."""
+    """A queue job's result (routerd/queue_wire.py's Result) with the engine's answer left as bytes."""
 
     id: str
     status: str

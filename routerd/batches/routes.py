@@ -15,7 +15,7 @@ from aiohttp import BodyPartReader, web
 
 from ..errors import RouterdError
 from ..ingress.auth import authenticate
-from ..jobs import ENDPOINTS
+from ..queue_wire import ENDPOINTS
 from ..tenants.service import Tenancy
 from .runner import BatchRunner
 from .wire import ApiError, batch_object, file_object, listing

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from .. import _aio, log
 from ..config import Config
 from ..errors import DeadlineExceeded
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN, redis_client
 from ..tenants.service import Tenancy
 from . import lines
@@ -46,8 +46,8 @@ _MAX_ERRORS = 100  # a failed validation names this many bad lines at most
 _FEED_STEP = 256  # lines fed in one script call
 _COLLECT_COUNT = 512
 _COLLECT_BLOCK_MS = 200
-_SWEEP_S = 10.0
-_RETRY_S = 10.0  # a batch whose run failed here is left to others (or retried here) for this long  # results found in their idempotency records (a trimmed result stream)
+_SWEEP_S = 10.0  # results found in their idempotency records (a trimmed result stream)
+_RETRY_S = 10.0  # a batch whose run failed here is left to others (or retried here) for this long
 
 
 @dataclass
@@ -74,7 +74,7 @@ class BatchRunner:
         self._redis: aioredis.Redis | None = None
         self._tenancy = tenancy
         client = self._client
-        keys = Keys.from_config(cfg.redis)
+        keys = RedisKeys.from_config(cfg.redis)
         self.keys = keys
         t = cfg.redis.op_timeout_s
         self.files = FileStore(client, keys, lambda: self._current.batches, op_timeout_s=t, clock=clock)

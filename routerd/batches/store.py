@@ -12,7 +12,7 @@ leaves a batch another routerd simply goes on with:
   That bit is what makes every line's output exactly once.
 - ``FINISH`` ends the batch: its state, the output and error file objects, the active set.
 
-The scripts take key names in ARGV (as the queue's do, routerd/ingress/queue/store.py): one Redis or
+The scripts take key names in ARGV (as the queue's do, routerd/ingress/queue/results.py): one Redis or
 Sentinel, not Cluster.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _aio
-from ..keys import Keys
+from ..redis_keys import RedisKeys
 from .files import CHUNK_BYTES
 from .wire import FINAL, ApiError, decoded, new_batch_id
 
@@ -142,7 +142,7 @@ return st
 class BatchStore:
     """One deployment's batches: their hashes and the scripts above; every call bounded."""
 
-    def __init__(self, client: Callable[[], Any], keys: Keys, *, op_timeout_s: float,
+    def __init__(self, client: Callable[[], Any], keys: RedisKeys, *, op_timeout_s: float,
                  clock: Callable[[], float] = time.time) -> None:
         self._client = client
         self.keys = keys
