@@ -183,7 +183,20 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"orphaned: {o.get('id')} pid={o.get('pid') or '-'} url={o.get('url') or '-'} "
                      f"(fleet {o.get('fleet')!r} is not in the controller's config; running, not routed to; "
                      f"stop it with DELETE /admin/orphans/{o.get('id')})")
-    return "\n".join(_view_line(status.get("view")) + lines)
+    return "\n".join(_view_line(status.get("view")) + lines + _batch_lines(status.get("batches")))
+
+
+def _batch_lines(b: dict[str, Any] | None) -> list[str]:
+    """The Batch API's part (issue 31): batches per state, then one line per batch not yet final."""
+    if not b:
+        return []
+    states = " ".join(f"{k}={v}" for k, v in sorted(b.get("states", {}).items()) if v)
+    out = [f"batches: {states or 'none'}; running here {b.get('running_here', 0)}, "
+           f"{b.get('lines_per_s_here', 0)} lines/s"]
+    for x in b.get("active", []):
+        out.append(f"  {x['id']} tenant={x['tenant']} {x['status']} {x['completed']}/{x['total']} done "
+                   f"{x['failed']} failed" + (" (runs here)" if x.get("here") else ""))
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from routerd.sim_tokens import generate
+from routerd.status import render
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
@@ -150,6 +151,7 @@ async def test_the_openai_client_runs_a_batch_and_reads_its_output(
             await a.files.retrieve(uploaded.id)
 
         assert 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics")
+        assert "batches: completed=3" in render(json.loads(await _get(rp, "/admin/fleets")))
 
 
 async def _get(rp: RouterdProcess, path: str) -> str:
@@ -166,7 +168,7 @@ async def test_bad_input_gets_clear_errors_and_loses_nothing(
     sim = await sim_process(model=MODEL, max_num_seqs=64, ttft_ms=1, itl_ms=1)
     rp = await asyncio.to_thread(routerd_process, _config(
         routerd_config, redis_server, tmp_path, "r1", sim.url, max_file_bytes=100_000,
-        tenant_quota_bytes=150_000))
+        tenant_quota_bytes=150_000, lines_in_flight=20))
     async with _client(rp) as a:
         good = await a.files.create(file=("good.jsonl", _jsonl([_line(i) for i in range(5)])),
                                     purpose="batch")
@@ -218,6 +220,23 @@ async def test_bad_input_gets_clear_errors_and_loses_nothing(
         assert len(await _output(a, done.output_file_id)) == 5
         with pytest.raises(openai.ConflictError):
             await a.batches.cancel(failed.id)
+
+        # a cancel: no line is fed any more, what was done is written, the batch ends cancelled
+        slow_lines = _jsonl([_line(i, max_tokens=100) for i in range(300)])
+        slow = await a.files.create(file=("slow.jsonl", slow_lines), purpose="batch")
+        running = await a.batches.create(input_file_id=slow.id, endpoint="/v1/completions",
+                                         completion_window="24h")
+        deadline = time.monotonic() + 60
+        while (await a.batches.retrieve(running.id)).request_counts.completed == 0:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert (await a.batches.cancel(running.id)).status == "cancelling"
+        cancelled = await _until_final(a, running.id)
+        assert cancelled.status == "cancelled"
+        assert cancelled.cancelled_at
+        out = await _output(a, cancelled.output_file_id)
+        assert len(out) == cancelled.request_counts.completed < 300  # type: ignore[union-attr]
+        assert len({x["custom_id"] for x in out}) == len(out)
 
 
 async def _holder(r: aioredis.Redis, batch_id: str) -> str:
