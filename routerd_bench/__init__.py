@@ -1,4 +1,4 @@
-"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness,scale}``:
+"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness,scale,batch}``:
 each prints a table and writes JSON with --json.
 
 A package beside ``routerd``, not inside it: the benchmarks drive routerd from outside (and assemble it
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "autoscale": "an elastic fleet under rising and falling load, and a burst from zero",
     "fairness": "an interactive tenant's time to first token under a batch tenant's flood; shares by weight",
     "scale": "relayed events/s and requests/s with 1 and N workers (and vLLM Router); idle watching CPU",
+    "batch": "a chat batch through the Batch API against the same lines as plain queue jobs (CPU, memory)",
 }
 
 

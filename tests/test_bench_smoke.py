@@ -23,7 +23,7 @@ from tests.fixtures.ray_cluster import RayTestCluster
 
 pytestmark = pytest.mark.timeout(240)
 
-SMOKED = {"overhead", "queue", "failover", "autoscale", "fairness", "scale"}
+SMOKED = {"overhead", "queue", "failover", "autoscale", "fairness", "scale", "batch"}
 ELSEWHERE = {"routing"}  # tests/test_bench_routing.py runs it through the command too
 
 
@@ -51,6 +51,16 @@ def test_bench_queue(tmp_path: Path) -> None:
     assert (r["jobs"], r["errors"]) == (50, 0)
     for figure in ("jobs_per_s", "baseline_msgs_per_s", "submit_jobs_per_s", "routerd_cpu_us_per_job",
                    "direct_http_req_per_s"):
+        assert r[figure] > 0, figure
+
+
+def test_bench_batch(tmp_path: Path) -> None:
+    """A batch's lines all written, and both runs' figures produced."""
+    r = _bench(tmp_path, "batch", "--lines", "300", "--max-num-seqs", "16", "--lines-in-flight", "64")
+    assert (r["status"], r["completed"], r["failed"]) == ("completed", 300, 0)
+    assert 0 < r["batch_peak_jobs_in_flight"] <= 64
+    for figure in ("queue_lines_per_s", "batch_lines_per_s", "queue_cpu_us_per_line", "batch_cpu_us_per_line",
+                   "queue_redis_bytes_per_waiting_line", "batch_redis_bytes_per_waiting_line"):
         assert r[figure] > 0, figure
 
 
