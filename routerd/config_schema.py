@@ -281,6 +281,8 @@ class BatchesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     lines_in_flight: Annotated[int, Meta(ge=1, le=100_000)] = 512  # queue jobs of one batch at once
     # Its lines' queue priority: below interactive requests' 0, so they keep their share while it runs.
     priority: Annotated[int, Meta(ge=-1_000_000_000, le=1_000_000_000)] = -10
+    # How long OpenAI's one completion window ("24h") lasts here; lines not done by then end expired.
+    window_s: Annotated[int, Meta(ge=1, le=7 * 86_400)] = 86_400
     lease_s: Annotated[float, Meta(ge=0.3, le=3_600)] = 10.0  # a dead runner's batches move after this
     poll_s: Interval = 1.0  # how often a routerd looks for batches nobody runs
 

@@ -74,13 +74,15 @@ async def _output(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[
     return [json.loads(x) for x in content.text.splitlines()]
 
 
-@pytest.mark.timeout(120)
-async def test_the_openai_client_runs_a_batch_and_reads_its_output(
+@pytest.mark.timeout(180)
+async def test_the_openai_client_runs_batches_and_bad_input_gets_clear_errors(
         redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any,
         sim_process: SimProcessFactory, tmp_path: Path) -> None:
+    """One routerd for both (each start costs seconds): the client's whole round, then item 6."""
     sim = await sim_process(model=MODEL, max_num_seqs=64, ttft_ms=1, itl_ms=1)
-    rp = await asyncio.to_thread(routerd_process, _config(routerd_config, redis_server, tmp_path, "r1",
-                                                          sim.url))
+    rp = await asyncio.to_thread(routerd_process, _config(
+        routerd_config, redis_server, tmp_path, "r1", sim.url, max_file_bytes=100_000,
+        tenant_quota_bytes=150_000, lines_in_flight=20))
     lines = [_line(i) for i in range(40)] + [_line(i, endpoint="/v1/chat/completions") for i in range(40, 50)]
     for x in lines[40:]:
         x["url"] = "/v1/chat/completions"
@@ -152,6 +154,7 @@ async def test_the_openai_client_runs_a_batch_and_reads_its_output(
 
         assert 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics")
         assert "batches: completed=3" in render(json.loads(await _get(rp, "/admin/fleets")))
+        await _bad_input(a)
 
 
 async def _get(rp: RouterdProcess, path: str) -> str:
@@ -161,82 +164,76 @@ async def _get(rp: RouterdProcess, path: str) -> str:
         return await r.text()
 
 
-@pytest.mark.timeout(120)
-async def test_bad_input_gets_clear_errors_and_loses_nothing(
-        redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any,
-        sim_process: SimProcessFactory, tmp_path: Path) -> None:
-    sim = await sim_process(model=MODEL, max_num_seqs=64, ttft_ms=1, itl_ms=1)
-    rp = await asyncio.to_thread(routerd_process, _config(
-        routerd_config, redis_server, tmp_path, "r1", sim.url, max_file_bytes=100_000,
-        tenant_quota_bytes=150_000, lines_in_flight=20))
-    async with _client(rp) as a:
-        good = await a.files.create(file=("good.jsonl", _jsonl([_line(i) for i in range(5)])),
-                                    purpose="batch")
-        # a file that is not JSONL, and one with a line over the body limit (4096 bytes here), another
-        # endpoint's line, a duplicate custom_id and a model nobody serves: failed, the lines named
-        bad = b"this is not json\n" + _jsonl([
-            _line(1), _line(2, prompt="x" * 5000), {**_line(3), "url": "/v1/chat/completions"}, _line(1),
-            _line(5, model="nope")])
-        bad_file = await a.files.create(file=("bad.jsonl", bad), purpose="batch")
-        failed = await _until_final(a, (await a.batches.create(
-            input_file_id=bad_file.id, endpoint="/v1/completions", completion_window="24h")).id)
-        assert failed.status == "failed"
-        assert failed.failed_at
-        assert failed.errors is not None
-        by_line = {e.line: e.code for e in failed.errors.data or []}
-        assert by_line == {1: "invalid_json_line", 3: "request_too_large", 4: "mismatched_endpoint",
-                           5: "duplicate_custom_id", 6: "model_not_found"}
-        assert failed.output_file_id is None
+async def _bad_input(a: openai.AsyncOpenAI) -> None:
+    """Issue 31 item 6: each bad input gets a clear error, and nothing already done is lost."""
+    good = await a.files.create(file=("good.jsonl", _jsonl([_line(i) for i in range(5)])),
+                                purpose="batch")
+    # a file that is not JSONL, and one with a line over the body limit (4096 bytes here), another
+    # endpoint's line, a duplicate custom_id and a model nobody serves: failed, the lines named
+    bad = b"this is not json\n" + _jsonl([
+        _line(1), _line(2, prompt="x" * 5000), {**_line(3), "url": "/v1/chat/completions"}, _line(1),
+        _line(5, model="nope")])
+    bad_file = await a.files.create(file=("bad.jsonl", bad), purpose="batch")
+    failed = await _until_final(a, (await a.batches.create(
+        input_file_id=bad_file.id, endpoint="/v1/completions", completion_window="24h")).id)
+    assert failed.status == "failed"
+    assert failed.failed_at
+    assert failed.errors is not None
+    by_line = {e.line: e.code for e in failed.errors.data or []}
+    assert by_line == {1: "invalid_json_line", 3: "request_too_large", 4: "mismatched_endpoint",
+                       5: "duplicate_custom_id", 6: "model_not_found"}
+    assert failed.output_file_id is None
 
-        with pytest.raises(openai.NotFoundError, match="No such File"):
-            await a.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
-                                   completion_window="24h")
-        with pytest.raises(openai.BadRequestError, match="endpoint"):
-            await a.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
-                                   completion_window="24h")
-        # too big, and past the tenant's quota: refused while read, nothing kept
-        with pytest.raises(openai.APIStatusError, match="max_file_bytes") as too_big:
-            await a.files.create(file=("big.jsonl", b"x" * 120_000), purpose="batch")
-        assert too_big.value.status_code == 413
-        kept = await a.files.create(file=("ok.jsonl", b"y" * 90_000), purpose="batch")
-        with pytest.raises(openai.APIStatusError, match="quota"):
-            await a.files.create(file=("more.jsonl", b"z" * 90_000), purpose="batch")
-        await a.files.delete(kept.id)
-        assert {f.id for f in (await a.files.list()).data} == {good.id, bad_file.id}
+    with pytest.raises(openai.NotFoundError, match="No such File"):
+        await a.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
+                               completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        await a.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                               completion_window="24h")
+    # too big, and past the tenant's quota: refused while read, nothing kept
+    with pytest.raises(openai.APIStatusError, match="max_file_bytes") as too_big:
+        await a.files.create(file=("big.jsonl", b"x" * 120_000), purpose="batch")
+    assert too_big.value.status_code == 413
+    kept = await a.files.create(file=("ok.jsonl", b"y" * 90_000), purpose="batch")
+    with pytest.raises(openai.APIStatusError, match="quota"):
+        await a.files.create(file=("more.jsonl", b"z" * 90_000), purpose="batch")
+    await a.files.delete(kept.id)
+    assert {good.id, bad_file.id} <= {f.id for f in (await a.files.list()).data}
+    assert kept.id not in {f.id for f in (await a.files.list()).data}
 
-        # an expired file: gone, and no batch on it
-        short = await a.files.create(file=("short.jsonl", _jsonl([_line(0)])), purpose="batch",
-                                     extra_body={"expires_after": {"anchor": "created_at", "seconds": 1}})
-        assert short.expires_at
-        await asyncio.sleep(2.1)
-        with pytest.raises(openai.BadRequestError, match="expired"):
-            await a.batches.create(input_file_id=short.id, endpoint="/v1/completions",
-                                   completion_window="24h")
+    # an expired file: gone, and no batch on it
+    short = await a.files.create(file=("short.jsonl", _jsonl([_line(0)])), purpose="batch",
+                                 extra_body={"expires_after": {"anchor": "created_at", "seconds": 1}})
+    assert short.expires_at
+    await asyncio.sleep(2.1)
+    with pytest.raises(openai.BadRequestError, match="expired"):
+        await a.batches.create(input_file_id=short.id, endpoint="/v1/completions",
+                               completion_window="24h")
 
-        # the good file still runs to the end after all of that
-        done = await _until_final(a, (await a.batches.create(
-            input_file_id=good.id, endpoint="/v1/completions", completion_window="24h")).id)
-        assert done.status == "completed"
-        assert len(await _output(a, done.output_file_id)) == 5
-        with pytest.raises(openai.ConflictError):
-            await a.batches.cancel(failed.id)
+    # the good file still runs to the end after all of that
+    done = await _until_final(a, (await a.batches.create(
+        input_file_id=good.id, endpoint="/v1/completions", completion_window="24h")).id)
+    assert done.status == "completed"
+    assert len(await _output(a, done.output_file_id)) == 5
+    with pytest.raises(openai.ConflictError):
+        await a.batches.cancel(failed.id)
 
-        # a cancel: no line is fed any more, what was done is written, the batch ends cancelled
-        slow_lines = _jsonl([_line(i, max_tokens=100) for i in range(300)])
-        slow = await a.files.create(file=("slow.jsonl", slow_lines), purpose="batch")
-        running = await a.batches.create(input_file_id=slow.id, endpoint="/v1/completions",
-                                         completion_window="24h")
-        deadline = time.monotonic() + 60
-        while (await a.batches.retrieve(running.id)).request_counts.completed == 0:  # type: ignore[union-attr]
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        assert (await a.batches.cancel(running.id)).status == "cancelling"
-        cancelled = await _until_final(a, running.id)
-        assert cancelled.status == "cancelled"
-        assert cancelled.cancelled_at
-        out = await _output(a, cancelled.output_file_id)
-        assert len(out) == cancelled.request_counts.completed < 300  # type: ignore[union-attr]
-        assert len({x["custom_id"] for x in out}) == len(out)
+    # a cancel: no line is fed any more, what was done is written, the batch ends cancelled
+    slow_lines = _jsonl([_line(i, max_tokens=100) for i in range(300)])
+    slow = await a.files.create(file=("slow.jsonl", slow_lines), purpose="batch")
+    running = await a.batches.create(input_file_id=slow.id, endpoint="/v1/completions",
+                                     completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (await a.batches.retrieve(running.id)).request_counts.completed == 0:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert (await a.batches.cancel(running.id)).status == "cancelling"
+    cancelled = await _until_final(a, running.id)
+    assert cancelled.status == "cancelled"
+    assert cancelled.cancelled_at
+    out = await _output(a, cancelled.output_file_id)
+    assert len(out) == cancelled.request_counts.completed < 300  # type: ignore[union-attr]
+    assert len({x["custom_id"] for x in out}) == len(out)
 
 
 async def _holder(r: aioredis.Redis, batch_id: str) -> str:
@@ -281,3 +278,34 @@ async def test_a_batch_survives_the_sigkill_of_the_routerd_running_it(
         i = int(x["custom_id"].split("-")[1])
         assert x["response"]["body"]["choices"][0]["text"] == _answer(f"line {i} of the batch", 3), x
     assert await _holder(redis_async, batch.id) == ""
+
+
+@pytest.mark.timeout(120)
+async def test_lines_not_done_when_the_window_ends_are_written_as_expired(
+        redis_server: RedisServer, routerd_process: RouterdFactory, routerd_config: Any,
+        sim_process: SimProcessFactory, tmp_path: Path) -> None:
+    sim = await sim_process(model=MODEL, max_num_seqs=8, ttft_ms=1, itl_ms=50)
+    rp = await asyncio.to_thread(routerd_process, _config(routerd_config, redis_server, tmp_path, "r1",
+                                                          sim.url, window_s=8, lines_in_flight=2))
+    # two quick lines, then eight that take ~50 s each: those cannot be done in the window
+    lines = [_line(i, max_tokens=1) for i in range(2)] + [_line(i, max_tokens=1000) for i in range(2, 10)]
+    async with _client(rp) as a:
+        upload = await a.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        batch = await a.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                       completion_window="24h")
+        done = await _until_final(a, batch.id, timeout=60)
+        assert done.status == "expired"
+        assert done.expired_at
+        counts = done.request_counts
+        assert counts is not None
+        assert counts.completed + counts.failed == 10
+        assert counts.failed >= 8
+        out = await _output(a, done.output_file_id)
+        errors = await _output(a, done.error_file_id)
+    assert len(out) == counts.completed
+    for x in out:
+        prompt = f"line {x['custom_id'][4:]} of the batch"
+        assert x["response"]["body"]["choices"][0]["text"] == _answer(prompt, 1)
+    assert {x["error"]["code"] for x in errors} == {"batch_expired"}
+    assert all(x["response"] is None for x in errors)
+    assert sorted(x["custom_id"] for x in out + errors) == sorted(f"req-{i}" for i in range(10))

@@ -21,7 +21,6 @@ from .runner import BatchRunner
 from .wire import ApiError, batch_object, file_object, listing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_WINDOW_S = 24 * 3600  # "24h", the one completion window OpenAI has
 _FIELD_MAX = 4096  # a form field other than the file
 
 
@@ -73,6 +72,7 @@ class _Routes:
     def __init__(self, runner: BatchRunner, tenancy: Tenancy) -> None:
         self.files = runner.files
         self.batches = runner.store
+        self.runner = runner
         self.tenancy = tenancy
 
     def _tenant(self, request: web.Request) -> str:
@@ -178,7 +178,7 @@ class _Routes:
         if h.get("purpose") != "batch":
             raise ApiError(400, f"File {file_id} has purpose {h.get('purpose')!r}, not 'batch'",
                            param="input_file_id")
-        batch = await self.batches.create(tenant, h, endpoint, _WINDOW_S, metadata)
+        batch = await self.batches.create(tenant, h, endpoint, self.runner.config.batches.window_s, metadata)
         return web.json_response(batch_object(batch))
 
     async def get_batch(self, request: web.Request) -> web.Response:

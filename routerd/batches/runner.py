@@ -88,6 +88,10 @@ class BatchRunner:
     def _cfg(self) -> Config:
         return self._current
 
+    @property
+    def config(self) -> Config:
+        return self._current
+
     def update_config(self, cfg: Config) -> None:
         self._current = cfg
 
