@@ -154,7 +154,7 @@ async def test_the_openai_client_runs_batches_and_bad_input_gets_clear_errors(
 
         assert 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics")
         assert "batches: completed=3" in render(json.loads(await _get(rp, "/admin/fleets")))
-        await _bad_input(a)
+        await _bad_input(a, b)
 
 
 async def _get(rp: RouterdProcess, path: str) -> str:
@@ -164,7 +164,7 @@ async def _get(rp: RouterdProcess, path: str) -> str:
         return await r.text()
 
 
-async def _bad_input(a: openai.AsyncOpenAI) -> None:
+async def _bad_input(a: openai.AsyncOpenAI, b: openai.AsyncOpenAI) -> None:
     """Issue 31 item 6: each bad input gets a clear error, and nothing already done is lost."""
     good = await a.files.create(file=("good.jsonl", _jsonl([_line(i) for i in range(5)])),
                                 purpose="batch")
@@ -190,16 +190,16 @@ async def _bad_input(a: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         await a.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
                                completion_window="24h")
-    # too big, and past the tenant's quota: refused while read, nothing kept
+    # too big, and past the tenant's quota (b has stored nothing yet): refused while read, nothing kept
     with pytest.raises(openai.APIStatusError, match="max_file_bytes") as too_big:
-        await a.files.create(file=("big.jsonl", b"x" * 120_000), purpose="batch")
+        await b.files.create(file=("big.jsonl", b"x" * 120_000), purpose="batch")
     assert too_big.value.status_code == 413
-    kept = await a.files.create(file=("ok.jsonl", b"y" * 90_000), purpose="batch")
+    kept = await b.files.create(file=("ok.jsonl", b"y" * 90_000), purpose="batch")
     with pytest.raises(openai.APIStatusError, match="quota"):
-        await a.files.create(file=("more.jsonl", b"z" * 90_000), purpose="batch")
-    await a.files.delete(kept.id)
-    assert {good.id, bad_file.id} <= {f.id for f in (await a.files.list()).data}
-    assert kept.id not in {f.id for f in (await a.files.list()).data}
+        await b.files.create(file=("more.jsonl", b"z" * 90_000), purpose="batch")
+    assert [f.id for f in (await b.files.list()).data] == [kept.id]
+    await b.files.delete(kept.id)
+    assert (await b.files.list()).data == []
 
     # an expired file: gone, and no batch on it
     short = await a.files.create(file=("short.jsonl", _jsonl([_line(0)])), purpose="batch",
