@@ -50,6 +50,10 @@ _SWEEP_S = 10.0  # results found in their idempotency records (a trimmed result 
 _RETRY_S = 10.0  # a batch whose run failed here is left to others (or retried here) for this long
 
 
+class _LeaseLost(Exception):
+    """This runner's lease on the batch lapsed (another routerd may run it now): stop stepping it."""
+
+
 @dataclass
 class BatchStats:
     """This process's figures for ``/metrics`` and ``routerd status`` (sampled, never awaited there)."""
@@ -151,6 +155,8 @@ class BatchRunner:
             await _BatchRun(self, batch_id).run()
         except asyncio.CancelledError:
             raise
+        except _LeaseLost:
+            _log.warning("batch_lease_lost", batch=batch_id)
         except Exception:  # noqa: BLE001 — one batch's failure: logged, the lease lapses, it is retaken
             _log.exception("batch_run_failed", batch=batch_id, retry_in_s=_RETRY_S)
             self._failed[batch_id] = time.monotonic()
@@ -287,7 +293,7 @@ class _BatchRun:
             if number % 500 == 499:
                 await asyncio.sleep(0)  # a long file shares the loop
                 if not await self.keep_lease():
-                    raise asyncio.CancelledError
+                    raise _LeaseLost(self.id)
             if raw is not None and not raw.strip():
                 continue
             total += 1
