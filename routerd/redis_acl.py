@@ -50,6 +50,10 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     "evalsha", "script|load",
     # the admin relay's answer (RPUSH + PEXPIRE) in one transaction
     "multi", "exec", "discard",
+    # batches (routerd/batches/): files' pieces, tenants' lists, the written-lines bitmap, the output's
+    # appends (its Lua scripts too)
+    "zadd", "zrem", "zrevrank", "zrevrange", "persist", "unlink", "hlen", "getbit", "setbit", "append",
+    "strlen",
 )
 
 # What routerd.client.QueueClient sends: submit (HSETNX + EXPIRE + XADD in MULTI), wait (XREAD, GET,

@@ -35,6 +35,15 @@ class BatchLease:
         self.keys = keys
         self.token = f"{holder} {secrets.token_hex(8)}"
         self._timeout = op_timeout_s
+        self._scripts: dict[str, Any] = {}
+
+    async def _script(self, src: str, batch_id: str, *args: str) -> Any:
+        client = self._client()
+        script = self._scripts.get(src)
+        if script is None or script.registered_client is not client:
+            script = self._scripts[src] = client.register_script(src)
+        async with _aio.timeout(self._timeout):
+            return await script(keys=[self.keys.batch_lease(batch_id)], args=[self.token, *args])
 
     async def take(self, batch_id: str, lease_ms: int) -> bool:
         async with _aio.timeout(self._timeout):
@@ -42,15 +51,7 @@ class BatchLease:
                                                  px=lease_ms))
 
     async def renew(self, batch_id: str, lease_ms: int) -> bool:
-        async with _aio.timeout(self._timeout):
-            return bool(await self._client().eval(_RENEW, 1, self.keys.batch_lease(batch_id), self.token,
-                                                  str(lease_ms)))
+        return bool(await self._script(_RENEW, batch_id, str(lease_ms)))
 
     async def release(self, batch_id: str) -> None:
-        async with _aio.timeout(self._timeout):
-            await self._client().eval(_RELEASE, 1, self.keys.batch_lease(batch_id), self.token)
-
-    async def holder(self, batch_id: str) -> str | None:
-        async with _aio.timeout(self._timeout):
-            raw = await self._client().get(self.keys.batch_lease(batch_id))
-        return None if raw is None else raw.decode(errors="replace")
+        await self._script(_RELEASE, batch_id)
