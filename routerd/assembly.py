@@ -328,7 +328,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
 
 
 # batches (issue 31) ------------------------------------------------------------------------------
-def _batches(cfg: Config, redis_url: str, tenancy: Tenancy, collectors: list[Any]) -> BatchRunner | None:
+def _batches(cfg: Config, redis_url: str, tenancy: Tenancy, collectors: list[Collector],
+             ) -> BatchRunner | None:
     """The Batch API's runner (with the queue, unless ``[batches] enabled = false``); its metrics."""
     if not redis_url or not cfg.batches.enabled:
         return None
