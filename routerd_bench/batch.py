@@ -70,7 +70,8 @@ async def run_bench(n: int, engines: int, max_num_seqs: int, in_flight: int) -> 
             url = await stack.enter_async_context(EmbeddedRedis(Path(tmp) / "redis"))
             cfg = parse({
                 "redis": {"url": url, "stream": STREAM, "group": "bench", "dead_stream": "bench:dead",
-                          "consumer": "bench", "read_batch": 256},
+                          "consumer": "bench", "read_batch": 256,
+                          "reply_maxlen": max(10_000, 2 * n)},  # every result kept: they are counted
                 "admission": {"max_inflight_per_instance": max_num_seqs},
                 "routing": {"scrape_interval_s": 0.5},
                 "batches": {"lines_in_flight": in_flight, "poll_s": 0.2},
