@@ -48,7 +48,8 @@ from .config_schema import (
 )
 
 __all__ = [
-    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "ConfigError", "ControlConfig", "Count",
+    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "ConfigError",
+    "ControlConfig", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
     "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
     "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"
