@@ -236,14 +236,15 @@ class _BatchRun:
                 await self.expire(h)
                 continue
             if state == "cancelling":
-                if h.get("fed_line") == "0" and not await store.inflight(self.id):
+                if h.get("fed_line") == "0" and not await store.inflight_count(self.id):
                     await store.finish(h, "cancelled")
                     continue
                 await self.cancel_queued()
             elif state == "in_progress" and h.get("fed_done") != "1":
                 await self.feed(h)
             await self.collect(h)
-            if not await store.inflight(self.id) and (h.get("fed_done") == "1" or state == "cancelling"):
+            ending = h.get("fed_done") == "1" or state == "cancelling"
+            if ending and not await store.inflight_count(self.id):
                 await self.finalize(h)
 
     # validation ----------------------------------------------------------------------------------
@@ -325,7 +326,7 @@ class _BatchRun:
         """Feed the next lines (as jobs; or, ``expiring``, written as expired); False with nothing to
         feed."""
         cfg = self.cfg
-        inflight = 0 if expiring else len(await self.r.store.inflight(self.id))
+        inflight = 0 if expiring else await self.r.store.inflight_count(self.id)
         room = 1000 if expiring else min(_FEED_STEP, cfg.batches.lines_in_flight - inflight)
         if room <= 0:
             return True

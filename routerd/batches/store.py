@@ -279,6 +279,9 @@ class BatchStore:
         raw = await self._run(lambda r: r.hgetall(self.keys.batch_inflight(batch_id)))
         return {int(a): b.decode() for a, b in raw.items()}
 
+    async def inflight_count(self, batch_id: str) -> int:
+        return int(await self._run(lambda r: r.hlen(self.keys.batch_inflight(batch_id))))
+
     async def custom_ids(self, batch_id: str, lines: list[int]) -> list[str | None]:
         if not lines:
             return []
