@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import BodyPartReader, web
 
 from ..errors import RouterdError
 from ..ingress.auth import authenticate
-from ..queue_wire import ENDPOINTS
+from ..queue_wire import Endpoint
 from ..tenants.service import Tenancy
 from .runner import BatchRunner
 from .wire import ApiError, batch_object, file_object, listing
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _FIELD_MAX = 4096  # a form field other than the file
+# A batch's endpoint: every one the queue takes (a line is a queue job), so batches follow the queue's wire.
+ENDPOINTS: tuple[str, ...] = get_args(Endpoint)
 
 
 def add_batch_routes(app: web.Application, runner: BatchRunner, tenancy: Tenancy) -> None:
