@@ -1,7 +1,10 @@
 """One keep-alive HTTP/1.1 connection to an engine (an asyncio Protocol): a request written in one
-``write``, the response's head parsed and its body framed (``Content-Length``, chunked, or the
-connection's end) and handed over as raw bytes as they arrive, with the read timeout; the caller reads it
-through :class:`~routerd.dataplane.engine_http.Response`.
+``write``, the response parsed by ``httptools`` (llhttp, uvicorn's parser) — its head, and its body
+framed by ``Content-Length``, chunked encoding or the connection's end — and the body handed over as
+raw bytes as they arrive, with the read timeout; the caller reads it through
+:class:`~routerd.dataplane.engine_http.Response`. llhttp costs fewer instructions per request than the
+framing routerd wrote by hand before it, most of all per event of a chunked stream (docs/benchmarks.md,
+"HTTP/1.1 framing").
 
 The pooling of connections per engine, connecting, and what the engine call sees of all this are
 :mod:`routerd.dataplane.engine_http` (its docstring says why routerd has its own client); a connection
@@ -13,15 +16,13 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, cast
 
-_MAX_HEAD = 64 * 1024  # response line + headers; a chunk-size line is far shorter
+import httptools
+
+_MAX_HEAD = 64 * 1024  # response line + headers (llhttp itself has no bound)
 _HIGH_WATER = 256 * 1024  # body bytes buffered before reading from the engine pauses
 
 # where a connection is in its current exchange
 _IDLE, _HEAD, _BODY, _DONE = range(4)
-# how the body ends
-_NONE, _LENGTH, _CHUNKED, _CLOSE = range(4)
-# inside a chunked body
-_CK_SIZE, _CK_DATA, _CK_CRLF, _CK_TRAILER = range(4)
 
 
 class ConnectError(ConnectionError):
@@ -74,10 +75,9 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.headers: dict[str, str] = {}
         self._keep_alive = False
-        self._framing = _NONE
-        self._left = 0  # body bytes still expected (Content-Length), or of the current chunk
-        self._chunk_state = _CK_SIZE
-        self._buf = bytearray()  # bytes not parsed yet: a head or a chunk-size line in pieces
+        self._until_close = False  # the body ends with the connection
+        self._parser = httptools.HttpResponseParser(self)  # calls the on_* methods below
+        self._head_bytes = 0  # bytes received while the head is awaited
         self._body: list[bytes] = []
         self._body_size = 0
         self._answered = False  # a byte of the current response has arrived
@@ -93,15 +93,16 @@ class Connection(asyncio.Protocol):
         self._pool.conn_opened(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.state == _HEAD:
-            self._answered = True
-            self._buf += data
-            self._parse_head()
-        elif self.state == _BODY:
-            self._feed(data)
+        state = self.state
+        if state in (_HEAD, _BODY):
+            if self._exc is None:
+                if state == _HEAD:
+                    self._answered = True
+                    self._head_bytes += len(data)
+                self._parse(data)
         else:  # bytes nobody asked for (idle, or after the response's end): not reusable
             self._keep_alive = False
-            if self.state == _IDLE:
+            if state == _IDLE:
                 self.close()
         self._wake()
 
@@ -128,7 +129,7 @@ class Connection(asyncio.Protocol):
         self.state = _HEAD
         self.status = 0
         self.headers = {}
-        self._buf.clear()
+        self._head_bytes = 0
         self._body.clear()
         self._body_size = 0
         self._answered = False
@@ -175,7 +176,7 @@ class Connection(asyncio.Protocol):
 
     def reusable(self) -> bool:
         return (self.state == _DONE and self._keep_alive and self._exc is None and self.open
-                and not self._buf and self._transport is not None and not self._transport.is_closing())
+                and self._transport is not None and not self._transport.is_closing())
 
     def close(self) -> None:
         self._keep_alive = False
@@ -205,138 +206,55 @@ class Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    # parsing ------------------------------------------------------------------------------------
-    def _parse_head(self) -> None:
-        while self.state == _HEAD:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > _MAX_HEAD:
-                    self._protocol_error("the response head is too large")
-                return
-            head = bytes(self._buf[:end])
-            del self._buf[:end + 4]
-            try:
-                self._read_head(head)
-            except ProtocolError as e:
-                self._protocol_error(str(e))
-                return
-        if self._buf and self.state == _BODY:
-            rest = bytes(self._buf)
-            self._buf.clear()
-            self._feed(rest)
-        elif self._buf:  # bytes past a response without a body
-            self._keep_alive = False
-            self._buf.clear()
-
-    def _read_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
-            raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        status = int(code)
-        if 100 <= status < 200 and status != 101:
-            return  # an interim answer (100 Continue, 103 Early Hints): the real one follows
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name[-1] in " \t" or line[0] in " \t":
-                raise ProtocolError(f"malformed header line: {line[:80]!r}")
-            key = name.lower()
-            value = value.strip(" \t")
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        self.status = status
-        self.headers = headers
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = ("close" not in connection if version == "HTTP/1.1"
-                            else "keep-alive" in connection)
-        self._framing, self._left = self._body_framing(status, headers)
-        if self._framing == _CLOSE:
-            self._keep_alive = False
-        self.state = _DONE if self._framing == _NONE else _BODY
-        self._chunk_state = _CK_SIZE
-
-    def _body_framing(self, status: int, headers: dict[str, str]) -> tuple[int, int]:
-        if status in (204, 304) or status < 200:
-            return _NONE, 0
-        coding = headers.get("transfer-encoding")
-        if coding is not None:
-            if "content-length" in headers:
-                self._keep_alive = False  # both: chunked wins (RFC 9112 §6.3), the connection is suspect
-            return (_CHUNKED if coding.rsplit(",", 1)[-1].strip().lower() == "chunked" else _CLOSE), 0
-        length = headers.get("content-length")
-        if length is None:
-            return _CLOSE, 0
-        values = {v.strip() for v in length.split(",")}
-        if len(values) != 1 or not (n := values.pop()).isdigit():
-            raise ProtocolError(f"bad Content-Length: {length[:40]!r}")
-        return (_LENGTH, int(n)) if int(n) else (_NONE, 0)
-
-    def _feed(self, data: bytes) -> None:
-        framing = self._framing
-        if framing == _LENGTH:
-            take = data[:self._left] if len(data) > self._left else data
-            self._left -= len(take)
-            self._append(take)
-            if not self._left:
-                self.state = _DONE
-                if len(data) > len(take):
-                    self._keep_alive = False  # bytes past the response's end
-        elif framing == _CHUNKED:
-            self._buf += data
-            self._feed_chunked()
-        else:
-            self._append(data)
-
-    def _feed_chunked(self) -> None:
-        buf = self._buf
-        pos = 0
-        while self.state == _BODY and pos >= 0:
-            last = pos
-            if self._chunk_state == _CK_DATA:
-                n = min(self._left, len(buf) - pos)
-                if not n:
-                    break
-                self._append(bytes(buf[pos:pos + n]))
-                pos += n
-                self._left -= n
-                if not self._left:
-                    self._chunk_state = _CK_CRLF
-            else:
-                pos = self._chunk_line(buf, pos)
-        if pos < 0:
-            pos = last
-        if self._exc is None:
-            del buf[:pos]
-            if self.state == _DONE and buf:  # bytes past the response's end
+    # parsing: llhttp's callbacks ----------------------------------------------------------------
+    def _parse(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._protocol_error("the engine switched protocols")
+        except httptools.HttpParserError as e:
+            if self.state == _DONE:  # bytes past the response's end that are no response
                 self._keep_alive = False
-                buf.clear()
-
-    def _chunk_line(self, buf: bytearray, pos: int) -> int:
-        """Parse the line at ``pos`` (a chunk's size, the CRLF that ends its data, a trailer); the
-        position after it, or -1 when it has not fully arrived (or is malformed: then ``_exc``)."""
-        nl = buf.find(b"\r\n", pos)
-        if nl < 0:
-            if len(buf) - pos > _MAX_HEAD:
-                self._protocol_error("a chunk-size or trailer line is too long")
-            return -1
-        line = bytes(buf[pos:nl])
-        if self._chunk_state == _CK_CRLF:
-            if line:
-                self._protocol_error("a chunk's data is longer than its size")
-                return -1
-            self._chunk_state = _CK_SIZE
-        elif self._chunk_state == _CK_TRAILER:
-            if not line:
-                self.state = _DONE
+            else:
+                cause = e.__context__ if isinstance(e.__context__, ProtocolError) else e
+                self._protocol_error(str(cause))
         else:
-            size = line.split(b";", 1)[0].strip()
-            if not size or size.strip(b"0123456789abcdefABCDEF"):
-                self._protocol_error(f"bad chunk size {size[:20]!r}")
-                return -1
-            self._left = int(size, 16)
-            self._chunk_state = _CK_DATA if self._left else _CK_TRAILER
-        return nl + 2
+            if self.state == _HEAD and self._head_bytes > _MAX_HEAD:
+                self._protocol_error("the response head is too large")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state == _HEAD:
+            key = name.decode("latin-1").lower()
+            text = value.decode("latin-1").strip(" \t")
+            headers = self.headers
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        elif self.state == _DONE:  # a second response on the heels of the first
+            raise ProtocolError("bytes past the response's end")
+        # else a chunked body's trailer: not kept
+
+    def on_headers_complete(self) -> None:
+        if self.state != _HEAD:
+            raise ProtocolError("bytes past the response's end")
+        parser = self._parser
+        status = parser.get_status_code()
+        if 100 <= status < 200:
+            self.headers = {}  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            return
+        self.status = status
+        headers = self.headers
+        self._keep_alive = parser.should_keep_alive()
+        coding = headers.get("transfer-encoding")
+        self._until_close = status not in (204, 304) and (
+            coding.rsplit(",", 1)[-1].strip().lower() != "chunked" if coding is not None
+            else "content-length" not in headers)
+        self.state = _BODY
+
+    def on_body(self, body: bytes) -> None:
+        self._append(body)
+
+    def on_message_complete(self) -> None:
+        if self.state == _BODY:  # not an interim answer's end
+            self.state = _DONE
 
     def _append(self, data: bytes) -> None:
         if not data:
@@ -357,7 +275,7 @@ class Connection(asyncio.Protocol):
             return
         self._eof = True
         self._keep_alive = False
-        if self.state == _BODY and self._framing == _CLOSE and exc is None:
+        if self.state == _BODY and self._until_close and exc is None:
             self.state = _DONE  # the connection's end is the body's end
         elif self.state in (_HEAD, _BODY) and self._exc is None:
             where = "before answering" if self.state == _HEAD else "before the response ended"
