@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # routerd's own port helper (stdlib only) from this checkout, in either venv
 from routerd._net import free_port  # noqa: E402  # importable only once ROOT is on the path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture_routes import SETS, CaptureSet, Step, resolve  # noqa: E402  # the script's own directory
+
 SERVED_NAME = "tiny"
 MODEL_PLACEHOLDER = "/models/tiny"  # the temp model dir is replaced by this so captures are stable
 HTTP_TIMEOUT_S = 60.0
@@ -82,12 +85,13 @@ class Response:
 
 
 def request(
-    url: str, method: str = "GET", body: bytes | None = None, timeout: float = HTTP_TIMEOUT_S
+    url: str, method: str = "GET", body: bytes | None = None, timeout: float = HTTP_TIMEOUT_S,
+    content_type: str = "application/json",
 ) -> Response:
     """One HTTP call returning status, headers and the raw (de-chunked) body, errors included."""
     req = urllib.request.Request(url, data=body, method=method)
     if body is not None:
-        req.add_header("Content-Type", "application/json")
+        req.add_header("Content-Type", content_type)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return Response(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
@@ -157,13 +161,13 @@ CHAT = {
 USAGE = {"stream_options": {"include_usage": True}}
 
 
-def capture_plan() -> list[tuple[str, str, str, bytes | None]]:
-    """(file name, method, path, body). Order matters: /metrics comes last, after what it counts."""
+def capture_plan() -> tuple[Step, ...]:
+    """Completions and chat. Order matters: /metrics comes last, after what it counts."""
 
-    def js(obj: dict[str, Any]) -> bytes:
-        return json.dumps(obj).encode()
+    def js(obj: dict[str, Any]) -> str:
+        return json.dumps(obj)
 
-    return [
+    steps = [
         ("health", "GET", "/health", None),
         ("models.json", "GET", "/v1/models", None),
         ("version.json", "GET", "/version", None),
@@ -180,8 +184,8 @@ def capture_plan() -> list[tuple[str, str, str, bytes | None]]:
         ("chat_stream_usage.sse", "POST", "/v1/chat/completions", js({**CHAT, "stream": True, **USAGE})),
         ("error_unknown_model.json", "POST", "/v1/completions", js({**COMPLETION, "model": "no-such-model"})),
         ("error_chat_unknown_model.json", "POST", "/v1/chat/completions", js({**CHAT, "model": "nope"})),
-        ("error_malformed_json.json", "POST", "/v1/completions", b'{"model": "tiny", "prompt": '),
-        ("error_chat_malformed_json.json", "POST", "/v1/chat/completions", b"{not json"),
+        ("error_malformed_json.json", "POST", "/v1/completions", '{"model": "tiny", "prompt": '),
+        ("error_chat_malformed_json.json", "POST", "/v1/chat/completions", "{not json"),
         ("error_missing_field.json", "POST", "/v1/chat/completions", js({"model": SERVED_NAME})),
         ("error_completion_missing_prompt.json", "POST", "/v1/completions", js({"model": SERVED_NAME})),
         ("error_wrong_type.json", "POST", "/v1/completions", js({**COMPLETION, "max_tokens": "eight"})),
@@ -208,27 +212,43 @@ def capture_plan() -> list[tuple[str, str, str, bytes | None]]:
         ("load.json", "GET", "/load", None),
         ("metrics.txt", "GET", "/metrics", None),
     ]
+    return tuple(Step(*s) for s in steps)
 
 
-def capture(base: str, out: Path, model_dir: Path) -> dict[str, Any]:
-    """Run the plan and write one file per entry; returns the manifest's `files` section."""
+def capture(base: str, out: Path, model_dir: Path, steps: tuple[Step, ...]) -> dict[str, Any]:
+    """Run the steps and write one file per step; returns the manifest's `files` section.
+
+    A step may refer to an earlier answer (``{{file:key}}``, see capture_routes.py): the manifest
+    keeps the template beside what was sent, so a replay can fill it from its own answers."""
     files: dict[str, Any] = {}
-    for name, method, path, body in capture_plan():
-        resp = request(base + path, method, body)
+    answers: dict[str, Any] = {}
+    for step in steps:
+        path = resolve(step.path, answers, in_body=False)
+        text = None if step.body is None else resolve(step.body, answers, in_body=True)
+        charset = "latin-1" if "multipart" in step.content_type else "utf-8"  # a form holds raw bytes
+        body = None if text is None else text.encode(charset)
+        resp = request(base + path, step.method, body, content_type=step.content_type)
         data = resp.body.replace(str(model_dir).encode(), MODEL_PLACEHOLDER.encode())
-        fname = name if "." in name else name + ".txt"
+        fname = step.name if "." in step.name else step.name + ".txt"
         (out / fname).write_bytes(data)
+        if fname.endswith(".json"):
+            with contextlib.suppress(ValueError):
+                answers[fname] = json.loads(data)
         files[fname] = {
-            "method": method,
+            "method": step.method,
             "path": path,
-            "request": None if body is None else body.decode(),
+            "request": text,
             "status": resp.status,
             "content_type": resp.headers.get("content-type"),
             # Everything but the volatile ones, so a relay can be checked header by header.
             "headers": {k: v for k, v in sorted(resp.headers.items()) if k not in ("date", "content-length")},
             "bytes": len(data),
         }
-        print(f"{resp.status} {method} {path} -> {fname} ({len(data)} bytes)")
+        if step.content_type != "application/json":
+            files[fname]["request_content_type"] = step.content_type
+        if text != step.body or path != step.path:
+            files[fname]["template"] = {"path": step.path, "request": step.body}
+        print(f"{resp.status} {step.method} {path} -> {fname} ({len(data)} bytes)")
     return files
 
 
@@ -255,9 +275,15 @@ def main(argv: list[str]) -> int:
         default=Path(os.environ.get("ROUTERD_VLLM_BIN", ROOT / ".venv-vllm/bin/vllm")),
     )
     parser.add_argument("--model", type=Path, help="model dir (default: build the tiny model)")
-    parser.add_argument("--out", type=Path, default=ROOT / "tests/data/vllm")
+    parser.add_argument("--set", dest="capture_set", choices=["base", *SETS], default="base",
+                        help="base: completions and chat; generate, pooling, classify: the other routes "
+                        "(each its own engine and directory under tests/data/vllm/)")
+    parser.add_argument("--out", type=Path, help="default tests/data/vllm (base), else its set's dir there")
     parser.add_argument("--startup-timeout", type=float, default=240.0)
     args = parser.parse_args(argv)
+    base_set = CaptureSet("base", "", steps=capture_plan())
+    plan = base_set if args.capture_set == "base" else SETS[args.capture_set]
+    args.out = args.out or ROOT / "tests/data/vllm" / plan.subdir
     args.out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="routerd-capture-"))
     model_dir = args.model or scratch / "model"
@@ -267,17 +293,19 @@ def main(argv: list[str]) -> int:
         if args.model is None:
             build_model(args.vllm_bin, model_dir)
         port = free_port()
-        cmd = serve_command(args.vllm_bin, model_dir, port)
+        cmd = [*serve_command(args.vllm_bin, model_dir, port), *plan.extra_args]
+        env = {**serve_env(scratch), **plan.extra_env}
         with (scratch / "vllm.log").open("wb") as log:  # the child keeps its own copy of the fd
             proc = subprocess.Popen(
-                cmd, env=serve_env(scratch), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         base = f"http://127.0.0.1:{port}"
         startup_s = wait_healthy(base, proc, args.startup_timeout)
         print(f"vllm healthy after {startup_s:.1f} s")
-        files = capture(base, args.out, model_dir)
+        files = capture(base, args.out, model_dir, plan.steps)
         left = stop(proc)
         manifest = {
+            "set": plan.name,
             "vllm_version": vllm_version(args.vllm_bin),
             "command": [
                 MODEL_PLACEHOLDER if c == str(model_dir) else "<port>" if c == str(port) else c
@@ -285,7 +313,7 @@ def main(argv: list[str]) -> int:
             ],
             "env": {
                 k: "<tmp>" if "ROOT" in k else v
-                for k, v in serve_env(scratch).items()
+                for k, v in env.items()
                 if k.startswith(("VLLM_", "HF_"))
             },
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

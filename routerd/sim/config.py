@@ -63,6 +63,15 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # vLLM's --api-key (repeatable; else $VLLM_API_KEY): the bearer tokens its /v1, /v2, /inference and
     # /cohere routes require. Empty: every route is open, as vLLM without a key.
     api_key: tuple[str, ...] = ()
+    # The pooling routes' vector size (the tiny test model's hidden size: what its embeddings have).
+    embedding_dim: PositiveInt = 128
+    # The Responses API's store, as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1 (off: `store` is ignored and
+    # `previous_response_id` is never found, as vLLM without it); bounded, oldest first out, where
+    # vLLM's grows without end.
+    responses_store: bool = True
+    responses_store_max: PositiveInt = 4096
+    # vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB: the largest audio file the speech routes read
+    max_audio_filesize_mb: PositiveInt = 25
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -63,6 +63,8 @@ class Sequence:
     out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     # The prompt's token ids, for the KV events' BlockStored (empty when the engine publishes none).
     token_ids: list[int] = field(default_factory=list)
+    # A pooling request (embeddings, score, …): one prefill step, no generated token counted.
+    pooling: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -344,7 +346,8 @@ class BatchEngine:
         m = self.metrics
         idx = seq.generated
         seq.generated += 1
-        m.generation_tokens.inc()
+        if not seq.pooling:
+            m.generation_tokens.inc()
         if seq.first_token_at is None:
             seq.first_token_at = now
             m.ttft.observe(now - seq.arrival)
@@ -366,7 +369,7 @@ class BatchEngine:
         m.req_prompt_tokens.observe(seq.prompt_tokens)
         # at finish, as vLLM does (num_prompt_tokens - cached): the same requests as the time histograms
         m.req_prefill_computed.observe(max(seq.prompt_tokens - seq.cached_tokens, 0))
-        m.req_generation_tokens.observe(seq.generated)
+        m.req_generation_tokens.observe(0 if seq.pooling else seq.generated)
         m.req_max_gen_tokens.observe(seq.max_tokens)
         m.req_params_max_tokens.observe(seq.max_tokens)
         m.req_params_n.observe(1)

@@ -46,13 +46,13 @@ def _input(value: Any) -> Any:
     return value
 
 
-def _pydantic_error(kind: str, loc: str, msg: str, value: Any) -> RequestError:
+def field_error(kind: str, loc: str, msg: str, value: Any) -> RequestError:
     text = (f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{loc}', 'msg': '{msg}', "
             f"'input': {_input(value)!r}}}")
     return RequestError(400, text, "Bad Request", f"body.{loc}")
 
 
-def _semantic_error(message: str, param: str, value: Any) -> RequestError:
+def semantic_error(message: str, param: str, value: Any) -> RequestError:
     return RequestError(400, f"{message} (parameter={param}, value={_input(value)})", "BadRequestError",
                         param)
 
@@ -65,7 +65,7 @@ def invalid_json(error: str) -> RequestError:
 
 
 def not_a_dict(value: Any) -> RequestError:
-    return _pydantic_error("model_attributes_type", "",
+    return field_error("model_attributes_type", "",
                            "Input should be a valid dictionary or object to extract fields from",
                            f"<{type(value).__name__}>")
 
@@ -91,14 +91,14 @@ class GenRequest:
     key: str = ""
 
 
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str,
+def get_field(body: dict[str, Any], key: str, types: type | tuple[type, ...], kind: str, msg: str,
          loc: str = "") -> Any:
     value = body.get(key)
     if value is None:
         return None
     # bool is an int subclass; vLLM's pydantic would refuse true for max_tokens in strict spots too.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        raise _pydantic_error(kind, loc + key, msg, value)
+        raise field_error(kind, loc + key, msg, value)
     return value
 
 
@@ -106,7 +106,7 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _token_ids(value: Any) -> bool:
+def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
@@ -114,38 +114,38 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     """vLLM's ``str | list[int] | list[str] | list[list[int]]``, one prompt (a batch of one is unwrapped)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str)
-                                                           or _token_ids(prompt[0])):
+                                                           or is_token_ids(prompt[0])):
         prompt = prompt[0]
     if prompt is None or prompt in ("", []):
-        raise _semantic_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
+        raise semantic_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
                               prompt)
     if isinstance(prompt, str):
         return prompt
-    if _token_ids(prompt):
+    if is_token_ids(prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise _semantic_error("The simulated engine serves one prompt per request.", "prompt",
+        raise semantic_error("The simulated engine serves one prompt per request.", "prompt",
                               f"<list of {len(prompt)} items>")
-    raise _pydantic_error("string_type", "prompt", "Input should be a valid string", prompt)
+    raise field_error("string_type", "prompt", "Input should be a valid string", prompt)
 
 
-def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
-        raise _pydantic_error("missing", "messages", "Field required", body)
+        raise field_error("missing", "messages", "Field required", body)
     if not isinstance(messages, list):
-        raise _pydantic_error("list_type", "messages", "Input should be a valid list", messages)
+        raise field_error("list_type", "messages", "Input should be a valid list", messages)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _pydantic_error("missing", f"messages.{i}.role", "Field required", m)
+            raise field_error("missing", f"messages.{i}.role", "Field required", m)
         content = m.get("content")
-        if not _valid_content(content):
-            raise _pydantic_error("string_type", f"messages.{i}.content", "Input should be a valid string",
+        if not valid_content(content):
+            raise field_error("string_type", f"messages.{i}.content", "Input should be a valid string",
                                   content)
     return messages
 
 
-def _valid_content(content: Any) -> bool:
+def valid_content(content: Any) -> bool:
     """OpenAI's message content: a string, or a list of parts (objects; a text part's text a string)."""
     if content is None or isinstance(content, str):
         return True
@@ -153,35 +153,41 @@ def _valid_content(content: Any) -> bool:
         isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content)
 
 
+def check_model(body: dict[str, Any], cfg: SimConfig) -> None:
+    """``model``, when given, must be the served one: vLLM's 404 otherwise."""
+    model = get_field(body, "model", str, "string_type", "Input should be a valid string")
+    if model is not None and model != cfg.model:
+        raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
+                           "NotFoundError", "model")
+
+
 def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
     """Validate a request body as vLLM would; raise :class:`RequestError` with vLLM's error JSON."""
     if not isinstance(body, dict):
         raise not_a_dict(body)
-    model = _get(body, "model", str, "string_type", "Input should be a valid string")
-    if model is not None and model != cfg.model:
-        raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
-                           "NotFoundError", "model")
+    check_model(body, cfg)
     prompt: str | list[int] | list[dict[str, Any]]
     bool_msg = "Input should be a valid boolean"
     if chat:
-        prompt = _parse_messages(body)
-        rendered = render_chat(prompt, **_generation_prompt(body))
+        prompt = parse_messages(body)
+        rendered = render_chat(prompt, **generation_prompt(body))
         words, n_prompt, key = prompt_words(rendered), count_prompt_tokens(rendered), rendered
     else:
         prompt = _parse_prompt(body)
         words, n_prompt = prompt_words(prompt), count_prompt_tokens(prompt)
         key = prompt_key(prompt)
     max_tokens = _parse_max_tokens(body, cfg, chat=chat, n_prompt=n_prompt)
-    n = _get(body, "n", int, "int_type", _INT_MSG)
+    n = get_field(body, "n", int, "int_type", _INT_MSG)
     if n is not None and n != 1:
-        raise _semantic_error("The simulated engine supports n=1 only.", "n", n)
-    stream = bool(_get(body, "stream", bool, "bool_type", bool_msg))
-    opts = _get(body, "stream_options", dict, "model_attributes_type", "Input should be a valid dictionary")
+        raise semantic_error("The simulated engine supports n=1 only.", "n", n)
+    stream = bool(get_field(body, "stream", bool, "bool_type", bool_msg))
+    opts = get_field(body, "stream_options", dict, "model_attributes_type",
+                     "Input should be a valid dictionary")
     include_usage = continuous = False
     if opts is not None:
-        include_usage = bool(_get(opts, "include_usage", bool, "bool_type", bool_msg, "stream_options."))
-        continuous = include_usage and bool(_get(opts, "continuous_usage_stats", bool, "bool_type", bool_msg,
-                                                 "stream_options."))
+        include_usage = bool(get_field(opts, "include_usage", bool, "bool_type", bool_msg, "stream_options."))
+        continuous = include_usage and bool(get_field(opts, "continuous_usage_stats", bool, "bool_type",
+                                                      bool_msg, "stream_options."))
     stop_raw = body.get("stop")
     stop: tuple[str, ...] = ()
     if isinstance(stop_raw, str):
@@ -189,19 +195,19 @@ def parse_request(body: Any, cfg: SimConfig, *, chat: bool) -> GenRequest:
     elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
         stop = tuple(stop_raw)
     elif stop_raw is not None:
-        raise _pydantic_error("string_type", "stop", "Input should be a valid string", stop_raw)
-    ignore_eos = bool(_get(body, "ignore_eos", bool, "bool_type", bool_msg))
+        raise field_error("string_type", "stop", "Input should be a valid string", stop_raw)
+    ignore_eos = bool(get_field(body, "ignore_eos", bool, "bool_type", bool_msg))
     return GenRequest(chat=chat, model=cfg.model, prompt=prompt, prompt_tokens=n_prompt, words=words,
                       max_tokens=max_tokens, stream=stream, include_usage=include_usage, stop=stop,
                       ignore_eos=ignore_eos, continuous_usage=continuous, key=key)
 
 
-def _generation_prompt(body: dict[str, Any]) -> dict[str, bool]:
+def generation_prompt(body: dict[str, Any]) -> dict[str, bool]:
     """``add_generation_prompt`` (default true) and ``continue_final_message`` (default false) as vLLM
     checks them: both true is refused, and so is the latter alone (the former defaults to true)."""
     msg = "Input should be a valid boolean"
-    add = _get(body, "add_generation_prompt", bool, "bool_type", msg)
-    cont = bool(_get(body, "continue_final_message", bool, "bool_type", msg))
+    add = get_field(body, "add_generation_prompt", bool, "bool_type", msg)
+    cont = bool(get_field(body, "continue_final_message", bool, "bool_type", msg))
     if cont and add:
         raise RequestError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to "
                            "True.", "BadRequestError", None)
@@ -217,19 +223,22 @@ _INT_MSG = "Input should be a valid integer"
 
 
 def _parse_max_tokens(body: dict[str, Any], cfg: SimConfig, *, chat: bool, n_prompt: int) -> int:
-    max_tokens: int | None = _get(body, "max_tokens", int, "int_type", _INT_MSG)
+    max_tokens: int | None = get_field(body, "max_tokens", int, "int_type", _INT_MSG)
     if chat and max_tokens is None:
-        max_tokens = _get(body, "max_completion_tokens", int, "int_type", _INT_MSG)
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens
+        max_tokens = get_field(body, "max_completion_tokens", int, "int_type", _INT_MSG)
+    return check_max_tokens(max_tokens if max_tokens is not None else cfg.default_max_tokens, cfg, n_prompt)
+
+
+def check_max_tokens(max_tokens: int, cfg: SimConfig, n_prompt: int) -> int:
+    """The output budget as vLLM checks it: at least 1, and room for it beside the prompt."""
     if max_tokens < 1:
-        raise _semantic_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+        raise semantic_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if max_tokens > cfg.max_model_len:
-        raise _semantic_error(f"max_tokens={max_tokens} cannot be greater than max_model_len="
+        raise semantic_error(f"max_tokens={max_tokens} cannot be greater than max_model_len="
                               f"{cfg.max_model_len}. Please request fewer output tokens.",
                               "max_tokens", max_tokens)
     if n_prompt + max_tokens > cfg.max_model_len:
-        raise _semantic_error(
+        raise semantic_error(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
             f"{n_prompt + max_tokens} tokens ({n_prompt} in the input, {max_tokens} in the completion). "
             "Please reduce the length of the input or completion.", "input_tokens", n_prompt)

@@ -23,26 +23,29 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
 from routerd import log
-from routerd.errors import error_body, error_json, sse_error_event
-from routerd.vllm_wire import block_hash
+from routerd.errors import error_body, sse_error_event
 
-from ..sim_tokens import generate, token_ids
 from . import protocol as p
+from . import wire
+from .anthropic import AnthropicRoutes
+from .audio import AudioRoutes
 from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
 from .kv_publisher import KvEventPublisher, parse_config
 from .metrics import SimMetrics
+from .pooling import PoolingRoutes
+from .responses import ResponsesRoutes
+from .running import Prompt, Runner
+from .tokens_api import TokenizeRoutes
 
 SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
-_json = msgspec.json.Encoder()
-_json_dec = msgspec.json.Decoder()
 _fault_dec = msgspec.json.Decoder(FaultUpdate)
 _MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -50,22 +53,23 @@ _MAX_BODY_BYTES = 256 * 1024 * 1024
 _log = log.get("routerd.sim")
 
 
-INTERNAL_ERROR = error_json("The server had an error while processing your request.",
-                            "InternalServerError", 500)
-SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
+SSE_HEADERS = wire.SSE_HEADERS
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouteFamily(Protocol):
+    """A module's routes (pooling, tokenize, responses, …): what it adds to the app."""
+
+    def routes(self) -> list[web.RouteDef]: ...
+
 # vLLM's AuthenticationMiddleware (vllm/entrypoints/serve/middleware/authenticate.py): the paths an API
 # key guards, by prefix as it matches them; everything else (/health, /metrics, /load, …) stays open.
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 UNAUTHORIZED = b'{"error":"Unauthorized"}'
 
 
-def _json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
-
-
-def _event(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+_json_response = wire.json_response
+_event = wire.data_event
 
 
 def _usage(req: p.GenRequest, completion_tokens: int) -> dict[str, Any] | None:
@@ -98,11 +102,15 @@ class SimEngine:
         # KV-cache events as vLLM publishes them; block keys then as vLLM computes them (seeded alike).
         kv_cfg = parse_config(config.kv_events_config)
         self.kv_events: KvEventPublisher | None = None
-        self._kv_root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
         if kv_cfg is not None and kv_cfg.enabled:
             self.kv_events = KvEventPublisher(kv_cfg, self.faults, form=config.kv_events_form)
             self.engine.kv_publish = self.kv_events.publish
-        self.server_load = 0
+        self.runner = Runner(config, self.engine, self.faults, kv_keys=self.kv_events is not None)
+        # The route families beyond completions and chat, each in its module (README: "vLLM routes").
+        self.responses = ResponsesRoutes(config, self.runner)
+        self.families: list[RouteFamily] = [
+            TokenizeRoutes(config), PoolingRoutes(config, self.runner), self.responses,
+            AnthropicRoutes(config, self.runner), AudioRoutes(config, self.runner)]
         # How often it was watched: "/metrics" and "/health" requests answered, so a test can count
         # routerd's scrapes and heartbeats of this engine.
         self.watched: collections.Counter[str] = collections.Counter()
@@ -116,8 +124,12 @@ class SimEngine:
         self._runner: web.AppRunner | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._stopping = False
         self.crashed = asyncio.Event()
+
+    @property
+    def server_load(self) -> int:
+        """Generate and pooling requests in flight (``GET /load``)."""
+        return self.runner.server_load
 
     @property
     def stats(self) -> SimStats:
@@ -142,6 +154,8 @@ class SimEngine:
         r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/chat/completions", self._chat)
+        for family in self.families:
+            r.add_routes(family.routes())
         r.add_get("/sim/faults", self._get_faults)
         r.add_post("/sim/faults", self._post_faults)
         r.add_delete("/sim/faults", self._delete_faults)
@@ -180,7 +194,7 @@ class SimEngine:
 
     async def stop(self) -> None:
         """Graceful stop: refuse new work, abort in-flight requests, close the site, end the engine."""
-        self._stopping = True
+        self.runner.stopping = True
         self.faults.clear()  # a hung engine must not hold up its own shutdown
         self.engine.abort_all()
         if self._runner is not None:
@@ -297,49 +311,24 @@ class SimEngine:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         if traceparent := request.headers.get("traceparent"):
             self.traceparents.append(traceparent)
-        raw = await request.read()
         try:
-            if not raw.isascii():
-                raw.decode()  # vLLM reads the whole body as text first; msgspec checks only strings
-            body = _json_dec.decode(raw)
-        except (UnicodeDecodeError, RecursionError):
-            return _json_response(p.UNPARSABLE_BODY, 400)
-        except msgspec.DecodeError as e:
-            return self._error(p.invalid_json(str(e)))
-        try:
-            req = p.parse_request(body, self.config, chat=chat)
+            req = p.parse_request(await wire.read_json(request), self.config, chat=chat)
+        except wire.Unparsable:
+            return wire.unparsable()
         except p.RequestError as e:
             return self._error(e)
-        if self._stopping or self.faults.draw_error() or self.faults.poisoned(req.key):
-            return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
-        cfg = self.config
-        pieces, finish, stop_reason = generate(cfg.seed, req.key, req.max_tokens, stop=req.stop,
-                                               eos_prob=cfg.eos_prob, ignore_eos=req.ignore_eos)
-        ids: list[int] = []
-        if self.kv_events is not None:
-            ids = token_ids(req.words)
-            hashes = block_hash.block_keys(ids, cfg.block_size, self._kv_root)
-        else:
-            hashes = p.block_hashes(req.words, cfg.block_size)
-        seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,
-                       pieces=pieces, finish_reason=finish, stop_reason=stop_reason,
-                       max_tokens=req.max_tokens, arrival=0.0, token_ids=ids)
-        self.server_load += 1
-        try:
-            self.engine.submit(seq)
+        if self.runner.refuses(req.key):
+            return wire.internal_error()
+        seq = self.runner.generation(Prompt(req.words, req.prompt_tokens, req.key), req.max_tokens,
+                                     stop=req.stop, ignore_eos=req.ignore_eos)
+        async with self.runner.running(seq):
             if req.stream:
                 return await self._stream(request, req, seq)
-            async for _ in seq.stream():
-                pass
-            if seq.state is not SeqState.FINISHED:
-                return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
+            if not await self.runner.finish(seq):
+                return wire.internal_error()
             build = p.chat_body if chat else p.completion_body
-            return _json_response(build(p.new_id(chat), int(time.time()), cfg, "".join(pieces), finish,
-                                        stop_reason, req.prompt_tokens, seq.generated))
-        finally:
-            # No-op when finished; otherwise (client gone → handler cancelled) it frees the batch slot.
-            self.engine.abort(seq)
-            self.server_load -= 1
+            return _json_response(build(p.new_id(chat), int(time.time()), self.config, "".join(seq.pieces),
+                                        seq.finish_reason, seq.stop_reason, req.prompt_tokens, seq.generated))
 
     async def _stream(self, request: web.Request, req: p.GenRequest, seq: Sequence) -> web.StreamResponse:
         cfg, chat = self.config, req.chat
@@ -355,9 +344,7 @@ class SimEngine:
             if chat and sent == 0:
                 await resp.write(_event(p.chat_role_chunk(rid, created, cfg, usage=_usage(req, 0))))
                 sent = 1
-            limit = self.faults.fail_after_chunks
-            if limit is not None and sent >= limit:
-                self.engine.abort(seq, reason="error")
+            if self.runner.breaks_stream(sent, seq):
                 await resp.write(sse_error_event("The server had an error while processing your request."))
                 await resp.write_eof()
                 return resp
