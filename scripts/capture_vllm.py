@@ -252,12 +252,12 @@ def capture(base: str, out: Path, model_dir: Path, steps: tuple[Step, ...]) -> d
     return files
 
 
-def vllm_version(vllm_bin: Path) -> str:
-    py = vllm_bin.parent / "python"
-    out = subprocess.run(
-        [str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=120
-    )
-    return out.stdout.strip() or "unknown"
+def vllm_version(base: str) -> str:
+    """What the running server says (``GET /version``): no second ``import vllm``, which took over
+    two minutes on a loaded machine."""
+    resp = request(base + "/version")
+    version: str = json.loads(resp.body).get("version", "unknown") if resp.status == 200 else "unknown"
+    return version
 
 
 def build_model(vllm_bin: Path, dest: Path) -> None:
@@ -303,10 +303,11 @@ def main(argv: list[str]) -> int:
         startup_s = wait_healthy(base, proc, args.startup_timeout)
         print(f"vllm healthy after {startup_s:.1f} s")
         files = capture(base, args.out, model_dir, plan.steps)
+        version = vllm_version(base)
         left = stop(proc)
         manifest = {
             "set": plan.name,
-            "vllm_version": vllm_version(args.vllm_bin),
+            "vllm_version": version,
             "command": [
                 MODEL_PLACEHOLDER if c == str(model_dir) else "<port>" if c == str(port) else c
                 for c in cmd[1:]

@@ -153,7 +153,7 @@ async def test_messages_streamed_and_not_and_their_token_count(eng: SimEngine) -
     assert (msg["stop_reason"], msg["usage"]["output_tokens"]) == ("max_tokens", 6)
     status, counted = await call(eng.url + "/v1/messages/count_tokens",
                                  {k: v for k, v in body.items() if k != "max_tokens"})
-    assert (status, counted) == (200, {"input_tokens": msg["usage"]["input_tokens"]})
+    assert (status, counted["input_tokens"]) == (200, msg["usage"]["input_tokens"])
 
     status, raw = await call(eng.url + "/v1/messages", {**body, "stream": True})
     events = named_events(raw)
@@ -175,8 +175,12 @@ async def test_messages_errors_are_in_anthropics_shape(eng: SimEngine) -> None:
     assert status == 404
     assert err["type"] == "error"
     assert err["error"]["type"] == "NotFoundError"
+    status, err = await call(eng.url + "/v1/messages", {"model": "m", "max_tokens": 9999,
+                                                        "messages": [{"role": "user", "content": "x"}]})
+    assert (status, err["type"], err["error"]["type"]) == (400, "error", "BadRequestError"), err
+    # a body pydantic refuses keeps FastAPI's validation answer, as vLLM 0.32 gives it here
     status, err = await call(eng.url + "/v1/messages", {"model": "m", "messages": []})
-    assert (status, err["type"]) == (400, "error"), err
+    assert (status, err["error"]["param"]) == (400, "body.max_tokens"), err
 
 
 # ---- pooling --------------------------------------------------------------------------------------
@@ -241,9 +245,9 @@ async def test_tokenize_gives_the_sims_token_ids_and_detokenize_reads_them_back(
     said = expected_text(7, "x", 4)  # generated words are known to every replica
     assert (await call(eng.url + "/detokenize", {"tokens": token_ids(said.split())}))[1] == \
         {"prompt": said.strip()}
-    status, err = await call(eng.url + "/detokenize", {"tokens": [12345]})
-    assert status == 400
-    assert err["error"]["type"] == "BadRequestError"
+    # an id it never met is left out, as vLLM leaves out one outside its vocabulary
+    assert (await call(eng.url + "/detokenize", {"tokens": [12345, tok["tokens"][0]]})) == \
+        (200, {"prompt": "hello"})
     async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(eng.url + "/load") as r:
         assert (await r.json()) == {"server_load": 0}
 

@@ -43,7 +43,11 @@ def error(status: int, type_: str, message: str = INTERNAL) -> web.Response:
 
 
 def translate(e: p.RequestError) -> web.Response:
+    """vLLM's own errors in Anthropic's shape; a body its pydantic refuses keeps FastAPI's validation
+    answer (OpenAI's shape), as vLLM 0.32 answers it on these routes."""
     inner = e.body["error"]
+    if inner["type"] == "Bad Request":
+        return wire.json_response(e.body, e.status)
     return error(e.status, inner["type"], inner["message"])
 
 
@@ -132,7 +136,11 @@ class AnthropicRoutes:
         max_tokens = p.get_field(body, "max_tokens", int, "int_type", "Input should be a valid integer")
         if max_tokens is None:
             raise p.field_error("missing", "max_tokens", "Field required", body)
-        max_tokens = p.check_max_tokens(max_tokens, self.config, prompt.tokens)
+        try:
+            max_tokens = p.check_max_tokens(max_tokens, self.config, prompt.tokens)
+        except p.RequestError as e:  # vLLM checks it as the chat request's max_completion_tokens
+            raise p.RequestError(e.status, str(e).replace("max_tokens", "max_completion_tokens"),
+                                 "BadRequestError", "max_completion_tokens") from e
         stops = body.get("stop_sequences") or []
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise p.field_error("list_type", "stop_sequences", "Input should be a valid list", stops)
@@ -147,7 +155,8 @@ class AnthropicRoutes:
             return wire.unparsable()
         except p.RequestError as e:
             return translate(e)
-        return wire.json_response({"input_tokens": prompt.tokens})
+        return wire.json_response({"input_tokens": prompt.tokens,
+                                   "context_management": {"original_input_tokens": prompt.tokens}})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -159,19 +168,20 @@ class AnthropicRoutes:
         if self.runner.refuses(req.prompt.key):
             return error(500, "InternalServerError")
         seq = self.runner.generation(req.prompt, req.max_tokens, stop=req.stop)
-        rid = "chatcmpl-" + secrets.token_hex(16)
+        rid = "chatcmpl-" + secrets.token_hex(8)
         async with self.runner.running(seq):
             if req.stream:
                 return await self._stream(request, req, seq, rid)
             if not await self.runner.finish(seq):
                 return error(500, "InternalServerError")
         reason, sequence = stop_reason(seq)
-        return wire.json_response({
+        body: dict[str, Any] = {
             "id": rid, "type": "message", "role": "assistant",
             "content": [{"type": "text", "text": "".join(seq.pieces)}], "model": self.config.model,
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage(req.prompt.tokens, seq.generated), "kv_transfer_params": None,
-            "ec_transfer_params": None})
+            "usage": usage(req.prompt.tokens, seq.generated)}
+        # vLLM leaves out what is null (exclude_none): a stop_sequence only when one matched
+        return wire.json_response({k: v for k, v in body.items() if v is not None})
 
     async def _stream(self, request: web.Request, req: MessagesRequest, seq: Sequence,
                       rid: str) -> web.StreamResponse:
@@ -188,15 +198,15 @@ class AnthropicRoutes:
                 await resp.write(wire.named_event("message_start", {"type": "message_start",
                                                                     "message": start}))
                 await resp.write(wire.named_event("content_block_start", {
-                    "type": "content_block_start", "index": 0,
-                    "content_block": {"type": "text", "text": ""}}))
+                    "type": "content_block_start", "content_block": {"type": "text", "text": ""},
+                    "index": 0}))
                 sent = 1
             if self.runner.breaks_stream(sent, seq):
                 break
             if seq.pieces[idx]:
                 await resp.write(wire.named_event("content_block_delta", {
-                    "type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": seq.pieces[idx]}}))
+                    "type": "content_block_delta", "delta": {"type": "text_delta", "text": seq.pieces[idx]},
+                    "index": 0}))
             sent += 1
         if not self.runner.finished(seq):
             await resp.write(wire.named_event("error", {"type": "error", "error": {

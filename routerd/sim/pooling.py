@@ -20,6 +20,7 @@ import secrets
 import struct
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -96,7 +97,9 @@ class PoolingRoutes:
         body = await wire.read_json(request)
         if not isinstance(body, dict):
             raise p.not_a_dict(body)
-        p.check_model(body, self.config)
+        model = p.get_field(body, "model", str, "string_type", "Input should be a valid string")
+        if model is not None and model != self.config.model:  # the pooling routes' own wording, no param
+            raise p.RequestError(404, f"The model `{model}` does not exist.", "NotFoundError", None)
         return body
 
     def _inputs(self, body: dict[str, Any], key: str = "input") -> list[Prompt]:
@@ -117,10 +120,11 @@ class PoolingRoutes:
 
     def _check_length(self, pr: Prompt) -> None:
         limit = self.config.max_model_len
-        if pr.tokens > limit:
-            raise p.RequestError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                                 f"requested {pr.tokens} tokens in the input for embedding generation. "
-                                 "Please reduce the length of the input.", "BadRequestError", None)
+        if pr.tokens > limit:  # vLLM's renderer check (renderers/params.py)
+            raise p.semantic_error(f"This model's maximum context length is {limit} tokens. However, your "
+                                   f"prompt contains {pr.tokens} input tokens, which exceeds this limit even "
+                                   "without any output tokens. Please reduce the length of the input prompt.",
+                                   "input_tokens", pr.tokens)
 
     async def _answer(self, request: web.Request, build: Any) -> web.Response:
         try:
@@ -148,7 +152,7 @@ class PoolingRoutes:
         data = [{"index": i, "object": "embedding", "embedding": _encode(self.embed(pr.words), fmt)}
                 for i, pr in enumerate(prompts)]
         total = sum(pr.tokens for pr in prompts)
-        return prompts, {"id": "embd-" + secrets.token_hex(16), "object": "list", "created": int(time.time()),
+        return prompts, {"id": "embd-" + secrets.token_hex(8), "object": "list", "created": int(time.time()),
                          "model": self.config.model, "data": data, "usage": _usage(total)}
 
     async def pooling(self, request: web.Request) -> web.Response:
@@ -159,8 +163,9 @@ class PoolingRoutes:
         data = [{"index": i, "object": "pooling", "data": self.embed(pr.words)}
                 for i, pr in enumerate(prompts)]
         total = sum(pr.tokens for pr in prompts)
-        return prompts, {"id": "pool-" + secrets.token_hex(16), "object": "list", "created": int(time.time()),
-                         "model": self.config.model, "data": data, "usage": _usage(total)}
+        return prompts, {"id": "pooling-" + secrets.token_hex(8), "object": "list",
+                         "created": int(time.time()), "model": self.config.model, "data": data,
+                         "usage": _usage(total)}
 
     async def classify(self, request: web.Request) -> web.Response:
         return await self._answer(request, self._classify)
@@ -176,29 +181,32 @@ class PoolingRoutes:
             label = max(range(NUM_LABELS), key=probs.__getitem__)
             data.append({"index": i, "label": f"LABEL_{label}", "probs": probs, "num_classes": NUM_LABELS})
         total = sum(pr.tokens for pr in prompts)
-        return prompts, {"id": "classify-" + secrets.token_hex(16), "object": "list",
+        return prompts, {"id": "classify-" + secrets.token_hex(8), "object": "list",
                          "created": int(time.time()), "model": self.config.model, "data": data,
                          "usage": _usage(total)}
 
     async def score(self, request: web.Request) -> web.Response:
         return await self._answer(request, self._score)
 
-    def _pairs(self, body: dict[str, Any], first: str, second: str) -> tuple[list[Prompt], list[Prompt]]:
+    def _pairs(self, body: dict[str, Any], first: str, second: str) -> Pairs:
+        """The two sides paired as vLLM pairs them (1:1, 1:N or N:N); each text is embedded once, so
+        the engine runs and the usage count every distinct text once (one query against N documents)."""
         queries, docs = self._inputs(body, first), self._inputs(body, second)
         if len(queries) != 1 and len(queries) != len(docs):
-            raise p.RequestError(400, "Input lengths must be either 1:1, 1:N or N:N", "BadRequestError", None)
-        return queries * len(docs) if len(queries) == 1 else queries, docs
+            raise p.semantic_error("Input lengths must be either 1:1, 1:N or N:N", first, len(queries))
+        texts = [*queries, *docs]
+        return Pairs(queries * len(docs) if len(queries) == 1 else queries, docs, texts,
+                     sum(t.tokens for t in texts))
 
     def _score(self, body: dict[str, Any]) -> tuple[list[Prompt], dict[str, Any]]:
         names = next((pair for pair in _SCORE_FIELDS if pair[0] in body and pair[1] in body),
                      _SCORE_FIELDS[0])
-        queries, docs = self._pairs(body, *names)
+        pairs = self._pairs(body, *names)
         data = [{"index": i, "object": "score", "score": self.cosine(q.words, d.words)}
-                for i, (q, d) in enumerate(zip(queries, docs, strict=True))]
-        total = sum(q.tokens + d.tokens for q, d in zip(queries, docs, strict=True))
-        return [*queries, *docs], {"id": "score-" + secrets.token_hex(16), "object": "list",
-                                   "created": int(time.time()), "model": self.config.model, "data": data,
-                                   "usage": _usage(total)}
+                for i, (q, d) in enumerate(zip(pairs.queries, pairs.docs, strict=True))]
+        return pairs.texts, {"id": "score-" + secrets.token_hex(8), "object": "list",
+                             "created": int(time.time()), "model": self.config.model, "data": data,
+                             "usage": _usage(pairs.tokens)}
 
     async def rerank(self, request: web.Request) -> web.Response:
         return await self._answer(request, self._rerank)
@@ -206,20 +214,27 @@ class PoolingRoutes:
     def _rerank(self, body: dict[str, Any]) -> tuple[list[Prompt], dict[str, Any]]:
         if isinstance(body.get("query"), list):
             raise p.field_error("string_type", "query", "Input should be a valid string", body["query"])
-        queries, docs = self._pairs(body, "query", "documents")
+        pairs = self._pairs(body, "query", "documents")
         top_n = p.get_field(body, "top_n", int, "int_type", "Input should be a valid integer") or 0
         texts = _items(body["documents"]) or []
-        scores = [self.cosine(q.words, d.words) for q, d in zip(queries, docs, strict=True)]
+        scores = [self.cosine(q.words, d.words) for q, d in zip(pairs.queries, pairs.docs, strict=True)]
         order = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
         results = [{"index": i,
                     "document": {"text": t if isinstance(t := texts[i], str) else None, "multi_modal": None},
                     "relevance_score": scores[i]} for i in order]
         if 0 < top_n < len(results):
             results = results[:top_n]
-        total = sum(q.tokens + d.tokens for q, d in zip(queries, docs, strict=True))
-        return [*queries, *docs], {"id": "rerank-" + secrets.token_hex(16), "model": self.config.model,
-                                   "usage": {"prompt_tokens": total, "total_tokens": total},
-                                   "results": results}
+        return pairs.texts, {"id": "score-" + secrets.token_hex(8), "model": self.config.model,
+                             "usage": {"prompt_tokens": pairs.tokens, "total_tokens": pairs.tokens},
+                             "results": results}
+
+
+@dataclass(frozen=True)
+class Pairs:
+    queries: list[Prompt]  # one per document
+    docs: list[Prompt]
+    texts: list[Prompt]  # each distinct text once: what the engine runs
+    tokens: int
 
 
 def _items(value: Any) -> list[str | list[int]] | None:

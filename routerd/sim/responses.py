@@ -86,6 +86,11 @@ def _text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content or [] if isinstance(part, dict))
 
 
+def _float(value: Any, default: float) -> float:
+    """A sampling setting as vLLM echoes it (a float, whatever number the client sent)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
 def output_text(response: dict[str, Any]) -> str:
     return "".join(c.get("text", "") for item in response["output"] if item.get("type") == "message"
                    for c in item["content"])
@@ -156,32 +161,36 @@ class ResponsesRoutes:
             "instructions": b.get("instructions"), "metadata": b.get("metadata"), "model": self.config.model,
             "object": "response", "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "temperature": b.get("temperature") if b.get("temperature") is not None else 1.0,
-            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools", []),
-            "top_p": b.get("top_p") if b.get("top_p") is not None else 1.0,
+            "temperature": _float(b.get("temperature"), 1.0),
+            # vLLM answers "none" when the request has no tools
+            "tool_choice": b.get("tool_choice", "auto" if b.get("tools") else "none"),
+            "tools": b.get("tools", []),
+            "top_p": _float(b.get("top_p"), 1.0),
             "background": False, "max_output_tokens": req.max_tokens,
             "max_tool_calls": b.get("max_tool_calls"), "previous_response_id": b.get("previous_response_id"),
             "prompt": b.get("prompt"), "reasoning": b.get("reasoning"),
             "service_tier": b.get("service_tier", "auto"), "status": status, "text": b.get("text"),
-            "top_logprobs": b.get("top_logprobs", 0), "truncation": b.get("truncation", "disabled"),
+            "top_logprobs": b.get("top_logprobs"), "truncation": b.get("truncation", "disabled"),
             "usage": usage, "user": b.get("user"),
-            "input_messages": None, "output_messages": None, "metrics": None,
-            "presence_penalty": b.get("presence_penalty", 0.0),
-            "frequency_penalty": b.get("frequency_penalty", 0.0),
+            "presence_penalty": _float(b.get("presence_penalty"), 0.0),
+            "frequency_penalty": _float(b.get("frequency_penalty"), 0.0),
             "kv_transfer_params": None, "ec_transfer_params": None,
+            "input_messages": None, "output_messages": None,
         }
 
     @staticmethod
-    def message(item_id: str, text: str, status: str) -> dict[str, Any]:
-        return {"id": item_id, "content": [{"annotations": [], "text": text, "type": "output_text",
-                                            "logprobs": None}],
-                "role": "assistant", "status": status, "type": "message"}
+    def message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+        """An output message item; ``text`` None: the item as added, before its text part."""
+        content: list[dict[str, Any]] = [] if text is None else [
+            {"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
+        return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message",
+                "phase": None}
 
     @staticmethod
     def usage(prompt_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, Any]:
-        return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached,
-                                                                       "input_tokens_per_turn": [],
-                                                                       "cached_tokens_per_turn": []},
+        return {"input_tokens": prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0,
+                                         "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
                 "output_tokens": output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                           "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
@@ -191,7 +200,7 @@ class ResponsesRoutes:
                  item_id: str = "") -> dict[str, Any]:
         """The finished response (stored when asked): its one message, status and usage."""
         status = "incomplete" if seq.finish_reason == "length" else "completed"
-        output = [self.message(item_id or "msg_" + secrets.token_hex(16), "".join(seq.pieces), "completed")]
+        output = [self.message(item_id or "msg_" + secrets.token_hex(8), "".join(seq.pieces), "completed")]
         response = self.body(req, rid, created, output, status,
                              self.usage(req.prompt.tokens, seq.generated, seq.cached_tokens))
         if req.store:
@@ -210,7 +219,7 @@ class ResponsesRoutes:
         if self.runner.refuses(req.prompt.key):
             return wire.internal_error()
         seq = self.runner.generation(req.prompt, req.max_tokens)
-        rid, created = "resp_" + secrets.token_hex(16), int(time.time())
+        rid, created = "resp_" + secrets.token_hex(8), int(time.time())
         async with self.runner.running(seq):
             if req.stream:
                 return await self._stream(request, req, seq, rid, created)
@@ -244,7 +253,7 @@ class ResponsesRoutes:
         resp = web.StreamResponse(headers=wire.SSE_HEADERS)
         await resp.prepare(request)
         events = _Events(resp)
-        item_id = "msg_" + secrets.token_hex(16)
+        item_id = "msg_" + secrets.token_hex(8)
         pieces: list[str] = []
         async for idx in seq.stream():
             if not pieces and events.n == 0:
@@ -278,7 +287,7 @@ class ResponsesRoutes:
         started = self.body(req, rid, created, [], "in_progress", None)
         await events.send("response.created", {"response": started})
         await events.send("response.in_progress", {"response": started})
-        await events.send("response.output_item.added", {"item": self.message(item_id, "", "in_progress"),
+        await events.send("response.output_item.added", {"item": self.message(item_id, None, "in_progress"),
                                                           "output_index": 0})
         await events.send("response.content_part.added", {
             "content_index": 0, "item_id": item_id, "output_index": 0,

@@ -108,9 +108,15 @@ class SimEngine:
         self.runner = Runner(config, self.engine, self.faults, kv_keys=self.kv_events is not None)
         # The route families beyond completions and chat, each in its module (README: "vLLM routes").
         self.responses = ResponsesRoutes(config, self.runner)
-        self.families: list[RouteFamily] = [
-            TokenizeRoutes(config), PoolingRoutes(config, self.runner), self.responses,
-            AnthropicRoutes(config, self.runner), AudioRoutes(config, self.runner)]
+        generating: list[RouteFamily] = [self.responses, AnthropicRoutes(config, self.runner)]
+        pooling: list[RouteFamily] = [PoolingRoutes(config, self.runner)]
+        self.families: list[RouteFamily] = [TokenizeRoutes(config)]
+        if config.runner in ("all", "generate"):
+            self.families += generating
+        if config.runner in ("all", "pooling"):
+            self.families += pooling
+        if config.runner == "all":
+            self.families.append(AudioRoutes(config, self.runner))
         # How often it was watched: "/metrics" and "/health" requests answered, so a test can count
         # routerd's scrapes and heartbeats of this engine.
         self.watched: collections.Counter[str] = collections.Counter()
@@ -152,8 +158,9 @@ class SimEngine:
         r.add_get("/metrics", self._metrics)
         r.add_get("/kv_event_sources", self._kv_event_sources)
         r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
-        r.add_post("/v1/completions", self._completions)
-        r.add_post("/v1/chat/completions", self._chat)
+        if self.config.runner != "pooling":
+            r.add_post("/v1/completions", self._completions)
+            r.add_post("/v1/chat/completions", self._chat)
         for family in self.families:
             r.add_routes(family.routes())
         r.add_get("/sim/faults", self._get_faults)

@@ -3,8 +3,9 @@
 A prompt's ids are its words' CRC-32s — the very ids its KV-cache events carry and a router keys it
 by — and a chat is tokenized as rendered (ChatML), as vLLM applies the model's template. The ids are not
 invertible, so ``/detokenize`` knows the words the sim generates (its vocabulary: any output it gave,
-on any replica) and the words this server has tokenized (bounded); an id it never met is answered as
-vLLM answers an id outside its vocabulary. Neither route takes an engine slot or counts in ``/load``.
+on any replica) and the words this server has tokenized (bounded); an id it never met is left out, as
+vLLM 0.32 leaves out an id outside its vocabulary (``{"prompt": ""}`` for ``[99999]``). Neither route
+takes an engine slot or counts in ``/load``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class TokenizeRoutes:
             messages = p.parse_messages(body)
             return prompt_words(render_chat(messages, **p.generation_prompt(body)))
         prompt = body.get("prompt")
+        if prompt is None:  # neither of the union's two shapes: vLLM's pydantic names both
+            missing = [f"{{'type': 'missing', 'loc': 'body.{f}', 'msg': 'Field required', 'input': "
+                       f"'<dict of {len(body)} items>'}}" for f in ("prompt", "messages")]
+            raise p.RequestError(400, "2 validation errors:\n  " + "\n  ".join(missing), "Bad Request",
+                                 "body.prompt")
         if not isinstance(prompt, str):
             raise p.field_error("string_type", "prompt", "Input should be a valid string", prompt)
         return prompt_words(prompt)
@@ -77,15 +83,12 @@ class TokenizeRoutes:
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                     and i >= 0 for i in ids):
                 raise p.field_error("list_type", "tokens", "Input should be a valid list", ids)
-            words = [self._word(i) for i in ids]
+            words = [w for i in ids if (w := self._word(i)) is not None]
         except wire.Unparsable:
             return wire.unparsable()
         except p.RequestError as e:
             return wire.json_response(e.body, e.status)
         return wire.json_response({"prompt": " ".join(words)})
 
-    def _word(self, i: int) -> str:
-        word = self._vocab.get(i) or self._words.get(i)
-        if word is None:
-            raise p.RequestError(400, f"Token id {i} is out of vocabulary", "BadRequestError", None)
-        return word
+    def _word(self, i: int) -> str | None:
+        return self._vocab.get(i) or self._words.get(i)
