@@ -23,17 +23,17 @@ import pytest_asyncio
 
 from routerd.sim.config import SimConfig
 from routerd.sim.server import SimEngine
-from tests.fixtures.vllm import Reply
+from tests.fixtures.vllm import Reply, parse_metrics
 from tests.fixtures.vllm_routes import captured_in, load_set, replay_set, reply_diffs
 
 SETS = {name: load_set(name) for name in ("generate", "pooling")}
 
 
 def replayed(manifest: dict[str, Any]) -> list[str]:
-    return [n for n in manifest.get("order", []) if n != "metrics.txt"]
+    return list(manifest.get("order", []))
 
 
-CASES = [(s, n) for s, m in SETS.items() for n in replayed(m)]
+CASES = [(s, n) for s, m in SETS.items() for n in replayed(m) if n != "metrics.txt"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -59,6 +59,22 @@ def test_sim_answers_as_vllm_did(capture_set: str, name: str,
     diffs = reply_diffs(name, captured_in(capture_set, name, SETS[capture_set]),
                         sim_replies[capture_set][name])
     assert not diffs, f"sim differs from vLLM in {capture_set}/{name}:\n  " + "\n  ".join(diffs)
+
+
+def test_responses_and_messages_count_as_generation(sim_replies: dict[str, dict[str, Reply]]) -> None:
+    """In vLLM the Responses API and Anthropic's messages are chat underneath: their tokens are in
+    `vllm:generation_tokens_total` and each is a finished request. The counts follow from the requests
+    (8 tokens each), so the capture's /metrics and the sim's must agree."""
+    manifest = SETS["generate"]
+    generated = [n for n in replayed(manifest) if manifest["files"][n]["status"] == 200
+                 and manifest["files"][n]["path"].startswith(("/v1/responses", "/v1/messages"))
+                 and manifest["files"][n]["method"] == "POST" and "count_tokens" not in n]
+    real = parse_metrics(captured_in("generate", "metrics.txt", manifest).body.decode())
+    sim = parse_metrics(sim_replies["generate"]["metrics.txt"].body.decode())
+    for source, families in (("vLLM", real), ("sim", sim)):
+        assert families["vllm:generation_tokens_total"].value() == 8 * len(generated), source
+        finished = families["vllm:request_success_total"].value(finished_reason="length")
+        assert finished == len(generated), source
 
 
 def test_every_set_was_captured() -> None:

@@ -269,6 +269,9 @@ class SimEngine:
         # A hung engine accepts connections and reads requests but never answers; /sim/ stays live.
         if not request.path.startswith("/sim/"):
             await self.faults.wait_unhung()
+            # what vLLM would continue its trace from, on every inference route (GET /sim/stats)
+            if request.method == "POST" and (traceparent := request.headers.get("traceparent")):
+                self.traceparents.append(traceparent)
         return await handler(request)
 
     @web.middleware
@@ -316,8 +319,6 @@ class SimEngine:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        if traceparent := request.headers.get("traceparent"):
-            self.traceparents.append(traceparent)
         try:
             req = p.parse_request(await wire.read_json(request), self.config, chat=chat)
         except wire.Unparsable:
