@@ -71,6 +71,8 @@ def chat_messages(body: dict[str, Any]) -> Messages:
     """The chat vLLM builds from a Messages request (its ``to_chat_completion_request``)."""
     out: Messages = []
     system = body.get("system")
+    if system is not None and not isinstance(system, str | list):
+        raise p.field_error("string_type", "system", "Input should be a valid string", system)
     if system:
         text = _text(system)
         if text:
