@@ -286,6 +286,9 @@ async def test_audio_transcripts_are_deterministic_and_oversized_files_refused(
     status, err = await call(eng.url + "/v1/audio/transcriptions", data=_form(b"\0" * (2**20 + 1)))
     assert status == 400
     assert err["error"]["param"] == "audio_filesize_mb"
+    garbled = aiohttp.payload.BytesPayload(b"--xx\r\nno end", content_type="multipart/form-data; boundary=xx")
+    assert await call(eng.url + "/v1/audio/transcriptions", data=garbled) == \
+        (400, {"detail": "There was an error parsing the body"})
     status, err = await call(eng.url + "/v1/audio/transcriptions", {"model": "m"})
     assert status == 400
     assert err["error"]["param"] == "body.file"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from . import protocol as p
 from . import wire
@@ -75,14 +76,10 @@ class AudioRoutes:
         fields: dict[str, str] = {}
         audio: bytes | None = None
         if request.content_type == "multipart/form-data":
-            reader = await request.multipart()
-            async for part in reader:
-                if not isinstance(part, BodyPartReader):
-                    continue
-                if part.name == "file":
-                    audio = await _read_limited(part, self.config.max_audio_filesize_mb * 2**20)
-                elif part.name:
-                    fields[part.name] = (await part.read(decode=True)).decode("utf-8", "replace")
+            try:
+                audio = await self._read_form(request, fields)
+            except (ValueError, HttpProcessingError) as e:  # no boundary, cut or garbled: Starlette's 400
+                raise wire.Unparsable() from e
         if audio is None:
             raise p.field_error("missing", "file", "Field required", None)
         model = fields.get("model")
@@ -98,6 +95,18 @@ class AudioRoutes:
         stream = _flag(fields, "stream")
         return AudioRequest(audio=audio, fields=fields, stream=stream,
                             include_usage=stream and _flag(fields, "stream_include_usage"))
+
+    async def _read_form(self, request: web.Request, fields: dict[str, str]) -> bytes | None:
+        """The form's fields into ``fields``; the file's bytes (None: no file part)."""
+        audio = None
+        async for part in await request.multipart():
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "file":
+                audio = await _read_limited(part, self.config.max_audio_filesize_mb * 2**20)
+            elif part.name:
+                fields[part.name] = (await part.read(decode=True)).decode("utf-8", "replace")
+        return audio
 
     def _words(self, req: AudioRequest, task: str) -> tuple[Prompt, int]:
         seconds = duration_s(req.audio)
@@ -115,6 +124,8 @@ class AudioRoutes:
     async def _answer(self, request: web.Request, task: str) -> web.StreamResponse:
         try:
             req = await self.read(request)
+        except wire.Unparsable:
+            return wire.unparsable()
         except p.RequestError as e:
             return wire.json_response(e.body, e.status)
         prompt, budget = self._words(req, task)
