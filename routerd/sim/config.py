@@ -64,9 +64,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # /cohere routes require. Empty: every route is open, as vLLM without a key.
     api_key: tuple[str, ...] = ()
     # Which routes it serves, as vLLM by its runner: "generate" (a text model: completions, chat, the
-    # Responses API, messages, tokenize), "pooling" (embeddings, score, rerank, pooling, classify,
-    # tokenize), or "all" (every route, audio too: one sim fleet runs every path). A route not served is
-    # vLLM's 404 {"detail": "Not Found"}.
+    # Responses API, messages, tokenize), "pooling" (an embedding model, vLLM's --convert embed:
+    # embeddings, score, rerank, pooling, tokenize), or "all" (every route, classify and audio too: one
+    # sim fleet runs every path). A route not served is vLLM's 404 {"detail": "Not Found"}.
     runner: Literal["all", "generate", "pooling"] = "all"
     # The pooling routes' vector size (the tiny test model's hidden size: what its embeddings have).
     embedding_dim: PositiveInt = 128

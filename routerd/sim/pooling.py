@@ -55,13 +55,15 @@ class PoolingRoutes:
         self.dim = config.embedding_dim
 
     def routes(self) -> list[web.RouteDef]:
-        return [
+        """An embedding model's routes (vLLM's ``--convert embed``), and ``/classify`` on runner "all"
+        (vLLM serves it only from a classifier, which serves no embeddings)."""
+        embed = [
             web.post("/v1/embeddings", self.embeddings),
             web.post("/pooling", self.pooling),
-            web.post("/classify", self.classify),
             *(web.post(path, self.score) for path in ("/score", "/v1/score")),
             *(web.post(path, self.rerank) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         ]
+        return embed + ([web.post("/classify", self.classify)] if self.config.runner == "all" else [])
 
     # ---- the numbers ------------------------------------------------------------------------------
 
