@@ -56,9 +56,9 @@ class Stored:
 
 
 def not_found(response_id: str) -> p.RequestError:
-    e = p.RequestError(404, f"Response with id '{response_id}' not found.", "invalid_request_error",
-                       "response_id")
-    return e
+    """vLLM's answer to an id its store does not hold (continued, retrieved or cancelled)."""
+    return p.RequestError(404, f"Response with id '{response_id}' not found.", "invalid_request_error",
+                          "response_id")
 
 
 def _input_messages(value: Any) -> Messages:
