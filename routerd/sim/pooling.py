@@ -85,7 +85,7 @@ class PoolingRoutes:
 
     async def _run(self, prompts: list[Prompt]) -> bool:
         """Every prompt through the engine at once; False when a fault or the engine refused one."""
-        if any(self.runner.refuses(pr.key) for pr in prompts):
+        if self.runner.refuses("\n".join(pr.key for pr in prompts)):  # one draw of the error rate a request
             return False
         async with contextlib.AsyncExitStack() as stack:
             seqs = [await stack.enter_async_context(self.runner.running(self.runner.pooling(pr)))
