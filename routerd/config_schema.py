@@ -54,6 +54,11 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     api_keys: list[str] = []
     admin_api_key: str = ""
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024  # 1 KiB .. 1 GiB
+    # The body limit of the multipart audio routes (/v1/audio/*), apart from JSON's: OpenAI's is 25 MB.
+    max_audio_bytes: Annotated[int, Meta(ge=1024, le=1 << 31)] = 25 * 1024 * 1024
+    # Forward a POST to any other path under /v1/ to the fleet its body's `model` names (off: a JSON
+    # 404 naming the routes served).
+    passthrough: bool = False
     # Client bounds (routerd/ingress/_connections.py); a reload applies them to new connections/requests.
     keepalive_timeout_s: Seconds = 75.0  # an idle kept-alive connection is closed after this
     client_header_timeout_s: Seconds = 10.0  # from connect (or a request's first byte) to full headers

@@ -50,6 +50,12 @@ class BodyTooLarge(RouterdError):
     status, type = 413, "RequestTooLargeError"
 
 
+class UnsupportedMediaType(RouterdError):
+    """A body in a format the route does not take (JSON sent as a form, a form where JSON is due)."""
+
+    status, type = 415, "UnsupportedMediaTypeError"
+
+
 class Overloaded(RouterdError):
     """The fleet's admission bound is reached: come back after ``retry_after_s``."""
 
@@ -123,7 +129,7 @@ _QUOTE_CHARS = 200
 # that is not in OpenAI's shape).
 _STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                  404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
-                 413: "RequestTooLargeError", 417: "ExpectationFailedError",
+                 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 417: "ExpectationFailedError",
                  422: "UnprocessableEntityError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+# Any route routerd serves that takes a JSON body (routerd.surface.ROUTES): checked with the body.
+Endpoint = Annotated[str, Meta(min_length=1, max_length=256)]
 
 # A deadline this small cannot be a Unix time in ms (it would be before 1973): it is read as
 # "milliseconds after the job was enqueued", measured from the stream entry id's timestamp.

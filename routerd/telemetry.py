@@ -192,11 +192,12 @@ class Telemetry:
     def __init__(self) -> None:
         self.prom = CollectorRegistry(auto_describe=False)
         r = self.prom
-        self.requests = Counter("routerd_requests", "Requests answered, by fleet, instance and status "
-                                "(instance empty when none was reached)",
-                                ["fleet", "instance", "code"], registry=r)
+        self.requests = Counter("routerd_requests", "Requests answered, by fleet, instance, status and "
+                                "route (instance empty when none was reached; route: the path served, "
+                                "or passthrough)", ["fleet", "instance", "code", "route"], registry=r)
         self.request_seconds = Histogram("routerd_request_duration_seconds", "Whole request, from "
-                                         "arrival at routerd to the last byte", ["fleet"],
+                                         "arrival at routerd to the last byte, by fleet and route",
+                                         ["fleet", "route"],
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.ttfb_seconds = Histogram("routerd_time_to_first_byte_seconds", "From the request reaching "
                                       "upstream to its first byte going to the client", ["fleet"],
@@ -236,25 +237,25 @@ class Telemetry:
                                    "engine blamed the request)", ["fleet", "reason"], registry=r)
         # Label children of the per-request series, cached: ``labels()`` takes a lock and validates
         # its arguments on every call.
-        self._children: dict[tuple[str, str, str], Any] = {}
-        self._request_seconds: dict[str, Any] = {}
+        self._children: dict[tuple[str, str, str, str], Any] = {}
+        self._request_seconds: dict[tuple[str, str], Any] = {}
         self._ttfb_seconds: dict[str, Any] = {}
         self._request_exemplars: dict[str, list[float]] = {}  # per fleet, when each bucket's was set
         self._ttfb_exemplars: dict[str, list[float]] = {}
 
-    def count_request(self, fleet: str, instance: str, code: int) -> None:
-        key = (fleet, instance, str(code))
+    def count_request(self, fleet: str, instance: str, code: int, route: str = "") -> None:
+        key = (fleet, instance, str(code), route)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.requests.labels(*key)
         child.inc()
 
-    def observe_request(self, fleet: str, seconds: float, trace_id: str = "") -> None:
+    def observe_request(self, fleet: str, seconds: float, trace_id: str = "", route: str = "") -> None:
         """``trace_id`` (tracing on): the observation's exemplar, so a slow request's trace is a click
         away from the latency panel (shown to OpenMetrics scrapes: :meth:`render`)."""
-        child = self._request_seconds.get(fleet)
+        child = self._request_seconds.get((fleet, route))
         if child is None:
-            child = self._request_seconds[fleet] = self.request_seconds.labels(fleet)
+            child = self._request_seconds[(fleet, route)] = self.request_seconds.labels(fleet, route)
         child.observe(seconds, _exemplar(self._request_exemplars, fleet, seconds, trace_id)
                       if trace_id else None)
 

@@ -78,7 +78,7 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(
         b"\xc1 not msgpack",
         b'{"id": "x1", "endpoint": "/v1/completions"',  # truncated JSON
         msgspec.json.encode({"id": "x2", "endpoint": "/v1/completions", "body": BODY}),  # no reply_to
-        msgspec.json.encode({"id": "x3", "endpoint": "/v1/embeddings", "body": BODY, "reply_to": "r3"}),
+        msgspec.json.encode({"id": "x3", "endpoint": "/v1/unknown", "body": BODY, "reply_to": "r3"}),
         msgspec.json.encode({"id": "x4", "endpoint": "/v1/completions", "reply_to": "r4",
                              "body": {"model": "nope", "prompt": "p"}}),
         msgspec.json.encode({"id": "x5", "endpoint": "/v1/chat/completions", "reply_to": "r5",
@@ -237,7 +237,7 @@ async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: Redis
     assert expired.id not in bench.upstream.calls
     # Refused by admission, as an HTTP request would be: counted both ways in, with no instance.
     metrics = Metrics(bench.telemetry, []).render().decode()
-    assert 'routerd_requests_total{code="504",fleet="f",instance=""} 1.0' in metrics
+    assert 'routerd_requests_total{code="504",fleet="f",instance="",route="/v1/completions"} 1.0' in metrics
 
 
 async def test_deadline_passing_during_run(redis_server: RedisServer,
@@ -364,7 +364,7 @@ class _Exploding(FakeUpstream):
     """An upstream with a bug for one job: the consumer must contain it, not die of it."""
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *, stream: bool,
-                      request_id: str, request: Any = None) -> Any:
+                      request_id: str, request: Any = None, **_: Any) -> Any:
         if b"boom" in body:
             self.calls[request_id] += 1
             raise ValueError("a bug triggered by this job")

@@ -30,7 +30,7 @@ class _ByFleet:
         self.busy, self.idle = FakeUpstream(hold=hold), FakeUpstream()
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *, stream: bool,
-                      request_id: str, request: Any = None) -> ForwardResult:
+                      request_id: str, request: Any = None, **_: Any) -> ForwardResult:
         up = self.busy if fleet == "f" else self.idle
         return await up.forward(fleet, endpoint, body, sink, stream=stream, request_id=request_id,
                                 request=request)

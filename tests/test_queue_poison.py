@@ -297,7 +297,7 @@ class _GarbledEngine(FakeUpstream):
     """An engine whose answers hold bytes that are not UTF-8, and JSON nested too deep to decode."""
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: Any, *, stream: bool,
-                      request_id: str, request: Any = None) -> Any:
+                      request_id: str, request: Any = None, **_: Any) -> Any:
         self.calls[request_id] += 1
         if stream:
             await sink.start(200, {"content-type": "text/event-stream"})

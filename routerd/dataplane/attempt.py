@@ -36,15 +36,15 @@ from collections.abc import Callable
 
 from .. import log
 from ..config import RoutingConfig
-from ..errors import sse_error_event
 from ..registry import Instance
 from ..routing import Router
+from ..surface import ROUTES, EventReader, Route, engine_error_body, route_for, stream_error
 from ..telemetry import Telemetry
 from ..tracing import Tracing
 from . import relay, resume
-from .engine_errors import error_message, event_message, openai_error_body
+from .engine_errors import error_message, event_message
 from .engine_http import ConnectError, EnginePool, Response
-from .relay import ERROR_MARK, NET_ERRORS, InstanceLost
+from .relay import ERROR_MARK, EVENT_ERROR_MARK, NET_ERRORS, InstanceLost
 from .resume import ResumableStream
 from .sinks import ForwardResult, ResponseSink
 from .usage import usage_of
@@ -53,6 +53,7 @@ __all__ = ["Attempts", "Retry", "StreamFailed"]
 
 _log = log.get("routerd.upstream")
 
+_OPENAI = ROUTES["/v1/completions"]  # an endpoint the table does not have: OpenAI's error shape
 _MAX_ID_CHARS = 256
 _SAFE_ID = re.compile(rf"[\x21-\x7e]{{1,{_MAX_ID_CHARS}}}")
 
@@ -179,7 +180,8 @@ class Attempts:
     async def attempt(self, inst: Instance, endpoint: str, body: bytes, sink: ResponseSink,
                        stream: bool, request_id: str, started: float,
                        unexplained: list[Instance], task: asyncio.Task[object],
-                       plan: ResumableStream | str | None = None) -> ForwardResult:
+                       plan: ResumableStream | EventReader | str | None = None, *, route: Route | None = None,
+                       content_type: str = "application/json") -> ForwardResult:
         breaker = self.router.breaker
         inst.inflight += 1
         breaker.begin(inst)
@@ -188,7 +190,8 @@ class Attempts:
         lost = _LostWatch(inst, task)
         try:
             try:
-                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id, task)
+                resp, first = await self._first_byte(inst, endpoint, body, stream, request_id, task,
+                                                     content_type)
             except asyncio.CancelledError:
                 if not lost.absorbed():
                     raise
@@ -204,8 +207,8 @@ class Attempts:
                 for failed in unexplained:  # this request can be served: their failures were theirs
                     self.failed(failed)
                 unexplained.clear()
-            elif resp.status >= 400:
-                first = openai_error_body(first, resp.status)
+            elif resp.status >= 400:  # in the route's error shape (vLLM's own on /v1/messages is Anthropic's)
+                first = _error_answer(route or route_for(endpoint) or _OPENAI, first, resp.status)
                 headers["Content-Type"] = "application/json"
             if not stream or not 200 <= resp.status < 300:
                 headers["Content-Length"] = str(len(first))
@@ -221,15 +224,15 @@ class Attempts:
                     raise
             elif stream and 200 <= resp.status < 300:
                 await sink.write(first)
-                ending = await relay.passthrough(resp, sink, first, sse)
-                ok, error = await self._passed(inst, sink, ending, sse, plan if isinstance(plan, str) else "")
+                ending = await _relayed(resp, sink, first, sse, plan)
+                ok, error = await self._passed(inst, sink, ending, sse, _why_not(plan), route)
             else:
                 await sink.write(first)
                 ok = 200 <= resp.status < 300
                 error = None if ok else error_message(first, resp.status)
             clean = True
             # the count: a stream's reader's, or what a non-streamed answer's body (held here) says
-            usage = plan.usage() if isinstance(plan, ResumableStream) else \
+            usage = plan.usage() if isinstance(plan, ResumableStream | EventReader) else \
                 usage_of(first) if ok and not stream else None
             return ForwardResult(instance=inst.id, attempts=1, status=resp.status, ok=ok, error=error,
                                  ttfb_s=ttfb, usage=usage)
@@ -244,14 +247,15 @@ class Attempts:
                     resp.close()  # drop the connection: the engine sees the disconnect and aborts
 
     async def _first_byte(self, inst: Instance, endpoint: str, body: bytes, stream: bool,
-                          request_id: str, task: asyncio.Task[object]) -> tuple[Response, bytes]:
+                          request_id: str, task: asyncio.Task[object],
+                          content_type: str = "application/json") -> tuple[Response, bytes]:
         """Send the request and read up to the first byte the client may see; raise Retry on failure."""
         breaker = self.router.breaker
         resp: Response | None = None
         if self._loop is None:
             self._loop = task.get_loop()
         try:
-            headers = {"Content-Type": "application/json", "X-Request-Id": _header_safe(request_id),
+            headers = {"Content-Type": content_type, "X-Request-Id": _header_safe(request_id),
                        "Accept": "*/*", "Accept-Encoding": "identity"}
             if self.tracing.on:  # the attempt's span: the engine's own span joins the trace
                 self.tracing.inject(headers)
@@ -285,7 +289,7 @@ class Attempts:
             raise retry from e
 
     async def _passed(self, inst: Instance, sink: ResponseSink, ending: relay.Ending, sse: bool,
-                      why: str) -> tuple[bool, str | None]:
+                      why: str, route: Route | None = None) -> tuple[bool, str | None]:
         """What a stream relayed byte for byte (not continued elsewhere: ``why``, the NOT_CONTINUABLE key
         or "disabled") ended with; a failed SSE stream gets routerd's terminal error event."""
         tel = self.telemetry
@@ -301,7 +305,7 @@ class Attempts:
         self.failed(inst, "stream_broken")
         message = self.cut(inst.fleet, why, ending.message)
         if sse:
-            await sink.write(sse_error_event(message, "UpstreamError", 502))
+            await sink.write(stream_error(route, message))
         return False, message
 
     async def _continued(self, inst: Instance, resp: Response, sink: ResponseSink, first: bytes,
@@ -343,6 +347,26 @@ class Attempts:
                          cooldown_s=self.cfg.circuit_cooldown_s)
 
 
+async def _relayed(resp: Response, sink: ResponseSink, first: bytes, sse: bool,
+                   plan: ResumableStream | EventReader | str | None) -> relay.Ending:
+    """The rest of a stream that is not continued elsewhere, relayed byte for byte: a named-event
+    stream read by its :class:`EventReader`, any other as OpenAI's SSE."""
+    if isinstance(plan, EventReader):
+        return await relay.events(resp, sink, first, plan)
+    return await relay.passthrough(resp, sink, first, sse)
+
+
+def _why_not(plan: ResumableStream | EventReader | str | None) -> str:
+    """Why a stream relayed byte for byte is not continued: its ``NOT_CONTINUABLE`` key or "disabled"."""
+    if isinstance(plan, str):
+        return plan
+    return "route" if isinstance(plan, EventReader) else ""
+
+
+def _error_answer(route: Route, body: bytes, status: int) -> bytes:
+    return engine_error_body(route.errors, body, status, error_message(body, status))
+
+
 async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     """A stream's first chunk (``None`` for a non-stream or a 4xx: the caller reads the whole body);
     raises :class:`Retry` for a 5xx answer, an empty stream or an error event before any token."""
@@ -361,7 +385,7 @@ async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     first = await resp.readany()
     if not first:
         raise Retry("empty", "the engine closed the stream before sending anything")
-    if first.startswith(ERROR_MARK):
+    if first.startswith(ERROR_MARK) or first.startswith(EVENT_ERROR_MARK):
         raise Retry("error_event", "error event before any token: " + event_message(first),
                      answered=True)
     return first

@@ -14,7 +14,12 @@ where its response goes (a :class:`~routerd.dataplane.sinks.ResponseSink`); ever
 * a ``preemptible`` request (a non-streamed queue job: nobody has seen its output) may have its slot
   taken back by admission for a tenant below its share; it then runs again, at most
   ``MAX_PREEMPTIONS`` times, so it is never starved by preemption;
-* a ``deadline`` bounds the wait for its quota, for a slot and the whole engine call.
+* a ``deadline`` bounds the wait for its quota, for a slot and the whole engine call;
+* its ``route`` (:mod:`routerd.surface`) says whether it takes a slot at all (tokenize and
+  ``count_tokens`` do not: they are answered while a fleet's slots are full) and whether routing keys
+  on its prompt (routes that generate) or places it by load alone (pooling, scoring, tokenizing);
+* a route with a hook (:class:`RouteHook`: the Responses API's conversations) has its body prepared
+  before it is charged and routed, and its answer observed on its way to the sink.
 
 A refusal made here (rate limit, admission) is counted in ``routerd_requests_total`` here; the engine
 call counts every request it was given.
@@ -29,9 +34,13 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from ..errors import PermissionDenied, RouterdError
 from ..openai import ChatHead, CompletionHead
+from ..plugins import RequestView
 from ..routing import RequestViews
+from ..surface import Route
 from ..telemetry import Telemetry
 from ..tenants import RequestFacts, Tenant, inspect
 from ..tenants.service import Charge, Tenancy
@@ -41,7 +50,7 @@ from .sinks import EngineCall, ForwardResult, ResponseSink
 from .slots import Source
 from .usage import UsageTap
 
-__all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request", "Rooms", "SetAside"]
+__all__ = ["MAX_PREEMPTIONS", "Dispatch", "Request", "Rooms", "RouteHook", "SetAside"]
 
 MAX_PREEMPTIONS = 3  # a request's slot is taken back at most this many times, then it runs to its end
 
@@ -58,6 +67,8 @@ class Request:
     id: str
     tenant: Tenant
     source: Source
+    route: Route  # what the endpoint is (routerd.surface): a slot or not, keyed or not, its stream's shape
+    content_type: str = "application/json"  # what the engine is sent (a multipart body's, boundary and all)
     priority: int = 0
     deadline: float | None = None  # epoch seconds: the slot and the whole engine call end by then
     session: str | None = None  # routing's session key; None: the body's ``user``
@@ -84,6 +95,40 @@ class Rooms(Protocol):
     def slot(self) -> AbstractContextManager[Callable[[], None]]:
         """Around the wait for a slot: ``granted()`` once the slot is held."""
         ...
+
+
+class RouteHook(Protocol):
+    """What a route may add around the one sequence (the Responses API's stored conversations:
+    ``routerd.conversations``), registered in :attr:`Dispatch.hooks` by route path."""
+
+    async def prepare(self, req: Request) -> None:
+        """Before the request is charged and routed: it may replace ``req.body`` and ``req.head`` (a
+        conversation rehydrated into the input) and ``req.session``; a :class:`RouterdError` refuses it
+        in the route's own error shape."""
+        ...
+
+    def observe(self, req: Request, sink: ResponseSink) -> ResponseSink:
+        """The sink of each run, wrapped to read the answer on its way (to record it)."""
+        ...
+
+    async def finished(self, req: Request, result: ForwardResult) -> None:
+        """After the engine call returned (``result.ok`` or not); not called for a refusal."""
+        ...
+
+
+class _NoSlot:
+    """The admission ticket of a route that takes no engine slot: nothing to wait for."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SLOT = _NoSlot()
 
 
 class SetAside(Exception):  # not an error: the request waits elsewhere
@@ -141,6 +186,7 @@ class Dispatch:
         self._tracing = tracing  # spans of the rate-limit and admission waits, the usage
         self._clock = clock
         self._wall = wall
+        self.hooks: dict[str, RouteHook] = {}  # by route path: what a route adds (RouteHook)
 
     async def run(self, req: Request, sink: Callable[[], ResponseSink],
                   line: dict[str, Any]) -> ForwardResult:
@@ -153,16 +199,20 @@ class Dispatch:
         request's path, and each coroutine more costs it."""
         if self._tenancy.directory.configured:
             line["tenant"] = req.tenant.name
-        views = self._views  # the view, with the engine's own block keys when its fleet publishes them
-        view = await views.with_engine_keys(views.build(req.fleet, req.endpoint, req.head,
-                                                        session=req.session, priority=req.priority), req.head)
-        facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
+        route = req.route
+        hook = self.hooks.get(route.path)
         forwarded = False  # refusals before the engine call are counted here, the rest by upstream
         tracing = self._tracing
         try:
+            if hook is not None:
+                await hook.prepare(req)
+                sink = _observed(hook, req, sink)
+            view = await self._view(req)
+            facts = inspect(req.body, view)  # the view's estimate: the body is decoded once
             while True:
                 forwarded = False
-                preempt = _Preempt() if req.preemptible and req.preempted < MAX_PREEMPTIONS else None
+                preempt = _Preempt() if req.preemptible and route.slot and req.preempted < MAX_PREEMPTIONS \
+                    else None
                 rooms = req.rooms
                 if rooms is None:  # RateLimited: 429
                     charge = await tracing.timed("routerd.rate_limit", self._tenancy.charge(
@@ -177,15 +227,14 @@ class Dispatch:
                 waited = self._clock()
                 deadline = None if req.deadline is None else \
                     time.monotonic() + (req.deadline - self._wall())  # admission's clock
-                ticket = self._admission.ticket(req.fleet, priority=priority, deadline=deadline,
-                                                source=req.source, tenant=req.tenant.name, preempt=preempt)
                 try:
                     async with tracing.waiting("routerd.admission",
-                                               ticket if rooms is None else _InRoom(rooms.slot(), ticket)):
+                                               self._ticket(req, priority, deadline, preempt)):
                         line["admission_ms"] = round((self._clock() - waited) * 1000, 2)  # queued here
                         forwarded = True
                         call = self._engine.forward(req.fleet, req.endpoint, facts.body, tap,
-                                                    stream=req.stream, request_id=req.id, request=view)
+                                                    stream=req.stream, request_id=req.id, request=view,
+                                                    route=route, content_type=req.content_type)
                         # bounded by the deadline and preemptible while it runs, when it is either
                         result = await (call if req.deadline is None and preempt is None
                                         else self._bounded(call, req.deadline, preempt))
@@ -203,14 +252,35 @@ class Dispatch:
                     if tracing.on:
                         tracing.usage(usage)
                 note_outcome(line, result)
+                if hook is not None:
+                    await hook.finished(req, result)
                 return result
         except RouterdError as e:
             line["status"], line["error"] = e.status, e.message
             if "attempts" in e.data:
                 line["attempts"] = e.data["attempts"]
             if not forwarded:
-                self._telemetry.count_request(req.fleet, "", e.status)
+                self._telemetry.count_request(req.fleet, "", e.status, route.label)
             raise
+
+    def _ticket(self, req: Request, priority: int, deadline: float | None,
+                preempt: _Preempt | None) -> AbstractAsyncContextManager[None]:
+        """The admission ticket of one run (a queue job's waited for in its slot room); a route that
+        takes no slot has nothing to wait for."""
+        if not req.route.slot:
+            return _NO_SLOT
+        ticket = self._admission.ticket(req.fleet, priority=priority, deadline=deadline, source=req.source,
+                                        tenant=req.tenant.name, preempt=preempt)
+        return ticket if req.rooms is None else _InRoom(req.rooms.slot(), ticket)
+
+    async def _view(self, req: Request) -> RequestView:
+        """What routing sees of ``req``: a generating route keyed on its prompt (the engine's own block
+        keys when its fleet publishes them); any other placed by load, its input counted, not keyed."""
+        views = self._views
+        view = views.build(req.fleet, req.endpoint, req.head, session=req.session, priority=req.priority)
+        if req.route.generates:
+            return await views.with_engine_keys(view, req.head)
+        return msgspec.structs.replace(view, block_keys=()) if view.block_keys else view
 
     async def _bounded(self, call: Coroutine[Any, Any, ForwardResult], deadline: float | None,
                        preempt: _Preempt | None) -> ForwardResult:
@@ -241,11 +311,16 @@ class Dispatch:
         except PermissionDenied:
             self._tenancy.withdraw(charge)
             raise
-        if rooms.slot_room_full(capped=self._admission.capped(tenant.name),
+        if req.route.slot and rooms.slot_room_full(capped=self._admission.capped(tenant.name),
                                 fleet_free=self._admission.free_slots(req.fleet)):
             self._tenancy.withdraw(charge)  # a room's worth waits already: it would hold up the others
             raise SetAside(tenant.name)
         return charge
+
+
+def _observed(hook: RouteHook, req: Request,
+              sink: Callable[[], ResponseSink]) -> Callable[[], ResponseSink]:
+    return lambda: hook.observe(req, sink())
 
 
 def note_outcome(line: dict[str, Any], result: ForwardResult) -> None:

@@ -18,13 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import quote
+from ..surface import EventReader
 from .engine_http import Response
 from .resume_stream import ResumableStream
 from .sinks import ResponseSink
 
-__all__ = ["ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "passthrough"]
+__all__ = ["ERROR_MARK", "EVENT_ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "events",
+           "passthrough"]
 
 ERROR_MARK = b'data: {"error"'
+EVENT_ERROR_MARK = b"event: error"  # a named-event stream's (the Responses API's, Anthropic's)
 _DONE = b"data: [DONE]"
 _TAIL = 32  # bytes of the previous chunk kept to find marks split across chunk boundaries
 # What a read of the engine's body may fail with (routerd.dataplane.engine_http raises only these).
@@ -77,6 +80,29 @@ async def passthrough(resp: Response, sink: ResponseSink, first: bytes, sse: boo
         return Ending(engine_error=True, message="the engine sent an error event mid-stream")
     if sse and _DONE not in tail:
         return Ending("incomplete", "the engine closed the stream before [DONE]")
+    return Ending()
+
+
+async def events(resp: Response, sink: ResponseSink, first: bytes, reader: EventReader) -> Ending:
+    """Copy the rest of a named-event stream (``first`` already went to the sink) byte for byte,
+    ``reader`` reading it on the way: an ``event: error`` is the engine's (passed on as it is); a
+    stream that closed before its route's terminal event is incomplete."""
+    reader.feed(first)
+    read = resp.readany
+    while True:
+        try:
+            chunk = await read()
+        except NET_ERRORS as e:
+            return _broken(e)
+        if not chunk:
+            break
+        reader.feed(chunk)
+        await sink.write(chunk)
+    if reader.error:
+        return Ending(engine_error=True, message="the engine sent an error event mid-stream")
+    if not reader.complete:
+        return Ending("incomplete", f"the engine closed the stream before its last event (the last was "
+                                    f"{quote(reader.last) or 'none'})")
     return Ending()
 
 

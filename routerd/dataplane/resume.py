@@ -66,6 +66,7 @@ NOT_CONTINUABLE: dict[str, str] = {
     "uncounted": "no token counts from the engine (it ignored stream_options.continuous_usage_stats)",
     "content": "continue_final_message on a final message whose content is not a string",
     "budget": "the token budget is spent but the engine never said the generation finished",
+    "route": "a route other than /v1/completions and /v1/chat/completions (only those are continued)",
 }
 
 _USAGE_OPTIONS_JSON = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'

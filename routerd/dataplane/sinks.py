@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from ..plugins import RequestView
     from ..routing import RouteDecision
+    from ..surface import Route
 
 __all__ = ["EngineCall", "ForwardResult", "ResponseSink"]
 
@@ -51,5 +52,6 @@ class EngineCall(Protocol):
     """The engine call the dispatch makes (:meth:`routerd.dataplane.upstream.Upstream.forward`)."""
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
-                      stream: bool, request_id: str,
-                      request: RequestView | None = None) -> ForwardResult: ...
+                      stream: bool, request_id: str, request: RequestView | None = None,
+                      route: Route | None = None,
+                      content_type: str = "application/json") -> ForwardResult: ...

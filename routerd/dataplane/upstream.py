@@ -41,6 +41,7 @@ from ..plugins import RequestView
 from ..registry import Instance
 from ..routing import Router
 from ..speed import PRIOR_PREFILL_S
+from ..surface import EventReader, Route, StreamShape, passthrough_route, route_for
 from ..telemetry import Telemetry
 from ..tracing import Tracing
 from . import resume
@@ -115,13 +116,14 @@ class Upstream:
         return base * self.rng.uniform(0.5, 1.5)
 
     async def forward(self, fleet: str, endpoint: str, body: bytes, sink: ResponseSink, *,
-                      stream: bool, request_id: str,
-                      request: RequestView | None = None) -> ForwardResult:
+                      stream: bool, request_id: str, request: RequestView | None = None,
+                      route: Route | None = None, content_type: str = "application/json") -> ForwardResult:
         """Send ``body`` (an OpenAI request, bytes as received) to ``endpoint`` of an instance of ``fleet``.
 
         ``request`` is what routing knows of it (its prompt's blocks, session, …: built where the body
         was parsed, :meth:`routerd.routing.request.RequestViews.build`); without it the policy sees only
-        the fleet.
+        the fleet. ``route`` (by default the endpoint's in :data:`routerd.surface.ROUTES`) says how a
+        stream is read and ends and the shape of errors; ``content_type`` is what the engine is sent.
 
         Returns once the response has gone to ``sink`` (see :class:`ForwardResult`). Raises
         :class:`NoReadyInstance` or :class:`UpstreamError` when no byte could be sent.
@@ -133,7 +135,9 @@ class Upstream:
         last: Retry | None = None
         unexplained: list[Instance] = []  # answered failures, charged if another instance serves it
         tel = self.telemetry
-        plan = self._plan(endpoint, body, sink) if stream else None  # how a stream is read and resumed
+        route = route or route_for(endpoint) or passthrough_route(endpoint)
+        label = route.label
+        plan = self._plan(route, body, sink) if stream else None  # how a stream is read and resumed
         if isinstance(plan, ResumableStream):
             body = plan.engine_body
         self.active += 1
@@ -149,7 +153,7 @@ class Upstream:
                     decision = self.router.choose(fleet, tried, request)
                 except NoReadyInstance:
                     if last is None:
-                        tel.count_request(fleet, "", NoReadyInstance.status)
+                        tel.count_request(fleet, "", NoReadyInstance.status, label)
                         raise
                     break
                 inst = decision.instance
@@ -159,7 +163,8 @@ class Upstream:
                     with self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
                                               decision.log_fields() if self.tracing.on else None):
                         result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
-                                                              started, unexplained, task, plan)
+                                                              started, unexplained, task, plan, route=route,
+                                                              content_type=content_type)
                         self.tracing.outcome(result.ok, result.error, result.status)
                 except asyncio.CancelledError:
                     self._abandoned(sink, plan, inst, sent, request)
@@ -172,7 +177,7 @@ class Upstream:
                     result.usage = plan.usage()
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
-                    tel.count_request(fleet, result.instance, result.status)
+                    tel.count_request(fleet, result.instance, result.status, label)
                     tel.observe_ttfb(fleet, failure.ttfb_s, self.tracing.trace_id())
                     return result
                 except Retry as e:
@@ -185,7 +190,7 @@ class Upstream:
                     continue
                 result.attempts = attempt
                 result.decision = decision
-                tel.count_request(fleet, inst.id, result.status)
+                tel.count_request(fleet, inst.id, result.status, label)
                 tel.observe_ttfb(fleet, result.ttfb_s, self.tracing.trace_id())
                 return result
             assert last is not None
@@ -196,26 +201,34 @@ class Upstream:
                 err.status, err.type = 503, "ServiceUnavailableError"
             elif last.reason == "timeout":  # no engine answered in first_byte_timeout_s
                 err.status, err.type = 504, "GatewayTimeoutError"
-            tel.count_request(fleet, tried[-1], err.status)
+            tel.count_request(fleet, tried[-1], err.status, label)
             raise err
         finally:
             self.active -= 1
 
-    def _plan(self, endpoint: str, body: bytes, sink: ResponseSink) -> ResumableStream | str:
+    def _plan(self, route: Route, body: bytes, sink: ResponseSink) -> ResumableStream | EventReader | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
-        passed through byte for byte (the string: why it is not continued). The dispatch's usage tap
-        is given the reader's count, read however the call ends."""
-        plan = resume.reader(endpoint, body, resumable=bool(self.cfg.max_resumes))
-        if isinstance(sink, UsageTap) and isinstance(plan, ResumableStream):
+        read by its route's named events (:class:`EventReader`), or passed through byte for byte (the
+        string: why it is not continued). The dispatch's usage tap is given the reader's count, read
+        however the call ends."""
+        plan: ResumableStream | EventReader | str
+        if route.stream is StreamShape.EVENTS:
+            plan = EventReader(route)
+        elif not route.resumable:
+            return "route"
+        else:
+            plan = resume.reader(route.path, body, resumable=bool(self.cfg.max_resumes))
+        if isinstance(sink, UsageTap) and not isinstance(plan, str):
             sink.meter(plan.usage)
         return plan
 
-    def _abandoned(self, sink: ResponseSink, plan: ResumableStream | str | None, inst: Instance,
+    def _abandoned(self, sink: ResponseSink, plan: ResumableStream | EventReader | str | None, inst: Instance,
                    sent: float, request: RequestView | None) -> None:
         """The call was cancelled during an attempt on ``inst`` (sent at ``sent``). The engine worked on
         it unread — a non-streamed request, or a stream no count of which was read yet (its client left
         during the prefill, say): the dispatch's usage tap is given what it likely generated."""
-        if isinstance(plan, ResumableStream) and plan.counted:
+        if (isinstance(plan, ResumableStream) and plan.counted) or \
+                (isinstance(plan, EventReader) and plan.usage() is not None):
             return  # the engine's own count stands
         if isinstance(sink, UsageTap):
             counts = _abandoned_usage(inst, self.clock() - sent, request)

@@ -33,6 +33,8 @@ Counts = Callable[[], tuple[int, int] | None]
 class _Counts(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    input_tokens: int = 0  # the Responses API's and Anthropic's names
+    output_tokens: int = 0
 
 
 class _Doc(msgspec.Struct):
@@ -43,12 +45,16 @@ _decode = msgspec.json.Decoder(_Doc).decode
 
 
 def usage_of(doc: bytes) -> tuple[int, int] | None:
-    """The ``usage`` (prompt, completion tokens) of a non-streamed answer's body, or None."""
+    """The ``usage`` (prompt, completion tokens) of a non-streamed answer's body, or None: OpenAI's
+    ``prompt_tokens``/``completion_tokens`` (an embedding's: prompt tokens alone), or the Responses
+    API's and Anthropic's ``input_tokens``/``output_tokens``."""
     try:
         usage = _decode(doc).usage
     except (msgspec.DecodeError, RecursionError):
         return None
-    return None if usage is None else (usage.prompt_tokens, usage.completion_tokens)
+    if usage is None:
+        return None
+    return (usage.prompt_tokens or usage.input_tokens, usage.completion_tokens or usage.output_tokens)
 
 
 class UsageTap:

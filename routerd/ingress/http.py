@@ -1,9 +1,12 @@
-"""The HTTP way in: OpenAI routes, health and readiness, ``/metrics`` and ``GET /admin/fleets``.
+"""The HTTP way in: every route of :data:`routerd.surface.ROUTES` (OpenAI's, the Responses API,
+pooling and scoring, Anthropic's messages, audio, tokenize), health and readiness, ``/metrics`` and
+``GET /admin/fleets``; with ``[http] passthrough`` any other POST under ``/v1/``.
 
-A completion request is checked just enough to route it (:mod:`routerd.ingress.validate`, the check a
-queue job's body gets too) and then forwarded as the very bytes the client sent. Everything
-the engine validates (sampling parameters, lengths) is left to the engine, whose 4xx answer is passed
-through. Errors routerd finds itself use vLLM/OpenAI's error JSON with a matching status.
+A request is checked just enough to route it (:mod:`routerd.surface.heads`, the check a queue job's
+body gets too) and then forwarded as the very bytes the client sent. Everything the engine validates
+(sampling parameters, lengths) is left to the engine, whose 4xx answer is passed through. Errors
+routerd finds itself use the route's error shape (OpenAI's, or Anthropic's on ``/v1/messages*``) with
+a matching status.
 
 The app runs with ``handler_cancellation=True``: a client that disconnects cancels its handler, the
 cancellation reaches the engine call (:mod:`routerd.dataplane`), and that closes the engine
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -35,12 +38,15 @@ from ..errors import (
     RateLimited,
     RouterdError,
     ShuttingDown,
-    error_json,
+    UnsupportedMediaType,
+    error_type,
     quote,
     sse_error_event,
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
+from ..surface import ROUTES, Body, ErrorShape, Family, Route, error_body_json, passthrough_route, read_body
+from ..surface.multipart import boundary_of
 from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
 from ..tenants import Tenant
 from ..tenants.service import Tenancy
@@ -48,7 +54,6 @@ from ..tracing import Tracing
 from ._connections import ClientConnection, ClientConnections, http_error
 from ._connections import request_id as client_request_id
 from .auth import authenticate, check_admin
-from .validate import read_head
 from .worker_pages import WorkerPages
 
 _log = log.get("routerd.http")
@@ -56,7 +61,8 @@ _log = log.get("routerd.http")
 ExtraRoutes = Callable[[web.Application], None]
 
 
-def error_response(err: RouterdError) -> web.Response:
+def error_response(err: RouterdError, shape: ErrorShape = ErrorShape.OPENAI) -> web.Response:
+    """routerd's own refusal ``err``, in the route's error ``shape``."""
     headers: dict[str, str] = {}
     if isinstance(err, RateLimited):  # a tenant's limit: when its bucket holds enough, to the ms
         headers.update(err.headers)
@@ -66,8 +72,20 @@ def error_response(err: RouterdError) -> web.Response:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
     elif isinstance(err, NoReadyInstance | ShuttingDown) and err.retry_after_s is not None:  # start-up, drain
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return web.Response(status=err.status, body=error_json(err.message, err.type, err.status, err.param),
+    return web.Response(status=err.status, body=error_body_json(shape, err.message, err.type, err.status,
+                                                                err.param),
                         content_type="application/json", headers=headers)
+
+
+def _shape(path: str) -> ErrorShape:
+    """The error shape of a path, for answers no route's handler made (aiohttp's 404/405, the boundary)."""
+    return ErrorShape.ANTHROPIC if path.startswith("/v1/messages") else ErrorShape.OPENAI
+
+
+def _not_served(request: web.Request) -> NotFound:
+    return NotFound(f"routerd serves no {request.method} {quote(request.path)}; its routes: "
+                    f"{', '.join(sorted(ROUTES))}, GET /v1/models (with [http] passthrough = true, any "
+                    "other POST under /v1/ goes to the fleet its body's `model` names)")
 
 
 @web.middleware
@@ -82,15 +100,21 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        if e.status == 404 and request.path.startswith("/v1/"):
+            return error_response(_not_served(request), _shape(request.path))
+        if _shape(request.path) is ErrorShape.ANTHROPIC:
+            return web.Response(status=e.status, body=error_body_json(ErrorShape.ANTHROPIC, e.reason,
+                                                                      error_type(e.status), e.status),
+                                content_type="application/json")
         return http_error(e.status, e.reason)
     except RouterdError as e:
-        return error_response(e)
+        return error_response(e, _shape(request.path))
     except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad chunking, compression)
-        return error_response(BadRequest(f"the request body could not be read: {quote(str(e))}"))
+        return error_response(BadRequest(f"the request body could not be read: {quote(str(e))}"),
+                              _shape(request.path))
     except Exception:  # noqa: BLE001  # the request boundary: logged whole, answered, server goes on
         _log.exception("request_failed", path=request.path)
-        return web.Response(status=500, body=error_json("internal error in routerd", "InternalServerError",
-                                                        500), content_type="application/json")
+        return error_response(RouterdError("internal error in routerd"), _shape(request.path))
 
 
 class _ForwardedResponse(web.StreamResponse):
@@ -190,8 +214,8 @@ class HttpIngress:
     def build_app(self, extra_routes: ExtraRoutes | None = None) -> web.Application:
         """The application; ``extra_routes(app)`` may add routes (the admin module) before it starts."""
         app = web.Application(client_max_size=self.cfg.http.max_body_bytes, middlewares=[errors_as_json])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        for route in ROUTES.values():  # every route the table has, one handler
+            app.router.add_post(route.path, self._handler(route))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -203,6 +227,9 @@ class HttpIngress:
         app.on_response_prepare.append(self._close_when_draining)
         if extra_routes is not None:
             extra_routes(app)
+        # Last: aiohttp matches routes in the order they were added, so this takes only what no other
+        # route matched (what answers depends on [http] passthrough, read per request: a reload applies).
+        app.router.add_route("*", "/v1/{tail:.+}", self.passthrough)
         return app
 
     async def _close_when_draining(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -214,14 +241,30 @@ class HttpIngress:
             # client would reuse a connection this response ends.
             response.headers["Connection"] = "close"
 
-    # OpenAI routes ---------------------------------------------------------------------------
+    # the engine routes ----------------------------------------------------------------------
+    def _handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, route)
+        return handle
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/completions")
+        return await self._serve(request, ROUTES["/v1/completions"])
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/chat/completions")
+        return await self._serve(request, ROUTES["/v1/chat/completions"])
 
-    async def _serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """A path under ``/v1/`` no route has: a POST forwarded to the fleet its body's ``model`` names
+        with ``[http] passthrough = true``, else a JSON 404 naming the routes served (405 for another
+        method on a route that has one)."""
+        if request.method != "POST" or not self.cfg.http.passthrough:
+            if request.path in ROUTES:
+                raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+            return error_response(_not_served(request), _shape(request.path))
+        return await self._serve(request, passthrough_route(request.path))
+
+    async def _serve(self, request: web.Request, route: Route) -> web.StreamResponse:
+        endpoint = route.path
         started = self.clock()
         request_id = client_request_id(request)  # bound for every log line by ClientConnections
         task = asyncio.current_task()
@@ -233,7 +276,7 @@ class HttpIngress:
         # The server span (continuing the client's traceparent), current until after the log line.
         traced = self.tracing.server(request.headers, endpoint, request_id)
         try:
-            return await self._dispatch(request, endpoint, request_id, sink, fields)
+            return await self._dispatch(request, route, request_id, sink, fields)
         except asyncio.CancelledError:
             fields["status"] = 499
             fields["error"] = self.close_reason or _shed_reason(request) or "client disconnected"
@@ -258,18 +301,25 @@ class HttpIngress:
             fields["duration_ms"] = round(duration * 1000, 2)
             if "fleet" in fields:
                 self.telemetry.observe_request(fields["fleet"], duration,
-                                               traced.trace_id if traced is not None else "")
+                                               traced.trace_id if traced is not None else "", route.label)
             _log.info("request", **fields)
             if traced is not None:
                 traced.end(fields)
 
-    async def _dispatch(self, request: web.Request, endpoint: str, request_id: str, sink: _HttpSink,
+    async def _dispatch(self, request: web.Request, route: Route, request_id: str, sink: _HttpSink,
                         fields: dict[str, Any]) -> web.StreamResponse:
         try:  # the request read into the dispatch's: its caller, its body checked, a fleet it may use
-            tenant = self._caller(request, fields)
-            body = await self._read_body(request)
-            head = read_head(endpoint, body)
-            model, stream = head.model, bool(head.stream)
+            content_type = request.headers.get("Content-Type", "")
+            multipart = route.body is Body.MULTIPART
+            limit = self.cfg.http.max_audio_bytes if multipart else self.cfg.http.max_body_bytes
+            tenant = self._caller(request, fields, limit)
+            if multipart:
+                boundary_of(content_type)  # before a byte is read: 415 for anything but a form
+            else:
+                content_type = _json_content_type(content_type)
+            body = await self._read_body(request, limit)
+            read = read_body(route, body, content_type)
+            model, stream = read.model, read.stream
             fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
             if fleet is None or not self.serves(fleet):
@@ -278,36 +328,39 @@ class HttpIngress:
                                f"{', '.join(valid) or 'none'}", param="model")
             fields["fleet"] = fleet
             self.tenancy.check_fleet(tenant, fleet)
-            req = Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
-                          tenant=tenant, source="http", session=_session(request))
+            # a passthrough path goes to the engine as asked (its query string too)
+            endpoint = request.path_qs if route.family is Family.OTHER else route.path
+            req = Request(fleet=fleet, endpoint=endpoint, body=body, head=read.head, stream=stream,
+                          id=request_id, tenant=tenant, source="http", route=route, content_type=content_type,
+                          session=_session(request) or read.session)
         except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
-            self.telemetry.count_request(fields.get("fleet", ""), "", e.status)
-            return error_response(e)
+            self.telemetry.count_request(fields.get("fleet", ""), "", e.status, route.label)
+            return error_response(e, route.errors)
         try:
             await self.dispatch.run(req, lambda: sink, fields)
         except RouterdError as e:  # the dispatch noted and counted it
-            return error_response(e)
+            return error_response(e, route.errors)
         assert sink.response is not None
         await sink.response.write_eof()
         return sink.response
 
-    def _caller(self, request: web.Request, fields: dict[str, Any]) -> Tenant:
+    def _caller(self, request: web.Request, fields: dict[str, Any], limit: int) -> Tenant:
         """Whose request this is, before its body is read: not while draining, a valid key, a body
-        that may fit."""
+        that may fit (``limit``: the route's)."""
         if self.draining and not self.handover:
             raise ShuttingDown("routerd is shutting down")
         tenant = authenticate(request, self.tenancy.directory)
         if self.tenancy.directory.configured:
             fields["tenant"] = tenant.name
-        if (request.content_length or 0) > self.cfg.http.max_body_bytes:
-            raise BodyTooLarge(f"the body is larger than {self.cfg.http.max_body_bytes} bytes")
+        if (request.content_length or 0) > limit:
+            raise BodyTooLarge(f"the body is larger than {limit} bytes")
         return tenant
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body, at most ``http.max_body_bytes`` — checked here rather than by the app's
-        ``client_max_size``, which is fixed when the app is built, so a reloaded limit applies."""
-        limit = self.cfg.http.max_body_bytes
+    async def _read_body(self, request: web.Request, limit: int) -> bytes:
+        """The body, at most ``limit`` (``http.max_body_bytes``, or ``max_audio_bytes`` for a form) —
+        checked here rather than by the app's ``client_max_size``, which is fixed when the app is built,
+        so a reloaded limit applies; a larger one is refused while it is read, nothing forwarded."""
         parts: list[bytes] = []
         size = 0
         while chunk := await request.content.readany():
@@ -409,6 +462,19 @@ def _replicas(fleet: FleetConfig | None, desired: Callable[[FleetConfig], int] |
     if fleet.engine == "static":
         return len(fleet.urls)
     return desired(fleet) if desired is not None else fleet.replicas
+
+
+_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+def _json_content_type(content_type: str) -> str:
+    """What a JSON route's engine is sent: JSON. A body the client says is a form is refused (415);
+    any other label (none, text/plain, octet-stream) is read as JSON and checked as such."""
+    media = content_type.partition(";")[0].strip().lower()
+    if media in _FORMS:
+        raise UnsupportedMediaType(f"this route takes a JSON body (Content-Type: application/json), not "
+                                   f"{media}")
+    return "application/json"
 
 
 def _session(request: web.Request) -> str | None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..validate import ChatHead, CompletionHead
+from ..validate import Read
 
 # Where a set-aside job waits to come back: its tenant's room (rate limit, max_concurrent) or its fleet's.
 Room = tuple[Literal["tenant", "fleet"], str]
@@ -62,8 +62,8 @@ class Running:
     finishing: bool = False
     unadmitted: bool = True  # read, but not yet counted by admission
     body: bytes = b""  # the job's body as sent to the engine, encoded once
-    # its checked head (validate.read_head), decoded once for every delivery's routing
-    head: CompletionHead | ChatHead | None = None
+    # its checked body (routerd.surface.heads.read_body), decoded once for every delivery's routing
+    head: Read | None = None
     preempted: int = 0  # times its slot was taken back (kept while it is set aside)
     returned: bool = False  # brought back from being set aside: it goes before its fleet's newer jobs
 

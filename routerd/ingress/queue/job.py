@@ -40,9 +40,10 @@ from ...queue_wire import (
     salvage,
 )
 from ...redis_keys import RedisKeys
+from ...surface import ROUTES, Body, route_for
 from ...tenants.service import Tenancy
 from ...tracing import Traced, Tracing
-from ..validate import read_head
+from ..validate import read_body
 from .held import Held, Room, Running, fleet_room, tenant_room
 from .results import REDIS_DOWN, JobStore
 from .sinks import BufferSink, ReplyRefused, StreamSink
@@ -177,8 +178,7 @@ class JobRunner:
                                   "routerd.fleet": fleet, "routerd.tenant": job.tenant,
                                   "routerd.stream": job.stream,
                                   "gen_ai.request.model": str(job.body.get("model", "")),
-                                  "gen_ai.operation.name": "chat" if "chat" in job.endpoint
-                                  else "text_completion"})
+                                  "gen_ai.operation.name": _operation(job.endpoint)})
         return traced
 
     async def _validated(self, running: Running, raw: bytes | None) -> tuple[Job, str] | None:
@@ -266,15 +266,16 @@ class JobRunner:
         # The tenant is looked up again when the job gets its quota (a reload reaches waiting jobs); one
         # removed by a reload: the default's.
         tenant = self._tenancy.tenant(job.tenant) or self._tenancy.directory.default
-        head = running.head if running.head is not None else read_head(job.endpoint, running.body)
+        route = ROUTES[job.endpoint]  # checked when it was read (_body_problem)
+        read = running.head if running.head is not None else read_body(route, running.body)
         # Over its limit it waits, not failing — here while its tenant's room has space (read_batch
         # jobs), else set aside.
         rooms = _Rooms(self._held, running, job.tenant, self._cfg().redis.read_batch, fleet,
                        self._fleet_room_size)
-        req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=head, stream=job.stream,
-                      id=job.id, tenant=tenant, source="queue", priority=job.priority, deadline=deadline,
-                      session=job.session, rooms=rooms, preemptible=not job.stream,
-                      preempted=running.preempted)
+        req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=read.head,
+                      stream=read.stream, id=job.id, tenant=tenant, source="queue", route=route,
+                      priority=job.priority, deadline=deadline, session=job.session or read.session,
+                      rooms=rooms, preemptible=not read.stream, preempted=running.preempted)
         try:
             return await self._run(running, job, req, rooms)
         except DeadlineExceeded as e:
@@ -292,7 +293,7 @@ class JobRunner:
         sinks: list[BufferSink | StreamSink] = []
 
         def sink() -> BufferSink | StreamSink:  # one per run: a preempted run's output is dropped
-            if job.stream:
+            if req.stream:
                 sinks.append(StreamSink(self._store, job.id, job.reply_to, running.delivery,
                                         self._on_instance(job.id)))
             else:
@@ -392,11 +393,26 @@ def _body_problem(running: Running, job: Job, *, msgpack: bool) -> str | None:
     changed = not_json(job.body) if msgpack else None  # or carry it changed: bytes as base64 text
     if changed is not None:
         return f"{changed} (the engine would not be sent what the job holds)"
+    route = route_for(job.endpoint)
+    if route is None:
+        return clip(f"endpoint: {job.endpoint!r} is not a route routerd serves; a job may name any of: "
+                    f"{', '.join(p for p, r in ROUTES.items() if r.body is Body.JSON)}", 600)
+    if route.body is not Body.JSON:
+        return f"endpoint: {job.endpoint} takes a multipart form (an audio file): send it over HTTP"
     try:
-        running.head = read_head(job.endpoint, running.body)  # kept: each delivery's routing reads it
+        running.head = read_body(route, running.body)  # kept: each delivery's routing reads it
     except BadRequest as e:
         return clip(f"body.{e.param}: {e.message}" if e.param else f"body: {e.message}")
     return None
+
+
+def _operation(endpoint: str) -> str:
+    """OpenTelemetry's ``gen_ai.operation.name`` of a job's route."""
+    if "chat" in endpoint or endpoint.startswith("/v1/messages") or endpoint == "/v1/responses":
+        return "chat"
+    if endpoint == "/v1/completions":
+        return "text_completion"
+    return "embeddings" if endpoint == "/v1/embeddings" else endpoint.rsplit("/", 1)[-1]
 
 
 def _ignore(_: str) -> None:

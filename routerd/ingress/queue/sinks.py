@@ -1,5 +1,7 @@
 """Where the upstream writes a queue job's response: in memory for plain jobs, to the reply stream for
-streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result).
+streamed ones (each SSE event becomes one ``chunk`` entry, in order, before the result: its ``data``
+as the route's stream has it — OpenAI's chunks, the Responses API's or Anthropic's events, each of
+which names its ``type``).
 
 Both implement :class:`routerd.dataplane.sinks.ResponseSink`, the one contract the upstream writes to (the
 HTTP ingress's sink is the other implementation)."""
@@ -98,7 +100,7 @@ class StreamSink(_Sink):
         self._buf = b""
         self.seq = 0
         self.failed = False
-        self._last: bytes | None = None
+        self._usage: Any = None  # the last usage the events carried
 
     async def write(self, chunk: bytes) -> None:
         if self.status != 200:
@@ -108,13 +110,16 @@ class StreamSink(_Sink):
         *events, self._buf = self._buf.split(b"\n\n")
         futures: list[asyncio.Future[Any]] = []
         for event in events:
+            name = b""
             for line in event.split(b"\n"):
+                if line.startswith(b"event:"):
+                    name = line[6:].strip()
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]" or not data:
                     continue
-                if data.startswith(b'{"error"'):
+                if data.startswith(b'{"error"') or name == b"error":
                     self.failed = True  # a mid-stream failure: this run will be retried
                     continue
                 futures.append(self._send(data))
@@ -127,10 +132,13 @@ class StreamSink(_Sink):
 
     def _send(self, data: bytes) -> asyncio.Future[Any]:
         try:
-            _decode(data)
+            obj = _decode(data)
         except _UNREADABLE:
             data = json_encode(data.decode(errors="replace"))
-        self._last = data
+        else:
+            usage = _usage(obj)
+            if usage is not None:
+                self._usage = usage
         entry = Chunk(id=self._job_id, seq=self.seq, delivery=self._run, data=msgspec.Raw(data))
         self.seq += 1
         return self._store.chunk(self._reply_to, self._job_id, self._run, entry.seq, json_encode(entry))
@@ -138,10 +146,19 @@ class StreamSink(_Sink):
     def result(self, job_id: str, instance: str, attempts: int, status: int) -> Result:
         if status != 200:
             return self._error_from_body(job_id, instance, attempts, status)
-        usage = None
-        if self._last is not None:
-            last = _decode(self._last)
-            usage = last.get("usage") if isinstance(last, dict) else None
-        summary = {"object": "routerd.stream", "chunks": self.seq, "delivery": self._run, "usage": usage}
+        summary = {"object": "routerd.stream", "chunks": self.seq, "delivery": self._run,
+                   "usage": self._usage}
         return Result(id=job_id, status="ok", response=msgspec.Raw(json_encode(summary)),
                       instance=instance, attempts=attempts)
+
+
+def _usage(event: Any) -> Any:
+    """The usage an event carries: a chunk's ``usage``, a Responses API's terminal event's
+    ``response.usage``, Anthropic's ``message_start``'s ``message.usage``; None when it has none."""
+    if not isinstance(event, dict):
+        return None
+    usage = event.get("usage")
+    if usage is None:
+        inner = event.get("response") or event.get("message")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+    return usage
