@@ -43,6 +43,7 @@ from . import log
 from ._aio import cancel_and_wait
 from .config import Config, FleetConfig
 from .dataplane.admission import Admission
+from .dataplane.affinity import ResponseAffinity
 from .dataplane.dispatch import Dispatch
 from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
@@ -277,6 +278,9 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     upstream.update_fleets(cfg.fleets)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
+    # issue 29: a Responses chain's next turn goes where its previous response was made (a conversation
+    # layer replaces or wraps this hook)
+    dispatch.hooks["/v1/responses"] = ResponseAffinity(router, registry)
     # Watching engines (scrapes, static heartbeats) on lean keep-alive connections of its own, apart
     # from the engine calls': with hundreds of instances aiohttp's per-request cost was most of it.
     watch_pool = EnginePool(connect_timeout_s=cfg.routing.connect_timeout_s,

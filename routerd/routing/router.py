@@ -318,6 +318,13 @@ class Router:
         if found is not None and self.sessions.last(session) is None:
             self.sessions.remember(session, *found)
 
+    def note_session(self, session: str, inst: Instance) -> None:
+        """``session`` lives on ``inst`` from now on (a Responses API answer's id, noted as it leaves:
+        the next turn names it as its ``previous_response_id``)."""
+        self.sessions.note(session, inst)
+        if self.shared_sessions is not None:
+            self.shared_sessions.noted(session, inst.id, inst.generation)
+
     def pick(self, fleet: str, exclude: Collection[str] = (), request: RequestView | None = None) -> Instance:
         """The instance :meth:`choose` decides on."""
         return self.choose(fleet, exclude, request).instance

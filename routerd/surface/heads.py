@@ -219,7 +219,7 @@ def _audio(body: bytes, content_type: str) -> Read:
     if not model:
         raise BadRequest("invalid request: the form has no `model` field (it names the fleet)",
                          param="model")
-    stream = fields.get("stream", "").strip().lower() == "true"
+    stream = fields.get("stream", "").strip().lower() in ("true", "1")
     return Read(model, stream, CompletionHead(model=model, prompt=fields.get("prompt", ""), stream=stream))
 
 
