@@ -17,6 +17,11 @@ Method:
   latency (and, for streams, of time to first token) is routerd's added latency; p50/p90/p99 over all
   pairs. A control run sends both requests of each pair direct: its spread is the measurement's own
   noise (a shared CPU, the engine's step timing).
+* **Added latency per route** (``--routes``, by default chat, embeddings and the Responses API):
+  ``--sequential`` rounds, one request at a time; each round sends every route's request straight to an
+  engine and then through routerd, the routes interleaved so that a drifting machine shifts them all
+  alike. The added p50 of each route against chat's says what a route's own reading (its body, its
+  usage, its answer) costs beyond the one sequence they share.
 * **Sustained rate:** ``--concurrency`` closed-loop clients through routerd for ``--duration``
   seconds; completed requests per second, and routerd's CPU seconds from ``/proc`` over the same
   window. ``rate / cpu_share`` is what one fully used core would carry (routerd is one event loop),
@@ -69,6 +74,53 @@ from ._common import (
 
 MODEL = "bench"
 TRACED = "routerd+tracing"
+
+
+def _route_bodies(max_tokens: int) -> dict[str, tuple[str, bytes]]:
+    """What ``--routes`` may name: its path and one non-streamed request of it."""
+    text = "the quick brown fox"
+    bodies: dict[str, tuple[str, dict[str, Any]]] = {
+        "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                          "max_tokens": max_tokens, "ignore_eos": True}),
+        "completions": ("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": max_tokens,
+                                            "ignore_eos": True}),
+        "embeddings": ("/v1/embeddings", {"model": MODEL, "input": text}),
+        "responses": ("/v1/responses", {"model": MODEL, "input": text, "max_output_tokens": max_tokens,
+                                        "store": False}),
+        "messages": ("/v1/messages", {"model": MODEL, "max_tokens": max_tokens,
+                                      "messages": [{"role": "user", "content": text}]}),
+        "rerank": ("/v1/rerank", {"model": MODEL, "query": text, "documents": [text, "a lazy dog"]}),
+        "tokenize": ("/tokenize", {"model": MODEL, "prompt": text}),
+    }
+    return {name: (path, msgspec.json.encode(body)) for name, (path, body) in bodies.items()}
+
+
+ROUTES = ("chat", "completions", "embeddings", "responses", "messages", "rerank", "tokenize")
+
+
+async def per_route(session: aiohttp.ClientSession, engines: list[str], router: str, *, routes: list[str],
+                    count: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``count`` rounds, one request at a time: each route's request direct, then via ``router``, the
+    routes interleaved; the added latency per route, and its p50 against chat's."""
+    bodies = _route_bodies(max_tokens)
+    timings: dict[str, list[tuple[Timing, Timing]]] = {r: [] for r in routes}
+    for i in range(count):
+        for name in routes:
+            path, body = bodies[name]
+            direct = await timed_request(session, engines[i % len(engines)] + path, body, False)
+            via = await timed_request(session, router + path, body, False)
+            timings[name].append((direct, via))
+    out: list[dict[str, Any]] = []
+    for name in routes:
+        ok = [(d, v) for d, v in timings[name] if d.ok and v.ok]
+        out.append({"route": name, "path": bodies[name][0], "requests": count, "failed": count - len(ok),
+                    "direct_e2e_ms": summary([d.e2e for d, _ in ok]),
+                    "added_e2e_ms": summary([v.e2e - d.e2e for d, v in ok])})
+    chat = next((r["added_e2e_ms"]["p50"] for r in out if r["route"] == "chat"), None)
+    for r in out:
+        p50 = r["added_e2e_ms"]["p50"]
+        r["vs_chat"] = round(p50 / chat, 2) if chat and p50 is not None else None
+    return out
 
 
 def _body(stream: bool, max_tokens: int) -> bytes:
@@ -323,7 +375,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sim = {"max_num_seqs": 1024, "ttft_ms": args.engine_ttft_ms, "itl_ms": args.engine_itl_ms,
            "batch_factor": 0, "default_max_tokens": args.max_tokens}
     results: dict[str, Any] = {"params": vars(args).copy(), "paired": [], "sustained": [], "sequential": [],
-                               "instructions": []}
+                               "instructions": [], "routes": []}
     with Processes() as procs:
         engines = list(await asyncio.gather(*(procs.sim(MODEL, **sim) for _ in range(args.engines))))
         url, proc = await procs.plane(_plane_config(engines, args.log_level), log_level=args.log_level)
@@ -339,6 +391,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for target, _pid in routers.values():  # warm-up: connections, code paths
                 await paired(session, engines, target, rate=100, duration=1.0, stream=False,
                              max_tokens=args.max_tokens, rng=rng)
+            if args.routes:  # routerd alone: a peer may serve only the OpenAI routes
+                results["routes"] = await per_route(session, engines, routers["routerd"][0],
+                                                    routes=args.routes, count=args.sequential,
+                                                    max_tokens=args.max_tokens)
             for stream in (False, True):
                 kind = "stream" if stream else "non_stream"
                 for name, (target, _pid) in routers.items():
@@ -379,6 +435,13 @@ def report(results: dict[str, Any]) -> None:
                      r["failed"]])
     print_table("added latency, one request at a time (idle path), ms",
                 ["requests", "router", "p50", "p90", "p99", "direct p50", "failed"], rows)
+    if results.get("routes"):
+        print_table("added latency per route, one request at a time (routes interleaved), ms",
+                    ["route", "path", "p50", "p90", "p99", "direct p50", "p50 vs chat", "failed"],
+                    [[r["route"], r["path"], r["added_e2e_ms"]["p50"], r["added_e2e_ms"]["p90"],
+                      r["added_e2e_ms"]["p99"], r["direct_e2e_ms"]["p50"],
+                      "" if r["vs_chat"] is None else f"{r['vs_chat']:.2f}x", r["failed"]]
+                     for r in results["routes"]])
     rows = []
     for r in results["paired"]:
         for name in routers:
@@ -438,6 +501,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--sequential", type=int, default=300,
                     help="requests sent one at a time (each direct, then via the router)")
+    ap.add_argument("--routes", nargs="*", default=["chat", "embeddings", "responses"], choices=ROUTES,
+                    help="routes whose added latency is measured side by side, --sequential rounds (none: "
+                         "--routes)")
     ap.add_argument("--peers", nargs="*", default=["vllm-router:power_of_two"],
                     help="peer routers measured in the same run (vllm-router:<policy>); none: --peers")
     ap.add_argument("--engine-ttft-ms", type=float, default=0.0,

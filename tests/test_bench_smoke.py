@@ -73,6 +73,9 @@ def test_bench_overhead(tmp_path: Path) -> None:
         assert (seq["requests"], seq["failed"]) == (5, 0)
         assert _finite(seq["added_e2e_ms"])
         assert _finite(seq["direct_e2e_ms"])
+    routes = [(x["route"], x["failed"]) for x in r["routes"]]
+    assert routes == [("chat", 0), ("embeddings", 0), ("responses", 0)]
+    assert all(_finite(x["added_e2e_ms"]) for x in r["routes"])
     assert sorted(s["kind"] for s in r["sustained"]) == ["non_stream", "stream"]
     for sustained in r["sustained"]:
         assert sustained["failed"] == 0
