@@ -36,7 +36,7 @@ class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """
 
     fleet: str
-    endpoint: str  # "/v1/completions" | "/v1/chat/completions"
+    endpoint: str  # the route's path: "/v1/chat/completions", "/v1/embeddings"… (routerd.surface)
     prompt_tokens: int = 0
     prompt_bytes: int = 0  # UTF-8 bytes of the canonical text the estimate counts (0: token ids, exact)
     max_tokens: int | None = None  # max_tokens (or chat's max_completion_tokens) when the body sets it

@@ -41,11 +41,20 @@ from ..errors import (
     UnsupportedMediaType,
     error_type,
     quote,
-    sse_error_event,
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
-from ..surface import ROUTES, Body, ErrorShape, Family, Route, error_body_json, passthrough_route, read_body
+from ..surface import (
+    ROUTES,
+    Body,
+    ErrorShape,
+    Family,
+    Route,
+    error_body_json,
+    passthrough_route,
+    read_body,
+    stream_error,
+)
 from ..surface.multipart import boundary_of
 from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
 from ..tenants import Tenant
@@ -282,7 +291,7 @@ class HttpIngress:
             fields["error"] = self.close_reason or _shed_reason(request) or "client disconnected"
             if self.close_reason and sink.response is not None \
                     and sink.response.content_type == "text/event-stream":
-                await self._close_stream(sink)
+                await self._close_stream(sink, route)
             raise
         except (ConnectionResetError, RuntimeError) as e:
             # The client's socket went away under a write (before aiohttp cancelled us); aiohttp
@@ -370,12 +379,13 @@ class HttpIngress:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def _close_stream(self, sink: _HttpSink) -> None:
+    async def _close_stream(self, sink: _HttpSink, route: Route) -> None:
         """On shutdown, tell a client whose stream is cut why (best effort, bounded)."""
         assert sink.response is not None
         try:
             async with asyncio.timeout(1.0):
-                await sink.response.write(sse_error_event(self.close_reason, "ServiceUnavailableError", 503))
+                await sink.response.write(stream_error(route, self.close_reason, "ServiceUnavailableError",
+                                                       503))
                 await sink.response.write_eof()
         except (ConnectionResetError, RuntimeError, TimeoutError):
             pass
