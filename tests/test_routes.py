@@ -28,8 +28,6 @@ from routerd.sim.server import SimEngine
 from routerd.surface import ROUTES
 from tests.fixtures.redis_server import RedisServer
 
-pytestmark = [pytest.mark.redis]
-
 MODEL = "m"
 WAV = b"".join((b"RIFF", (36 + 32000).to_bytes(4, "little"), b"WAVEfmt ", (16).to_bytes(4, "little"),
                 b"\x01\x00\x01\x00", (16000).to_bytes(4, "little"), (32000).to_bytes(4, "little"),
@@ -132,6 +130,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], Check, str | None]] = {
 }
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("family", list(FAMILIES))
 async def test_route_family_both_ways_in(family: str, redis_server: RedisServer) -> None:
     route, body, check, last_event = FAMILIES[family]
@@ -288,6 +287,7 @@ async def test_tokenize_takes_no_slot() -> None:
             await asyncio.gather(*held, waiting, return_exceptions=True)
 
 
+@pytest.mark.redis
 async def test_bad_input_is_refused_in_the_routes_shape(redis_server: RedisServer) -> None:
     async with plane(redis_server, engines=1, http={"max_audio_bytes": 4096}) as p, \
             aiohttp.ClientSession() as s:
