@@ -180,7 +180,8 @@ async def test_both_ways_in_through_one_daemon_with_queue_metrics(
         assert 'routerd_queue_jobs_total{outcome="done"} 1.0' in text
         assert 'routerd_queue_paused 0.0' in text
         # Both ways in are counted per engine call: the queue job and the HTTP request.
-        assert 'routerd_requests_total{code="200",fleet="f",instance="f:static0",route="/v1/completions"} 2.0' in text
+        assert 'routerd_requests_total{code="200",fleet="f",instance="f:static0",' \
+            'route="/v1/completions"} 2.0' in text
         assert 'routerd_instance_state{fleet="f",instance="f:static0",state="ready"} 1.0' in text
 
 

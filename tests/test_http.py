@@ -174,7 +174,8 @@ async def test_models_readyz_admin_metrics(plane: RunningPlane, client: aiohttp.
         assert r.status == 200
     async with client.get(plane.url + "/metrics") as r:
         text = await r.text()
-    for needle in ('routerd_requests_total{code="200",fleet="f",instance="f:static0",route="/v1/completions"} 1.0',
+    for needle in ('routerd_requests_total{code="200",fleet="f",instance="f:static0",'
+                   'route="/v1/completions"} 1.0',
                    'routerd_instance_inflight{fleet="f",instance="f:static0"} 0.0',
                    "routerd_request_duration_seconds_bucket", "routerd_time_to_first_byte_seconds_count",
                    'routerd_circuit_state{fleet="f",instance="f:static0"} 0.0', "routerd_scrape_age_seconds"):

@@ -237,7 +237,8 @@ async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: Redis
     assert expired.id not in bench.upstream.calls
     # Refused by admission, as an HTTP request would be: counted both ways in, with no instance.
     metrics = Metrics(bench.telemetry, []).render().decode()
-    assert 'routerd_requests_total{code="504",fleet="f",instance="",route="/v1/completions"} 1.0' in metrics
+    assert 'routerd_requests_total{code="504",fleet="f",instance="",' \
+        'route="/v1/completions"} 1.0' in metrics
 
 
 async def test_deadline_passing_during_run(redis_server: RedisServer,

@@ -154,7 +154,8 @@ async def test_route_family_both_ways_in(family: str, redis_server: RedisServer)
             chunks = [c async for c in p.queue.chunks(job, timeout=30)]
             result = chunks.pop()
             assert result.status == "ok", result
-            assert [c.data["type"] for c in chunks] == [d["type"] for _, d in streamed]  # type: ignore[union-attr]
+            types = [c.data["type"] for c in chunks]  # type: ignore[union-attr]
+            assert types == [d["type"] for _, d in streamed]
             assert result.response["usage"] is not None
         # the tenant was billed what the engine counted, and the metrics name the route
         assert p.dp.tenancy.ledger.totals[("default", "f")][0] >= (4 if last_event else 2)

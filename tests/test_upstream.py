@@ -49,7 +49,8 @@ async def test_503_and_500_are_retried_on_another_instance(
     assert bad.requests + bad2.requests >= 1
     metrics = await (await client.get(plane.url + "/metrics")).text()
     assert 'routerd_retries_total{fleet="f"}' in metrics
-    assert 'routerd_requests_total{code="200",fleet="f",instance="f:static2",route="/v1/chat/completions"} 6.0' in metrics
+    assert 'routerd_requests_total{code="200",fleet="f",instance="f:static2",' \
+        'route="/v1/chat/completions"} 6.0' in metrics
     await settle(plane)
 
 
