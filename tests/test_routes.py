@@ -392,3 +392,26 @@ async def test_a_route_hook_prepares_the_body_and_observes_the_answer() -> None:
         assert doc["usage"]["output_tokens"] == 2
         assert b"".join(seen[:-1]) == raw
         assert seen[-1] == b"finished ok"
+
+
+async def test_failures_are_retried_before_the_first_byte_and_end_in_the_routes_event_after() -> None:
+    async with plane(engines=2) as p, aiohttp.ClientSession() as s:
+        p.sims[0].faults.set(error_rate=1.0)  # every request there answered 500: retried on the other
+        for name in ("embeddings", "messages", "responses"):
+            route, body, check, _ = FAMILIES[name]
+            for _ in range(3):
+                status, doc, raw = await post(s, p.url + route, body)
+                assert status == 200, raw
+                assert check(doc)
+        p.sims[0].faults.set(error_rate=0.0)
+        for sim in p.sims:
+            sim.faults.set(fail_after_chunks=3)  # every stream breaks after its third event
+        for name in ("messages", "responses"):
+            route, body, _, _ = FAMILIES[name]
+            budget = "max_tokens" if name == "messages" else "max_output_tokens"
+            async with s.post(p.url + route, json={**body, budget: 50, "stream": True}) as r:
+                assert r.status == 200
+                last, data = events(await r.read())[-1]
+            assert last == "error"  # the stream says it ended badly, in its own shape
+            assert data["type"] == "error"
+            assert (data["error"] if name == "messages" else data)["message"]
