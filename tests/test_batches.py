@@ -187,8 +187,8 @@ async def _bad_input(a: openai.AsyncOpenAI, b: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="No such File"):
         await a.batches.create(input_file_id="file-nope", endpoint="/v1/completions",
                                completion_window="24h")
-    with pytest.raises(openai.BadRequestError, match="endpoint"):
-        await a.batches.create(input_file_id=good.id, endpoint="/v1/embeddings",  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="endpoint"):  # a route routerd does not serve
+        await a.batches.create(input_file_id=good.id, endpoint="/v1/moderations",  # type: ignore[arg-type]
                                completion_window="24h")
     # too big, and past the tenant's quota (b has stored nothing yet): refused while read, nothing kept
     with pytest.raises(openai.APIStatusError, match="max_file_bytes") as too_big:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, get_args
+from typing import Any
 
 from aiohttp import BodyPartReader, web
 
 from ..errors import RouterdError
 from ..ingress.auth import authenticate
-from ..queue_wire import Endpoint
+from ..surface import ROUTES, Body
 from ..tenants.service import Tenancy
 from .runner import BatchRunner
 from .wire import ApiError, batch_object, file_object, listing
@@ -23,7 +23,7 @@ from .wire import ApiError, batch_object, file_object, listing
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _FIELD_MAX = 4096  # a form field other than the file
 # A batch's endpoint: every one the queue takes (a line is a queue job), so batches follow the queue's wire.
-ENDPOINTS: tuple[str, ...] = get_args(Endpoint)
+ENDPOINTS: tuple[str, ...] = tuple(p for p, r in ROUTES.items() if r.body is Body.JSON)
 
 
 def add_batch_routes(app: web.Application, runner: BatchRunner, tenancy: Tenancy) -> None:
