@@ -377,11 +377,13 @@ async def test_a_route_hook_prepares_the_body_and_observes_the_answer() -> None:
     class Hook:
         async def prepare(self, req: Any) -> None:
             req.body = msgspec.json.encode({"model": MODEL, "input": "rewritten", "max_output_tokens": 2})
+            req.context = "turn state"
 
         def observe(self, req: Any, sink: Any) -> Any:
             return Tap(sink)
 
         async def finished(self, req: Any, result: Any) -> None:
+            assert req.context == "turn state"
             seen.append(b"finished ok" if result.ok else b"finished failed")
 
     async with plane(engines=1) as p, aiohttp.ClientSession() as s:

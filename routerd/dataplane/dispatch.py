@@ -75,6 +75,7 @@ class Request:
     rooms: Rooms | None = None  # where it may wait for its quota and a slot; None: refused over its limit
     preemptible: bool = False
     preempted: int = 0  # runs whose slot admission took back (each ran again), set by the dispatch
+    context: Any = None  # its route hook's own state, from prepare to observe and finished (RouteHook)
 
 
 class Rooms(Protocol):
@@ -103,8 +104,9 @@ class RouteHook(Protocol):
 
     async def prepare(self, req: Request) -> None:
         """Before the request is charged and routed: it may replace ``req.body`` and ``req.head`` (a
-        conversation rehydrated into the input) and ``req.session``; a :class:`RouterdError` refuses it
-        in the route's own error shape."""
+        conversation rehydrated into the input) and ``req.session``, and keep what it needs later in
+        ``req.context``; a :class:`RouterdError` refuses it in the route's own error shape. Both ways
+        in go through it: a queue job naming the route is prepared as an HTTP request is."""
         ...
 
     def observe(self, req: Request, sink: ResponseSink) -> ResponseSink:
