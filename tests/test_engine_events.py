@@ -26,7 +26,7 @@ from routerd.routing.engine_cache.subscriber import ViewHealth
 from routerd.routing.engine_cache.subscriptions import EngineEvents, EngineEventsCollector, connect_endpoint
 from routerd.sim_tokens import token_ids
 from routerd.vllm_wire import block_hash
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually, starts
 from tests.fixtures.sim import REPO, SimEngineFactory, SimProcessFactory, _wait_healthy
 from tests.fixtures.vllm import parse_metrics
 
@@ -109,6 +109,7 @@ class Launched:
 
 
 @pytest.fixture
+@starts("subprocess")
 async def launched(tmp_path: Path) -> AsyncIterator[Launched]:
     eng = Launched(tmp_path)
     yield eng

@@ -29,7 +29,7 @@ from routerd.registry import Instance, InstanceState, Registry
 from routerd_bench.in_process import Running, running_routerd
 from routerd_bench.load import Load
 from routerd_bench.ray_nodes import LocalRayCluster
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually, starts
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet import SIM_ARGS
 
@@ -104,6 +104,7 @@ def test_ray_declaring_a_node_dead_loses_it_at_once_but_old_deaths_are_history()
 
 # a real cluster ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
+@starts("ray")
 def nodes_cluster() -> Iterator[LocalRayCluster]:
     """A head (no GPUs) and two worker nodes with 3 declared GPUs each."""
     cluster = LocalRayCluster(head_cpus=4, head_gpus=0)

@@ -27,6 +27,7 @@ from routerd.config import Config, parse
 from routerd.ingress.queue import QueueIngress
 from routerd.sim_tokens import expected_text
 from routerd_bench.queue import queue_path, start_engines, wait_http, wait_ready
+from tests.fixtures.helpers import starts
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,7 @@ class Engines:
 
 
 @pytest.fixture
+@starts("subprocess")
 def engines(request: pytest.FixtureRequest) -> Iterator[Engines]:
     ttft_ms, itl_ms = getattr(request, "param", (0.0, 0.0))
     procs, urls = start_engines(2, "m", 256, ttft_ms=ttft_ms, itl_ms=itl_ms)

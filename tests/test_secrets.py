@@ -24,6 +24,7 @@ from aiohttp import web
 
 from routerd.client import QueueClient
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess, base_config, to_toml
+from tests.fixtures.helpers import starts
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -86,6 +87,7 @@ class AuthProxy:
 
 
 @pytest.fixture
+@starts("redis")
 def redis_with_password(tmp_path: Path) -> Iterator[RedisServer]:
     d = tmp_path / "redis"
     d.mkdir()
