@@ -12,15 +12,16 @@ import structlog
 
 from routerd.client import QueueClient
 from routerd.submit import submit_main
-from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+from tests.fixtures.redis_server import FakeUpstream, QueueBenchFactory, RedisServer
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
 
 async def test_status_follows_a_job_from_queued_to_done(redis_server: RedisServer,
+                                                        queue_bench: QueueBenchFactory,
                                                         redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    bench = queue_bench(FakeUpstream(hold=hold))
     q = QueueClient(redis_async)
     assert (await q.status("never-submitted")).state == "unknown"
     job = await q.submit({**BODY, "stream": True})
@@ -98,8 +99,9 @@ async def test_submit_wire_format_is_the_interface(redis_async: aioredis.Redis) 
 
 
 async def test_routerd_submit_command(redis_server: RedisServer, redis_async: aioredis.Redis,
+                                      queue_bench: QueueBenchFactory,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     await bench.start()
     # The consumer runs in this process: its log lines (one per job) are kept off the stdout under test.
     try:

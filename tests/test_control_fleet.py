@@ -13,7 +13,8 @@ from routerd import assembly, config
 from routerd.fleet.actor import group_members
 from routerd.peers.lease import ControlLease
 from routerd.registry import InstanceState, Registry
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet import SIM_ARGS
 

@@ -24,7 +24,8 @@ from routerd.peers.fleet_state import config_fingerprint
 from routerd.redis_keys import RedisKeys
 from routerd.registry import InstanceState, Registry
 from tests.fixtures.daemon import RouterdFactory
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.test_control_replicas import LEASE_S, events, launches, metric, poll, replica_cfg
 from tests.test_fleet import SIM_ARGS, make_cfg

@@ -24,7 +24,8 @@ from routerd.fleet.actor import group_members
 from routerd_bench._common import SHARED_SECRET
 from routerd_bench.scale_replicas import fleets_view, log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.test_control_lease import PausableProxy
 

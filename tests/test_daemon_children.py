@@ -24,7 +24,7 @@ from routerd.client import QueueClient
 from routerd.redis_server import embedded_url
 from routerd.state_lock import EXIT_LOCKED, LOCK_FILE
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess, wait_ready
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.sim import SimProcessFactory
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from tests.fixtures.daemon import RouterdFactory, open_stream
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 

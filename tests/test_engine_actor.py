@@ -21,7 +21,8 @@ import pytest
 
 from routerd.fleet.actor import EngineActor, group_members
 from routerd.plugins import LaunchSpec
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 
 SPEC = LaunchSpec(fleet="t", index=0, model="sim-t", engine="sim",
                   engine_args={"max-num-seqs": 4, "ttft-ms": 5, "itl-ms": 2})

@@ -21,7 +21,8 @@ from routerd.config import Config
 from routerd.fleet import FleetManager, RayCluster
 from routerd.registry import InstanceState, Registry
 from routerd.trust import Trust
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}

@@ -24,7 +24,8 @@ from routerd.fleet.actor import group_members
 from routerd.registry import InstanceState, Registry
 from routerd.status import fetch, render
 from routerd.status import main as status_main
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

@@ -31,7 +31,8 @@ from routerd.fleet.actor import group_members
 from routerd.registry import InstanceState, Registry
 from routerd_bench.in_process import running_routerd
 from routerd_bench.load import Load
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.test_fleet import make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

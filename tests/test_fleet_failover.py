@@ -17,7 +17,8 @@ import pytest
 from routerd.fleet.actor import group_members
 from routerd.registry import Instance, InstanceState
 from routerd_bench.load import Load
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.test_fleet import SIM_ARGS, Running, make_cfg, running
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]

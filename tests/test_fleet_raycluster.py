@@ -15,7 +15,7 @@ from routerd_builtin.launchers import SimLauncher, VllmLauncher
 from routerd.config import RayConfig
 from routerd.fleet.ray_cluster import LocalHead, RayCluster, RayConnectError, short_temp_dir
 from routerd.plugins import LaunchSpec
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 
 
 def _alive(pid: int) -> bool:

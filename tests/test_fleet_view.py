@@ -24,7 +24,7 @@ from routerd.redis_server import redis_client
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.telemetry import Metrics, Telemetry
 from routerd.trust import Trust
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(60)

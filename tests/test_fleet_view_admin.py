@@ -23,7 +23,7 @@ from routerd.config import Config
 from routerd.registry import InstanceState, Registry
 from routerd_bench._common import SHARED_SECRET
 from tests.fixtures.dataplane import STATE_DIR, EngineFactory
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet_view import Flag
 

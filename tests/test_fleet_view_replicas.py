@@ -17,7 +17,8 @@ from routerd import assembly
 from routerd.config import RedisConfig
 from routerd.redis_keys import RedisKeys
 from routerd.registry import Registry
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.test_fleet import SIM_ARGS, make_cfg
 

@@ -29,7 +29,7 @@ from routerd.vllm_wire.kv_events import (
     EventBatch,
     decode_batch,
 )
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 
 # ---- vLLM 0.32's structs, declared as in vllm/distributed/kv_events.py, in both wire forms --------

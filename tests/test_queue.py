@@ -20,12 +20,14 @@ from routerd.errors import BadRequest
 from routerd.ingress.validate import read_head
 from routerd.queue_wire import decode_result
 from routerd.telemetry import Metrics
+from tests.fixtures.helpers import until
 from tests.fixtures.redis_server import (
     FakeUpstream,
     QueueBench,
+    QueueBenchFactory,
     RedisServer,
     fields,
-    queue_config,
+    xlen_at_least,
 )
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
@@ -36,15 +38,9 @@ async def results_in(r: aioredis.Redis, reply_to: str) -> list[dict[str, Any]]:
     return [msgspec.json.decode(f[b"result"]) for _, f in entries if b"result" in f]
 
 
-async def until(pred: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-async def test_jobs_get_one_result_each(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+async def test_jobs_get_one_result_each(queue_bench: QueueBenchFactory, redis_server: RedisServer,
+                                        redis_async: aioredis.Redis) -> None:
+    bench = queue_bench()
     q = QueueClient(redis_async)
     jobs = await q.submit_many([{**BODY, "prompt": f"p{i}"} for i in range(150)], reply_to="replies")
     jobs += await q.submit_many([{**BODY, "prompt": f"m{i}"} for i in range(50)], reply_to="replies",
@@ -72,7 +68,7 @@ async def test_jobs_get_one_result_each(redis_server: RedisServer, redis_async: 
     assert status.consumer == "c1"
 
 
-async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(
+async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     bad: list[bytes] = [
         b"\xc1 not msgpack",
@@ -88,13 +84,13 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(
     for raw in bad:
         await redis_async.xadd("routerd:requests", {"job": raw})
     await redis_async.xadd("routerd:requests", {"nojobfield": b"1"})
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     good = await q.submit(BODY)
     await bench.start()
     try:
         assert (await q.wait(good, timeout=10)).status == "ok"
-        await until(lambda: _xlen(redis_async, "routerd:dead", 8))
+        await until(lambda: xlen_at_least(redis_async, "routerd:dead", 8))
     finally:
         await bench.stop()
     dead = [fields(f) for _, f in await redis_async.xrange("routerd:dead")]
@@ -125,7 +121,7 @@ BAD_BODIES = [
 ]
 
 
-async def test_a_jobs_body_is_checked_as_an_http_requests_body(
+async def test_a_jobs_body_is_checked_as_an_http_requests_body(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """A producer gets the HTTP ingress's answer for the same body: the bodies HTTP rejects are
     dead-lettered naming the same field, and what HTTP accepts (``stream: null``) runs."""
@@ -133,7 +129,7 @@ async def test_a_jobs_body_is_checked_as_an_http_requests_body(
         with pytest.raises(BadRequest) as err:
             read_head(endpoint, msgspec.json.encode(body))
         assert err.value.param == param
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     bad = [await q.submit(body, endpoint=endpoint) for endpoint, body, _ in BAD_BODIES]
     null_stream = await q.submit({**BODY, "stream": None})
@@ -153,13 +149,9 @@ async def test_a_jobs_body_is_checked_as_an_http_requests_body(
     assert await redis_async.xlen("routerd:dead") == len(BAD_BODIES)
 
 
-async def _xlen(r: aioredis.Redis, key: str, n: int) -> bool:
-    return int(await r.xlen(key)) >= n
-
-
-async def test_duplicate_job_id_gets_one_result(redis_server: RedisServer,
+async def test_duplicate_job_id_gets_one_result(queue_bench: QueueBenchFactory, redis_server: RedisServer,
                                                 redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     await q.submit(BODY, job_id="same", reply_to="rr")
     await bench.start()
@@ -179,9 +171,10 @@ async def _drained(r: aioredis.Redis) -> bool:
 
 
 async def test_failing_engine_is_retried_then_one_result(redis_server: RedisServer,
+                                                         queue_bench: QueueBenchFactory,
                                                          redis_async: aioredis.Redis) -> None:
     up = FakeUpstream(fail=lambda job_id, n: n < 3)  # the first two deliveries hit a dead engine
-    bench = QueueBench(queue_config(redis_server.url, max_deliveries=5), up)
+    bench = queue_bench(up, max_deliveries=5)
     q = QueueClient(redis_async)
     job = await q.submit(BODY)
     await bench.start()
@@ -196,9 +189,10 @@ async def test_failing_engine_is_retried_then_one_result(redis_server: RedisServ
 
 
 async def test_max_deliveries_dead_letters_with_history(redis_server: RedisServer,
+                                                        queue_bench: QueueBenchFactory,
                                                         redis_async: aioredis.Redis) -> None:
     up = FakeUpstream(fail=lambda job_id, n: True)
-    bench = QueueBench(queue_config(redis_server.url, max_deliveries=3), up)
+    bench = queue_bench(up, max_deliveries=3)
     q = QueueClient(redis_async)
     job = await q.submit(BODY)
     await bench.start()
@@ -219,8 +213,9 @@ async def test_max_deliveries_dead_letters_with_history(redis_server: RedisServe
 
 
 async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: RedisServer,
+                                                             queue_bench: QueueBenchFactory,
                                                              redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     expired = await q.submit(BODY, deadline_ms=int(time.time() * 1000) - 1)
     relative_ok = await q.submit(BODY, deadline_ms=60_000)  # < 1e11: ms after enqueueing
@@ -241,9 +236,9 @@ async def test_deadline_passed_gets_error_and_no_engine_slot(redis_server: Redis
         'route="/v1/completions"} 1.0' in metrics
 
 
-async def test_deadline_passing_during_run(redis_server: RedisServer,
+async def test_deadline_passing_during_run(queue_bench: QueueBenchFactory, redis_server: RedisServer,
                                            redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(delay_s=5))
+    bench = queue_bench(FakeUpstream(delay_s=5))
     q = QueueClient(redis_async)
     job = await q.submit(BODY, deadline_ms=300)
     await bench.start()
@@ -256,10 +251,10 @@ async def test_deadline_passing_during_run(redis_server: RedisServer,
     assert res.error["code"] == 504
 
 
-async def test_cancel_before_and_during_run(redis_server: RedisServer,
+async def test_cancel_before_and_during_run(queue_bench: QueueBenchFactory, redis_server: RedisServer,
                                             redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    bench = queue_bench(FakeUpstream(hold=hold))
     q = QueueClient(redis_async)
     before = await q.submit(BODY)
     await q.cancel(before)
@@ -267,7 +262,7 @@ async def test_cancel_before_and_during_run(redis_server: RedisServer,
     await bench.start()
     try:
         await until(lambda: _running(q, during.id))
-        await until(lambda: _called(bench, during.id))
+        await until(lambda: bench.called(during.id))
         await q.cancel(during)
         r_during = await q.wait(during, timeout=10)
         r_before = await q.wait(before, timeout=10)
@@ -288,13 +283,10 @@ async def _running(q: QueueClient, job_id: str) -> bool:
     return (await q.status(job_id)).state == "running"
 
 
-async def _called(bench: QueueBench, job_id: str) -> bool:
-    return job_id in bench.upstream.calls
-
-
 async def test_streamed_job_chunks_in_order_then_result(redis_server: RedisServer,
+                                                        queue_bench: QueueBenchFactory,
                                                         redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     job = await q.submit({**BODY, "max_tokens": 20, "stream": True})
     await bench.start()
@@ -312,11 +304,11 @@ async def test_streamed_job_chunks_in_order_then_result(redis_server: RedisServe
     assert all(b"chunk" in f for _, f in raw[:-1])
 
 
-async def test_crashed_consumer_jobs_are_recovered_exactly_once(
+async def test_crashed_consumer_jobs_are_recovered_exactly_once(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
     up1 = FakeUpstream(hold=hold)
-    first = QueueBench(queue_config(redis_server.url), up1, consumer="c1")
+    first = queue_bench(up1, consumer="c1")
     q = QueueClient(redis_async)
     jobs = await q.submit_many([BODY] * 40, reply_to="replies")
     await first.start()
@@ -325,8 +317,8 @@ async def test_crashed_consumer_jobs_are_recovered_exactly_once(
     info = await redis_async.xpending("routerd:requests", "routerd")
     assert info["pending"] == 40
     # Another daemon (different name) takes them over after reclaim_idle_ms; the first comes back too.
-    other = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c2")
-    again = QueueBench(queue_config(redis_server.url), FakeUpstream(), consumer="c1")
+    other = queue_bench(consumer="c2")
+    again = queue_bench(consumer="c1")
     await other.start()
     await again.start()
     try:
@@ -346,8 +338,9 @@ async def _held(bench: QueueBench, n: int) -> bool:
     return bench.ingress.held >= n and sum(bench.upstream.calls.values()) >= n
 
 
-async def test_result_record_matches_reply(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
-    bench = QueueBench(queue_config(redis_server.url, result_ttl_s=100), FakeUpstream())
+async def test_result_record_matches_reply(queue_bench: QueueBenchFactory, redis_server: RedisServer,
+                                           redis_async: aioredis.Redis) -> None:
+    bench = queue_bench(result_ttl_s=100)
     q = QueueClient(redis_async)
     job = await q.submit(BODY)
     await bench.start()
@@ -372,10 +365,10 @@ class _Exploding(FakeUpstream):
         return await super().forward(fleet, endpoint, body, sink, stream=stream, request_id=request_id)
 
 
-async def test_a_job_that_crashes_the_consumer_ends_dead_with_history(
+async def test_a_job_that_crashes_the_consumer_ends_dead_with_history(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     up = _Exploding()
-    bench = QueueBench(queue_config(redis_server.url, max_deliveries=2, reclaim_idle_ms=200), up)
+    bench = queue_bench(up, max_deliveries=2, reclaim_idle_ms=200)
     q = QueueClient(redis_async)
     bad = await q.submit({**BODY, "prompt": "boom"})
     good = await q.submit_many([BODY] * 20)
@@ -392,10 +385,10 @@ async def test_a_job_that_crashes_the_consumer_ends_dead_with_history(
     assert ["a bug triggered" in h["error"] for h in msgspec.json.decode(dead["history"])] == [True, True]
 
 
-async def test_stop_intake_finishes_in_flight_and_reads_no_more(
+async def test_stop_intake_finishes_in_flight_and_reads_no_more(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    bench = queue_bench(FakeUpstream(hold=hold))
     q = QueueClient(redis_async)
     first = await q.submit_many([BODY] * 5)
     await bench.start()
@@ -410,7 +403,7 @@ async def test_stop_intake_finishes_in_flight_and_reads_no_more(
     await asyncio.wait_for(bench.task, 5)  # run() returns once idle after stop_intake
     assert all(r.status == "ok" for r in (await q.wait_many(first, timeout=1)).values())
     assert [(await q.status(j)).state for j in later] == ["queued"] * 5  # left for the next start
-    again = QueueBench(queue_config(redis_server.url), FakeUpstream())  # the same consumer name
+    again = queue_bench()  # the same consumer name
     await again.start()
     try:
         assert all(r.status == "ok" for r in (await q.wait_many(later, timeout=10)).values())
@@ -420,13 +413,14 @@ async def test_stop_intake_finishes_in_flight_and_reads_no_more(
 
 
 async def test_unusable_reply_to_fails_only_its_own_job(redis_server: RedisServer,
+                                                       queue_bench: QueueBenchFactory,
                                                        redis_async: aioredis.Redis) -> None:
     """A reply_to that stops taking XADD mid-run (its key became a string) must not fail the other
     jobs whose results or chunks go to Redis in the same batch (they would be run by the engine
     again), and its own job is dead-lettered at once with the real reason, streamed or not."""
     hold = asyncio.Event()
     up = FakeUpstream(hold=hold)
-    bench = QueueBench(queue_config(redis_server.url), up)
+    bench = queue_bench(up)
     q = QueueClient(redis_async)
     streamed = {**BODY, "stream": True, "max_tokens": 4}
     bad = await q.submit(BODY, reply_to="becomes-a-string")
@@ -440,7 +434,7 @@ async def test_unusable_reply_to_fails_only_its_own_job(redis_server: RedisServe
         await redis_async.set("becomes-a-string", "x")  # SET replaces the reply stream
         hold.set()
         results = await q.wait_many(good + good_stream, timeout=10)
-        await until(lambda: _xlen(redis_async, "routerd:dead", 2))
+        await until(lambda: xlen_at_least(redis_async, "routerd:dead", 2))
     finally:
         await bench.stop()
     assert all(r.status == "ok" for r in results.values())
@@ -481,9 +475,10 @@ class _SlowToUnwind(FakeUpstream):
 
 
 async def test_stopped_consumer_leaves_no_job_task_behind(redis_server: RedisServer,
+                                                          queue_bench: QueueBenchFactory,
                                                           redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), _SlowToUnwind(hold=hold))
+    bench = queue_bench(_SlowToUnwind(hold=hold))
     q = QueueClient(redis_async)
     await q.submit_many([BODY] * 5, reply_to="replies")
     await bench.start()
@@ -494,15 +489,15 @@ async def test_stopped_consumer_leaves_no_job_task_behind(redis_server: RedisSer
 
 
 async def test_jobs_running_through_a_drain_are_not_taken_over(redis_server: RedisServer,
+                                                              queue_bench: QueueBenchFactory,
                                                               redis_async: aioredis.Redis) -> None:
     """Draining can outlast reclaim_idle_ms: a job still running here must stay ours, not be
     XAUTOCLAIMed and run a second time by another consumer."""
     hold = asyncio.Event()
     # 3 s of idle time (not the fixture's 0.5 s): a test process starved for a second must not make the
     # keep-alive look broken.
-    draining = QueueBench(queue_config(redis_server.url, reclaim_idle_ms=3000), FakeUpstream(hold=hold),
-                          consumer="c1")
-    other = QueueBench(queue_config(redis_server.url, reclaim_idle_ms=3000), FakeUpstream(), consumer="c2")
+    draining = queue_bench(FakeUpstream(hold=hold), consumer="c1", reclaim_idle_ms=3000)
+    other = queue_bench(consumer="c2", reclaim_idle_ms=3000)
     q = QueueClient(redis_async)
     job = await q.submit(BODY)
     await draining.start()

@@ -17,7 +17,7 @@ from routerd.client import QueueClient
 from routerd.config import parse
 from routerd.dataplane.sinks import ForwardResult
 from routerd.registry import Instance, InstanceState
-from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+from tests.fixtures.redis_server import FakeUpstream, QueueBenchFactory, RedisServer, queue_config
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
@@ -36,7 +36,7 @@ class _ByFleet:
                                 request=request)
 
 
-async def test_a_saturated_fleets_backlog_does_not_hold_up_an_idle_fleets_job(
+async def test_a_saturated_fleets_backlog_does_not_hold_up_an_idle_fleets_job(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """100 jobs for fleet ``f`` (2 slots, its engine not answering) ahead of one job for the idle fleet
     ``g`` in the stream: ``g``'s job is read and answered while ``f``'s all still wait, and what waits
@@ -49,7 +49,7 @@ async def test_a_saturated_fleets_backlog_does_not_hold_up_an_idle_fleets_job(
                             {"name": "g", "model": "m2", "engine": "sim"}]}, environ={})
     hold = asyncio.Event()
     up = _ByFleet(hold)
-    bench = QueueBench(cfg, up)
+    bench = queue_bench(up, cfg=cfg)
     bench.registry.add(Instance(id="g:0", fleet="g", url="http://127.0.0.1:2", state=InstanceState.READY))
     q = QueueClient(redis_async)
     saturating = await q.submit_many([{**BODY, "prompt": f"p{i}"} for i in range(100)], reply_to="replies")
@@ -74,7 +74,7 @@ async def test_a_saturated_fleets_backlog_does_not_hold_up_an_idle_fleets_job(
     assert (await redis_async.xpending("routerd:requests", "routerd"))["pending"] == 0
 
 
-async def test_jobs_waiting_for_their_retry_do_not_hold_up_reading(
+async def test_jobs_waiting_for_their_retry_do_not_hold_up_reading(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """Four jobs whose engine calls always fail wait in backoff between their deliveries (20 of them:
     over a minute). The job behind them in the stream is read and answered meanwhile; the four are
@@ -85,7 +85,7 @@ async def test_jobs_waiting_for_their_retry_do_not_hold_up_reading(
     cfg = queue_config(redis_server.url, read_batch=2, max_deliveries=20)
     cfg = parse({"redis": msgspec.to_builtins(cfg.redis), "admission": {"max_inflight_per_instance": 2},
                  "fleets": [{"name": "f", "model": "m", "engine": "sim"}]}, environ={})
-    bench = QueueBench(cfg, up)
+    bench = queue_bench(up, cfg=cfg)
     q = QueueClient(redis_async)
     bad = await q.submit_many([{**BODY, "prompt": f"bad{i}"} for i in range(4)], reply_to="replies")
     failing.update(j.id for j in bad)

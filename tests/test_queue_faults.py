@@ -14,7 +14,14 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.redis_server import EmbeddedRedis, embedded_url
-from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, fake_engines, queue_config
+from tests.fixtures.redis_server import (
+    FakeUpstream,
+    QueueBench,
+    QueueBenchFactory,
+    RedisServer,
+    fake_engines,
+    queue_config,
+)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
@@ -37,9 +44,9 @@ async def wait_done(r: aioredis.Redis, reply_to: str, n: int, timeout: float) ->
 
 
 async def run_through_outage(redis_server: RedisServer, redis_async: aioredis.Redis, *,
-                             kill: bool) -> QueueBench:
+                             queue_bench: QueueBenchFactory, kill: bool) -> QueueBench:
     n = 1000
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(delay_s=0.002))
+    bench = queue_bench(FakeUpstream(delay_s=0.002))
     jobs = await QueueClient(redis_async).submit_many([BODY] * n, reply_to="replies")
     await bench.start()
     await wait_done(redis_async, "replies", n // 4, timeout=20)
@@ -68,20 +75,22 @@ async def run_through_outage(redis_server: RedisServer, redis_async: aioredis.Re
     return bench
 
 
-async def test_redis_restarted_mid_run(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
-    await run_through_outage(redis_server, redis_async, kill=False)
+async def test_redis_restarted_mid_run(redis_server: RedisServer, redis_async: aioredis.Redis,
+                                       queue_bench: QueueBenchFactory) -> None:
+    await run_through_outage(redis_server, redis_async, queue_bench=queue_bench, kill=False)
 
 
-async def test_redis_killed_mid_run_then_back(redis_server: RedisServer,
-                                              redis_async: aioredis.Redis) -> None:
-    await run_through_outage(redis_server, redis_async, kill=True)
+async def test_redis_killed_mid_run_then_back(redis_server: RedisServer, redis_async: aioredis.Redis,
+                                              queue_bench: QueueBenchFactory) -> None:
+    await run_through_outage(redis_server, redis_async, queue_bench=queue_bench, kill=True)
 
 
-async def test_backlog_stays_in_redis(redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+async def test_backlog_stays_in_redis(queue_bench: QueueBenchFactory, redis_server: RedisServer,
+                                      redis_async: aioredis.Redis) -> None:
     hold = asyncio.Event()
     up = FakeUpstream(hold=hold)
     cfg = queue_config(redis_server.url)
-    bench = QueueBench(cfg, up, ready=2)  # 2 instances × 64 in flight each = 128 slots
+    bench = queue_bench(up, ready=2, cfg=cfg)  # 2 instances × 64 in flight each = 128 slots
     n = 3000
     await QueueClient(redis_async).submit_many([BODY] * n, reply_to="replies")
     await bench.start()
@@ -172,7 +181,7 @@ async def test_redis_password_from_the_environment(tmp_path: Path) -> None:
         cfg = parse_with_env(server.url, {"ROUTERD_REDIS_PASSWORD": "s3cret"})
         assert cfg.redis.password == "s3cret"
         assert raw.redis.password == ""
-        bench = QueueBench(cfg, FakeUpstream())
+        bench = QueueBench(cfg, FakeUpstream())  # its own Redis, with a password: not queue_bench's
         client = aioredis.Redis.from_url(server.url, password="s3cret", socket_timeout=5)
         try:
             q = QueueClient(client)

@@ -20,7 +20,7 @@ import structlog
 
 from routerd.client import QueueClient
 from routerd.config import parse
-from tests.fixtures.redis_server import FakeUpstream, QueueBench, RedisServer, queue_config
+from tests.fixtures.redis_server import FakeUpstream, QueueBenchFactory, RedisServer, queue_config
 from tests.test_queue import BODY, until
 
 KEY = "routerd:consumer:c1"
@@ -28,7 +28,7 @@ BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 async def test_a_newcomer_leaves_a_draining_holders_jobs_to_it_and_reads_once_it_let_go(
-        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+        queue_bench: QueueBenchFactory, redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     # Six slots: the holder, running six, has no read of the stream in flight when it stops (a read
     # then would leave what it got pending under the name until the holder lets go). No XAUTOCLAIM.
     cfg = parse({"redis": {"url": redis_server.url, "consumer": "c1", "block_ms": 200,
@@ -37,13 +37,13 @@ async def test_a_newcomer_leaves_a_draining_holders_jobs_to_it_and_reads_once_it
                  "fleets": [{"name": "f", "model": "m", "engine": "sim"}]}, environ={})
     hold = asyncio.Event()
     old_engine, new_engine = FakeUpstream(hold=hold), FakeUpstream()
-    old = QueueBench(cfg, old_engine, consumer="c1")
+    old = queue_bench(old_engine, consumer="c1", cfg=cfg)
     q = QueueClient(redis_async)
     first = await q.submit_many([{**BODY, "prompt": f"old {i}"} for i in range(6)], reply_to="replies")
     await old.start()
     await until(lambda: _running(old_engine, 6))
     old.ingress.stop_intake()  # draining, as an orphaned worker or a slow stop does: its jobs still run
-    new = QueueBench(cfg, new_engine, consumer="c1")
+    new = queue_bench(new_engine, consumer="c1", cfg=cfg)
     with structlog.testing.capture_logs() as logs:
         await new.start()
         try:
@@ -66,12 +66,12 @@ async def test_a_newcomer_leaves_a_draining_holders_jobs_to_it_and_reads_once_it
 
 
 async def test_a_holder_that_is_a_gone_process_of_this_host_is_taken_over_at_once(
-        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+        queue_bench: QueueBenchFactory, redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """The name's key names a process of this host that no longer runs (SIGKILLed, its key left to
     expire): its successor recovers the name's jobs at once, not after the key's TTL."""
     cfg = queue_config(redis_server.url, reclaim_idle_ms=600_000)
     hold = asyncio.Event()
-    crashed = QueueBench(cfg, FakeUpstream(hold=hold), consumer="c1")
+    crashed = queue_bench(FakeUpstream(hold=hold), consumer="c1", cfg=cfg)
     q = QueueClient(redis_async)
     jobs = await q.submit_many([BODY] * 5, reply_to="replies")
     await crashed.start()
@@ -84,7 +84,7 @@ async def test_a_holder_that_is_a_gone_process_of_this_host_is_taken_over_at_onc
     left = f"0123456789abcdef {boot}/{os.readlink('/proc/self/ns/pid')} {gone.pid} {socket.gethostname()}"
     await redis_async.set(KEY, left)  # as a SIGKILL leaves it (no TTL here: only the take-over frees it)
     engine = FakeUpstream()
-    again = QueueBench(cfg, engine, consumer="c1")
+    again = queue_bench(engine, consumer="c1", cfg=cfg)
     with structlog.testing.capture_logs() as logs:
         await again.start()
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from typing import Any
 
 import msgspec
@@ -17,24 +16,18 @@ import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
 from routerd.redis_keys import RedisKeys
+from tests.fixtures.helpers import until
 from tests.fixtures.redis_server import (
     FakeForwardResult,
     FakeUpstream,
-    QueueBench,
+    QueueBenchFactory,
     RedisServer,
     fields,
-    queue_config,
+    xlen_at_least,
 )
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 DEEP = 100_000
-
-
-async def until(pred: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def _json(job_id: str, reply_to: str, body: bytes) -> bytes:
@@ -96,7 +89,7 @@ POISON: list[tuple[str, bytes, str | None, str | None, str]] = [
 ]
 
 
-async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(
+async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """Non-UTF-8 bytes and 100,000-deep nesting used to raise out of the decoder on every delivery:
     reclaimed forever, never dead-lettered, no result for the producer."""
@@ -104,13 +97,13 @@ async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(
     for name, raw, *_ in POISON:
         entries[name] = (await redis_async.xadd("routerd:requests", {"job": raw})).decode()
     entries["no job field"] = (await redis_async.xadd("routerd:requests", {"jb": b"1"})).decode()
-    bench = QueueBench(queue_config(redis_server.url, max_deliveries=3, reclaim_idle_ms=200), FakeUpstream())
+    bench = queue_bench(max_deliveries=3, reclaim_idle_ms=200)
     q = QueueClient(redis_async)
     await bench.start()
     try:
         good = await q.submit_many([BODY] * 5)
         assert all(r.status == "ok" for r in (await q.wait_many(good, timeout=10)).values())
-        await until(lambda: _xlen(redis_async, "routerd:dead", len(entries)))
+        await until(lambda: xlen_at_least(redis_async, "routerd:dead", len(entries)), timeout=15)
         await asyncio.sleep(1.0)  # several reclaim periods: nothing comes back
     finally:
         await bench.stop()
@@ -167,7 +160,7 @@ def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() 
     assert RedisKeys().reserved("routerd") is not None  # the namespace itself
 
 
-async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
+async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """``reply_to: routerd:ratelimit:<tenant>`` turned the bucket into a stream (every rate-limit call
     then failed WRONGTYPE, for every routerd). Every key family is refused; each job is dead-lettered
@@ -185,12 +178,12 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
         raw = msgspec.json.encode({"id": f"own-{attr}", "endpoint": "/v1/completions", "body": BODY,
                                    "reply_to": name})
         jobs[attr] = (f"own-{attr}", (await redis_async.xadd("routerd:requests", {"job": raw})).decode())
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     await bench.start()
     try:
         good = await q.submit(BODY)
         assert (await q.wait(good, timeout=10)).status == "ok"
-        await until(lambda: _xlen(redis_async, "routerd:dead", len(jobs)))
+        await until(lambda: xlen_at_least(redis_async, "routerd:dead", len(jobs)), timeout=15)
     finally:
         await bench.stop()
     assert bench.upstream.calls == {good.id: 1}
@@ -208,13 +201,13 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(
     assert await redis_async.hget(keys.ratelimit("default"), "r") == b"5"
 
 
-async def test_reply_to_that_is_not_a_stream_is_refused_before_the_engine(
+async def test_reply_to_that_is_not_a_stream_is_refused_before_the_engine(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """A streamed job whose reply_to holds a string called the engine 5 times over ~50 s and then died
     with a generic reason; now both kinds die at once, with the real reason, and no engine call."""
     await redis_async.set("a-string", "x")
     await redis_async.hset("a-hash", "k", "v")
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     plain = await q.submit(BODY, reply_to="a-string")
     streamed = await q.submit({**BODY, "stream": True}, reply_to="a-string")
@@ -223,7 +216,7 @@ async def test_reply_to_that_is_not_a_stream_is_refused_before_the_engine(
     try:
         good = await q.submit({**BODY, "stream": True})
         assert (await q.wait(good, timeout=10)).status == "ok"
-        await until(lambda: _xlen(redis_async, "routerd:dead", 3))
+        await until(lambda: xlen_at_least(redis_async, "routerd:dead", 3), timeout=15)
         # The producer's own wait on such a reply_to ends with the stored error, not WRONGTYPE.
         waited = await q.wait(streamed, timeout=5)
     finally:
@@ -242,7 +235,7 @@ async def test_reply_to_that_is_not_a_stream_is_refused_before_the_engine(
     assert await redis_async.get("a-string") == b"x"  # the producer's key is left as it was
 
 
-async def test_wrong_typed_per_job_keys_fail_nobody(redis_server: RedisServer,
+async def test_wrong_typed_per_job_keys_fail_nobody(queue_bench: QueueBenchFactory, redis_server: RedisServer,
                                                     redis_async: aioredis.Redis) -> None:
     """A producer can create keys in routerd's namespace (a job's status hash, history list, chunk
     cursor) with the wrong type. A script step that raised on one used to abort the whole batch:
@@ -257,7 +250,7 @@ async def test_wrong_typed_per_job_keys_fail_nobody(redis_server: RedisServer,
     await redis_async.set(f"routerd:chunks:{odd[1].id}", "garbage cursor")
     others = await q.submit_many([{**BODY, "stream": True}] * 10 + [BODY] * 10)
     up = FakeUpstream()
-    bench = QueueBench(queue_config(redis_server.url), up)
+    bench = queue_bench(up)
     await bench.start()
     try:
         results = await q.wait_many(odd + others, timeout=10)
@@ -271,7 +264,7 @@ async def test_wrong_typed_per_job_keys_fail_nobody(redis_server: RedisServer,
     assert await redis_async.xlen("routerd:dead") == 0
 
 
-async def test_extreme_numbers_get_a_result(redis_server: RedisServer,
+async def test_extreme_numbers_get_a_result(queue_bench: QueueBenchFactory, redis_server: RedisServer,
                                             redis_async: aioredis.Redis) -> None:
     """Priorities and deadlines at the ends of 64 bits: a result each, nothing raises in the consumer."""
     q = QueueClient(redis_async)
@@ -280,7 +273,7 @@ async def test_extreme_numbers_get_a_result(redis_server: RedisServer,
     huge = msgspec.json.encode({"id": "huge", "endpoint": "/v1/completions", "body": BODY,
                                 "reply_to": "rh"}).replace(b'"body"', b'"priority":' + b"9" * 40 + b',"body"')
     await redis_async.xadd("routerd:requests", {"job": huge})
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     await bench.start()
     try:
         results = await q.wait_many([far, past, "huge"], timeout=10)
@@ -309,11 +302,11 @@ class _GarbledEngine(FakeUpstream):
         return FakeForwardResult(instance=f"{fleet}:0", attempts=1, status=200, ok=True, error=None)
 
 
-async def test_engine_bytes_that_do_not_decode_end_the_job_once(
+async def test_engine_bytes_that_do_not_decode_end_the_job_once(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """Such an answer used to raise out of the sink: the job crashed, was reclaimed and run again."""
     up = _GarbledEngine()
-    bench = QueueBench(queue_config(redis_server.url), up)
+    bench = queue_bench(up)
     q = QueueClient(redis_async)
     plain = await q.submit(BODY)
     streamed = await q.submit({**BODY, "stream": True})
@@ -330,17 +323,17 @@ async def test_engine_bytes_that_do_not_decode_end_the_job_once(
     assert (up.calls[plain.id], up.calls[streamed.id]) == (1, 1)
 
 
-async def test_garbage_on_the_cancel_channel_does_not_stop_the_consumer(
+async def test_garbage_on_the_cancel_channel_does_not_stop_the_consumer(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """Anyone can PUBLISH on the cancel channel; bytes that are not UTF-8 used to raise out of the
     listener and end the whole consumer (and with it the daemon)."""
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    bench = queue_bench(FakeUpstream(hold=hold))
     q = QueueClient(redis_async)
     await bench.start()
     try:
         running = await q.submit(BODY)
-        await until(lambda: _called(bench, running.id))
+        await until(lambda: bench.called(running.id), timeout=15)
         assert await redis_async.publish("routerd:cancel", b"\xff\xfe") == 1
         await q.cancel(running)  # the listener still works: this cancel reaches the running job
         res = await q.wait(running, timeout=5)
@@ -356,18 +349,18 @@ async def test_garbage_on_the_cancel_channel_does_not_stop_the_consumer(
 
 
 async def test_a_job_id_on_the_cancel_channel_without_its_cancel_key_cancels_nothing(
-        redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
+        queue_bench: QueueBenchFactory, redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """Whoever may PUBLISH on the cancel channel (every producer, under ``routerd redis-acl``) used to
     cancel any running job by naming it; a cancel is now one whose key (``<ns>:cancel:<id>``, which a
     producer's ACL lets it set for its own jobs only) is set too."""
     hold = asyncio.Event()
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream(hold=hold))
+    bench = queue_bench(FakeUpstream(hold=hold))
     q = QueueClient(redis_async)
     await bench.start()
     try:
         theirs, mine = await q.submit(BODY), await q.submit(BODY)
-        await until(lambda: _called(bench, theirs.id))
-        await until(lambda: _called(bench, mine.id))
+        await until(lambda: bench.called(theirs.id), timeout=15)
+        await until(lambda: bench.called(mine.id), timeout=15)
         assert await redis_async.publish("routerd:cancel", theirs.id) == 1  # a name, no key
         await q.cancel(mine)  # key and name: handled after the bare name, in order
         cancelled = await q.wait(mine, timeout=5)
@@ -380,11 +373,11 @@ async def test_a_job_id_on_the_cancel_channel_without_its_cancel_key_cancels_not
     assert served.status == "ok", served
 
 
-async def test_unreadable_entries_on_a_shared_reply_stream_are_skipped(
+async def test_unreadable_entries_on_a_shared_reply_stream_are_skipped(queue_bench: QueueBenchFactory,
         redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """A reply stream is the producer's and may be shared: an entry the client cannot decode (written
     by someone else) must not end the wait of the job whose result follows it."""
-    bench = QueueBench(queue_config(redis_server.url), FakeUpstream())
+    bench = queue_bench()
     q = QueueClient(redis_async)
     for junk in (b"\xff", b"[" * DEEP, b'{"id": 1}', b"{}"):
         await redis_async.xadd("shared", {"result": junk})
@@ -398,10 +391,3 @@ async def test_unreadable_entries_on_a_shared_reply_stream_are_skipped(
         await bench.stop()
     assert len(items) == 4  # its 3 chunks and its result
 
-
-async def _xlen(r: aioredis.Redis, key: str, n: int) -> bool:
-    return int(await r.xlen(key)) >= n
-
-
-async def _called(bench: QueueBench, job_id: str) -> bool:
-    return bool(bench.upstream.calls.get(job_id))

@@ -23,7 +23,7 @@ from routerd.client import QueueClient
 from routerd.ingress.queue.liveness import TTL_S
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 

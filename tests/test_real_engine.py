@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 
 from routerd.fleet.actor import group_members
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.test_fleet import make_cfg, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]

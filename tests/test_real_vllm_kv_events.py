@@ -32,7 +32,7 @@ from routerd.routing.engine_cache import block_keys
 from routerd.routing.engine_cache.subscriptions import EngineEvents, attach
 from routerd.vllm_wire import block_hash
 from tests.fixtures.dataplane import PlaneFactory
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.vllm import PAIR_BLOCK, PAIR_KV_BLOCKS, EnginePair, VllmServer, parse_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

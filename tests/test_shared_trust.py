@@ -33,7 +33,8 @@ from routerd.status import render
 from routerd.trust import Trust
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 from tests.test_fleet import SIM_ARGS, make_cfg

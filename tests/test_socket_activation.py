@@ -28,7 +28,7 @@ from routerd.registry import Registry
 from routerd_bench.restart import SocketHolder, child_env, restart_under_load
 from tests.fixtures.daemon import base_config, to_toml
 from tests.fixtures.dataplane import SimFactory, plane_config
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.sim import SimProcessFactory
 
 pytestmark = pytest.mark.timeout(150)

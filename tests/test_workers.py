@@ -31,7 +31,7 @@ from routerd.client import QueueClient
 from routerd.workers import WorkerSpec, worker_consumer
 from routerd_bench.restart import SocketHolder, child_env
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess, base_config, open_stream, to_toml
-from tests.fixtures.ray_cluster import eventually
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 

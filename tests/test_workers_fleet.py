@@ -25,7 +25,8 @@ from routerd.fleet.engine import EngineOps
 from routerd.fleet.ray_cluster import RayCluster
 from routerd.plugins import LaunchSpec
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
-from tests.fixtures.ray_cluster import RayTestCluster, eventually
+from tests.fixtures.helpers import eventually
+from tests.fixtures.ray_cluster import RayTestCluster
 from tests.fixtures.redis_server import RedisServer
 from tests.test_control_replicas import events
 from tests.test_workers import _alive, _who_answers
