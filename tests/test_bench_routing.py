@@ -86,6 +86,7 @@ def test_plans_are_seeded(name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # `routerd bench routing`, its sims and routerd
 @pytest.mark.timeout(420)
 def test_every_workload_gives_every_figure_for_every_router(tmp_path: Path) -> None:
     """Every workload but ``cache-pressure`` (the next test's) at a tiny size: real sim processes,
@@ -149,6 +150,7 @@ def test_every_workload_gives_every_figure_for_every_router(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # `routerd bench routing`, its sims and routerd
 @pytest.mark.timeout(300)
 def test_cache_pressure_by_events_and_by_the_model_with_two_routerd(tmp_path: Path) -> None:
     """``cache-pressure`` with ``--replicas 2``: two routerd processes on the same engines, the client

@@ -21,7 +21,7 @@ import pytest
 import routerd_bench
 from tests.fixtures.ray_cluster import RayTestCluster
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(240)]  # each runs `routerd bench` as a process
 
 SMOKED = {"overhead", "queue", "failover", "autoscale", "fairness", "scale", "batch"}
 ELSEWHERE = {"routing"}  # tests/test_bench_routing.py runs it through the command too

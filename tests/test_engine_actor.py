@@ -24,6 +24,8 @@ from routerd.plugins import LaunchSpec
 from tests.fixtures.helpers import eventually
 from tests.fixtures.ray_cluster import RayTestCluster
 
+pytestmark = pytest.mark.subprocess  # the engine actor's supervisor starts engines (sim processes)
+
 SPEC = LaunchSpec(fleet="t", index=0, model="sim-t", engine="sim",
                   engine_args={"max-num-seqs": 4, "ttft-ms": 5, "itl-ms": 2})
 

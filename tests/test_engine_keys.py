@@ -127,6 +127,7 @@ async def test_a_view_counts_at_least_the_engines_own_tokens() -> None:
     assert (await views.with_engine_keys(views.build("g", "/v1/completions", head), head)).engine_keys == ()
 
 
+@pytest.mark.subprocess  # the keying process
 async def test_a_keying_process_keys_as_the_thread_does_and_survives_its_worker() -> None:
     keyer = block_keys.SimKeyer()
     head = CompletionHead(model="m", prompt="many users " * 3000)

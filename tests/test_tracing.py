@@ -386,6 +386,7 @@ def _vllm_spec(binary: str, env: dict[str, str]) -> LaunchSpec:
                       env=env)
 
 
+@pytest.mark.vllm  # the launcher asks vLLM's own python what it can import
 async def test_vllm_is_launched_with_the_traces_endpoint_only_where_it_can_trace() -> None:
     """An engine whose Python has vLLM's tracing packages gets ``--otlp-traces-endpoint``; one without
     (routerd's own venv lacks the gRPC exporter vLLM imports) is launched without it."""
@@ -457,6 +458,7 @@ async def test_a_wait_for_admission_is_a_span_and_a_slot_at_once_is_not(otlp_rec
     assert waited.end_ns - waited.start_ns >= 40_000_000
 
 
+@pytest.mark.subprocess  # the benchmark's receiver process
 async def test_the_overhead_benchmarks_receiver_takes_routerds_exports() -> None:
     """``routerd bench overhead --tracing`` traces to a receiver of its own, in a process of its own
     (its CPU is not routerd's): routerd's exporter must see its posts taken, not failed."""
