@@ -28,6 +28,7 @@ pytest_plugins = [
 _WEIGHT = {"vllm": 5, "slow": 4, "ray": 3, "subprocess": 2, "redis": 1}
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test by what its fixtures start (``redis``, ``ray``, ``subprocess``, ``vllm``: the
     fixtures say so with ``tests.fixtures.helpers.starts``), so that ``make test-fast`` can leave those
@@ -53,6 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
 
 _GROUP = re.compile(r"""pytest\.mark\.xdist_group\(\s*(?:name\s*=\s*)?["']([^"']+)["']""")
 
