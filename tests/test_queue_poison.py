@@ -129,6 +129,10 @@ async def test_every_poison_message_is_dead_on_first_delivery_with_its_reason(qu
     assert bench.ingress.stats["dead"] == len(entries)
 
 
+# The client's own family: reply streams, a batch's results among them (the batch runner is a producer).
+CLIENTS_OWN = ("reply", "batch_results")
+
+
 def _every_key(keys: RedisKeys, job_id: str = "x1") -> dict[str, str]:
     """Every name :class:`RedisKeys` gives, found by looking at the class: a key family added later is
     covered without touching this test."""
@@ -137,8 +141,10 @@ def _every_key(keys: RedisKeys, job_id: str = "x1") -> dict[str, str]:
         if attr.startswith("_") or attr in ("from_config", "reserved", "group"):  # group: not a key
             continue
         value = getattr(keys, attr)
-        if callable(value):  # a key family takes its suffix; a single key (the shared view's) none
-            value = value(job_id) if inspect.signature(value).parameters else value()
+        if callable(value):  # a key family takes its suffix (a file's piece: its id and number); a single
+            # key (the shared view's) none
+            params = inspect.signature(value).parameters
+            value = value(*([job_id, 0][:len(params)]))
         assert isinstance(value, str), attr
         names[attr] = value
     assert {"done", "status", "ratelimit", "usage", "dead", "stream"} <= set(names)
@@ -150,7 +156,7 @@ def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() 
                  RedisKeys(stream="solo", dead="x")):
         for attr, name in _every_key(keys).items():
             why = keys.reserved(name)
-            if attr == "reply":
+            if attr in CLIENTS_OWN:
                 assert why is None, name
             else:
                 assert why is not None, (attr, name)
@@ -168,7 +174,7 @@ async def test_reply_to_naming_a_key_routerd_owns_is_dead_without_touching_it(qu
     keys = RedisKeys()
     await redis_async.hset(keys.ratelimit("default"), mapping={"r": "5", "t": "0", "ts": "1"})
     await redis_async.hset(keys.usage("2026-01-01"), "default|f|requests", "3")
-    names = {attr: name for attr, name in _every_key(keys, "victim").items() if attr != "reply"}
+    names = {attr: name for attr, name in _every_key(keys, "victim").items() if attr not in CLIENTS_OWN}
     before = {name: await redis_async.type(name) for name in names.values()}
     q = QueueClient(redis_async)
     with pytest.raises(ValueError, match="routerd's own key"):
