@@ -43,7 +43,6 @@ from . import log
 from ._aio import cancel_and_wait
 from .config import Config, FleetConfig
 from .dataplane.admission import Admission
-from .dataplane.affinity import ResponseAffinity
 from .dataplane.dispatch import Dispatch
 from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
@@ -69,6 +68,7 @@ if TYPE_CHECKING:  # imported where used: the queue pulls in its Redis scripts, 
     from prometheus_client.registry import Collector
 
     from .batches import BatchRunner
+    from .conversations.flow import Responses
     from .fleet import FleetManager, RayCluster
     from .ingress.queue import QueueIngress
     from .peers import SharedMeasures
@@ -278,9 +278,10 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     upstream.update_fleets(cfg.fleets)
     dispatch = Dispatch(views=router.views, admission=admission, engine=upstream, tenancy=tenancy,
                         telemetry=telemetry, tracing=tracing, clock=clock)
-    # issue 29: a Responses chain's next turn goes where its previous response was made (a conversation
-    # layer replaces or wraps this hook)
-    dispatch.hooks["/v1/responses"] = ResponseAffinity(router, registry)
+    # issue 29: a Responses turn made whole from routerd's store, recorded as its answer passes; its
+    # chain's next turn goes where this one was served (routerd/conversations/)
+    responses = _responses(cfg, registry, router, view_redis)
+    dispatch.hooks["/v1/responses"] = responses
     # Watching engines (scrapes, static heartbeats) on lean keep-alive connections of its own, apart
     # from the engine calls': with hundreds of instances aiohttp's per-request cost was most of it.
     watch_pool = EnginePool(connect_timeout_s=cfg.routing.connect_timeout_s,
@@ -316,6 +317,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        elastic=elastic, control=control.status, **_http_view(fleet_view, fleets))
     _batch_routes(http, batches, tenancy)  # issue 31
+    _conversation_routes(http, responses, tenancy)  # issue 29
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -352,6 +354,31 @@ def _batch_routes(http: HttpIngress, runner: BatchRunner | None, tenancy: Tenanc
 
     http.batch_routes = lambda app: add_batch_routes(app, runner, tenancy)
     http.batch_status = runner.status
+
+
+def _conversation_routes(http: HttpIngress, responses: Responses, tenancy: Tenancy) -> None:
+    """The stored routes (``GET``/``DELETE /v1/responses/{id}``…, ``/v1/conversations``) on the ingress."""
+    from .conversations import ConversationRoutes
+    from .ingress.auth import authenticate
+
+    http.conversation_routes = lambda app: ConversationRoutes(responses.store).add_to(
+        app, lambda r: authenticate(r, tenancy.directory).name)
+
+
+def _responses(cfg: Config, registry: Registry, router: Router, redis: aioredis.Redis | None) -> Responses:
+    """The ``/v1/responses`` flow (issue 29) over routerd's store: the shared Redis, else memory."""
+    from .conversations import MemoryStore, RedisStore, Store
+    from .conversations.flow import Responses
+    from .redis_keys import RedisKeys
+
+    store: Store = MemoryStore(cfg.responses) if redis is None else RedisStore(
+        redis, RedisKeys.from_config(cfg.redis), cfg.responses, op_timeout_s=cfg.redis.op_timeout_s)
+
+    def generation_of(instance_id: str) -> int:
+        inst = registry.get(instance_id)
+        return inst.generation if inst is not None else 0
+
+    return Responses(store, generation_of=generation_of, served=router.served)
 
 
 def _required(seals: Seals | None) -> Seals:

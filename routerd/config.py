@@ -41,6 +41,7 @@ from .config_schema import (
     RayConfig,
     RedisConfig,
     Replicas,
+    ResponsesConfig,
     RoutingConfig,
     Seconds,
     TenantConfig,
@@ -51,8 +52,8 @@ __all__ = [
     "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "ConfigError",
     "ControlConfig", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
-    "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds",
-    "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"
+    "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "ResponsesConfig", "RoutingConfig",
+    "Seconds", "TenantConfig", "TracingConfig", "load", "parse", "secret_values", "state_dir"
 ]
 
 class ConfigError(Exception):

@@ -14,8 +14,8 @@ from msgspec import Meta
 __all__ = [
     "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "Count", "DaemonConfig",
     "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount", "MaybeSeconds",
-    "Name", "RayConfig", "RedisConfig", "Replicas", "RoutingConfig", "Seconds", "TenantConfig",
-    "TracingConfig",
+    "Name", "RayConfig", "RedisConfig", "Replicas", "ResponsesConfig", "RoutingConfig", "Seconds",
+    "TenantConfig", "TracingConfig",
 ]
 
 # Every number has both bounds, so that whatever passes is a value the code can use: a TOML `inf`, a
@@ -292,6 +292,19 @@ class BatchesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     poll_s: Interval = 1.0  # how often a routerd looks for batches nobody runs
 
 
+class ResponsesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[responses]``: the Responses-API records and conversations routerd keeps (routerd/conversations/),
+    in Redis when routerd has one, else in this process's memory."""
+
+    # How long a stored response is kept after its last use (a chain continued keeps its turns), and a
+    # conversation after its last change: 7 days. OpenAI keeps responses 30 days, but routerd keeps them
+    # in Redis' memory; agents continue a chain within minutes or hours, and a week covers a weekend.
+    ttl_s: Annotated[float, Meta(ge=60, le=365 * 86_400)] = 7 * 86_400.0
+    # Records (responses) and conversations each tenant may have; beyond it the least recently used go.
+    max_per_tenant: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
+    max_conversation_items: Count = 10_000  # items one conversation holds (OpenAI adds 20 per call)
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = DaemonConfig()
     http: HttpConfig = HttpConfig()
@@ -305,6 +318,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     tracing: TracingConfig = TracingConfig()
     control: ControlConfig = ControlConfig()
     batches: BatchesConfig = BatchesConfig()
+    responses: ResponsesConfig = ResponsesConfig()
 
     def fleet(self, name: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.name == name), None)

@@ -54,6 +54,9 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     # appends (its Lua scripts too)
     "zadd", "zrem", "zrevrank", "zrevrange", "persist", "unlink", "hlen", "getbit", "setbit", "append",
     "strlen",
+    # stored responses and conversations (conversations/store.py): each tenant's index by last use,
+    # a conversation's items
+    "zremrangebyscore", "zcard", "zpopmin", "llen", "lrem",
 )
 
 # What routerd.client.QueueClient sends: submit (HSETNX + EXPIRE + XADD in MULTI), wait (XREAD, GET,

@@ -211,6 +211,29 @@ class RedisKeys:
         client's family, as any producer's)."""
         return self.reply(f"batch:{batch_id}")
 
+    # Responses-API records and conversations (routerd/conversations/store.py)
+    def response(self, response_id: str) -> str:
+        """A stored response (msgpack ``ResponseRecord``: its tenant, input and output items, chain link),
+        expiring ``[responses] ttl_s`` after its last use."""
+        return self._key("response", response_id)
+
+    def responses(self, tenant: str) -> str:
+        """Sorted set: a tenant's stored response ids by last use (ms), to keep it to its
+        ``max_per_tenant``."""
+        return self._key("responses", tenant)
+
+    def conversation(self, conversation_id: str) -> str:
+        """A conversation (msgpack ``ConversationRecord``: tenant, created_at, metadata)."""
+        return self._key("conversation", conversation_id)
+
+    def conversation_items(self, conversation_id: str) -> str:
+        """List: a conversation's items (JSON objects, each with its ``id``), oldest first."""
+        return self._key("conversation_items", conversation_id)
+
+    def conversations(self, tenant: str) -> str:
+        """Sorted set: a tenant's conversation ids by last change (ms), as :meth:`responses`."""
+        return self._key("conversations", tenant)
+
     @property
     def cancel_channel(self) -> str:
         """Pub/sub channel on which cancel requests are announced to every consumer."""

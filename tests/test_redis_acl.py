@@ -114,6 +114,21 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
                                   json={"model": "m", "prompt": "hi", "max_tokens": 2}) as r:
                     statuses.append(r.status)
             assert sorted(statuses) == [200, 200, 200, 429, 429]
+            # stored conversations (conversations/store.py): made on one process, changed on the other
+            team = {"Authorization": "Bearer sk-team-Acl4"}
+            async with s.post(f"{first.url}/v1/conversations", headers=team,
+                              json={"items": [{"role": "user", "content": "a"}]}) as r:
+                assert r.status == 200, await r.text()
+                conv = (await r.json())["id"]
+            async with s.post(f"{second.url}/v1/conversations/{conv}/items", headers=team,
+                              json={"items": [{"role": "user", "content": "b"}]}) as r:
+                added = (await r.json())["first_id"]
+            async with s.delete(f"{first.url}/v1/conversations/{conv}/items/{added}", headers=team) as r:
+                assert r.status == 200, await r.text()
+            async with s.get(f"{second.url}/v1/conversations/{conv}/items", headers=team) as r:
+                assert [i["content"] for i in (await r.json())["data"]] == ["a"]
+            async with s.delete(f"{second.url}/v1/conversations/{conv}", headers=team) as r:
+                assert r.status == 200, await r.text()
 
         # the producer's client: submit, wait, status, cancel — as the producer user
         job = await producer.submit({"model": "m", "prompt": "as a producer", "max_tokens": 3})

@@ -262,7 +262,7 @@ class Attempts:
             with _Deadline(task, self._loop, self.cfg.first_byte_timeout_s):
                 resp = await self.pool.post(inst.url + endpoint, body, headers,
                                             self.bearers.get(inst.fleet, ""))
-                first = await _first_chunk(resp, stream)
+                first = await _first_chunk(resp, stream, endpoint)
             if first is None:
                 # Non-streaming (or an error answer): the whole body is the first byte. Its read is
                 # bounded by the socket read timeout, not the first-byte one (headers came; the body
@@ -367,9 +367,11 @@ def _error_answer(route: Route, body: bytes, status: int) -> bytes:
     return engine_error_body(route.errors, body, status, error_message(body, status))
 
 
-async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
+async def _first_chunk(resp: Response, stream: bool, endpoint: str) -> bytes | None:
     """A stream's first chunk (``None`` for a non-stream or a 4xx: the caller reads the whole body);
-    raises :class:`Retry` for a 5xx answer, an empty stream or an error event before any token."""
+    raises :class:`Retry` for a 5xx answer, an empty stream or an error event before any token. A
+    Responses stream's reaches up to its first event after the two vLLM opens it with
+    (:func:`relay.first_output`)."""
     if resp.status >= 500:
         msg = error_message(await resp.read(), resp.status)
         raise Retry(f"status_{resp.status}", f"HTTP {resp.status}: {msg}", resp.status, answered=True)
@@ -385,7 +387,13 @@ async def _first_chunk(resp: Response, stream: bool) -> bytes | None:
     first = await resp.readany()
     if not first:
         raise Retry("empty", "the engine closed the stream before sending anything")
-    if first.startswith(ERROR_MARK) or first.startswith(EVENT_ERROR_MARK):
+    if endpoint == "/v1/responses":
+        first, kind = await relay.first_output(resp, first)
+        if not kind:
+            raise Retry("empty", "the engine closed the stream before its first output event")
+        if kind in (b"error", b"response.failed"):
+            raise Retry("error_event", f"{kind.decode()} event before any output", answered=True)
+    elif first.startswith(ERROR_MARK) or first.startswith(EVENT_ERROR_MARK):
         raise Retry("error_event", "error event before any token: " + event_message(first),
                      answered=True)
     return first

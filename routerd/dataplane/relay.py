@@ -24,6 +24,7 @@ from .resume_stream import ResumableStream
 from .sinks import ResponseSink
 
 __all__ = ["ERROR_MARK", "EVENT_ERROR_MARK", "NET_ERRORS", "Ending", "InstanceLost", "by_event", "events",
+           "first_output",
            "passthrough"]
 
 ERROR_MARK = b'data: {"error"'
@@ -141,3 +142,37 @@ async def by_event(resp: Response, sink: ResponseSink, first: bytes, rs: Resumab
     if not rs.done:
         return Ending("incomplete", "the engine closed the stream before [DONE]")
     return Ending()
+
+
+# The Responses API's two opening events: vLLM sends them at once, before the prefill (its
+# ``responses_stream_generator`` yields them before it awaits the engine's first output).
+_OPENING = (b"response.created", b"response.in_progress")
+
+
+def _event_type(event: bytes) -> bytes:
+    if event.startswith(b"event: "):
+        end = event.find(b"\n")
+        return event[7:end] if end >= 0 else event[7:]
+    i = event.find(b'"type":"')
+    return event[i + 8:event.find(b'"', i + 8)] if i >= 0 else b""
+
+
+async def first_output(resp: Response, first: bytes) -> tuple[bytes, bytes]:
+    """A Responses stream's bytes up to its first event after ``response.created`` and
+    ``response.in_progress``, and that event's type (b"" if the stream ended first). Those two say
+    nothing of whether the engine can serve the request: until an event after them, nothing reaches the
+    client, and a failure is retried on another instance like one before any other stream's first byte
+    (issue 29)."""
+    buf, start = first, 0
+    while True:
+        end = buf.find(b"\n\n", start)
+        while end >= 0:
+            event = buf[start:end].lstrip(b"\r\n")
+            if event and _event_type(event) not in _OPENING:
+                return buf, _event_type(event)
+            start = end + 2
+            end = buf.find(b"\n\n", start)
+        chunk = await resp.readany()
+        if not chunk:
+            return buf, b""
+        buf += chunk

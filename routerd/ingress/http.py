@@ -208,6 +208,7 @@ class HttpIngress:
         self.connections = ClientConnections(cfg.http, telemetry)
         # batches (issue 31): the Batch API's routes and its part of /admin/fleets, set by the assembly
         self.batch_routes: ExtraRoutes | None = None
+        self.conversation_routes: ExtraRoutes | None = None  # stored responses, conversations (issue 29)
         self.batch_status: Callable[[], dict[str, Any]] | None = None
         self.update_config(cfg)
 
@@ -232,6 +233,8 @@ class HttpIngress:
         app.router.add_get("/admin/fleets", self.admin_fleets)
         if self.batch_routes is not None:  # batches (issue 31): /v1/files, /v1/batches
             self.batch_routes(app)
+        if self.conversation_routes is not None:  # GET/DELETE /v1/responses/{id}…, /v1/conversations
+            self.conversation_routes(app)
         app.on_response_prepare.append(_stamp_request_id)
         app.on_response_prepare.append(self._close_when_draining)
         if extra_routes is not None:

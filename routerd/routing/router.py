@@ -309,6 +309,13 @@ class Router:
         self._sent(inst, chosen, req, inst.id in events)
         return RouteDecision(inst, chosen, views, req, self.policy.name, rule, events)
 
+    def served(self, session: str, instance_id: str, generation: int) -> None:
+        """Where ``session``'s last turn was served, as a record says (a stored response's): kept unless
+        this process routed the session itself, so a chain returns to its instance after its session
+        left the shared table."""
+        if self.sessions.last(session) is None:
+            self.sessions.remember(session, instance_id, generation)
+
     async def recall(self, session: str) -> None:
         """Before a turn of ``session`` is routed: if this process has not routed it, learn where
         another process did (bounded; see :mod:`routerd.peers.sessions`)."""
