@@ -23,7 +23,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +68,7 @@ _RESTART_ONLY = (
 _STOP_GRACE_S = 30.0  # past drain_timeout_s: closing streams, ending tasks, closing Redis and HTTP
 _ENGINES_STOP_S = 90.0  # more, with daemon.stop_engines_on_exit (each engine gets a graceful stop)
 _FORCED_STOP_S = 3.0  # after a second TERM/INT
-_TASKS_STOP_S = 15.0  # for the long-running tasks to end once cancelled (the queue's take up to 7 s)
+_TASKS_STOP_S = 15.0  # for the daemon's own tasks (watchdog, workers) to end once cancelled
 
 
 class Daemon:
@@ -98,6 +98,7 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self.stop_deadline = StopDeadline()
         self.routerd: Routerd | None = None  # every component, from the one builder (_startup)
+        self._stuck = 0  # the routerd's loops that did not end when cancelled
 
     # signals ---------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -239,8 +240,7 @@ class Daemon:
             self.cfg, self.registry, sockets=sockets,
             status=self._starting, ray_connected=self._install_signals, built=self._built, role=role,
             collectors=collectors, worker=self.worker.index if self.worker is not None else None))
-        for name, loop in routerd.loops().items():
-            self._spawn(tg, loop, name)
+        routerd.start(tg)
         self._spawn(tg, self._watchdog(), "watchdog")
         if role is Role.PARENT:
             self._starting("workers")
@@ -319,45 +319,18 @@ class Daemon:
         assert routerd is not None, "_shutdown() runs after _startup()"
         if self.workers is not None:  # each worker drains as one routerd does; Redis outlives them
             await self.workers.stop(cfg.daemon.drain_timeout_s + _STOP_GRACE_S)
-        listener, queue = routerd.listener, routerd.queue
-        if queue is not None:
-            queue.stop_intake()
-        await self._bounded("stop_intake", listener.stop_intake(), 5.0)
-        deadline = started + cfg.daemon.drain_timeout_s
-        waits = [listener.wait_idle(deadline - time.monotonic())]
-        if queue is not None:
-            waits.append(queue.wait_idle(deadline - time.monotonic()))
-        drained: asyncio.Future[Any] = asyncio.gather(*waits)
-        force: asyncio.Future[Any] = asyncio.create_task(self._force.wait())
-        done, _ = await asyncio.wait({drained, force}, timeout=max(0.0, deadline - time.monotonic()) + 1.0,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        force.cancel()
-        if drained not in done:
-            drained.cancel()
-            if force in done:
-                _logger.warning("drain_interrupted")
-        elif drained.exception() is not None:  # retrieved, so it is logged once, here
-            _logger.error("drain_wait_failed", exc_info=drained.exception())
-        await self._bounded("close_streams", listener.close_streams("routerd is shutting down"), 5.0)
-        if routerd.fleets is not None:
-            stop_engines = cfg.daemon.stop_engines_on_exit
-            await self._bounded("fleets", routerd.fleets.shutdown(stop_engines=stop_engines),
-                                _ENGINES_STOP_S if stop_engines else 10.0)
+        # The one ordered stop, the tests' and the benchmarks' too (routerd/assembly/routerd.py).
+        self._stuck = await routerd.shutdown(drain_timeout_s=max(0.0, started + cfg.daemon.drain_timeout_s
+                                                                 - time.monotonic()),
+                                             stop_engines=cfg.daemon.stop_engines_on_exit, force=self._force)
         _logger.info("drain_finished", took_s=round(time.monotonic() - started, 3))
 
     async def _end_tasks(self) -> None:
-        """Cancel the long-running tasks. One that does not end makes the process exit now: the
-        TaskGroup would wait for it forever."""
-        stuck = await _aio.cancel_and_wait(self._tasks, _TASKS_STOP_S)
+        """Cancel the daemon's own tasks (the routerd's loops ended with its stop). One that does not
+        end makes the process exit now: the TaskGroup would wait for it forever."""
+        stuck = self._stuck + len(await _aio.cancel_and_wait(self._tasks, _TASKS_STOP_S))
         if stuck:
-            self.stop_deadline.fire(f"{len(stuck)} task(s) did not end when cancelled")
-
-    @staticmethod
-    async def _bounded(step: str, aw: Awaitable[Any], timeout_s: float) -> None:
-        try:
-            await _aio.wait_for(aw, timeout_s)
-        except TimeoutError:
-            _logger.error("stop_step_timed_out", step=step, timeout_s=timeout_s)
+            self.stop_deadline.fire(f"{stuck} task(s) did not end when cancelled")
 
     # reload ----------------------------------------------------------------------------------
     async def reload(self) -> bool:

@@ -301,12 +301,15 @@ def queue_collector(queue: QueueFigures) -> Collector:
 
 class Metrics:
     """The ``GET /metrics`` body: the request path's counters (:class:`Telemetry`) and the collectors
-    that read the other components' state at scrape time — all given when it is built, the last step
-    of the assembly (routerd/assembly.py), once every component exists."""
+    that read the other components' state at scrape time — added by the assembly (routerd/assembly/)
+    once every bundle exists, before anything is served."""
 
-    def __init__(self, telemetry: Telemetry, collectors: Iterable[Collector]) -> None:
+    def __init__(self, telemetry: Telemetry, collectors: Iterable[Collector] = ()) -> None:
         self._prom = CollectorRegistry(auto_describe=False)
         self._prom.register(telemetry.prom)  # unchecked: its own series are checked where created
+        self.add(collectors)
+
+    def add(self, collectors: Iterable[Collector]) -> None:
         for collector in collectors:
             self._prom.register(collector)
 

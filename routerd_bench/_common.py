@@ -343,12 +343,12 @@ async def _serve_plane(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    async with running(cfg, registry, port=None) as routerd:
+    # stopped as the daemon stops (intake, drain, close), on the benchmark's TERM
+    async with running(cfg, registry, port=None, drain_timeout_s=cfg.daemon.drain_timeout_s):
         # A static fleet's capacity comes from its config; the benchmark's mixed fleet says it per URL.
         for inst in registry:
             inst.capacity_hint = int(spec["capacities"].get(inst.id, inst.capacity_hint))
         await stop.wait()
-        await routerd.listener.stop_intake()
 
 
 def main(argv: list[str]) -> int:

@@ -81,7 +81,8 @@ async def run_bench(n: int, engines: int, max_num_seqs: int, in_flight: int) -> 
             stack.push_async_callback(raw.aclose)
             bodies = _bodies(n)
             async with queue_path(cfg, url) as routerd:
-                ingress, runner = routerd.queue, routerd.batches
+                ingress = routerd.queue
+                runner = routerd.batches.runner if routerd.batches is not None else None
                 assert ingress is not None
                 assert runner is not None
                 await wait_ready(routerd.registry, ["bench"], 30)

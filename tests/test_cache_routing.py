@@ -41,7 +41,7 @@ async def test_a_conversation_stays_on_the_instance_whose_engine_holds_it(sims: 
     ``/admin/fleets`` shows the hit ratio routerd predicted beside the engine's."""
     engines = [await sims(max_num_seqs=4, prefill_ms_per_token=0.02) for _ in range(3)]
     plane = await dataplane([e.url for e in engines], routing={"prefix_block_tokens": 16})
-    assert plane.dp.router.policy.name == "cache_aware"  # the default
+    assert plane.dp.serving.router.policy.name == "cache_aware"  # the default
     messages = [{"role": "system", "content": "You answer questions about the document."},
                 {"role": "user", "content": DOC + " What does paragraph 3 say?"}]
     served: list[str] = []

@@ -34,7 +34,7 @@ async def test_losing_control_keeps_the_engines_and_a_new_term_adopts_them_in_pl
     }, environ={})
     registry = Registry()
     async with assembly.running(cfg, registry) as routerd:
-        fm, control = routerd.fleets, routerd.control
+        fm, control = routerd.fleets, routerd.core.control
         assert fm is not None
         assert control.controls
         assert await eventually(lambda: registry.ready_count("t") == 1, 60)

@@ -52,9 +52,9 @@ async def test_an_engine_a_new_term_stops_leaves_the_published_state_at_once(
         gone = r.registry.get("fh:1")
         assert gone is not None
         assert gone.pid is not None
-        dead_pid, terms = gone.pid, r.control.acquisitions
+        dead_pid, terms = gone.pid, r.core.control.acquisitions
         redis_server.client().flushall()
-        assert await eventually(lambda: r.control.acquisitions > terms and r.control.controls, 30)
+        assert await eventually(lambda: r.core.control.acquisitions > terms and r.core.control.controls, 30)
         # The next term adopted fh:0 and stopped fh:1: gone from the registry, not left "ready".
         assert await eventually(lambda: [i.id for i in r.registry] == ["fh:0"], 30), \
             [(i.id, i.state, i.pid) for i in r.registry]

@@ -276,7 +276,7 @@ async def test_daemon_start_up_failing_after_fleets_stops_supervising(ray_cluste
         assert info.group_contains(OSError)
     assert daemon.routerd is not None
     assert daemon.routerd.fleets is not None
-    assert daemon.routerd.session.closed  # no leaked aiohttp session
+    assert daemon.routerd.core.session.closed  # no leaked aiohttp session
     assert not daemon.routerd.fleets._tasks  # no supervisor left running
 
 

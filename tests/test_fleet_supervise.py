@@ -257,7 +257,7 @@ async def test_a_heartbeat_failure_ends_the_streams_on_the_hung_engine(
         await until(lambda: registry.ready_count("f") == 1, "ready")
         inst = fm.supervisors["f:0"].slot.inst
         dp = build(cfg, registry, session, tracing=Tracing.off())
-        async with dp.listener as listener, aiohttp.ClientSession() as client:
+        async with dp.serving.listener as listener, aiohttp.ClientSession() as client:
             url = await listener.start(port=0)
             body = {"model": "m", "prompt": "hi", "max_tokens": 2000, "stream": True}
             async with client.post(url + "/v1/completions", json=body) as r:

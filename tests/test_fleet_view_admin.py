@@ -120,8 +120,8 @@ async def test_with_no_controller_an_admin_call_is_refused_and_never_done_later(
     urls = [(await scripted_engine()).url for _ in range(2)]
     async with pair(redis_server, urls) as (a, b, flag_a, _):
         await until(lambda: b.registry.ready_count("f") == 2, "the follower to follow")
-        assert b.admin_relay is not None
-        b.admin_relay.answer_within_s = 1.0
+        assert b.peers.admin_relay is not None
+        b.peers.admin_relay.answer_within_s = 1.0
         flag_a.on = False  # nobody controls
         started = time.monotonic()
         status, body = await call(client, "POST", b.url + "/admin/instances/f:static1/drain",

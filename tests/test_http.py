@@ -274,7 +274,7 @@ async def test_unknown_routes_and_unexpected_failures_answer_in_openai_json(
         def choose(self, candidates: Any, rng: Any) -> Any:
             raise LookupError("a faulty policy plugin")
 
-    router = plane.dp.router
+    router = plane.dp.serving.router
     good = router.policy
     router.policy = Broken()  # type: ignore[assignment]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -360,9 +360,9 @@ async def admin_plane(urls: list[str], host: str) -> AsyncIterator[tuple[str, Ro
     cfg = plane_config(urls, http={"host": host})
     async with make_session(cfg.routing) as session:
         dp = build(cfg, Registry(), session, tracing=Tracing.off())
-        async with dp.listener as listener, asyncio.TaskGroup() as tg:
+        async with dp.serving.listener as listener, asyncio.TaskGroup() as tg:
             url = await listener.start(lambda app: add_admin_routes(app, cast("FleetManager", fleets),
-                                                                    dp.static_health,
+                                                                    dp.watch.static_health,
                                                                     lambda: dp.http.cfg.http.admin_api_key),
                                        port=0)
             tasks = [tg.create_task(coro) for coro in dp.loops().values()]

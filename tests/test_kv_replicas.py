@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Any
 
 import aiohttp
 
-from routerd.routing.engine_cache.block_keys import SimKeyer
-from routerd.routing.engine_cache.subscriptions import attach
-from routerd.vllm_wire import block_hash
-from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
+from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory, kv_events_args
 from tests.fixtures.vllm import parse_metrics
 
 KV = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
@@ -58,23 +54,12 @@ async def _alternate(planes: list[RunningPlane], engines: list[Any]) -> float:
 
 async def _run(sims: SimFactory, dataplane: PlaneFactory, routerds: int, events: bool) -> float:
     engines = [await sims(kv_events_config=KV, max_num_seqs=8, prefill_ms_per_token=0.05) for _ in range(3)]
-    planes = [await dataplane([e.url for e in engines]) for _ in range(routerds)]
-    root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
-    tasks = []
-    async with aiohttp.ClientSession() as session:
-        try:
-            if events:
-                for p in planes:
-                    keyers = {"f": (SimKeyer(), 16, root)}
-                    ev = attach(p.dp.router, p.dp.telemetry, p.registry, session, keyers)
-                    tasks.append(asyncio.create_task(ev.run(interval_s=0.1)))
-                    await p.wait_for(lambda p=p: all(i.cache_view.get("cache_view") == "events"
-                                                     for i in p.registry), what="subscribed")
-            return await _alternate(planes, engines)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    args = kv_events_args() if events else None  # routing by the engines' events, or the request-side model
+    planes = [await dataplane([e.url for e in engines], engine_args=args) for _ in range(routerds)]
+    for p in planes if events else []:
+        await p.wait_for(lambda p=p: all(i.cache_view.get("cache_view") == "events" for i in p.registry),
+                         timeout=30, what="subscribed")
+    return await _alternate(planes, engines)
 
 
 async def test_two_routerd_alternating_turns_hit_as_one_does_with_events(sims: SimFactory,

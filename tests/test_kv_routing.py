@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 import structlog
 
-from routerd.routing.engine_cache.block_keys import SimKeyer
-from routerd.routing.engine_cache.subscriptions import EngineEvents, attach
-from routerd.vllm_wire import block_hash
-from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
+from routerd.routing.engine_cache.subscriptions import EngineEvents
+from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory, kv_events_args
 from tests.fixtures.vllm import parse_metrics
 
 KV = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
@@ -36,27 +32,18 @@ def queries(engine: Any) -> float:
 
 @pytest.fixture
 async def subscribed(sims: SimFactory, dataplane: PlaneFactory
-                     ) -> AsyncIterator[tuple[RunningPlane, list[Any], EngineEvents]]:
+                     ) -> tuple[RunningPlane, list[Any], EngineEvents]:
     # 32 blocks of 16 tokens each: six conversations of four turns do not fit in two engines (evictions).
     # A step that admits requests takes 50 ms: a burst is routed before any engine announces its blocks.
     engines = [await sims(kv_events_config=KV, num_gpu_blocks=32, max_model_len=512, max_num_seqs=8,
                           ttft_ms=50)
                for _ in range(2)]
-    plane = await dataplane([e.url for e in engines])
     # The in-process sims seed their block hashes from this process's PYTHONHASHSEED (as vLLM does).
-    root = block_hash.none_hash(os.environ.get("PYTHONHASHSEED"))
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        events = attach(plane.dp.router, plane.dp.telemetry, plane.registry, session,
-                        {"f": (SimKeyer(), 16, root)})
-        task = asyncio.create_task(events.run(interval_s=0.1))
-        try:
-            await plane.wait_for(
-                lambda: all(i.cache_view.get("cache_view") == "events" for i in plane.registry),
-                what="both engines subscribed")
-            yield plane, engines, events
-        finally:
-            task.cancel()
-            await asyncio.wait([task])
+    plane = await dataplane([e.url for e in engines], engine_args=kv_events_args())
+    assert plane.dp.kv is not None, "the fleet publishes KV events: routing by them is assembled"
+    await plane.wait_for(lambda: all(i.cache_view.get("cache_view") == "events" for i in plane.registry),
+                         timeout=30, what="both engines subscribed")
+    return plane, engines, plane.dp.kv.events
 
 
 def _words(conv: int, turn: int) -> str:
@@ -71,8 +58,8 @@ async def test_predicted_hits_are_the_engines_own_request_by_request(
     plane, engines, events = subscribed
     # The predicted ratio is windowed in routing's time (~30 s, as the engine's reported one): frozen
     # here, so that it is the plain sum over this test's requests, as the engine's counters are.
-    frozen = plane.dp.router.clock()
-    plane.dp.router.clock = lambda: frozen
+    frozen = plane.dp.serving.router.clock()
+    plane.dp.serving.router.clock = lambda: frozen
     by_id = {i.id: next(e for e in engines if e.url == i.url) for i in plane.registry}
     start = {iid: (hits(e), queries(e)) for iid, e in by_id.items()}
     conversations: list[list[dict[str, str]]] = [[{"role": "system", "content": f"conversation {c}"}]

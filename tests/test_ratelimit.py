@@ -82,8 +82,8 @@ async def test_a_rate_limit_check_that_cannot_be_sent_fails_its_request_alone(
         assert headers["x-ratelimit-remaining-requests"] == "97"  # from the shared bucket
         r = redis_server.client()
         assert float(r.hget("routerd:ratelimit:good", "r") or 0) < 98  # the checks went to Redis
-        assert rd.dp.tenancy.limiter.shared
-        assert rd.dp.tenancy.limiter.redis_errors == 0
+        assert rd.dp.serving.tenancy.limiter.shared
+        assert rd.dp.serving.tenancy.limiter.redis_errors == 0
         alive = {t.get_name() for t in asyncio.all_tasks() if not t.done()}
         assert {"tenancy", "tenant-limits", "tenant-usage"} <= alive  # the loop that would have ended
 

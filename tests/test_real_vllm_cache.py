@@ -54,7 +54,7 @@ async def test_a_conversation_stays_and_the_engine_hits_what_routerd_predicted(
         vllm_pair: list[VllmServer], dataplane: PlaneFactory) -> None:
     plane = await dataplane([s.url for s in vllm_pair], model="tiny",
                             routing={"prefix_block_tokens": 8, "stale_after_s": 5.0})
-    assert plane.dp.router.policy.name == "cache_aware"
+    assert plane.dp.serving.router.policy.name == "cache_aware"
     urls = {f"f:static{i}": s.url for i, s in enumerate(vllm_pair)}
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": OPENING + "What comes first?"}]

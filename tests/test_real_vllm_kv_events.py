@@ -29,7 +29,7 @@ from routerd import _aio
 from routerd.ingress.validate import ChatHead, ChatMessage
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing.engine_cache import block_keys
-from routerd.routing.engine_cache.subscriptions import EngineEvents, attach
+from routerd.routing.engine_cache.subscriptions import EngineEvents
 from routerd.vllm_wire import block_hash
 from tests.fixtures.dataplane import PlaneFactory
 from tests.fixtures.helpers import eventually
@@ -135,55 +135,52 @@ async def test_routing_two_engines_predicts_each_hit_to_the_token(
     the engine's own (issue 26: 0.80 against the engine's 0.75, over a size estimated from bytes)."""
     keyer = block_keys.load_keyer("vllm", str(tiny_model_dir))
     assert keyer is not None
-    plane = await dataplane([s.url for s in vllm_pair], model="tiny")
+    args = {"kv-events": True, "tokenizer": str(tiny_model_dir), "block-size": BLOCK,
+            "hash-seed": block_hash.LAUNCH_SEED}  # as routerd's launcher seeds its engines
+    plane = await dataplane([s.url for s in vllm_pair], model="tiny", engine_args=args)
+    assert plane.dp.kv is not None
+    events = plane.dp.kv.events
     # routing's window (~30 s, as the engine's reported ratio) frozen: the plain sum over these requests
-    frozen = plane.dp.router.clock()
-    plane.dp.router.clock = lambda: frozen
+    frozen = plane.dp.serving.router.clock()
+    plane.dp.serving.router.clock = lambda: frozen
     by_id = {i.id: next(s for s in vllm_pair if s.url == i.url) for i in plane.registry}
+    await plane.wait_for(lambda: all(i.cache_view.get("cache_view") == "events"
+                                     for i in plane.registry), timeout=60, what="subscribed")
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-        events = attach(plane.dp.router, plane.dp.telemetry, plane.registry, http,
-                        {"f": (keyer, BLOCK, ROOT)})
-        task = asyncio.create_task(events.run(interval_s=0.2))
-        try:
-            await plane.wait_for(lambda: all(i.cache_view.get("cache_view") == "events"
-                                             for i in plane.registry), timeout=60, what="subscribed")
-            pairs = []
-            start = {iid: await _hits_queries(http, s.url) for iid, s in by_id.items()}
-            convs: list[list[dict[str, Any]]] = [
-                [{"role": "system", "content": f"conversation {c}."}] for c in range(4)]
-            with structlog.testing.capture_logs() as logs:
-                for turn in TURNS:
-                    for c, conv in enumerate(convs):
-                        conv.append({"role": "user", "content": f"{turn} ({c})"})
-                        before = {iid: await _hits_queries(http, s.url) for iid, s in by_id.items()}
-                        body = {"model": "tiny", "messages": conv, "max_tokens": 8, "temperature": 0}
-                        async with http.post(plane.url + "/v1/chat/completions", json=body) as r:
-                            assert r.status == 200, await r.text()
-                            iid = r.headers["X-Routerd-Instance"]
-                            reply = (await r.json())["choices"][0]["message"]["content"]
-                        conv.append({"role": "assistant", "content": reply})
-                        line = [e for e in logs if e["event"] == "request"][-1]
-                        assert line["cache_view"] == "events"
-                        hits, queries = await _hits_queries(http, by_id[iid].url)
-                        pairs.append((line["cached_tokens_est"], hits - before[iid][0]))
-                        assert line["prompt_tokens"] == queries - before[iid][1], line
-                        assert line["block_tokens"] == BLOCK
-                        # wait until routerd has the engine's announcement of this request's blocks
-                        head = ChatHead(model="tiny", messages=[
-                            ChatMessage(role=m["role"], content=m["content"]) for m in conv[:-1]])
-                        full = block_keys.keys(keyer, head, BLOCK, ROOT)
-                        assert await eventually(lambda k=full, i=iid: events.match(i, k) == len(k), 10)
-            ratios = []
-            for iid, s in by_id.items():
-                hits, queries = await _hits_queries(http, s.url)
-                inst = plane.registry.get(iid)
-                assert inst is not None
-                if queries > start[iid][1]:
-                    ratios.append((inst.predicted_prefix_hit_ratio,
-                                   (hits - start[iid][0]) / (queries - start[iid][1])))
-        finally:
-            stuck = await _aio.cancel_and_wait([task], 10.0)
-            assert not stuck, f"the event view did not end when cancelled: {_aio.where(task)}"
+        pairs = []
+        start = {iid: await _hits_queries(http, s.url) for iid, s in by_id.items()}
+        convs: list[list[dict[str, Any]]] = [
+            [{"role": "system", "content": f"conversation {c}."}] for c in range(4)]
+        with structlog.testing.capture_logs() as logs:
+            for turn in TURNS:
+                for c, conv in enumerate(convs):
+                    conv.append({"role": "user", "content": f"{turn} ({c})"})
+                    before = {iid: await _hits_queries(http, s.url) for iid, s in by_id.items()}
+                    body = {"model": "tiny", "messages": conv, "max_tokens": 8, "temperature": 0}
+                    async with http.post(plane.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        iid = r.headers["X-Routerd-Instance"]
+                        reply = (await r.json())["choices"][0]["message"]["content"]
+                    conv.append({"role": "assistant", "content": reply})
+                    line = [e for e in logs if e["event"] == "request"][-1]
+                    assert line["cache_view"] == "events"
+                    hits, queries = await _hits_queries(http, by_id[iid].url)
+                    pairs.append((line["cached_tokens_est"], hits - before[iid][0]))
+                    assert line["prompt_tokens"] == queries - before[iid][1], line
+                    assert line["block_tokens"] == BLOCK
+                    # wait until routerd has the engine's announcement of this request's blocks
+                    head = ChatHead(model="tiny", messages=[
+                        ChatMessage(role=m["role"], content=m["content"]) for m in conv[:-1]])
+                    full = block_keys.keys(keyer, head, BLOCK, ROOT)
+                    assert await eventually(lambda k=full, i=iid: events.match(i, k) == len(k), 10)
+        ratios = []
+        for iid, s in by_id.items():
+            hits, queries = await _hits_queries(http, s.url)
+            inst = plane.registry.get(iid)
+            assert inst is not None
+            if queries > start[iid][1]:
+                ratios.append((inst.predicted_prefix_hit_ratio,
+                               (hits - start[iid][0]) / (queries - start[iid][1])))
     print("cached_tokens_est / engine's hit tokens per request:", pairs)
     print("predicted / engine's hit ratio per instance:", ratios)
     assert all(p == a for p, a in pairs), pairs

@@ -122,7 +122,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 async def settle(plane: RunningPlane) -> None:
     await plane.wait_for(lambda: plane.inflight() == 0, timeout=5, what="in-flight back to 0")
-    assert plane.dp.upstream.active == 0
+    assert plane.dp.serving.upstream.active == 0
 
 
 async def until(count: Callable[[], Awaitable[int]], n: int, timeout: float = 10.0) -> None:
@@ -212,7 +212,7 @@ async def test_a_tenants_stream_is_the_engines_own_and_billed_the_engines_usage(
                                   {**body, "stream_options": {"include_usage": True}}))[-1]["usage"]
 
     def billed() -> list[int]:  # prompt and completion tokens in the tenant's ledger
-        return plane.dp.tenancy.ledger.totals.get(("web", "f"), [0] * 5)[3:]
+        return plane.dp.serving.tenancy.ledger.totals.get(("web", "f"), [0] * 5)[3:]
 
     want_billed = [streams * asked["prompt_tokens"], streams * asked["completion_tokens"]]
     await plane.wait_for(lambda: billed() == want_billed, what="the streams billed")

@@ -158,7 +158,7 @@ async def test_route_family_both_ways_in(family: str, redis_server: RedisServer)
             assert types == [d["type"] for _, d in streamed]
             assert result.response["usage"] is not None
         # the tenant was billed what the engine counted, and the metrics name the route
-        assert p.dp.tenancy.ledger.totals[("default", "f")][0] >= (4 if last_event else 2)
+        assert p.dp.serving.tenancy.ledger.totals[("default", "f")][0] >= (4 if last_event else 2)
         assert 'code="200",fleet="f",instance="f:static' in await p.metrics(s)
         assert f'route="{route}"' in await p.metrics(s)
 
@@ -387,7 +387,7 @@ async def test_a_route_hook_prepares_the_body_and_observes_the_answer() -> None:
             seen.append(b"finished ok" if result.ok else b"finished failed")
 
     async with plane(engines=1) as p, aiohttp.ClientSession() as s:
-        p.dp.dispatch.hooks["/v1/responses"] = Hook()
+        p.dp.serving.dispatch.hooks["/v1/responses"] = Hook()
         status, doc, raw = await post(s, p.url + "/v1/responses",
                                       {"model": MODEL, "input": "original", "max_output_tokens": 5})
         assert status == 200, raw

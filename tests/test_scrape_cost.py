@@ -149,7 +149,7 @@ async def test_idle_instances_are_watched_at_the_idle_periods(sims: SimFactory,
 
 
 async def _napping(plane: RunningPlane) -> bool:
-    return len(plane.dp.scraper._naps) == 1 and len(plane.dp.static_health.monitor._naps) == 1
+    return len(plane.dp.watch.scraper._naps) == 1 and len(plane.dp.watch.static_health.monitor._naps) == 1
 
 
 async def test_a_request_to_an_idle_instance_ends_its_idle_periods(sims: SimFactory,
@@ -188,7 +188,7 @@ async def test_a_missed_idle_heartbeat_is_followed_up_at_the_fast_period(sims: S
     plane = await dataplane([eng.url], routing={"scrape_interval_s": 0.05, "stale_after_s": 2.0},
                             health={"heartbeat_interval_s": 0.05, "idle_heartbeat_interval_s": 3.0})
     inst = next(iter(plane.registry))
-    monitor = plane.dp.static_health.monitor
+    monitor = plane.dp.watch.static_health.monitor
     await plane.wait_for(lambda: len(monitor._naps) == 1, what="the idle instance's heartbeats napping")
     eng.faults.set(unhealthy=True)
     await plane.wait_for(lambda: (t := monitor.tracker(inst.id)) is not None and t.misses >= 1,

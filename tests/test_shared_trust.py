@@ -215,7 +215,7 @@ async def test_a_forged_replica_count_is_refused_and_not_applied(
         assert rd.fleets.desired(cfg.fleets[0]) == 0  # the file's count: the forged one is not applied
         assert rd.registry.instances("rp") == []
         assert 'routerd_shared_rejected_total{kind="replicas",why="unsigned"} 1.0' in \
-            rd.metrics.render().decode()
+            rd.core.metrics.render().decode()
     assert not r.hexists(KEYS.replicas(), "rp")  # dropped, as an unreadable pin is
 
 
@@ -228,7 +228,7 @@ async def test_forged_load_scrapes_and_sessions_are_refused_not_applied(
     cfg = shared_view_config(redis_server.url, "b", [sim.url])
     r = redis_server.client()
     async with plane(cfg) as b:
-        view = b.view
+        view = b.peers.measures if b.peers is not None else None
         assert view is not None
         inst = b.registry.get("f:static0")
         assert inst is not None
@@ -254,7 +254,7 @@ async def test_forged_load_scrapes_and_sessions_are_refused_not_applied(
         assert seals.rejected[("session", "unsigned")] == 1
         assert view.sessions.lookups["found"] == 0
         assert 'routerd_shared_rejected_total{kind="session",why="unsigned"} 1.0' in \
-            b.metrics.render().decode()
+            b.core.metrics.render().decode()
 
 
 # -- genuine records written again -------------------------------------------------------------------

@@ -63,8 +63,9 @@ async def plane(cfg: Config) -> AsyncIterator[Routerd]:
 
 
 def view(dp: Routerd) -> SharedMeasures:
-    assert dp.view is not None
-    return dp.view
+    assert dp.peers is not None
+    assert dp.peers.measures is not None
+    return dp.peers.measures
 
 
 def body(**kw: Any) -> dict[str, Any]:
@@ -109,7 +110,7 @@ async def test_least_load_counts_what_the_other_process_has_in_flight(
             plane(config(redis_server.url, "b", [s.url for s in sims], routing=routing)) as b, \
             aiohttp.ClientSession() as s:
         await wait_until(lambda: a.registry.processes == b.registry.processes == 2, what="both counted")
-        b.scraper.shared = NoScrapes()  # between two scrapes from now on: in-flight counts alone move
+        b.watch.scraper.shared = NoScrapes()  # between two scrapes from now on: in-flight counts alone move
         first = b.registry.get("f:static0")
         assert first is not None
         async with held(s, a.url, 6) as on_a:
@@ -118,7 +119,7 @@ async def test_least_load_counts_what_the_other_process_has_in_flight(
             async with held(s, b.url, 4) as on_b:
                 assert on_b == ["f:static1"] * 4, on_b  # on its own counts: two and two
                 # B scrapes now: the engine's gauges hold A's six, which are not counted again on top
-                assert await b.scraper.scrape(first)
+                assert await b.watch.scraper.scrape(first)
                 assert first.snapshot is not None
                 assert first.snapshot.running == 6
                 assert first.inflight_at_scrape == 6
@@ -146,9 +147,9 @@ async def test_a_dead_processs_figures_expire_and_a_stopped_one_withdraws(
         # A process that died without a word: its last figures, then nothing renews them
         client = redis_client(redis_server.url, cfg.redis)
         try:
-            assert b.view is not None  # its secret (the state dir's) seals a record as a routerd's would
+            # its secret (the state dir's) seals a record as a routerd's would
             payload = msgspec.msgpack.encode(LoadRecord({"f:static0": 5}))
-            record = b.view.load.seals.seal(LOAD, payload, "dead")
+            record = view(b).load.seals.seal(LOAD, payload, "dead")
             await client.set(keys.load("dead"), record, px=600)
             await client.sadd(keys.processes, "dead")
             await wait_until(lambda: inst.inflight_elsewhere == 5, what="the dead one's figures")

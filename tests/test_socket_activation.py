@@ -56,7 +56,7 @@ async def test_a_handover_serves_open_connections_closing_each_and_leaves_new_on
     registry = Registry()
     async with running(cfg, registry, sockets=[socket.socket(fileno=os.dup(held.fileno()))]) as dp, \
             aiohttp.ClientSession(connector=connector) as client:
-        listener = dp.listener
+        listener = dp.serving.listener
         assert dp.url == url
         assert await eventually(lambda: registry.ready_count("f") == 1, 10)
         async with client.post(f"{url}/v1/completions", json=body) as r:

@@ -36,7 +36,7 @@ async def static_plane(urls: list[str], **routing: Any) -> AsyncIterator[Running
     cfg = msgspec.structs.replace(plane_config(urls, routing=routing), health=HEALTH)
     registry = Registry()
     async with running(cfg, registry) as dp:
-        plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.listener)
+        plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.serving.listener)
         await plane.wait_ready(len(urls))
         yield plane
 
@@ -100,7 +100,7 @@ async def test_sigstopped_static_engine_ends_its_stream_and_leaves_rotation(
             assert victim_inst.state is InstanceState.UNHEALTHY
             assert victim_inst.state_reason.startswith("heartbeat: ")
             assert victim_inst.inflight == 0
-            failed_tracker = plane.dp.static_health.monitor.tracker(victim_id)
+            failed_tracker = plane.dp.watch.static_health.monitor.tracker(victim_id)
             assert failed_tracker is not None
             resp = await asyncio.wait_for(plain, BOUND_S)
             assert resp.status == 200
@@ -117,7 +117,8 @@ async def test_sigstopped_static_engine_ends_its_stream_and_leaves_rotation(
             victim.signal(signal.SIGCONT)
         # it answers again: back into rotation, and heartbeaten again
         await plane.wait_for(lambda: victim_inst.state is InstanceState.READY, timeout=10, what="back")
-        await plane.wait_for(lambda: failed_tracker is not plane.dp.static_health.monitor.tracker(victim_id)
+        monitor = plane.dp.watch.static_health.monitor
+        await plane.wait_for(lambda: failed_tracker is not monitor.tracker(victim_id)
                              and victim_inst.health == "ok", timeout=5, what="heartbeats again")
         # a burst the other instance cannot hold alone (8 slots each) is shared with it again
         async def one() -> str:
@@ -169,7 +170,7 @@ async def test_static_engine_that_answers_but_makes_no_progress_is_failed(
         # the stall was caught (it answers /health, so it is back in rotation at once: the heartbeats
         # declaring it lost are what ended the engine call) and the stream went on from the other
         # instance, as the whole stream
-        metrics = plane.dp.metrics.render().decode()
+        metrics = plane.dp.core.metrics.render().decode()
         assert 'routerd_resumes_total{fleet="f",reason="instance_lost"} 1.0' in metrics
         assert _resumed_whole(events, stalled) <= HEALTH.progress_timeout_s + BOUND_S
 
@@ -188,4 +189,4 @@ async def test_static_is_the_instance_field_not_its_id() -> None:
     assert static.static
     assert static.url == "http://127.0.0.1:9"
     assert registry.get("f:static7") is lookalike
-    assert [i.id for i in plane.static_health.instances()] == ["f:static0"]
+    assert [i.id for i in plane.watch.static_health.instances()] == ["f:static0"]

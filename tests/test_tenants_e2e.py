@@ -55,7 +55,7 @@ class Routerd:
     queue: QueueIngress
 
     def served(self, tenant: str) -> int:
-        return self.dp.tenancy.ledger.totals.get((tenant, "f"), [0])[0]
+        return self.dp.serving.tenancy.ledger.totals.get((tenant, "f"), [0])[0]
 
     def admitted(self, tenant: str) -> int:
         """Slots given to ``tenant``'s requests: counted by routerd, so a stall of this process (while the
@@ -149,7 +149,7 @@ async def test_queue_jobs_over_the_limit_wait_for_quota_until_their_deadline(
         results = await asyncio.gather(*(q.wait(j, timeout=30) for j in jobs))
         took = time.monotonic() - started
         expired = await q.wait(late, timeout=30)
-        requests, _, rate_limited = rd.dp.tenancy.ledger.totals[("batch", "f")][:3]
+        requests, _, rate_limited = rd.dp.serving.tenancy.ledger.totals[("batch", "f")][:3]
     assert [r.status for r in results] == ["ok"] * 62
     # the jobs that waited were served, not refused: only the one whose deadline came first counts as
     # rate limited, once, however often it looked at the bucket
@@ -412,7 +412,7 @@ async def test_usage_totals_equal_what_the_engines_reported(
         assert all(r.status == "ok" for r in await asyncio.gather(*(q.wait(j, timeout=30) for j in jobs)))
         end = await engine_tokens(s, urls)
         engine = {"web": (mid[0] - start[0], mid[1] - start[1]), "jobs": (end[0] - mid[0], end[1] - mid[1])}
-        assert await rd.dp.tenancy.ledger.flush()
+        assert await rd.dp.serving.tenancy.ledger.flush()
         metrics = (await (await s.get(rd.url + "/metrics")).read()).decode()
     for body in streams:  # not asked for: the client's stream is as if routerd had not asked either
         assert b'"usage"' not in body
@@ -420,7 +420,7 @@ async def test_usage_totals_equal_what_the_engines_reported(
     for tenant, (prompt, completion) in engine.items():
         assert prompt > 0
         assert completion > 0
-        assert rd.dp.tenancy.ledger.totals[(tenant, "f")][3:] == [prompt, completion]
+        assert rd.dp.serving.tenancy.ledger.totals[(tenant, "f")][3:] == [prompt, completion]
         assert f'routerd_tenant_tokens_total{{fleet="f",kind="completion",tenant="{tenant}"}} {completion}' \
             in metrics
     cli = await asyncio.create_subprocess_exec(
@@ -521,18 +521,18 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
             return n
 
         assert await asyncio.gather(*(closed_early(i) for i in range(8))) == [40] * 8
-        await wait_until(lambda: rd.dp.upstream.active == 0)
+        await wait_until(lambda: rd.dp.serving.upstream.active == 0)
         mid = await _settled_engine_tokens(s, urls)
-        web = rd.dp.tenancy.directory.get("web")
+        web = rd.dp.serving.tenancy.directory.get("web")
         assert web is not None
-        level = await rd.dp.tenancy.limiter.acquire(web, 0)
+        level = await rd.dp.serving.tenancy.limiter.acquire(web, 0)
         refilled = 10 * (time.monotonic() - began)
         job = await q.submit({"model": "m", "prompt": "long job", "max_tokens": 500, "stream": True},
                              tenant="jobs", deadline_ms=1500)
         result = await q.wait(job, timeout=30)
         assert result.status == "error"  # its deadline cut the stream
         end = await _settled_engine_tokens(s, urls)
-        assert await rd.dp.tenancy.ledger.flush()
+        assert await rd.dp.serving.tenancy.ledger.flush()
         metrics = (await (await s.get(rd.url + "/metrics")).read()).decode()
         async with redis_client(redis_server.url, cfg.redis) as client:
             rows = {r["tenant"]: r for r in await read_days(client, keys, [day_of(time.time())])}
@@ -540,7 +540,7 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
     assert engine["web"][1] >= 8 * 40
     assert engine["jobs"][1] >= 20
     for tenant, (prompt, completion) in engine.items():
-        _, _, _, billed_prompt, billed = rd.dp.tenancy.ledger.totals[(tenant, "f")]
+        _, _, _, billed_prompt, billed = rd.dp.serving.tenancy.ledger.totals[(tenant, "f")]
         assert billed_prompt == prompt
         # The count read last: the engine may have made a token or two more before it saw the abort.
         assert 0.9 * completion <= billed <= completion, (tenant, billed, completion)
@@ -549,7 +549,8 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
             f'{float(billed)}' in metrics
     # The bucket was charged what was generated (not only the prompts' estimates), less its refill.
     left = int(level.headers()["x-ratelimit-remaining-tokens"])
-    assert left <= 600 - sum(rd.dp.tenancy.ledger.totals[("web", "f")][3:]) + refilled + 1, (left, refilled)
+    charged = sum(rd.dp.serving.tenancy.ledger.totals[("web", "f")][3:])
+    assert left <= 600 - charged + refilled + 1, (left, refilled)
 
 
 async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_the_engines_work(
@@ -566,7 +567,7 @@ async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_t
                                    "sk-web")
             assert status == 200
         await wait_until(lambda: all(i.learned.decode_tokens_per_s for i in rd.dp.registry.instances("f")))
-        rd.dp.tenancy.ledger.totals.clear()
+        rd.dp.serving.tenancy.ledger.totals.clear()
         start = await _settled_engine_tokens(s, urls)
 
         async def left(i: int) -> None:
@@ -582,10 +583,10 @@ async def test_a_non_streamed_request_its_client_left_is_billed_an_estimate_of_t
 
         results = await asyncio.gather(*(left(i) for i in range(4)), return_exceptions=True)
         assert not any(isinstance(r, AssertionError) for r in results), results
-        await wait_until(lambda: rd.dp.upstream.active == 0)
+        await wait_until(lambda: rd.dp.serving.upstream.active == 0)
         end = await _settled_engine_tokens(s, urls)
     generated = end[1] - start[1]
-    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    requests, errors, _, prompt, completion = rd.dp.serving.tenancy.ledger.totals[("web", "f")]
     assert (requests, errors) == (0, 4)
     assert prompt > 0
     # 1.5 s of 20 ms tokens is 75 each on a quiet machine; a loaded one makes fewer — what counts is
@@ -609,11 +610,11 @@ async def test_a_stream_its_client_left_during_the_prefill_is_billed_its_prompt(
                               headers={"Authorization": "Bearer sk-web"},
                               timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                 await r.read()
-        await wait_until(lambda: rd.dp.upstream.active == 0)
+        await wait_until(lambda: rd.dp.serving.upstream.active == 0)
         end = await _settled_engine_tokens(s, urls)
     assert end[0] - start[0] > 0  # the engine took the prompt ...
     assert end[1] == start[1]  # ... and made no token
-    requests, errors, _, prompt, completion = rd.dp.tenancy.ledger.totals[("web", "f")]
+    requests, errors, _, prompt, completion = rd.dp.serving.tenancy.ledger.totals[("web", "f")]
     assert (requests, errors, completion) == (0, 1, 0)
     assert prompt > 0
 
@@ -676,7 +677,7 @@ async def test_tenants_keys_fleets_and_unknown_queue_tenants(
     assert any("no tenant named 'nobody'" in r for r in reasons)
     assert any("may not use fleet 'g'" in r for r in reasons)
     assert rd.served("default") == 0  # the shared key's request was served on g, the other fleet
-    assert rd.dp.tenancy.ledger.totals[("default", "g")][0] == 1
+    assert rd.dp.serving.tenancy.ledger.totals[("default", "g")][0] == 1
 
 
 async def test_a_reload_applies_tenants_keys_and_weights(redis_server: RedisServer,

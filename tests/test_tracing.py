@@ -69,7 +69,7 @@ async def traced_plane() -> AsyncIterator[Any]:
             stack.push_async_callback(tracing.aclose)
             registry = Registry()
             dp = await stack.enter_async_context(running(cfg, registry, tracing=tracing))
-            plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.listener)
+            plane = RunningPlane(url=dp.url, dp=dp, registry=registry, listener=dp.serving.listener)
             await plane.wait_ready(len(cfg.fleets[0].urls))
             return Traced(plane, tracing)
 
@@ -290,7 +290,7 @@ async def test_tracing_off_makes_no_span_and_sends_no_context(
     assert not Tracing.from_config(cfg.tracing, environ={}).on
     async with running(cfg, Registry(), tracing=Tracing.off()) as dp:
         url = dp.url
-        plane = RunningPlane(url=url, dp=dp, registry=dp.registry, listener=dp.listener)
+        plane = RunningPlane(url=url, dp=dp, registry=dp.registry, listener=dp.serving.listener)
         await plane.wait_ready(1)
         async with client.post(url + COMP, json={"model": "m", "prompt": "x", "max_tokens": 2},
                                headers={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"

@@ -30,7 +30,7 @@ async def settle(plane: RunningPlane) -> None:
     """Every kind of ending must give the counters back: in-flight per instance and admission slots."""
     await plane.wait_for(lambda: plane.inflight() == 0, timeout=3, what="in-flight back to 0")
     assert plane.dp.admission.stats("f")["active"] == 0
-    assert plane.dp.upstream.active == 0
+    assert plane.dp.serving.upstream.active == 0
 
 
 async def test_503_and_500_are_retried_on_another_instance(
@@ -381,7 +381,7 @@ async def test_an_engine_error_not_in_openai_shape_is_rewrapped(sims: SimFactory
     engine is called directly, as the queue path does."""
     plane = await dataplane([(await sims()).url])
     sink = Collected()
-    result = await plane.dp.upstream.forward("f", COMP, b'{"model": "m", "prompt": "\xff"}', sink,
+    result = await plane.dp.serving.upstream.forward("f", COMP, b'{"model": "m", "prompt": "\xff"}', sink,
                                              stream=False, request_id="r1")
     assert (result.status, result.ok, result.error) == (400, False, "There was an error parsing the body")
     assert json.loads(sink.body) == {"error": {"message": "There was an error parsing the body",
@@ -399,7 +399,7 @@ async def test_a_request_id_no_header_may_hold_is_forwarded(sims: SimFactory,
     plane = await dataplane([(await sims()).url])
     for request_id in ("job\nX-Injected: 1", "jöb ☃", "x" * 256 + "é"):
         sink = Collected()
-        result = await plane.dp.upstream.forward("f", COMP, b'{"model": "m", "prompt": "hi"}', sink,
+        result = await plane.dp.serving.upstream.forward("f", COMP, b'{"model": "m", "prompt": "hi"}', sink,
                                                  stream=False, request_id=request_id)
         assert (result.status, sink.status) == (200, 200)
     await settle(plane)

@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,11 +41,6 @@ from ...vllm_wire import block_hash
 from .block_keys import EngineKeyer, load_keyer
 from .blocks import EngineBlocks
 from .subscriber import KvEventSubscriber, SubscriberStats, ViewHealth
-
-if TYPE_CHECKING:
-    from ...telemetry import Telemetry
-    from ..router import Router
-    from .keying_process import KeyingProcess
 
 _log = log.get("routerd.routing.engine_cache.subscriptions")
 _WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
@@ -409,19 +404,3 @@ class EngineEventsCollector:
                     lag.add_metric(lv, now - s.last_heard)
         yield from counters.values()
         yield from (health, blocks, lag)
-
-
-def attach(router: Router, telemetry: Telemetry, registry: Registry, session: aiohttp.ClientSession,
-           keyers: dict[str, tuple[EngineKeyer, int | None, bytes]],
-           sources: dict[str, dict[str, Any]] | None = None,
-           keying: KeyingProcess | None = None) -> EngineEvents:
-    """Subscriptions for ``keyers``' fleets, and routing told to use them: the request views get their
-    engine keys, the router scores by the engines' views, ``/metrics`` shows the streams. The caller
-    runs the returned object's :meth:`EngineEvents.run` (and so owns it)."""
-    events = EngineEvents(registry, session, fleets=list(keyers), sources=sources)
-    router.engine_cache = events
-    router.views.keyers = keyers
-    router.views.learned_block_size = events.fleet_block_size
-    router.views.keying = keying
-    telemetry.prom.register(EngineEventsCollector(events))
-    return events
