@@ -27,13 +27,19 @@ import redis.exceptions
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
+from .config_schema import RedisConfig
 from .queue_wire import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
+from .redis_conn import RedisConn
 from .redis_keys import RedisKeys
 
 State = Literal["unknown", "queued", "running", "done"]
 
 _W3C = TraceContextTextMapPropagator()
 
+
+# Its longest blocking read (a result's or a stream's wait is sliced into reads of at most 1 s): the
+# socket timeout covers it with room to spare.
+_READ_BLOCK_MS = 5000
 
 class Submitted(msgspec.Struct, frozen=True):
     """A submitted job: its id, where its result goes, and its stream entry."""
@@ -68,8 +74,8 @@ class QueueClient:
     def from_url(cls, url: str, *, stream: str = "routerd:requests", password: str | None = None,
                  username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "") -> QueueClient:
         """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them)."""
-        client = aioredis.Redis.from_url(url, username=username or None, password=password or None,
-                                         socket_timeout=op_timeout_s + 5, socket_connect_timeout=op_timeout_s)
+        cfg = RedisConfig(username=username or "", password=password or "", op_timeout_s=op_timeout_s)
+        client = RedisConn(url, cfg, pooled=False).blocking(_READ_BLOCK_MS)
         return cls(client, stream=stream, op_timeout_s=op_timeout_s, id_prefix=id_prefix)
 
     async def aclose(self) -> None:

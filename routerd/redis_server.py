@@ -1,4 +1,5 @@
-"""Redis as a dependency: the client factory, and embedded mode (routerd runs its own redis-server).
+"""Redis as a dependency: embedded mode (routerd runs its own redis-server), and where the command-line
+tools find it. Clients come from routerd/redis_conn.py.
 
 ``redis.url = "embedded"`` is for one machine: routerd starts ``redis-server`` with an append-only
 file in ``<state_dir>/redis``, bound to 127.0.0.1 and a unix socket (no TCP port at all when the
@@ -20,7 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -44,28 +44,6 @@ def embedded_url(directory: str | Path) -> str | None:
         return (Path(directory) / "url").read_text().strip() or None
     except OSError:
         return None
-
-
-def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> aioredis.Redis:
-    """A client for ``url``; user and password from config (``ROUTERD_REDIS_USERNAME``,
-    ``ROUTERD_REDIS_PASSWORD``; a userinfo in the URL wins over them), TLS for ``rediss://``.
-
-    The socket timeout covers the longest blocking read routerd issues, so a dead server is noticed
-    within ``op_timeout_s`` past it rather than never.
-    """
-    kwargs: dict[str, Any] = {
-        "socket_timeout": cfg.op_timeout_s + (block_ms if block_ms is not None else cfg.block_ms) / 1000,
-        "socket_connect_timeout": cfg.op_timeout_s,
-        "retry_on_timeout": False,
-    }
-    if cfg.username:
-        kwargs["username"] = cfg.username
-    if cfg.password:
-        kwargs["password"] = cfg.password
-    if url.startswith("rediss://") and cfg.ssl_ca_certs:
-        kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
-    client: aioredis.Redis = aioredis.Redis.from_url(url, **kwargs)
-    return client
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ import pytest
 from routerd import assembly, config
 from routerd.fleet.actor import group_members
 from routerd.peers.lease import ControlLease
+from routerd.redis_conn import RedisConn
 from routerd.registry import InstanceState, Registry
 from tests.fixtures.helpers import eventually
 from tests.fixtures.ray_cluster import RayTestCluster
@@ -45,7 +46,8 @@ async def test_losing_control_keeps_the_engines_and_a_new_term_adopts_them_in_pl
         inst.inflight += 2  # requests this process has in flight on it
 
         # The same replica restarted elsewhere (a newer incarnation of "host-a") takes the lease.
-        usurper = ControlLease("host-a", url=redis_server.url, redis_cfg=cfg.redis, cfg=cfg.control)
+        usurper = ControlLease("host-a", redis=RedisConn(redis_server.url, cfg.redis, pooled=False),
+                               cfg=cfg.control)
         assert await usurper.try_acquire()
         assert await eventually(lambda: not control.controls and not fm.active, 10)
         assert fm.supervisors == {}

@@ -19,6 +19,7 @@ from routerd.fleet.actor import EngineActor, FencedOut
 from routerd.fleet.ray_cluster import RayCluster
 from routerd.peers.lease import _MARGIN, ControlLease, NotController
 from routerd.plugins import LaunchSpec
+from routerd.redis_conn import RedisConn
 from routerd.status import render
 from tests.fixtures.redis_server import RedisServer
 
@@ -73,7 +74,7 @@ class PausableProxy:
 
 
 def lease(ident: str, url: str, lease_s: float) -> ControlLease:
-    return ControlLease(ident, url=url, redis_cfg=RedisConfig(url=url, op_timeout_s=1.0),
+    return ControlLease(ident, redis=RedisConn(url, RedisConfig(url=url, op_timeout_s=1.0), pooled=False),
                         cfg=ControlConfig(lease_s=lease_s))
 
 
@@ -229,7 +230,7 @@ async def test_the_same_replica_restarted_takes_its_lease_at_once(redis_server: 
 
 
 async def test_a_worker_never_takes_the_lease(redis_server: RedisServer) -> None:
-    worker = ControlLease("host-a-w0", url=redis_server.url, redis_cfg=RedisConfig(url=redis_server.url),
+    worker = ControlLease("host-a-w0", redis=RedisConn(redis_server.url, RedisConfig(), pooled=False),
                           candidate=False)
     await worker.step()
     assert not worker.controls  # even with nobody holding it

@@ -19,8 +19,8 @@ import structlog
 from routerd.config import RedisConfig
 from routerd.peers.fleet_state import FleetState, FleetStateSync, Published
 from routerd.peers.sealed import FLEET_STATE, Seals
+from routerd.redis_conn import redis_client
 from routerd.redis_keys import RedisKeys
-from routerd.redis_server import redis_client
 from routerd.registry import Instance, InstanceState, Registry
 from routerd.telemetry import Metrics, Telemetry
 from routerd.trust import Trust

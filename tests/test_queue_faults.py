@@ -13,6 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
+from routerd.redis_conn import RedisConn
 from routerd.redis_server import EmbeddedRedis, embedded_url
 from tests.fixtures.redis_server import (
     FakeUpstream,
@@ -155,7 +156,8 @@ async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
     async with EmbeddedRedis(tmp_path / "redis") as url:
         cfg = queue_config("embedded")
         parts = fake_engines(cfg, FakeUpstream())
-        queue = QueueIngress.from_config(cfg, url=url, dispatch=parts.dispatch, admission=parts.admission,
+        queue = QueueIngress.from_config(cfg, redis=RedisConn(url, cfg.redis, pooled=False),
+                                         dispatch=parts.dispatch, admission=parts.admission,
                                          tenancy=parts.tenancy, tracing=Tracing.off())
         async with queue:
             task = asyncio.create_task(queue.run())

@@ -17,6 +17,7 @@ import pytest
 import structlog
 
 from routerd.config import Config
+from routerd.redis_conn import RedisConn
 from routerd.tenants.directory import Tenant
 from routerd.tenants.ratelimit import LocalBuckets
 from routerd.tenants.service import Tenancy
@@ -32,7 +33,7 @@ _NO_ENGINE = ["http://127.0.0.1:1"]
 
 @contextlib.asynccontextmanager
 async def running(cfg: Config, url: str) -> AsyncIterator[Tenancy]:
-    tenancy = Tenancy(cfg, url)
+    tenancy = Tenancy(cfg, RedisConn(url, cfg.redis, pooled=False))
     task = asyncio.create_task(tenancy.run())
     try:
         yield tenancy

@@ -25,8 +25,8 @@ from routerd.peers.replicas import file_of
 from routerd.peers.scrapes import ScrapeRecord
 from routerd.peers.sealed import ADMIN_ANSWER, ADMIN_CALL, FLEET_STATE, Seals
 from routerd.peers.sessions import SessionRecord, digest
+from routerd.redis_conn import redis_client
 from routerd.redis_keys import RedisKeys
-from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.snapshot import LoadSnapshot
 from routerd.status import render

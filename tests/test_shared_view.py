@@ -22,8 +22,8 @@ from routerd.peers import SharedMeasures
 from routerd.peers.load import LoadRecord
 from routerd.peers.sealed import LOAD
 from routerd.peers.sessions import digest
+from routerd.redis_conn import redis_client
 from routerd.redis_keys import RedisKeys
-from routerd.redis_server import redis_client
 from routerd.registry import Instance, Registry
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcess, SimProcessFactory

@@ -23,8 +23,8 @@ from routerd.assembly import running
 from routerd.client import QueueClient
 from routerd.config import Config, RedisConfig, parse
 from routerd.ingress.queue import QueueIngress
+from routerd.redis_conn import RedisConn, redis_client
 from routerd.redis_keys import RedisKeys
-from routerd.redis_server import redis_client
 from routerd.registry import Registry
 from routerd.tenants.service import Tenancy
 from routerd.tenants.usage import UsageLedger, day_of, read_days
@@ -698,7 +698,7 @@ async def test_a_reload_applies_tenants_keys_and_weights(redis_server: RedisServ
 async def test_rate_limits_are_enforced_locally_while_redis_is_away(redis_server: RedisServer) -> None:
     """A Redis outage never stops requests: each routerd then keeps the buckets itself."""
     cfg = config(redis_server.url, ["http://127.0.0.1:1"], [{"name": "a", "requests_per_minute": 3}])
-    tenancy = Tenancy(cfg, redis_server.url)
+    tenancy = Tenancy(cfg, RedisConn(redis_server.url, cfg.redis, pooled=False))
     run = asyncio.create_task(tenancy.run())
     try:
         a = tenancy.tenant("a")

@@ -37,9 +37,9 @@ from .routerd import Routerd
 from .watch import EngineWatch
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
     from prometheus_client.registry import Collector
 
+    from ..redis_conn import RedisConn
     from .fleets import FleetControl
 
 
@@ -65,17 +65,18 @@ def compose(core: Core, *, fleet: FleetControl | None = None,
 
 def make_core(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,
               role: Role = Role.ONE, control: ControlLease | None = None,
-              controls: Callable[[], bool] | None = None, redis_url: str = "",
-              redis: aioredis.Redis | None = None, trust: Trust | None = None, seals: Seals | None = None,
+              controls: Callable[[], bool] | None = None, redis: RedisConn | None = None,
+              trust: Trust | None = None, seals: Seals | None = None,
               rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic) -> Core:
-    """The shared part of every bundle. ``control``: the lease (None: sole control, no Redis);
+    """The shared part of every bundle. ``redis``: the process's one Redis factory (None: no Redis);
+    ``control``: the lease (None: sole control, no Redis);
     ``controls()``: whether this process controls the fleets now (None: the lease says)."""
     control = control if control is not None else ControlLease(cfg.redis.consumer_name)
     telemetry = Telemetry()
     return Core(cfg=cfg, role=role, registry=registry, session=session, tracing=tracing, telemetry=telemetry,
                 metrics=Metrics(telemetry), control=control, controls=controls_for(role, control, controls),
                 clock=clock, rng=rng if rng is not None else random.Random(), trust=trust, seals=seals,
-                redis_url=redis_url, redis=redis)
+                redis=redis)
 
 
 def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tracing: Tracing,

@@ -27,8 +27,9 @@ from ..tracing import Tracing
 from ..trust import Trust
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
     from prometheus_client.registry import Collector
+
+    from ..redis_conn import RedisConn
 
 Loops = dict[str, Coroutine[Any, Any, None]]
 
@@ -69,7 +70,8 @@ class Bundle(Protocol):
 
 @dataclass(eq=False)
 class Core:
-    """What every bundle shares. ``redis_url`` is "" and ``redis`` None with ``[redis] enabled = false``;
+    """What every bundle shares. ``redis`` (every Redis client of the process comes from it) is None
+    with ``[redis] enabled = false``;
     ``controls()`` says whether this process controls the fleets now (None: always — sole control)."""
 
     cfg: Config  # as at start-up; a reload hands each bundle the new one
@@ -85,8 +87,12 @@ class Core:
     rng: random.Random
     trust: Trust | None = None  # None: engines are sent no API key (a test's own engines)
     seals: Seals | None = None  # required with Redis: every shared record is sealed
-    redis_url: str = ""
-    redis: aioredis.Redis | None = None  # the peers' client (fleet state, admin relay, replica counts)
+    redis: RedisConn | None = None
+
+    @property
+    def redis_url(self) -> str:
+        """The Redis this process uses (the embedded server's once started); "" without Redis."""
+        return self.redis.url if self.redis is not None else ""
 
     @property
     def ident(self) -> str:

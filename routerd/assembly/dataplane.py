@@ -46,7 +46,7 @@ class DataPlane:
         self.router = Router.from_config(core.registry, cfg.routing, rng=rng, clock=clock, views=views,
                                          engine_cache=kv.events if kv else None,
                                          shared_sessions=measures.sessions if measures else None)
-        self.tenancy = Tenancy(cfg, core.redis_url, clock=clock, rng=rng)
+        self.tenancy = Tenancy(cfg, core.redis, clock=clock, rng=rng)
         local = fleets.autoscaler if fleets is not None else None
         elastic = peers.elastic(local) if peers is not None else local
         self.admission = Admission(core.registry, cfg.admission, clock=clock, elastic=elastic,
@@ -63,11 +63,11 @@ class DataPlane:
         self.dispatch.hooks["/v1/responses"] = responses
         fleet_state = peers.fleet_state if peers is not None else None
         self.queue: QueueIngress | None = None
-        if core.redis_url:
+        if core.redis is not None:
             from ..ingress.queue import QueueIngress
 
             self.queue = QueueIngress.from_config(
-                cfg, url=core.redis_url, dispatch=self.dispatch, admission=self.admission,
+                cfg, redis=core.redis, dispatch=self.dispatch, admission=self.admission,
                 tenancy=self.tenancy, tracing=tracing, serves=fleet_state.serves if fleet_state else None)
         self.http = HttpIngress(cfg, core.registry, dispatch=self.dispatch, admission=self.admission,
                                 router=self.router, tenancy=self.tenancy, telemetry=telemetry,

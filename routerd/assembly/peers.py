@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 def shared_measures(core: Core) -> SharedMeasures | None:
     """Load, scrapes and sessions shared with the other processes on the same Redis (None without):
     built first, as the scraper and the router read them. This process scrapes for all while it controls."""
-    if not core.redis_url:
+    if core.redis is None:
         return None
     from ..peers import SharedMeasures
 
-    return SharedMeasures(core.cfg, core.registry, core.redis_url, seals=core.sealed,
+    return SharedMeasures(core.cfg, core.registry, core.redis.ops(), seals=core.sealed,
                           is_scraper=core.controls, serves=core.role.serves, clock=core.clock)
 
 
@@ -45,7 +45,7 @@ def replica_store(core: Core) -> ReplicaStore | None:
     from ..peers.replicas import ReplicaStore
     from ..redis_keys import RedisKeys
 
-    return ReplicaStore(core.redis, RedisKeys.from_config(core.cfg.redis), seals=core.sealed,
+    return ReplicaStore(core.redis.ops(), RedisKeys.from_config(core.cfg.redis), seals=core.sealed,
                         op_timeout_s=core.cfg.redis.op_timeout_s)
 
 
@@ -55,7 +55,7 @@ class Peers:
     def __init__(self, core: Core, measures: SharedMeasures | None, fleet: FleetControl | None,
                  static_health: StaticHealth) -> None:
         assert core.redis is not None, "peers share a Redis"
-        from ..peers.admin_relay import AdminRelay
+        from ..peers.admin_relay import READ_BLOCK_MS, AdminRelay
         from ..peers.fleet_state import FleetStateSync, config_fingerprint
         from ..redis_keys import RedisKeys
 
@@ -64,6 +64,9 @@ class Peers:
         self.static_health = static_health
         self.wake_relay: RelayedElastic | None = None  # with a data plane: see :meth:`elastic`
         keys = RedisKeys.from_config(cfg.redis)
+        # One client for both: the relay's reads block up to READ_BLOCK_MS (with the default [redis]
+        # block_ms, the queue consumer's pool).
+        client = core.redis.blocking(max(cfg.redis.block_ms, READ_BLOCK_MS))
         controls = core.controlling()
         control = core.control
 
@@ -76,13 +79,13 @@ class Peers:
         # A worker's parent is the daemon whose consumer name its own extends (workers.worker_consumer).
         ident = core.ident
         self.fleet_state: FleetStateSync = FleetStateSync(
-            core.registry, core.redis, keys, ident=ident, fingerprint=config_fingerprint(cfg),
+            core.registry, client, keys, ident=ident, fingerprint=config_fingerprint(cfg),
             controls=controls, seals=core.sealed, token=lambda: control.token, replicas=replicas,
             op_timeout_s=cfg.redis.op_timeout_s, clock=core.clock,
             parent=ident.rpartition("-w")[0] if core.role is Role.WORKER else None, orphans=orphans)
         if fleets is not None:  # a term of control that begins here starts from the last state seen
             fleets.published = self.fleet_state.published_replicas
-        self.admin_relay: AdminRelay = AdminRelay(core.redis, keys, ident=ident, controls=controls,
+        self.admin_relay: AdminRelay = AdminRelay(client, keys, ident=ident, controls=controls,
                                                   seals=core.sealed, op_timeout_s=cfg.redis.op_timeout_s)
 
     def elastic(self, local: Elastic | None) -> Elastic | None:

@@ -72,19 +72,19 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         _log.info("control_secret", source=trust.source, fingerprint=trust.fingerprint)
         status("redis")
         redis_url = await _redis(cfg, stack, state)
-        peers_redis = None
-        if redis_url:  # the peers' client (routerd/peers/), closed last but Redis
-            from ..redis_server import redis_client
+        redis = None
+        if redis_url:  # every Redis client of the process comes from it; its pools closed last but Redis
+            from ..redis_conn import RedisConn
 
-            peers_redis = redis_client(redis_url, cfg.redis)
-            stack.push_async_callback(peers_redis.aclose)
+            redis = RedisConn(redis_url, cfg.redis)
+            stack.push_async_callback(redis.aclose)
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
-        control = ControlLease(cfg.redis.consumer_name, url=redis_url, redis_cfg=cfg.redis, cfg=cfg.control,
+        control = ControlLease(cfg.redis.consumer_name, redis=redis, cfg=cfg.control,
                                candidate=role.controls_fleets)
         core = make_core(cfg, registry, session, tracing=tracing, role=role, control=control,
-                         controls=controls, redis_url=redis_url, redis=peers_redis, trust=trust, seals=seals,
+                         controls=controls, redis=redis, trust=trust, seals=seals,
                          rng=rng, clock=clock)
         fleet: FleetControl | None = None
         if launches(cfg) and role.controls_fleets:

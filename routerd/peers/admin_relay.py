@@ -54,6 +54,7 @@ ANSWER_WITHIN_S = 5.0  # a controller reads its calls within a second; this cove
 _STREAM_MAXLEN = 1000
 _REPLY_TTL_MS = 60_000
 _POLL_S = 1.0  # BLPOP in slices of this many seconds, so a dead server is noticed within op_timeout_s
+READ_BLOCK_MS = 1000  # the longest read it issues (XREAD of the calls, BLPOP of an answer): its client's
 WAKE_EVERY_S = 1.0  # the requests waiting for a fleet at zero ask for it on every turn: one call a second
 _CLOCK_SLACK_MS = 1000  # a call "made" this far after Redis's time when read: TIME's own jitter, not a copy
 
@@ -218,8 +219,9 @@ class AdminRelay:
         return f"{max(0, _ms(now) - int(self.answer_within_s * 1000))}-0"
 
     async def _read(self, execute: Execute, last_id: str) -> str:
-        async with _aio.timeout(self.op_timeout_s + 1.0):
-            got: Any = await self.client.xread({self.keys.admin_calls(): last_id}, count=64, block=1000)
+        async with _aio.timeout(self.op_timeout_s + READ_BLOCK_MS / 1000):
+            got: Any = await self.client.xread({self.keys.admin_calls(): last_id}, count=64,
+                                               block=READ_BLOCK_MS)
         if not got:
             return last_id
         async with _aio.timeout(self.op_timeout_s):

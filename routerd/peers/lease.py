@@ -46,8 +46,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .. import _aio, log
 from ..config import ControlConfig, RedisConfig
 from ..errors import RouterdError
+from ..redis_conn import RedisConn
 from ..redis_keys import RedisKeys
-from ..redis_server import redis_client
 
 _log = log.get("routerd.control")
 
@@ -132,17 +132,17 @@ class ControlLease:
     Read :attr:`controls` (or wait for it to flip with :meth:`wait_changed`); call :meth:`check` before
     every Ray mutation; pass :attr:`token` to the engine actors (they refuse a lower one)."""
 
-    def __init__(self, ident: str, *, url: str = "", redis_cfg: RedisConfig | None = None,
+    def __init__(self, ident: str, *, redis: RedisConn | None = None,
                  cfg: ControlConfig | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, candidate: bool = True) -> None:
-        """``url`` "": sole control (no Redis); else the lease lives in that Redis under ``redis_cfg``'s
-        namespace. Not a ``candidate`` (a worker process): never takes the lease, only reads who holds
-        it."""
+        """``redis`` None: sole control (no Redis); else the lease lives in that Redis under its
+        ``[redis]`` namespace. Not a ``candidate`` (a worker process): never takes the lease, only reads
+        who holds it."""
         self.ident = ident
         self.candidate = candidate
-        self.sole = not url
-        self._url = url
-        self._redis_cfg = redis_cfg if redis_cfg is not None else RedisConfig()
+        self.sole = redis is None
+        self._redis = redis
+        self._redis_cfg = redis.cfg if redis is not None else RedisConfig()
         self._cfg = cfg if cfg is not None else ControlConfig()
         self._keys = RedisKeys.from_config(self._redis_cfg)
         self._clock = clock
@@ -367,7 +367,8 @@ class ControlLease:
 
     def _get_client(self) -> aioredis.Redis:
         if self._client is None:
-            self._client = redis_client(self._url, self._redis_cfg, block_ms=0)
+            assert self._redis is not None, "sole control calls no Redis"
+            self._client = self._redis.ops()
             self._scripts = {"take": self._client.register_script(_TAKE),
                              "renew": self._client.register_script(_RENEW),
                              "release": self._client.register_script(_RELEASE)}

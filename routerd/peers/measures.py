@@ -11,26 +11,28 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..config import Config
 from ..redis_keys import RedisKeys
-from ..redis_server import redis_client
 from ..registry import Registry
 from .load import SharedLoad
 from .scrapes import SharedScrapes
 from .sealed import Seals
 from .sessions import SharedSessions
 
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
 
 class SharedMeasures:
     """Shared load, scrapes and sessions of one process over one Redis client; ``run()`` until
     cancelled (the client is closed then)."""
 
-    def __init__(self, cfg: Config, registry: Registry, redis_url: str, *, seals: Seals,
+    def __init__(self, cfg: Config, registry: Registry, redis: aioredis.Redis, *, seals: Seals,
                  ident: str | None = None,
                  is_scraper: Callable[[], bool] | None = None, serves: bool = True,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
@@ -39,9 +41,9 @@ class SharedMeasures:
         always — each process scrapes for itself, as one routerd does); not ``serves`` (the daemon of workers,
         which takes no request): it reads the others' load and publishes none, and is not counted among
         the processes that share a fleet's admission bounds. ``seals``: the process's (every record
-        exchanged is sealed)."""
+        exchanged is sealed). ``redis``: a client for short commands (routerd/redis_conn.py)."""
         self.ident = ident or cfg.redis.consumer_name
-        self.redis = redis_client(redis_url, cfg.redis, block_ms=0)
+        self.redis = redis
         keys = RedisKeys.from_config(cfg.redis)
         op = cfg.redis.op_timeout_s
         interval = cfg.routing.scrape_interval_s

@@ -31,9 +31,9 @@ def _days(n: int, now: float) -> list[str]:
 
 
 async def _read(target: RedisTarget, days: list[str]) -> list[dict[str, Any]]:
-    from ..redis_server import redis_client
+    from ..redis_conn import RedisConn
 
-    client: Any = redis_client(target.url, target.redis, block_ms=0)  # password and TLS as the daemon's
+    client: Any = RedisConn(target.url, target.redis, pooled=False).ops()  # password and TLS as the daemon's
     try:
         return await read_days(client, RedisKeys(stream=target.redis.stream), days)
     finally:

@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..config import Config
 from ..errors import BadRequest, DeadlineExceeded, PermissionDenied, RateLimited, quote
+from ..redis_conn import RedisConn
 from ..redis_keys import RedisKeys
-from ..redis_server import redis_client
 from .body import RequestFacts
 from .directory import Directory, Tenant
 from .fairshare import Share
@@ -53,15 +53,17 @@ class Charge:
 class Tenancy:
     """The tenant directory, rate limiter and usage ledger of one data plane."""
 
-    def __init__(self, cfg: Config, redis_url: str = "", *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
-        self._url = redis_url
-        self._redis_cfg = cfg.redis
+    def __init__(self, cfg: Config, redis: RedisConn | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
+        """``redis`` (None: limits and usage kept in this process alone): shares limits and usage with
+        every routerd on that Redis."""
+        self._conn = redis
         self._redis: aioredis.Redis | None = None
         self._rng = rng or random.Random()
         self._wall = wall
         keys = RedisKeys.from_config(cfg.redis)
-        client = self._client if redis_url else None
+        client = self._client if redis is not None else None
         self.directory = Directory(cfg)
         self._look_again = asyncio.Event()  # set (and replaced) by look_again(): waiters wake
         self.limiter = RateLimiter(client, keys, clock=clock)
@@ -70,7 +72,8 @@ class Tenancy:
 
     def _client(self) -> aioredis.Redis:
         if self._redis is None:
-            self._redis = redis_client(self._url, self._redis_cfg)
+            assert self._conn is not None
+            self._redis = self._conn.ops()
         return self._redis
 
     def update_config(self, cfg: Config) -> None:

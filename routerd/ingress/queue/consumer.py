@@ -37,8 +37,8 @@ from ..._aio import wait_for
 from ...config import Config
 from ...dataplane.admission import Admission
 from ...dataplane.dispatch import Dispatch
+from ...redis_conn import RedisConn
 from ...redis_keys import RedisKeys
-from ...redis_server import redis_client
 from ...tenants.service import Tenancy
 from ...tracing import Tracing
 from .cancel import cancel_local, listen_for_cancels
@@ -94,11 +94,11 @@ class QueueIngress:
                                serves=serves)
 
     @classmethod
-    def from_config(cls, cfg: Config, *, url: str, dispatch: Dispatch, admission: Admission,
+    def from_config(cls, cfg: Config, *, redis: RedisConn, dispatch: Dispatch, admission: Admission,
                     tenancy: Tenancy, tracing: Tracing,
                     serves: Callable[[str], bool] | None = None) -> QueueIngress:
-        """The assembly's constructor: a Redis client for ``url`` built from ``[redis]``."""
-        return cls(cfg, lambda: redis_client(url, cfg.redis), dispatch=dispatch, admission=admission,
+        """The assembly's constructor: its reads on the process's Redis (blocking up to ``block_ms``)."""
+        return cls(cfg, redis.blocking, dispatch=dispatch, admission=admission,
                    tenancy=tenancy, tracing=tracing, serves=serves)
 
     async def __aenter__(self) -> QueueIngress:
