@@ -1,7 +1,9 @@
 """The daemon: process life — signals, drain, reload, sd_notify and the watchdog.
 
-Every component comes from the one builder (:func:`routerd.assembly.assemble`), entered on the
-daemon's one ``AsyncExitStack``; their long loops run in its one ``asyncio.TaskGroup`` (style.md §2).
+Every component comes from the one builder (:func:`routerd.assembly.assemble`: the bundles of this
+process's role), entered on the daemon's one ``AsyncExitStack``; their long loops run in its one
+``asyncio.TaskGroup`` (style.md §2), and they stop through :meth:`routerd.assembly.Routerd.shutdown`,
+the same ordered stop the tests and the benchmarks use.
 Signal handlers only set events (uvicorn's pattern): TERM/INT → drain, a second one → exit now; HUP →
 reload.
 
@@ -9,8 +11,8 @@ Start-up order is what systemd's ``READY=1`` promises: Redis (embedded or reacha
 fleets adopted or launched, the HTTP listener bound, the queue consumer running — then READY.
 
 With ``[daemon] workers`` > 1 the daemon is the parent of N workers (routerd/workers.py): it takes the
-listening socket, starts Redis, Ray and the fleets, then the workers, and says READY once every worker
-did; TERM drains the workers (then the parent ends its own), HUP reloads it and them. A worker is this
+listening socket, starts Redis, Ray and the fleets (no data plane: it serves no request), then the
+workers, and says READY once every worker did; TERM drains the workers (then the parent ends its own), HUP reloads it and them. A worker is this
 same class with ``worker=`` its :class:`~routerd.workers.WorkerSpec`: it serves on the parent's socket,
 notifies the parent instead of systemd, and drains when its parent is gone.
 """

@@ -18,9 +18,9 @@ all get their routerd here, and all stop it through :meth:`Routerd.shutdown`.
 """
 
 from .build import build, compose
-from .core import Bundle, Core, Role, launches, while_controlling
+from .core import Bundle, Core, HasRoutes, Role, launches
 from .routerd import Routerd
 from .startup import assemble, running
 
-__all__ = ["Bundle", "Core", "Role", "Routerd", "assemble", "build", "compose", "launches", "running",
-           "while_controlling"]
+__all__ = ["Bundle", "Core", "HasRoutes", "Role", "Routerd", "assemble", "build", "compose", "launches",
+           "running"]

@@ -7,9 +7,15 @@ in dependency order; :func:`build` is that over a plain core (a test that drives
 | PARENT   | yes          | a launched fleet  | with Redis | —                   | —          |
 | WORKER   | yes          | —                 | with Redis | fleets that publish | yes        |
 
-A new bundle: a class with ``loops()``, ``apply(cfg)`` and ``collectors()`` (core.Bundle), built here
-in its place of the order, a field of :class:`~routerd.assembly.routerd.Routerd` and a line of its
-``bundles()``.
+**A new component** (say batches, or conversations) is a bundle: a module of this package with a class
+taking the :class:`~routerd.assembly.core.Core` (and the bundles it needs, e.g. the data plane's
+dispatch) in its constructor, with ``loops()`` (its tasks, by name), ``apply(cfg)`` (its part of a
+reload) and ``collectors()`` (its ``/metrics``); with ``add_routes(app)`` too if it serves HTTP routes
+of its own (core.HasRoutes: added to the listener's application, after the admin routes). It gets one
+field of :class:`~routerd.assembly.routerd.Routerd` (placed in the reload order) and one line in
+:func:`compose` (built in a role that wants it, below what it needs). Start, reload, ``/metrics`` and the
+one ordered stop then reach it with no other edit; a resource it opens at start-up (a process, a
+socket) is entered in ``startup.assemble`` next to the keying process's.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import enum
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -27,6 +27,7 @@ from ..tracing import Tracing
 from ..trust import Trust
 
 if TYPE_CHECKING:
+    from aiohttp import web
     from prometheus_client.registry import Collector
 
     from ..redis_conn import RedisConn
@@ -66,6 +67,14 @@ class Bundle(Protocol):
     def collectors(self) -> list[Collector]:
         """What it adds to ``/metrics`` (read at scrape time)."""
         ...
+
+
+@runtime_checkable
+class HasRoutes(Protocol):
+    """A bundle that serves HTTP routes of its own (beside the OpenAI routes of ingress/http.py): they
+    are added to the listener's application before it starts, in a role with a data plane."""
+
+    def add_routes(self, app: web.Application) -> None: ...
 
 
 @dataclass(eq=False)

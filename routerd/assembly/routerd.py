@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .. import _aio, log
@@ -40,26 +40,28 @@ _STREAMS_CLOSE_S = 5.0  # ending what is still in flight after the drain
 _FLEETS_STOP_S = 10.0  # ending fleet control, the engines kept
 _ENGINES_STOP_S = 90.0  # ... with its engines stopped (each gets a graceful stop)
 _TASKS_STOP_S = 15.0  # for the loops to end once cancelled (the queue's take up to 7 s)
+_NOT_BUNDLES = ("core", "_tasks")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Routerd:
-    """Every bundle of one process (None: not in this role, or not configured), in start order."""
+    """Every bundle of one process (None: not in this role, or not configured). The fields' order is
+    the order a reload reaches them in: the data plane first (its bounds apply at once), fleet control
+    last (its launches and stops act on all the rest). A new bundle is one more field here."""
 
     core: Core
-    watch: EngineWatch
-    fleet: FleetControl | None = None  # a launched fleet, not in a worker
-    peers: Peers | None = None  # with Redis
-    kv: KvRouting | None = None  # fleets whose engines publish KV events, in a role that serves
     dataplane: DataPlane | None = None  # a role that serves
     batches: Batches | None = None  # the Batch API's runner, with the queue (issue 31)
+    watch: EngineWatch
+    kv: KvRouting | None = None  # fleets whose engines publish KV events, in a role that serves
+    peers: Peers | None = None  # with Redis
+    fleet: FleetControl | None = None  # a launched fleet, not in a worker
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def bundles(self) -> list[Bundle]:
-        """In start order: a reload reaches them in it; the data plane first (its bounds apply at once)."""
-        order: list[Bundle | None] = [self.dataplane, self.batches, self.watch, self.kv, self.peers,
-                                      self.fleet]
-        return [b for b in order if b is not None]
+        """This process's bundles, in the fields' order."""
+        values = (getattr(self, f.name) for f in fields(self) if f.name not in _NOT_BUNDLES)
+        return [b for b in values if b is not None]
 
     # what runs --------------------------------------------------------------------------------
     def loops(self) -> Loops:
@@ -90,11 +92,11 @@ class Routerd:
         """A reloaded config (its bound-at-start-up keys already kept by the caller): each bundle gets
         its part, once, in start order; the lease its own."""
         for bundle in self.bundles():
-            if bundle is not self.fleet:
-                await bundle.apply(cfg)
-        self.core.control.update_config(cfg.control)
-        if self.fleet is not None:  # last: its launches and stops act on all of the above
-            await self.fleet.apply(cfg)
+            if bundle is self.fleet:
+                self.core.control.update_config(cfg.control)
+            await bundle.apply(cfg)
+        if self.fleet is None:
+            self.core.control.update_config(cfg.control)
 
     # the one stop -----------------------------------------------------------------------------
     async def shutdown(self, *, drain_timeout_s: float, stop_engines: bool,

@@ -208,8 +208,10 @@ async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> 
 def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.Application], None]:
     """The admin write routes — static-only too: a static instance is drained without Ray; what only
     launched engines have answers 400 without a fleet manager. The key is read per request, so a
-    reload applies. A worker names itself in every response (``X-Routerd-Worker``)."""
+    reload applies. Then each bundle's own routes (:class:`~routerd.assembly.core.HasRoutes`). A
+    worker names itself in every response (``X-Routerd-Worker``)."""
     from ..ingress.admin import add_admin_routes
+    from .core import HasRoutes
 
     http = routerd.http
     relay = routerd.peers.admin_relay if routerd.peers is not None else None
@@ -217,6 +219,9 @@ def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.
     def add(app: web.Application) -> None:
         add_admin_routes(app, routerd.fleets, routerd.watch.static_health,
                          lambda: http.cfg.http.admin_api_key, relay)
+        for bundle in routerd.bundles():
+            if isinstance(bundle, HasRoutes):
+                bundle.add_routes(app)
         if worker is not None:
             name = str(worker)
 
