@@ -12,9 +12,10 @@ fleets adopted or launched, the HTTP listener bound, the queue consumer running 
 
 With ``[daemon] workers`` > 1 the daemon is the parent of N workers (routerd/workers.py): it takes the
 listening socket, starts Redis, Ray and the fleets (no data plane: it serves no request), then the
-workers, and says READY once every worker did; TERM drains the workers (then the parent ends its own), HUP reloads it and them. A worker is this
-same class with ``worker=`` its :class:`~routerd.workers.WorkerSpec`: it serves on the parent's socket,
-notifies the parent instead of systemd, and drains when its parent is gone.
+workers, and says READY once every worker did; TERM drains the workers (then the parent ends its own),
+HUP reloads it and them. A worker is this same class with ``worker=`` its
+:class:`~routerd.workers.WorkerSpec`: it serves on the parent's socket, notifies the parent instead of
+systemd, and drains when its parent is gone.
 """
 
 from __future__ import annotations
