@@ -22,7 +22,8 @@ class Batches:
         from ..batches import BatchRunner, add_batch_routes
 
         tenancy = dataplane.tenancy
-        self.runner: BatchRunner = BatchRunner(core.cfg, core.redis_url, tenancy, core.ident)
+        assert core.redis is not None, "with the queue"
+        self.runner: BatchRunner = BatchRunner(core.cfg, core.redis, tenancy, core.ident)
         runner = self.runner
         dataplane.http.batch_routes = lambda app: add_batch_routes(app, runner, tenancy)
         dataplane.http.batch_status = runner.status  # its part of /admin/fleets

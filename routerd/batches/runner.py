@@ -32,8 +32,9 @@ import redis.asyncio as aioredis
 from .. import _aio, log
 from ..config import Config
 from ..errors import DeadlineExceeded
+from ..redis_conn import RedisConn
 from ..redis_keys import RedisKeys
-from ..redis_server import REDIS_DOWN, redis_client
+from ..redis_server import REDIS_DOWN
 from ..tenants.service import Tenancy
 from . import lines
 from .files import FileStore, LineReader
@@ -69,12 +70,12 @@ class BatchStats:
 class BatchRunner:
     """Finds the batches nobody runs and runs them; the daemon runs :meth:`run` in its TaskGroup."""
 
-    def __init__(self, cfg: Config, url: str, tenancy: Tenancy, holder: str, *,
+    def __init__(self, cfg: Config, redis: RedisConn, tenancy: Tenancy, holder: str, *,
                  clock: Callable[[], float] = time.time) -> None:
-        """``url``: the Redis the queue is on; ``tenancy``: which models each tenant may use;
-        ``holder``: this process's name in the batches' leases."""
+        """``redis``: the process's Redis (the queue's, routerd/redis_conn.py); ``tenancy``: which
+        models each tenant may use; ``holder``: this process's name in the batches' leases."""
         self._current = cfg
-        self._url = url
+        self._conn = redis
         self._redis: aioredis.Redis | None = None
         self._tenancy = tenancy
         client = self._client
@@ -101,7 +102,7 @@ class BatchRunner:
 
     def _client(self) -> Any:
         if self._redis is None:
-            self._redis = redis_client(self._url, self._cfg().redis)
+            self._redis = self._conn.blocking()  # as the queue's reads: its socket timeout, its pool
         return self._redis
 
     def _model_error(self, tenant_name: str, model: str) -> str | None:
