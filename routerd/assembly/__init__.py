@@ -9,6 +9,7 @@ order, as a few lifecycle objects (*bundles*), each handed what it needs through
   replica counts) — with Redis.
 - ``kv.py``: KV routing by the engines' own cache events — fleets that publish them, a role that serves.
 - ``dataplane.py``: the request path, its two ways in and the listener — a role that serves.
+- ``batches.py``: the Batch API's runner and routes — with the queue (issue 31).
 - ``build.py``: roles as choices of bundles (:func:`compose`); ``routerd.py``: the bundles together
   (:class:`Routerd`: loops, reload, the one ordered stop); ``startup.py``: the start-up order
   (:func:`assemble`, :func:`running`).
