@@ -154,7 +154,8 @@ def _responses(core: Core, router: Router) -> Responses:
 
     cfg, registry = core.cfg, core.registry
     store: Store = MemoryStore(cfg.responses) if core.redis is None else RedisStore(
-        core.redis, RedisKeys.from_config(cfg.redis), cfg.responses, op_timeout_s=cfg.redis.op_timeout_s)
+        core.redis.ops(), RedisKeys.from_config(cfg.redis), cfg.responses,
+        op_timeout_s=cfg.redis.op_timeout_s)
 
     def generation_of(instance_id: str) -> int:
         inst = registry.get(instance_id)
