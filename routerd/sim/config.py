@@ -63,6 +63,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # vLLM's --api-key (repeatable; else $VLLM_API_KEY): the bearer tokens its /v1, /v2, /inference and
     # /cohere routes require. Empty: every route is open, as vLLM without a key.
     api_key: tuple[str, ...] = ()
+    # LoRA adapters (routerd/sim/lora.py), vLLM's flags: adapters loaded at run time through
+    # /v1/load_lora_adapter; at most max_loras distinct ones in a running batch; max_cpu_loras loaded
+    # weights kept (0: max_loras, vLLM's default); reading one adapter's weights takes lora_load_s
+    enable_lora: bool = False
+    max_loras: PositiveInt = 1
+    max_lora_rank: PositiveInt = 16
+    max_cpu_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
+    lora_load_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05
 
     @property
     def kv_capacity_tokens(self) -> int:

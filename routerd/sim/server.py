@@ -38,6 +38,7 @@ from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
 from .kv_publisher import KvEventPublisher, parse_config
+from .lora import LoraError, SimLora
 from .metrics import SimMetrics
 
 SIM_KEY: web.AppKey[SimEngine] = web.AppKey("sim")
@@ -95,6 +96,12 @@ class SimEngine:
         self.faults = Faults(seed=config.seed, on_crash=self._crash)
         self.metrics = SimMetrics(config)
         self.engine = BatchEngine(config, self.faults, self.metrics)
+        # LoRA adapters (routerd/sim/lora.py): the load/unload routes and /v1/models always know them;
+        # only --enable-lora lets a load succeed and gives the scheduler its max_loras check
+        self.lora = SimLora(config)
+        if config.enable_lora:
+            self.lora.bind_metrics(self.metrics.registry)
+            self.engine.lora = self.lora
         # KV-cache events as vLLM publishes them; block keys then as vLLM computes them (seeded alike).
         kv_cfg = parse_config(config.kv_events_config)
         self.kv_events: KvEventPublisher | None = None
@@ -140,6 +147,8 @@ class SimEngine:
         r.add_get("/metrics", self._metrics)
         r.add_get("/kv_event_sources", self._kv_event_sources)
         r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        r.add_post("/v1/load_lora_adapter", self._load_lora)
+        r.add_post("/v1/unload_lora_adapter", self._unload_lora)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/chat/completions", self._chat)
         r.add_get("/sim/faults", self._get_faults)
@@ -267,7 +276,31 @@ class SimEngine:
         return web.Response(status=503 if self.faults.unhealthy else 200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return _json_response(p.models_body(self.config, self.created))
+        body = p.models_body(self.config, self.created)
+        body["data"].extend(self.lora.model_cards(self.created, body["data"][0]["permission"][0]))
+        return _json_response(body)
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        try:
+            adapter = self.lora.check_load(_json_dec.decode(await request.read()))
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+            return self._error(p.invalid_json(str(e)))
+        except LoraError as e:
+            return _json_response(e.body, e.status)
+        await self.engine.utility(self.config.lora_load_s)  # reading the weights stalls the engine
+        self.lora.commit_load(adapter, (s.lora for s in self.engine.running if s.lora is not None))
+        _log.info("sim_lora_loaded", name=adapter.name, path=adapter.path, int_id=adapter.int_id)
+        return web.Response(text=f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        try:
+            text = self.lora.unload(_json_dec.decode(await request.read()))
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+            return self._error(p.invalid_json(str(e)))
+        except LoraError as e:
+            return _json_response(e.body, e.status)
+        _log.info("sim_lora_unloaded", text=text)
+        return web.Response(text=text)
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json_response({"version": self.config.version})
@@ -306,24 +339,30 @@ class SimEngine:
             return _json_response(p.UNPARSABLE_BODY, 400)
         except msgspec.DecodeError as e:
             return self._error(p.invalid_json(str(e)))
+        adapter = self.lora.resolve(body.get("model") if isinstance(body, dict) else None)
+        # An adapter's request is answered under the adapter's name, as vLLM's model_name(lora_request)
+        cfg = self.config if adapter is None else msgspec.structs.replace(self.config, model=adapter.name)
         try:
-            req = p.parse_request(body, self.config, chat=chat)
+            req = p.parse_request(body, cfg, chat=chat)
         except p.RequestError as e:
             return self._error(e)
         if self._stopping or self.faults.draw_error() or self.faults.poisoned(req.key):
             return web.Response(body=INTERNAL_ERROR, status=500, content_type="application/json")
-        cfg = self.config
-        pieces, finish, stop_reason = generate(cfg.seed, req.key, req.max_tokens, stop=req.stop,
-                                               eos_prob=cfg.eos_prob, ignore_eos=req.ignore_eos)
+        pieces, finish, stop_reason = generate(self.lora.seed(cfg.seed, adapter), req.key, req.max_tokens,
+                                               stop=req.stop, eos_prob=cfg.eos_prob,
+                                               ignore_eos=req.ignore_eos)
         ids: list[int] = []
         if self.kv_events is not None:
             ids = token_ids(req.words)
-            hashes = block_hash.block_keys(ids, cfg.block_size, self._kv_root)
+            hashes = block_hash.block_keys(ids, cfg.block_size, self._kv_root,
+                                           extra=None if adapter is None else adapter.extra_key_tuple)
         else:
             hashes = p.block_hashes(req.words, cfg.block_size)
+            if adapter is not None:  # another adapter's blocks are other blocks
+                hashes = [hash((adapter.extra_key, h)) for h in hashes]
         seq = Sequence(prompt_tokens=req.prompt_tokens, block_hashes=hashes,
                        pieces=pieces, finish_reason=finish, stop_reason=stop_reason,
-                       max_tokens=req.max_tokens, arrival=0.0, token_ids=ids)
+                       max_tokens=req.max_tokens, arrival=0.0, token_ids=ids, lora=adapter)
         self.server_load += 1
         try:
             self.engine.submit(seq)
