@@ -49,12 +49,15 @@ from .dataplane.upstream import Upstream, make_session
 from .elastic import Elastic
 from .file_sd import FileSdWriter
 from .fleet.static import StaticHealth
+from .ingress.adapter_admin import AdapterAdmin  # LoRA
 from .ingress.http import HttpIngress
 from .ingress.listener import HttpListener
+from .peers.adapters import AdapterStore  # LoRA
 from .peers.lease import ControlLease
 from .peers.sealed import Seals
 from .registry import Registry
 from .routing import RequestViews, Router, Scraper
+from .routing.adapters import AdapterCatalog, AdapterSlots  # LoRA
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
@@ -128,6 +131,9 @@ class Routerd:
     view: SharedMeasures | None = None
     # with Redis and launched fleets: admission's view of fleets at zero, whose wakes go to the controller
     wake_relay: RelayedElastic | None = None
+    # LoRA adapters (routerd/routing/adapters.py), with a fleet that serves them: who holds which, the
+    # run-time ones kept in Redis, the admin routes' side
+    lora: LoraBundle | None = None
 
     @property
     def url(self) -> str:
@@ -156,11 +162,15 @@ class Routerd:
         if self.admin_relay is not None:
             from .ingress.admin import AdminActions
 
-            loops["admin_relay"] = self.admin_relay.run(AdminActions(self.fleets, self.static_health).execute)
+            loops["admin_relay"] = self.admin_relay.run(AdminActions(
+                self.fleets, self.static_health, self.lora.admin if self.lora is not None else None).execute)
             if self.wake_relay is not None:
                 loops["wake_relay"] = self.admin_relay.send_wakes()
         if self.view is not None:
             loops["view"] = self.view.run()
+        if self.lora is not None:  # LoRA
+            loops["adapters"] = self.lora.slots.run()
+            loops["adapter_store"] = self.lora.store.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -190,6 +200,9 @@ class Routerd:
         if self.wake_relay is not None:
             self.wake_relay.update_config(cfg)
         self.control.update_config(cfg.control)
+        if self.lora is not None:  # LoRA
+            self.lora.catalog.update_config(cfg)
+            self.lora.admin.cfg = cfg
         if self.fleets is not None:
             await self.fleets.apply(cfg)
 
@@ -256,11 +269,14 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         engine_events = EngineEvents(registry, session, fleets=list(keyers),
                                      sources=static_sources(cfg.fleets))
         keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
+    lora = _lora(cfg, registry, session, view_redis, seals, clock)  # LoRA: None without a LoRA fleet
     views = RequestViews(cfg.routing, keyers=keyers, keying=keying,
-                         learned_block_size=engine_events.fleet_block_size if engine_events else None)
+                         learned_block_size=engine_events.fleet_block_size if engine_events else None,
+                         adapter_of=lora.adapter_of if lora is not None else None)
     router = Router.from_config(registry, cfg.routing, rng=rng, clock=clock, views=views,
                                 engine_cache=engine_events,
-                                shared_sessions=view.sessions if view is not None else None)
+                                shared_sessions=view.sessions if view is not None else None,
+                                adapters=lora.slots if lora is not None else None)
     tenancy = Tenancy(cfg, redis_url, clock=clock, rng=rng)
     fleet_view, admin_relay = _view(cfg, registry, view_redis, controls, fleets, clock,
                                     token=lambda: control.token, seals=seals, worker=role is Role.WORKER)
@@ -304,6 +320,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
                        elastic=elastic, control=control.status, **_http_view(fleet_view, fleets))
+    _attach_lora(lora, upstream, http)
     sd_path = (Path(cfg.daemon.file_sd_path) if cfg.daemon.file_sd_path
                else config_mod.state_dir(cfg) / "file_sd" / "engines.json")
     static_health.sync(cfg)
@@ -315,7 +332,52 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
                    metrics=metrics, http=http, listener=HttpListener(http),
                    file_sd=FileSdWriter(registry, sd_path), cluster=cluster, fleets=fleets,
                    engine_events=engine_events, keying=keying, control=control, fleet_view=fleet_view,
-                   admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay)
+                   admin_relay=admin_relay, controls=controls, role=role, view=view, wake_relay=wake_relay,
+                   lora=lora)
+
+
+@dataclass(frozen=True, eq=False)
+class LoraBundle:
+    """LoRA adapters as models: the catalog, who holds which, the run-time store, the admin side."""
+
+    catalog: AdapterCatalog
+    slots: AdapterSlots
+    store: AdapterStore
+    admin: AdapterAdmin
+
+    def adapter_of(self, fleet: str, model: str) -> tuple[str, str] | None:
+        a = self.catalog.get(model)
+        return (a.name, a.path) if a is not None and a.fleet == fleet else None
+
+
+def _attach_lora(lora: LoraBundle | None, upstream: Upstream, http: HttpIngress) -> None:
+    """LoRA: loads carry the engines' key; the ingress knows the adapters."""
+    if lora is not None:
+        lora.slots.bearer = upstream.bearer
+        http.adapters = lora.catalog
+
+
+def _lora(cfg: Config, registry: Registry, session: aiohttp.ClientSession, client: aioredis.Redis | None,
+          seals: Seals | None, clock: Callable[[], float]) -> LoraBundle | None:
+    """The LoRA bundle when a fleet serves adapters (engine_args enable-lora), else None."""
+    if not any(f.lora_slots() for f in cfg.fleets):
+        return None
+    from .peers.adapters import StoredAdapter
+    from .redis_keys import RedisKeys
+    from .routing.adapters import Adapter
+
+    catalog = AdapterCatalog(cfg)
+    slots = AdapterSlots(registry, catalog, session, clock=clock)
+    store = AdapterStore(client, RedisKeys.from_config(cfg.redis) if client is not None else None,
+                         seals=seals if client is not None else None, op_timeout_s=cfg.redis.op_timeout_s)
+
+    def changed(entries: dict[str, StoredAdapter]) -> None:
+        catalog.set_runtime(Adapter(name=n, fleet=e.fleet, path=e.path, source="admin")
+                            for n, e in entries.items())
+
+    store.on_change = changed
+    return LoraBundle(catalog=catalog, slots=slots, store=store,
+                      admin=AdapterAdmin(cfg, registry, slots, store))
 
 
 def _required(seals: Seals | None) -> Seals:
@@ -628,7 +690,7 @@ def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.
 
     def add(app: web.Application) -> None:
         add_admin_routes(app, routerd.fleets, routerd.static_health, lambda: http.cfg.http.admin_api_key,
-                         routerd.admin_relay)
+                         routerd.admin_relay, routerd.lora.admin if routerd.lora is not None else None)
         if worker is not None:
             name = str(worker)
 

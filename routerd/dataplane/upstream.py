@@ -28,6 +28,7 @@ propagate the same way and do not count against the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,8 @@ from ..config import FleetConfig, RoutingConfig
 from ..errors import NoReadyInstance, UpstreamError
 from ..plugins import RequestView
 from ..registry import Instance
-from ..routing import Router
+from ..routing import RouteDecision, Router
+from ..routing.adapters import AdapterLoadFailed
 from ..speed import PRIOR_PREFILL_S
 from ..telemetry import Telemetry
 from ..tracing import Tracing
@@ -92,6 +94,10 @@ class Upstream:
         self.tracing = tracing  # spans per attempt and resume; the engine gets the context
         self._attempts = Attempts(self.pool, router, cfg, telemetry, tracing, clock)
         self.engine_api_key = engine_api_key
+
+    def bearer(self, fleet: str) -> str:
+        """The API key ``fleet``'s engines are sent ("" for none)."""
+        return self._attempts.bearers.get(fleet, "")
 
     def update_fleets(self, fleets: Sequence[FleetConfig]) -> None:
         """The API key each fleet's engines are sent (at start-up and on reload): a static fleet's own
@@ -156,8 +162,9 @@ class Upstream:
                 tried.append(inst.id)
                 sent = self.clock()
                 try:
-                    with self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
-                                              decision.log_fields() if self.tracing.on else None):
+                    using = await self._adapter_ready(inst, decision)  # a failed load: Retry
+                    with using, self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
+                                                     decision.log_fields() if self.tracing.on else None):
                         result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
                                                               started, unexplained, task, plan)
                         self.tracing.outcome(result.ok, result.error, result.status)
@@ -200,6 +207,24 @@ class Upstream:
             raise err
         finally:
             self.active -= 1
+
+    async def _adapter_ready(self, inst: Instance, decision: RouteDecision
+                             ) -> contextlib.AbstractContextManager[object]:
+        """For an adapter request: what marks the adapter busy there during the attempt, after its load
+        there (joined if in flight, bounded). A failed load is a :class:`Retry` (tried elsewhere next);
+        a path that holds no adapter is :class:`NoReadyInstance` at once (any instance would fail alike)."""
+        lora, adapters = decision.adapter, self.router.adapters
+        if lora is None or adapters is None:
+            return contextlib.nullcontext()
+        if lora.load:
+            try:
+                await adapters.ensure(inst, lora)
+            except AdapterLoadFailed as e:
+                if e.permanent:
+                    raise NoReadyInstance(e.message) from None
+                raise Retry("adapter_load", e.message) from None
+        ctx: contextlib.AbstractContextManager[object] = adapters.using(inst, lora.adapter.name)
+        return ctx
 
     def _plan(self, endpoint: str, body: bytes, sink: ResponseSink) -> ResumableStream | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or

@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
+from ..routing.adapters import AdapterCatalog
 from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
 from ..tenants import Tenant
 from ..tenants.service import Tenancy
@@ -173,6 +174,8 @@ class HttpIngress:
         self.idle = asyncio.Event()
         self.idle.set()
         self.connections = ClientConnections(cfg.http, telemetry)
+        # LoRA adapters as models (routerd/routing/adapters.py), set by the assembly; None: no LoRA fleet
+        self.adapters: AdapterCatalog | None = None
         self.update_config(cfg)
 
     def update_config(self, cfg: Config) -> None:
@@ -267,12 +270,18 @@ class HttpIngress:
             model, stream = head.model, bool(head.stream)
             fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
+            adapter = self.adapters.get(model) if fleet is None and self.adapters is not None else None
+            if adapter is not None:
+                fleet = adapter.fleet
+                fields["adapter"] = adapter.name
             if fleet is None or not self.serves(fleet):
-                valid = sorted(m for m, f in self._models.items() if self.serves(f))
                 raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
-                               f"{', '.join(valid) or 'none'}", param="model")
+                               f"{', '.join(self._valid_models()) or 'none'}", param="model")
             fields["fleet"] = fleet
-            self.tenancy.check_fleet(tenant, fleet)
+            self.tenancy.check_fleet(tenant, fleet, adapter.name if adapter is not None else None)
+            if adapter is not None and self.adapters is not None and adapter.name in self.adapters.failed:
+                raise NoReadyInstance(f"adapter {adapter.name!r} does not load: "
+                                      f"{self.adapters.failed[adapter.name]}")
             req = Request(fleet=fleet, endpoint=endpoint, body=body, head=head, stream=stream, id=request_id,
                           tenant=tenant, source="http", session=_session(request))
         except RouterdError as e:  # refused before the dispatch: counted here
@@ -322,13 +331,25 @@ class HttpIngress:
         except (ConnectionResetError, RuntimeError, TimeoutError):
             pass
 
+    def _valid_models(self) -> list[str]:
+        """The models and adapters there are, for a 404's message."""
+        valid = [m for m, f in self._models.items() if self.serves(f)]
+        if self.adapters is not None:
+            valid += [a.name for a in self.adapters.all() if self.serves(a.fleet)]
+        return sorted(valid)
+
     async def models(self, request: web.Request) -> web.Response:
         # A refusal is answered by errors_as_json. Only the fleets the caller's tenant may use are
-        # listed: a model it would get 403 for is not one it has.
+        # listed: a model it would get 403 for is not one it has; so for adapters (with `parent`).
         tenant = authenticate(request, self.tenancy.directory)
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
                  "root": f.model, "parent": None} for f in self.cfg.fleets
                 if tenant.allows(f.name) and self.serves(f.name)]
+        if self.adapters is not None:
+            parents = self.adapters.parents
+            data += [{"id": a.name, "object": "model", "created": self.created, "owned_by": "routerd",
+                      "root": a.path, "parent": parents.get(a.fleet)} for a in self.adapters.all()
+                     if tenant.allows(a.fleet, a.name) and self.serves(a.fleet)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     # operations ------------------------------------------------------------------------------
