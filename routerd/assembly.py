@@ -48,6 +48,7 @@ from .dataplane.engine_http import EnginePool
 from .dataplane.upstream import Upstream, make_session
 from .elastic import Elastic
 from .file_sd import FileSdWriter
+from .fleet.adapters import AdapterPlacer  # LoRA
 from .fleet.static import StaticHealth
 from .ingress.adapter_admin import AdapterAdmin  # LoRA
 from .ingress.http import HttpIngress
@@ -57,7 +58,7 @@ from .peers.lease import ControlLease
 from .peers.sealed import Seals
 from .registry import Registry
 from .routing import RequestViews, Router, Scraper
-from .routing.adapters import AdapterCatalog, AdapterSlots  # LoRA
+from .routing.adapters import AdapterCatalog, AdaptersCollector, AdapterSlots  # LoRA
 from .telemetry import Metrics, Telemetry, queue_collector, registry_collector
 from .tenants.service import Tenancy
 from .tracing import Tracing
@@ -171,6 +172,7 @@ class Routerd:
         if self.lora is not None:  # LoRA
             loops["adapters"] = self.lora.slots.run()
             loops["adapter_store"] = self.lora.store.run()
+            loops["adapter_placement"] = self.lora.placer.run()
         return loops
 
     async def apply(self, cfg: Config) -> None:
@@ -269,7 +271,8 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         engine_events = EngineEvents(registry, session, fleets=list(keyers),
                                      sources=static_sources(cfg.fleets))
         keying = KeyingProcess({fleet: k.spec for fleet, (k, _, _) in keyers.items()})
-    lora = _lora(cfg, registry, session, view_redis, seals, clock)  # LoRA: None without a LoRA fleet
+    lora = _lora(cfg, registry, session, view_redis, seals, clock,  # LoRA: None without a LoRA fleet
+                 controls=controls if role is not Role.PARENT else _never)
     views = RequestViews(cfg.routing, keyers=keyers, keying=keying,
                          learned_block_size=engine_events.fleet_block_size if engine_events else None,
                          adapter_of=lora.adapter_of if lora is not None else None)
@@ -316,6 +319,7 @@ def build(cfg: Config, registry: Registry, session: aiohttp.ClientSession, *, tr
         collectors.append(view.collector())
     if fleet_view is not None:
         collectors.append(fleet_view.collector())
+    collectors += _lora_collectors(lora)  # LoRA
     metrics = Metrics(telemetry, [*collectors, *extra])
     http = HttpIngress(cfg, registry, dispatch=dispatch, admission=admission, router=router,
                        tenancy=tenancy, telemetry=telemetry, metrics=metrics, tracing=tracing, clock=clock,
@@ -344,21 +348,27 @@ class LoraBundle:
     slots: AdapterSlots
     store: AdapterStore
     admin: AdapterAdmin
+    placer: AdapterPlacer  # placement by demand (routerd/fleet/adapters.py), while this process controls
 
     def adapter_of(self, fleet: str, model: str) -> tuple[str, str] | None:
         a = self.catalog.get(model)
         return (a.name, a.path) if a is not None and a.fleet == fleet else None
 
 
+def _lora_collectors(lora: LoraBundle | None) -> list[Collector]:
+    return [AdaptersCollector(lora.slots)] if lora is not None else []
+
+
 def _attach_lora(lora: LoraBundle | None, upstream: Upstream, http: HttpIngress) -> None:
     """LoRA: loads carry the engines' key; the ingress knows the adapters."""
     if lora is not None:
         lora.slots.bearer = upstream.bearer
-        http.adapters = lora.catalog
+        http.adapters, http.adapter_slots = lora.catalog, lora.slots
 
 
 def _lora(cfg: Config, registry: Registry, session: aiohttp.ClientSession, client: aioredis.Redis | None,
-          seals: Seals | None, clock: Callable[[], float]) -> LoraBundle | None:
+          seals: Seals | None, clock: Callable[[], float], *,
+          controls: Callable[[], bool] | None) -> LoraBundle | None:
     """The LoRA bundle when a fleet serves adapters (engine_args enable-lora), else None."""
     if not any(f.lora_slots() for f in cfg.fleets):
         return None
@@ -376,8 +386,10 @@ def _lora(cfg: Config, registry: Registry, session: aiohttp.ClientSession, clien
                             for n, e in entries.items())
 
     store.on_change = changed
+    # Placement measures demand where requests are routed: not in a daemon of workers (it serves none)
+    placer = AdapterPlacer(slots, controls or (lambda: True), clock=clock)
     return LoraBundle(catalog=catalog, slots=slots, store=store,
-                      admin=AdapterAdmin(cfg, registry, slots, store))
+                      admin=AdapterAdmin(cfg, registry, slots, store), placer=placer)
 
 
 def _required(seals: Seals | None) -> Seals:

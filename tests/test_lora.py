@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,10 @@ import aiohttp
 import msgspec
 
 from routerd import config as config_mod
+from routerd import status
 from routerd.config import RedisConfig
+from routerd.fleet.adapters import AdapterPlanner
+from routerd.lora_placement import FleetPlacement
 from routerd.redis_keys import RedisKeys
 from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
@@ -107,6 +111,26 @@ async def test_adapters_are_models_routed_to_the_instance_holding_them(
         assert st == 404
         assert body["error"]["message"].endswith("Valid models: a, b, base")
 
+        rows: dict[str, Any] = {}
+
+        async def engines_said() -> bool:
+            async with s.get(f"{url}/admin/fleets") as r:
+                rows.update({i["id"]: i for i in (await r.json())["fleets"]["f"]["instances"]})
+            return all((rows[i]["adapters"]["engine"] or {}).get("max_lora") == 1 for i in (inst_a, inst_b))
+
+        for _ in range(100):  # the engine's own vllm:lora_requests_info, as the scraper reads it
+            if await engines_said():
+                break
+            await asyncio.sleep(0.2)
+        assert rows[inst_b]["adapters"]["held"] == ["b"]
+        assert rows[inst_b]["adapters"]["engine"]["max_lora"] == 1
+        table = status.render({"fleets": {"f": {"instances": [rows[inst_b]]}}})
+        assert f"{inst_b} adapters: held=b (1/1)" in table
+        async with s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        assert 'routerd_adapter_loads_total{fleet="f",adapter="b",outcome="ok"} 1.0' in text
+        assert re.search(r'routerd_adapter_requests_total\{fleet="f",adapter="a"\} [4-9]', text)
+
         # run time: c added (it loads on an instance, evicting its idle adapter), kept in Redis
         st, body, _ = await _post(s, f"{url}/admin/fleets/f/adapters", {"name": "c", "path": c})
         assert st == 200, body
@@ -164,3 +188,71 @@ def test_a_tenant_may_be_given_single_adapters(tmp_path: Path) -> None:
     assert t.allows("f", "a")
     assert not t.allows("f")
 
+
+
+def test_placement_spreads_a_hot_adapter_and_unloads_a_cold_one_only_after_a_while() -> None:
+    now = [0.0]
+    planner = AdapterPlanner(cold_s=60.0, max_moves=8, clock=lambda: now[0])
+    adapters = {"hot": False, "warm": False, "cold": False, "pin": True}
+    p = FleetPlacement(slots=2, adapters=adapters, held={"i0": ["cold"], "i1": [], "i2": []},
+                       rates={"hot": 9.0, "warm": 1.0, "cold": 0.0})
+    # 90 % of the traffic asks for 3 copies, 10 % for 1, pinned everywhere: 7 > 6 slots, so the hot one
+    # gives one up; cold (no traffic) none
+    assert planner.wanted(p) == {"hot": 2, "warm": 1, "cold": 0, "pin": 3}
+    # free slots first, the hottest first; cold gives its slot up at once where a wanted adapter needs it
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(p)] == [
+        ("load", "i1", "hot"), ("load", "i2", "hot"), ("load", "i0", "warm"), ("load", "i1", "pin"),
+        ("load", "i2", "pin"), ("unload", "i0", "cold"), ("load", "i0", "pin")]
+
+    # a cold adapter with a free slot beside it stays until cold_s has passed
+    q = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
+                       rates={"a": 1.0, "b": 0.0})
+    assert planner.plan(q) == []
+    now[0] = 30.0
+    assert planner.plan(q) == []
+    now[0] = 61.0
+    assert [(m.kind, m.adapter) for m in planner.plan(q)] == [("unload", "b")]
+    # busy: not unloaded even then
+    busy = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
+                          busy={"i0": {"b"}}, rates={"a": 1.0, "b": 0.0})
+    assert planner.plan(busy) == []
+    # a restarted instance holds nothing: the demand's copies are loaded there again
+    r = FleetPlacement(slots=1, adapters={"a": False}, held={"i0": ["a"], "i1": []}, rates={"a": 5.0})
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(r)] == [("load", "i1", "a")]
+
+
+async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # One adapter takes all the traffic: placement holds it on both instances. One engine is killed
+    # and started again empty: placement loads it there again, no request needed.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.01, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static",
+                                         "urls": [s.url for s in sims], "engine_args": LORA_ARGS,
+                                         "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
+    rd = routerd_process(cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for _ in range(20):
+            assert (await _post(s, f"{rd.url}/v1/completions", {"model": "a", "prompt": "hi"}))[0] == 200
+
+        async def holders() -> set[str]:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                rows = (await r.json())["fleets"]["f"]["instances"]
+            return {i["id"] for i in rows if "a" in i["adapters"]["held"] and i["state"] == "ready"}
+
+        async def both() -> bool:
+            for _ in range(150):
+                if await holders() == {"f:static0", "f:static1"}:
+                    return True
+                await asyncio.sleep(0.2)
+            return False
+
+        assert await both(), "placement spreads the only adapter over both instances"
+        port = sims[0].url.rsplit(":", 1)[1]
+        sims[0].signal(signal.SIGKILL)
+        sims[0].proc.wait(10)
+        await sim_process(model="base", port=int(port), enable_lora=True, max_loras=1, lora_load_s=0.01,
+                          ttft_ms=1, itl_ms=1)
+        async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base"]  # it came back empty
+        assert await both(), "the restarted engine got the adapter back"

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
-from ..routing.adapters import AdapterCatalog
+from ..routing.adapters import AdapterCatalog, AdapterSlots
 from ..telemetry import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, Metrics, Telemetry
 from ..tenants import Tenant
 from ..tenants.service import Tenancy
@@ -176,6 +176,7 @@ class HttpIngress:
         self.connections = ClientConnections(cfg.http, telemetry)
         # LoRA adapters as models (routerd/routing/adapters.py), set by the assembly; None: no LoRA fleet
         self.adapters: AdapterCatalog | None = None
+        self.adapter_slots: AdapterSlots | None = None  # who holds which (/admin/fleets)
         self.update_config(cfg)
 
     def update_config(self, cfg: Config) -> None:
@@ -394,7 +395,10 @@ class HttpIngress:
             f = configured.get(name)
             instances = []
             for inst in sorted(self.registry.instances(name), key=lambda i: i.id):
-                instances.append(inst.status(now))
+                row = inst.status(now)
+                if self.adapter_slots is not None and self.adapter_slots.catalog.slots.get(name):
+                    row["adapters"] = self.adapter_slots.status(inst)
+                instances.append(row)
             out[name] = {
                 "model": f.model if f else None,
                 "engine": f.engine if f else None,

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ import msgspec
 
 from .. import _aio, log
 from ..config import Config
+from ..lora_placement import FleetPlacement, Move
 from ..plugins import Candidate
 from ..registry import Instance, InstanceState, Registry
 
@@ -356,8 +357,92 @@ class AdapterSlots:
                 del self._held[iid]
             await asyncio.sleep(self.sync_interval_s)
 
+    # ---- what placement (routerd/fleet/adapters.py) asks ------------------------------------------
+
+    def lora_fleets(self) -> list[str]:
+        return [f for f, n in self.catalog.slots.items() if n]
+
+    def request_counts(self) -> dict[tuple[str, str], int]:
+        return dict(self.requests)
+
+    def placement(self, fleet: str, rates: dict[str, float]) -> FleetPlacement | None:
+        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates."""
+        insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+        if not insts:
+            return None
+        return FleetPlacement(
+            slots=self.catalog.slots.get(fleet, 0),
+            adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
+                      if a.name not in self.catalog.failed},
+            held={i.id: self.held(i) for i in insts},
+            busy={i.id: {n for (iid, n) in [*self._inflight, *self._loading] if iid == i.id} for i in insts},
+            rates=rates)
+
+    async def place(self, fleet: str, move: Move) -> bool:
+        """Carry out one of placement's moves (a load is shared with requests waiting for it)."""
+        inst = self.registry.get(move.instance)
+        adapter = self.catalog.get(move.adapter)
+        if inst is None or inst.state is not InstanceState.READY:
+            return False
+        if move.kind == "unload":
+            return self._idle(inst, move.adapter) and await self.unload(inst, move.adapter)
+        if adapter is None:
+            return False
+        try:
+            await self.ensure(inst, AdapterPlan(adapter, "placement", load=True))
+        except AdapterLoadFailed:
+            return False
+        return True
+
     def status(self, inst: Instance) -> dict[str, Any]:
-        """What ``/admin/fleets`` shows of an instance's adapters."""
-        return {"held": self.held(inst),
+        """What ``/admin/fleets`` shows of an instance's adapters: routerd's record (held, least
+        recently used first; loading; requests in flight) beside the engine's own
+        ``vllm:lora_requests_info`` as last scraped."""
+        snap = inst.snapshot
+        engine = None if snap is None or snap.max_lora is None else {
+            "running": list(snap.lora_running), "waiting": list(snap.lora_waiting), "max_lora": snap.max_lora}
+        return {"held": self.held(inst), "slots": self.catalog.slots.get(inst.fleet, 0),
                 "loading": sorted(n for (iid, n) in self._loading if iid == inst.id),
-                "in_flight": {n: c for (iid, n), c in self._inflight.items() if iid == inst.id}}
+                "in_flight": {n: c for (iid, n), c in self._inflight.items() if iid == inst.id},
+                "engine": engine}
+
+
+class AdaptersCollector:
+    """``routerd_adapter_*`` in ``/metrics``: loads (by outcome), unloads, load seconds, requests per
+    adapter, waits for a slot (requests that had to wait for a load), adapters held per instance."""
+
+    def __init__(self, slots: AdapterSlots) -> None:
+        self.slots = slots
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.slots
+        loads = CounterMetricFamily("routerd_adapter_loads", "LoRA adapter loads routerd asked an engine for",
+                                    labels=["fleet", "adapter", "outcome"])
+        for (fleet, name, outcome), n in s.loads.items():
+            loads.add_metric([fleet, name, outcome], n)
+        unloads = CounterMetricFamily("routerd_adapter_unloads", "LoRA adapters unloaded from an engine",
+                                      labels=["fleet", "adapter"])
+        for (fleet, name), n in s.unloads.items():
+            unloads.add_metric([fleet, name], n)
+        seconds = CounterMetricFamily("routerd_adapter_load_seconds",
+                                      "Seconds spent in successful LoRA adapter loads", labels=["fleet"])
+        for fleet, v in s.load_seconds.items():
+            seconds.add_metric([fleet], v)
+        requests = CounterMetricFamily("routerd_adapter_requests", "Requests routed for each LoRA adapter",
+                                       labels=["fleet", "adapter"])
+        for (fleet, name), n in s.requests.items():
+            requests.add_metric([fleet, name], n)
+        waits = CounterMetricFamily("routerd_adapter_slot_waits",
+                                    "Adapter loads requests waited for (no instance with room held it)",
+                                    labels=["fleet"])
+        for fleet, n in s.slot_waits.items():
+            waits.add_metric([fleet], n)
+        held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
+                                 labels=["fleet", "instance"])
+        for fleet, n in s.catalog.slots.items():
+            if n:
+                for inst in s.registry.instances(fleet):
+                    held.add_metric([fleet, inst.id], len(s.held(inst)))
+        yield from (loads, unloads, seconds, requests, waits, held)
