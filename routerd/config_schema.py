@@ -307,3 +307,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def fleet_for_model(self, model: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.model == model), None)
+
+    def fleet_for_adapter(self, adapter: str) -> FleetConfig | None:
+        """The fleet that declares LoRA adapter ``adapter`` (``[[fleets.adapters]]``)."""
+        return next((f for f in self.fleets if any(a.name == adapter for a in f.adapters)), None)

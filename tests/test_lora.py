@@ -24,6 +24,7 @@ import msgspec
 
 from routerd import config as config_mod
 from routerd import status
+from routerd.client import QueueClient
 from routerd.config import RedisConfig
 from routerd.fleet.adapters import AdapterPlanner
 from routerd.lora_placement import FleetPlacement
@@ -106,6 +107,12 @@ async def test_adapters_are_models_routed_to_the_instance_holding_them(
             assert (await _post(s, f"{url}/v1/completions", {"model": "b", "prompt": prompt}))[2] == inst_b
         st, body, _ = await _post(s, f"{url}/v1/completions", {"model": "base", "prompt": prompt})
         assert st == 200
+        async with QueueClient.from_url(redis_server.url) as queue:  # the other way in
+            job = await queue.submit({"model": "b", "prompt": prompt, "max_tokens": 5})
+            result = await queue.wait(job, timeout=30)
+        assert (result.status, result.instance) == ("ok", inst_b)
+        assert result.response is not None
+        assert result.response["choices"][0]["text"] == expected_text(adapter_seed(0, "b"), prompt, 5)
 
         st, body, _ = await _post(s, f"{url}/v1/completions", {"model": "zz", "prompt": prompt})
         assert st == 404
