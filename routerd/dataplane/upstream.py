@@ -264,17 +264,18 @@ class Upstream:
                 return ForwardResult(instance=failure.instance, attempts=resumes, status=200, ok=True,
                                      error=None, resumes=resumes)
             why, key = self._why_not_resume(rs, resumes)
-            inst = None
+            inst = decision = None
             if not why:
                 if resumes:
                     await asyncio.sleep(self.backoff_s(resumes + 1))
                 try:
-                    inst = self.router.pick(fleet, tried, request)
+                    decision = self.router.choose(fleet, tried, request)
+                    inst = decision.instance
                 except NoReadyInstance:
                     inst = None
                 if inst is None or inst.id in failed:
                     why, key = "no other instance is ready", "no_instance"
-            if why or inst is None:
+            if why or inst is None or decision is None:
                 message = f"{failure.message}; not continued elsewhere: {why}"
                 tel.streams_cut.labels(fleet, key).inc()
                 _log.warning("stream_cut", request_id=request_id, instance=failure.instance,
@@ -288,15 +289,17 @@ class Upstream:
             _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
                       reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
             try:
-                with self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
+                # an adapter's continuation goes where the adapter is (loaded there first if need be)
+                with await self._adapter_ready(inst, decision), \
+                        self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
                     self.tracing.note(**{"routerd.resume.reason": failure.reason,
                                          "routerd.resume.failed_instance": failure.instance,
                                          "routerd.resume.tokens_sent": rs.tokens})
                     result = await self._attempts.attempt(inst, endpoint, rs.continuation(), sink, True,
                                                           request_id, 0.0, [], task, rs)
                     self.tracing.outcome(result.ok, result.error, result.status)
-            except Retry as e:  # the continuation failed before any event of it reached the client
-                failure = StreamFailed(e.reason, e.message, inst.id)
+            except (Retry, NoReadyInstance) as e:  # failed before any event of it reached the client
+                failure = StreamFailed(getattr(e, "reason", "adapter_load"), e.message, inst.id)
             except StreamFailed as e:
                 failure = e
             else:
