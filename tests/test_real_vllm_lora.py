@@ -27,11 +27,12 @@ import pytest
 from tests.fixtures.daemon import RouterdFactory, base_config
 from tests.fixtures.vllm import PAIR_STARTUP_TIMEOUT_S, SERVED_MODEL, VllmServer, start_vllm
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
 LORA_FLAGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+STARTUP_S = 2 * PAIR_STARTUP_TIMEOUT_S  # two LoRA engines side by side while other tests start theirs
 
 
 def _adapters(vllm_bin: Path, model: Path, out: Path) -> list[str]:
@@ -58,7 +59,7 @@ def _restart_on(server: VllmServer, scratch: Path) -> VllmServer:
         proc = subprocess.Popen(server.proc.args, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env)
     again = VllmServer(url=server.url, model=server.model, proc=proc, log_path=log_path)
-    deadline = time.monotonic() + PAIR_STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if again.answers(timeout_s=2.0):
             return again
@@ -82,7 +83,7 @@ async def test_adapters_on_real_engines_answer_from_an_instance_holding_them(
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         servers = list(pool.map(lambda i: start_vllm(vllm_bin, tiny_model_dir, tmp_path / f"v{i}",
                                                      extra_args=LORA_FLAGS, extra_env=LORA_ENV,
-                                                     startup_timeout_s=PAIR_STARTUP_TIMEOUT_S), range(2)))
+                                                     startup_timeout_s=STARTUP_S), range(2)))
     restarted: VllmServer | None = None
     try:
         cfg = base_config(tmp_path, routing={"scrape_interval_s": 0.5, "stale_after_s": 10.0},
