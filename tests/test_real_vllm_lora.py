@@ -49,9 +49,10 @@ def _held(url: str) -> set[str]:
         return {m["id"] for m in json.loads(r.read())["data"] if m.get("parent")}
 
 
-def _restart_on(server: VllmServer, scratch: Path) -> VllmServer:
-    """Start the killed engine again on its own port (the fleet's URL), with the same argv."""
-    scratch.mkdir(parents=True, exist_ok=True)
+def _restart_on(server: VllmServer) -> VllmServer:
+    """Start the killed engine again on its own port (the fleet's URL), with the same argv, in its own
+    scratch directory (vLLM's IPC socket paths under TMPDIR must stay within 107 characters)."""
+    scratch = server.log_path.parent
     env = {**os.environ, **LORA_ENV, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_NO_USAGE_STATS": "1", "TMPDIR": str(scratch)}
     log_path = scratch / "restarted.log"
@@ -112,7 +113,7 @@ async def test_adapters_on_real_engines_answer_from_an_instance_holding_them(
 
             killed = next(i for i, u in enumerate(urls.values()) if u == urls[where["lora-a"]])
             servers[killed].kill()
-            restarted = _restart_on(servers[killed], tmp_path / "restarted")
+            restarted = _restart_on(servers[killed])
             assert _held(servers[killed].url) == set()  # it came back empty
             for _ in range(3):
                 st, text, inst = await _complete(s, rd.url, "lora-a")
