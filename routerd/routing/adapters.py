@@ -352,7 +352,10 @@ class AdapterSlots:
                      for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
             for inst in insts:
                 await self.sync(inst)
-            live = {i.id for f in self.registry.fleets() for i in self.registry.instances(f)}
+            live = {i.id for f in self.registry.fleets() for i in self.registry.instances(f)
+                    if i.state is InstanceState.READY}
+            # out of rotation (dead, restarting, gone): what it held is not counted on; a static
+            # instance keeps its generation across an engine restart, so this is what forgets it
             for iid in [k for k in self._held if k not in live]:
                 del self._held[iid]
             await asyncio.sleep(self.sync_interval_s)
