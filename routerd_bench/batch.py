@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 
 from routerd import log
@@ -40,7 +39,7 @@ from routerd.config import parse
 from routerd.redis_keys import RedisKeys
 from routerd.redis_server import EmbeddedRedis
 
-from .queue import _loop_runner, queue_path, start_engines, wait_http, wait_ready
+from .queue import _loop_runner, queue_path, report, start_engines, wait_http, wait_ready
 
 STREAM = "bench:requests"
 REPLIES = RedisKeys(stream=STREAM).reply("all")
@@ -143,9 +142,5 @@ def main(argv: list[str]) -> int:
     log.setup("warning", json=False)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     res = _loop_runner()(run_bench(args.lines, args.engines, args.max_num_seqs, args.lines_in_flight))
-    print(f"{'metric':<38}{'value':>14}")
-    for k, v in res.items():
-        print(f"{k:<38}{v:>14}")
-    if args.json:
-        Path(args.json).write_text(msgspec.json.encode(res).decode() + "\n")
+    report(res, args.json, width=38)
     return 0

@@ -271,9 +271,15 @@ def main(argv: list[str]) -> int:
     log.setup("warning", json=False)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     res = _loop_runner()(run_bench(args.jobs, args.engines, args.redis, args.max_num_seqs))
-    print(f"{'metric':<28}{'value':>14}")
-    for k, v in res.items():
-        print(f"{k:<28}{v:>14}")
-    if args.json:
-        Path(args.json).write_text(msgspec.json.encode(res).decode() + "\n")
+    report(res, args.json)
     return 0
+
+
+def report(res: dict[str, Any], json_path: str | None, width: int = 28) -> None:
+    """The figures as a two-column table, and in ``json_path`` if given (``bench queue`` and
+    ``bench batch`` alike)."""
+    print(f"{'metric':<{width}}{'value':>14}")
+    for k, v in res.items():
+        print(f"{k:<{width}}{v:>14}")
+    if json_path:
+        Path(json_path).write_text(msgspec.json.encode(res).decode() + "\n")

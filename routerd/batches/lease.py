@@ -14,16 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _aio
+from ..peers.lease import RELEASE_IF_HELD, RENEW_IF_HELD
 from ..redis_keys import RedisKeys
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class BatchLease:
@@ -51,7 +43,7 @@ class BatchLease:
                                                  px=lease_ms))
 
     async def renew(self, batch_id: str, lease_ms: int) -> bool:
-        return bool(await self._script(_RENEW, batch_id, str(lease_ms)))
+        return bool(await self._script(RENEW_IF_HELD, batch_id, str(lease_ms)))
 
     async def release(self, batch_id: str) -> None:
-        await self._script(_RELEASE, batch_id)
+        await self._script(RELEASE_IF_HELD, batch_id)

@@ -68,13 +68,13 @@ local value = string.format('%d', token) .. ' ' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 return {1, value}
 """
-# KEYS: lease. ARGV: our value, ttl ms.
-_RENEW = """
+# KEYS: lease. ARGV: our value, ttl ms. (Also a batch's run lease: routerd/batches/lease.py.)
+RENEW_IF_HELD = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 # KEYS: lease. ARGV: our value.
-_RELEASE = """
+RELEASE_IF_HELD = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
@@ -370,8 +370,8 @@ class ControlLease:
             assert self._redis is not None, "sole control calls no Redis"
             self._client = self._redis.ops()
             self._scripts = {"take": self._client.register_script(_TAKE),
-                             "renew": self._client.register_script(_RENEW),
-                             "release": self._client.register_script(_RELEASE)}
+                             "renew": self._client.register_script(RENEW_IF_HELD),
+                             "release": self._client.register_script(RELEASE_IF_HELD)}
         return self._client
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
