@@ -7,23 +7,14 @@ the engine the whole conversation."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import aiohttp
 
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.dataplane import EngineFactory, PlaneFactory
+from tests.fixtures.helpers import event_pairs
 from tests.fixtures.redis_server import RedisServer
-
-
-def _events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.strip().splitlines() if ": " in line)
-        if "data" in lines:
-            out.append((lines.get("event", ""), json.loads(lines["data"])))
-    return out
 
 
 async def test_a_responses_stream_is_retried_until_its_first_output_and_recorded_when_it_completes(
@@ -38,7 +29,7 @@ async def test_a_responses_stream_is_retried_until_its_first_output_and_recorded
         async with s.post(url, json={"model": "m", "input": "hi", "stream": True}) as r:
             assert r.status == 200
             assert r.headers["X-Routerd-Instance"] == "f:static1"
-            events = _events(await r.read())
+            events = event_pairs(await r.read())
         kinds = [k for k, _ in events]
         assert kinds.count("response.created") == 1
         assert kinds[0] == "response.created"
@@ -55,7 +46,7 @@ async def test_a_responses_stream_is_retried_until_its_first_output_and_recorded
         async with s.post(url, json={"model": "m", "input": "more", "stream": True,
                                      "previous_response_id": first["id"]}) as r:
             assert r.status == 200
-            events = _events(await r.read())
+            events = event_pairs(await r.read())
         sent = e1.bodies[-1]
         assert "previous_response_id" not in sent
         assert sent["store"] is False

@@ -8,7 +8,6 @@ routerd and read back from either routerd, never by another tenant.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from typing import Any
@@ -17,6 +16,7 @@ import aiohttp
 import pytest
 
 from tests.fixtures.daemon import RouterdFactory
+from tests.fixtures.helpers import event_pairs
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmServer
 
@@ -24,15 +24,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ACME = {"Authorization": "Bearer sk-acme-0123456789"}
 OTHER = {"Authorization": "Bearer sk-other-0123456789"}
-
-
-def _events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.strip().splitlines() if ": " in line)
-        if "data" in lines:
-            out.append((lines.get("event", ""), json.loads(lines["data"])))
-    return out
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -57,7 +48,7 @@ async def test_a_chain_outlives_its_engine_and_is_continued_through_either_route
         async with s.post(a.url + "/v1/responses", headers=ACME,
                           json={**turn, "input": "tell me about the router", "stream": True}) as r:
             assert r.status == 200
-            events = _events(await r.read())
+            events = event_pairs(await r.read())
         kinds = [k for k, _ in events]
         assert kinds[:2] == ["response.created", "response.in_progress"]
         assert kinds[-1] == "response.completed"

@@ -26,6 +26,7 @@ from routerd.registry import Registry
 from routerd.sim.config import SimConfig
 from routerd.sim.server import SimEngine
 from routerd.surface import ROUTES
+from tests.fixtures.helpers import event_pairs
 from tests.fixtures.redis_server import RedisServer
 
 MODEL = "m"
@@ -90,16 +91,6 @@ async def plane(redis: RedisServer | None = None, *, engines: int = 2, http: dic
             await e.stop()
 
 
-def events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """A named-event stream's (event, data) pairs."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.strip().split("\n") if ": " in line)
-        if "data" in lines:
-            out.append((lines.get("event", ""), msgspec.json.decode(lines["data"])))
-    return out
-
-
 async def post(s: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any, bytes]:
     async with s.post(url, json=body, **kw) as r:
         raw = await r.read()
@@ -147,7 +138,7 @@ async def test_route_family_both_ways_in(family: str, redis_server: RedisServer)
             async with s.post(p.url + route, json={**body, "stream": True}) as r:
                 assert r.status == 200
                 assert r.content_type == "text/event-stream"
-                streamed = events(await r.read())
+                streamed = event_pairs(await r.read())
             assert streamed[-1][0] in ROUTES[route].terminal_events, streamed[-1]
             assert all(e == d["type"] for e, d in streamed)
             job = await p.queue.submit({**body, "stream": True}, endpoint=route)
@@ -353,7 +344,7 @@ async def test_a_responses_chain_continues_where_its_previous_response_is() -> N
                     assert r.status == 200, await r.text()
                     raw = await r.read()
                 if turn == 1:
-                    assert events(raw)[-1][0] in ROUTES["/v1/responses"].terminal_events
+                    assert event_pairs(raw)[-1][0] in ROUTES["/v1/responses"].terminal_events
                 else:
                     doc = msgspec.json.decode(raw)
 
@@ -413,7 +404,7 @@ async def test_failures_are_retried_before_the_first_byte_and_end_in_the_routes_
             budget = "max_tokens" if name == "messages" else "max_output_tokens"
             async with s.post(p.url + route, json={**body, budget: 50, "stream": True}) as r:
                 assert r.status == 200
-                last, data = events(await r.read())[-1]
+                last, data = event_pairs(await r.read())[-1]
             assert last == "error"  # the stream says it ended badly, in its own shape
             assert data["type"] == "error"
             assert (data["error"] if name == "messages" else data)["message"]
