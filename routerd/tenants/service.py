@@ -122,10 +122,12 @@ class Tenancy:
                              param="tenant")
         return tenant
 
-    def check_fleet(self, tenant: Tenant, fleet: str) -> None:
-        """:class:`PermissionDenied` (403) unless ``tenant`` may use ``fleet`` — both ways in."""
-        if not tenant.allows(fleet):
-            raise PermissionDenied(f"tenant {tenant.name!r} may not use fleet {fleet!r} "
+    def check_fleet(self, tenant: Tenant, fleet: str, adapter: str | None = None) -> None:
+        """:class:`PermissionDenied` (403) unless ``tenant`` may use ``fleet`` (or its LoRA ``adapter``)
+        — both ways in."""
+        if not tenant.allows(fleet, adapter):
+            what = f"adapter {adapter!r}" if adapter is not None else f"fleet {fleet!r}"
+            raise PermissionDenied(f"tenant {tenant.name!r} may not use {what} "
                                    f"(fleets allowed: {', '.join(sorted(tenant.fleets))})", param="model")
 
     async def charge(self, tenant: Tenant, fleet: str, facts: RequestFacts) -> Charge:

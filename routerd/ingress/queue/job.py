@@ -199,7 +199,11 @@ class JobRunner:
             return None
         self._held.name(running, job.id)
         problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
-        fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
+        model = str(job.body.get("model", ""))
+        fleet = cfg.fleet_for_model(model)
+        adapter = None
+        if fleet is None and (fleet := cfg.fleet_for_adapter(model)) is not None:
+            adapter = model  # a LoRA adapter of that fleet, declared in the config
         if fleet is not None and self._serves is not None and not self._serves(fleet.name):
             fleet = None  # only this process's file has it: the controller's fleets are the fleets
         owned = self._keys.reserved(job.reply_to)
@@ -210,7 +214,7 @@ class JobRunner:
             problem, code = f"body.model: no fleet serves model {model}", 404
         if problem is None and fleet is not None:
             try:
-                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name)
+                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name, adapter)
             except RouterdError as e:
                 problem, code = e.message, e.status
         if problem is not None or fleet is None:

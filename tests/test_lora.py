@@ -1,0 +1,266 @@
+"""LoRA adapters as models, end to end: a real ``routerd run`` over simulated engines (processes) with
+``--enable-lora --max-loras 1``, a real Redis.
+
+What a user relies on: ``/v1/models`` lists adapters with ``parent``; a request for an adapter is
+answered by an instance that holds it (its log line names the adapter and the rule); an adapter not
+held goes to a free slot first, then evicts an idle one; adapters added at run time are kept in Redis
+(sealed: a forged record is not served); a path that does not load is a clear admin error; an unknown
+model is a 404 listing the models and adapters; check-config refuses what cannot work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from routerd import config as config_mod
+from routerd import status
+from routerd.client import QueueClient
+from routerd.config import RedisConfig
+from routerd.fleet.adapters import AdapterPlanner
+from routerd.lora_placement import FleetPlacement
+from routerd.redis_keys import RedisKeys
+from routerd.sim import expected_text
+from routerd.sim.lora import adapter_seed
+from routerd_bench._common import to_toml
+from tests.fixtures.daemon import RouterdFactory, base_config
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.sim import SimProcessFactory
+from tests.test_sim_lora import make_adapter
+
+LORA_ARGS = {"enable-lora": True, "max-loras": 1}
+
+
+def _adapters_key(server: RedisServer) -> str:
+    return RedisKeys.from_config(RedisConfig(url=server.url)).adapters()
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any, str]:
+    async with s.post(url, json=body) as r:
+        text = await r.text()
+        return r.status, json.loads(text), r.headers.get("X-Routerd-Instance", "")
+
+
+def _lines(log: str, adapter: str) -> list[dict[str, Any]]:
+    out = []
+    for line in log.splitlines():
+        if '"adapter"' in line and '"event":"request"' in line.replace(" ", ""):
+            rec = json.loads(line[line.index("{"):])
+            if rec.get("adapter") == adapter:
+                out.append(rec)
+    return out
+
+
+async def test_adapters_are_models_routed_to_the_instance_holding_them(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    a, b, c = (make_adapter(tmp_path, n) for n in ("a", "b", "c"))
+    redis = {"enabled": True, "url": redis_server.url, "consumer": "l1", "block_ms": 100}
+    cfg = base_config(tmp_path, redis=redis,
+                      fleets=[{"name": "f", "model": "base", "engine": "static",
+                               "urls": [s.url for s in sims], "engine_args": LORA_ARGS,
+                               "adapters": [{"name": "a", "path": a}, {"name": "b", "path": b}]}])
+    # a record written by hand (no seal, as anyone who can write to this Redis could): never served
+    forged = msgspec.json.encode({"fleet": "f", "path": make_adapter(tmp_path, "x")})
+    redis_server.client().hset(_adapters_key(redis_server), "x", forged)
+    rd = routerd_process(cfg)
+    url = rd.url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with s.get(f"{url}/v1/models") as r:
+            models = {m["id"]: m for m in (await r.json())["data"]}
+        assert {k: m["parent"] for k, m in models.items()} == {"base": None, "a": "base", "b": "base"}
+        refused = re.compile(r'routerd_shared_rejected_total\{kind="adapters",why="unsigned"\} [1-9]')
+        for _ in range(100):  # the store is read within a second of start; bounded
+            async with s.get(f"{url}/metrics") as r:
+                if refused.search(await r.text()):
+                    break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the forged record was not refused")
+        async with s.get(f"{url}/v1/models") as r:
+            assert "x" not in {m["id"] for m in (await r.json())["data"]}
+
+        prompt = "tell me about adapters"
+        st, body, inst_a = await _post(s, f"{url}/v1/completions", {"model": "a", "prompt": prompt,
+                                                                    "max_tokens": 5})
+        assert st == 200, body
+        assert body["model"] == "a"
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "a"), prompt, 5)
+        assert body["choices"][0]["text"] != expected_text(0, prompt, 5)
+        st, body, inst_b = await _post(s, f"{url}/v1/completions", {"model": "b", "prompt": prompt,
+                                                                    "max_tokens": 5})
+        assert st == 200, body
+        assert inst_b != inst_a  # the other instance's free slot, not an eviction
+        for _ in range(3):  # each now goes where it is held
+            assert (await _post(s, f"{url}/v1/completions", {"model": "a", "prompt": prompt}))[2] == inst_a
+            assert (await _post(s, f"{url}/v1/completions", {"model": "b", "prompt": prompt}))[2] == inst_b
+        st, body, _ = await _post(s, f"{url}/v1/completions", {"model": "base", "prompt": prompt})
+        assert st == 200
+        async with QueueClient.from_url(redis_server.url) as queue:  # the other way in
+            job = await queue.submit({"model": "b", "prompt": prompt, "max_tokens": 5})
+            result = await queue.wait(job, timeout=30)
+        assert (result.status, result.instance) == ("ok", inst_b)
+        assert result.response is not None
+        assert result.response["choices"][0]["text"] == expected_text(adapter_seed(0, "b"), prompt, 5)
+
+        st, body, _ = await _post(s, f"{url}/v1/completions", {"model": "zz", "prompt": prompt})
+        assert st == 404
+        assert body["error"]["message"].endswith("Valid models: a, b, base")
+
+        rows: dict[str, Any] = {}
+
+        async def engines_said() -> bool:
+            async with s.get(f"{url}/admin/fleets") as r:
+                rows.update({i["id"]: i for i in (await r.json())["fleets"]["f"]["instances"]})
+            return all((rows[i]["adapters"]["engine"] or {}).get("max_lora") == 1 for i in (inst_a, inst_b))
+
+        for _ in range(100):  # the engine's own vllm:lora_requests_info, as the scraper reads it
+            if await engines_said():
+                break
+            await asyncio.sleep(0.2)
+        assert rows[inst_b]["adapters"]["held"] == ["b"]
+        assert rows[inst_b]["adapters"]["engine"]["max_lora"] == 1
+        table = status.render({"fleets": {"f": {"instances": [rows[inst_b]]}}})
+        assert f"{inst_b} adapters: held=b (1/1)" in table
+        async with s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        assert re.search(r'routerd_adapter_loads_total\{adapter="b",fleet="f",outcome="ok"\} [1-9]', text), \
+            [line for line in text.splitlines() if "adapter" in line]
+        assert re.search(r'routerd_adapter_requests_total\{adapter="a",fleet="f"\} [4-9]', text)
+
+        # run time: c added (it loads on an instance, evicting its idle adapter), kept in Redis
+        st, body, _ = await _post(s, f"{url}/admin/fleets/f/adapters", {"name": "c", "path": c})
+        assert st == 200, body
+        assert body["adapter"]["parent"] == "base"
+        held_c = body["loaded_on"]
+        assert held_c in ("f:static0", "f:static1")
+        st, body, inst_c = await _post(s, f"{url}/v1/completions", {"model": "c", "prompt": prompt})
+        assert (st, inst_c) == (200, held_c)
+        assert redis_server.client().hexists(_adapters_key(redis_server), "c"), \
+            (redis_server.client().keys("*"), rd.log()[-3000:])  # kept in Redis
+
+        st, body, _ = await _post(s, f"{url}/admin/fleets/f/adapters",
+                                  {"name": "bad", "path": str(tmp_path / "nowhere")})
+        assert st == 400
+        assert "did not load" in body["error"]["message"]
+        assert "No adapter found" in body["error"]["message"]
+        st, body, _ = await _post(s, f"{url}/admin/fleets/f/adapters", {"name": "base", "path": c})
+        assert st == 400
+
+        async with s.delete(f"{url}/admin/fleets/f/adapters/c") as r:
+            assert r.status == 200, await r.text()
+        st, body, _ = await _post(s, f"{url}/v1/completions", {"model": "c", "prompt": prompt})
+        assert st == 404
+
+    log = rd.log_path.read_text()
+    rules = {rec["rule"] for rec in _lines(log, "a")} | {rec["rule"] for rec in _lines(log, "b")}
+    assert {"adapter_free_slot", "adapter_loaded"} <= rules, rules
+
+
+def test_check_config_refuses_adapters_that_cannot_work(tmp_path: Path) -> None:
+    cfg = base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "sim", "engine_args": {"enable-lora": True, "max-loras": 1},
+         "adapters": [{"name": "g-model", "path": "/a"}, {"name": "p1", "path": "/p", "pinned": True},
+                      {"name": "p2", "path": "/p", "pinned": True}]},
+        {"name": "g", "model": "g-model", "engine": "sim", "adapters": [{"name": "q", "path": "/q"}]}])
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    out = subprocess.run([sys.executable, "-m", "routerd", "check-config", str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == config_mod.EXIT_CONFIG, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "$.fleets[0].adapters[0].name: 'g-model' is the model of $.fleets[1]" in text
+    assert "$.fleets[0].adapters: 2 adapters are pinned (p1, p2) but an instance holds 1" in text
+    assert "$.fleets[1].adapters: the fleet's engines serve no LoRA adapter" in text
+
+
+def test_a_tenant_may_be_given_single_adapters(tmp_path: Path) -> None:
+    cfg = config_mod.parse(base_config(
+        tmp_path, fleets=[{"name": "f", "model": "base", "engine": "sim", "engine_args": LORA_ARGS,
+                           "adapters": [{"name": "a", "path": "/a"}]}],
+        tenants=[{"name": "t", "api_keys": ["sk-t-0123456789abcdef"], "fleets": ["a"]}]))
+    from routerd.tenants.directory import Tenant
+
+    t = Tenant.from_config(cfg.tenants[0])
+    assert t.allows("f", "a")
+    assert not t.allows("f")
+
+
+
+def test_placement_spreads_a_hot_adapter_and_unloads_a_cold_one_only_after_a_while() -> None:
+    now = [0.0]
+    planner = AdapterPlanner(cold_s=60.0, max_moves=8, clock=lambda: now[0])
+    adapters = {"hot": False, "warm": False, "cold": False, "pin": True}
+    p = FleetPlacement(slots=2, adapters=adapters, held={"i0": ["cold"], "i1": [], "i2": []},
+                       rates={"hot": 9.0, "warm": 1.0, "cold": 0.0})
+    # 90 % of the traffic asks for 3 copies, 10 % for 1, pinned everywhere: 7 > 6 slots, so the hot one
+    # gives one up; cold (no traffic) none
+    assert planner.wanted(p) == {"hot": 2, "warm": 1, "cold": 0, "pin": 3}
+    # free slots first, the hottest first; cold gives its slot up at once where a wanted adapter needs it
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(p)] == [
+        ("load", "i1", "hot"), ("load", "i2", "hot"), ("load", "i0", "warm"), ("load", "i1", "pin"),
+        ("load", "i2", "pin"), ("unload", "i0", "cold"), ("load", "i0", "pin")]
+
+    # a cold adapter with a free slot beside it stays until cold_s has passed
+    q = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
+                       rates={"a": 1.0, "b": 0.0})
+    assert planner.plan(q) == []
+    now[0] = 30.0
+    assert planner.plan(q) == []
+    now[0] = 61.0
+    assert [(m.kind, m.adapter) for m in planner.plan(q)] == [("unload", "b")]
+    # busy: not unloaded even then
+    busy = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
+                          busy={"i0": {"b"}}, rates={"a": 1.0, "b": 0.0})
+    assert planner.plan(busy) == []
+    # a restarted instance holds nothing: the demand's copies are loaded there again
+    r = FleetPlacement(slots=1, adapters={"a": False}, held={"i0": ["a"], "i1": []}, rates={"a": 5.0})
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(r)] == [("load", "i1", "a")]
+
+
+async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # One adapter takes all the traffic: placement holds it on both instances. One engine is killed
+    # and started again empty: placement loads it there again, no request needed.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.01, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static",
+                                         "urls": [s.url for s in sims], "engine_args": LORA_ARGS,
+                                         "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
+    rd = routerd_process(cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for _ in range(20):
+            assert (await _post(s, f"{rd.url}/v1/completions", {"model": "a", "prompt": "hi"}))[0] == 200
+
+        async def holders() -> set[str]:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                rows = (await r.json())["fleets"]["f"]["instances"]
+            return {i["id"] for i in rows if "a" in i["adapters"]["held"] and i["state"] == "ready"}
+
+        async def both() -> bool:
+            for _ in range(150):
+                if await holders() == {"f:static0", "f:static1"}:
+                    return True
+                await asyncio.sleep(0.2)
+            return False
+
+        assert await both(), "placement spreads the only adapter over both instances"
+        port = sims[0].url.rsplit(":", 1)[1]
+        sims[0].signal(signal.SIGKILL)
+        sims[0].proc.wait(10)
+        await sim_process(model="base", port=int(port), enable_lora=True, max_loras=1, lora_load_s=0.01,
+                          ttft_ms=1, itl_ms=1)
+        async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base"]  # it came back empty
+        assert await both(), "the restarted engine got the adapter back"
