@@ -54,6 +54,8 @@ ADAPTER_LOADED = "adapter_loaded"
 ADAPTER_FREE_SLOT = "adapter_free_slot"
 ADAPTER_EVICTED = "adapter_evicted"
 ADAPTER_OVERFLOW = "adapter_overflow"
+# An adapter is spread to one more instance per this share of an instance's slots in flight for it
+PER_COPY_SHARE = 0.5
 
 
 class Adapter(msgspec.Struct, frozen=True, kw_only=True):
@@ -251,6 +253,8 @@ class AdapterSlots:
                                                           name=f"adapter-load:{inst.id}:{adapter.name}")
             self._loading[key] = task
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+        waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
+        waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
         try:
             # shield: one waiter giving up (its client left) does not cancel the others' load
             await _aio.wait_for(asyncio.shield(task), self.load_timeout_s)
@@ -261,6 +265,11 @@ class AdapterSlots:
             asked.add_done_callback(self._tasks.discard)
             raise AdapterLoadFailed(f"loading adapter {adapter.name!r} on {inst.id} took over "
                                     f"{self.load_timeout_s:g} s") from None
+        finally:
+            if (left := waiting.get(inst.fleet, 0) - 1) > 0:
+                waiting[inst.fleet] = left
+            else:
+                waiting.pop(inst.fleet, None)
 
     def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self._loading.get(key) is task:
@@ -368,18 +377,30 @@ class AdapterSlots:
     def request_counts(self) -> dict[tuple[str, str], int]:
         return dict(self.requests)
 
-    def placement(self, fleet: str, rates: dict[str, float]) -> FleetPlacement | None:
-        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates."""
+    def in_flight(self) -> dict[tuple[str, str], int]:
+        """(fleet, adapter) → its requests in flight from this process, on any instance."""
+        out: dict[tuple[str, str], int] = {}
+        for (iid, name), n in self._inflight.items():
+            inst = self.registry.get(iid)
+            if inst is not None:
+                out[(inst.fleet, name)] = out.get((inst.fleet, name), 0) + n
+        return out
+
+    def placement(self, fleet: str, rates: dict[str, float], demand: dict[str, float]
+                  ) -> FleetPlacement | None:
+        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates and
+        demand, and what one copy serves: half an instance's slots (its capacity, as routing knows it)."""
         insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
         if not insts:
             return None
+        per_copy = PER_COPY_SHARE * sum(i.capacity_source()[0] for i in insts) / len(insts)
         return FleetPlacement(
             slots=self.catalog.slots.get(fleet, 0),
             adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
                       if a.name not in self.catalog.failed},
             held={i.id: self.held(i) for i in insts},
             busy={i.id: {n for (iid, n) in [*self._inflight, *self._loading] if iid == i.id} for i in insts},
-            rates=rates)
+            rates=rates, demand=demand, per_copy=per_copy)
 
     async def place(self, fleet: str, move: Move) -> bool:
         """Carry out one of placement's moves (a load is shared with requests waiting for it)."""
