@@ -337,3 +337,44 @@ async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autosc
         assert slots.holds(inst, "a")
         assert slots.loads == {("f", "a", "ok"): 1}
         assert (scaler._signals(fleet).waiting, scaler._signals(fleet).demand) == (idle.waiting, idle.demand)
+
+
+async def test_only_the_controller_loads_a_followers_request_asks_it(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # Two routerd on one Redis: a request on the one that does not control needs its adapter loaded;
+    # the controller loads it (fenced by its lease), the follower records it and serves the request.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
+             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
+    replicas = []
+    for name in ("la", "lb"):
+        (tmp_path / name).mkdir()
+        replicas.append(routerd_process(base_config(
+            tmp_path / name, fleets=[fleet],
+            redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        controls: list[bool] = []
+        for _ in range(150):  # each sees the one controller
+            controls = []
+            for rp in replicas:
+                async with s.get(f"{rp.url}/admin/fleets") as r:
+                    control = (await r.json())["control"]
+                controls.append(bool(control["controls"]) if control["controller"] is not None else False)
+            if controls.count(True) == 1:
+                break
+            await asyncio.sleep(0.2)
+        assert controls.count(True) == 1, controls
+        ctl, fol = replicas if controls[0] else replicas[::-1]
+        st, body, inst = await _post(s, f"{fol.url}/v1/completions",
+                                     {"model": "a", "prompt": "hi", "max_tokens": 5})
+        assert st == 200, body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "a"), "hi", 5)
+
+    def loaded(rp: Any) -> list[tuple[str, str]]:
+        return [(rec["instance"], rec["by"]) for rec in (json.loads(line[line.index("{"):])
+                for line in rp.log().splitlines() if '"adapter_loaded"' in line)]
+
+    assert loaded(fol) == [(inst, "controller")]  # asked of the controller
+    assert loaded(ctl) == [(inst, "here")]  # the one engine call

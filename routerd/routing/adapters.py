@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,11 @@ class AdapterSlots:
         self.slot_waits: dict[str, int] = {}
         # the engine's own vllm:lora_requests_info, by instance (the scraper's, when it reads it)
         self.engine_info: dict[str, dict[str, Any]] = {}
+        # Only the process that controls the fleets loads and unloads: in any other (a follower, a
+        # worker) a load is asked of the controller (``remote``: the admin relay), while ``controls()``
+        # says it does not control. None: a process alone (no Redis) loads itself.
+        self.remote: Callable[[Instance, str, str | None], Awaitable[tuple[int, str]]] | None = None
+        self.controls: Callable[[], bool] = lambda: True
 
     # ---- what is held ---------------------------------------------------------------------------
 
@@ -278,11 +283,20 @@ class AdapterSlots:
             task.exception()  # retrieved: every waiter got it already
 
     async def _load(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
-        if evict is not None and self._idle(inst, evict):
-            await self.unload(inst, evict)
         started = self.clock()
-        status, text = await self._post(inst, "/v1/load_lora_adapter",
-                                        {"lora_name": adapter.name, "lora_path": adapter.path})
+        relayed = self.remote is not None and not self.controls()
+        if self.remote is not None and relayed:
+            # the controller loads (evicting there), fenced by its lease; its record is the engine's
+            if evict is not None and self._idle(inst, evict):
+                self._of(inst).names.pop(evict, None)
+            else:
+                evict = None
+            status, text = await self.remote(inst, adapter.name, evict)
+        else:
+            if evict is not None and self._idle(inst, evict):
+                await self.unload(inst, evict)
+            status, text = await self._post(inst, "/v1/load_lora_adapter",
+                                            {"lora_name": adapter.name, "lora_path": adapter.path})
         if status == 400 and "already been loaded" in text:
             status = 200  # loaded by someone else meanwhile (another routerd, the placement loop)
         outcome = "ok" if status == 200 else "error"
@@ -301,7 +315,7 @@ class AdapterSlots:
         held.move_to_end(adapter.name)
         self.catalog.failed.pop(adapter.name, None)
         _log.info("adapter_loaded", instance=inst.id, adapter=adapter.name, load_ms=round(took * 1000, 1),
-                  evicted=evict)
+                  evicted=evict, by="controller" if relayed else "here")
 
     async def unload(self, inst: Instance, name: str) -> bool:
         """Unload ``name`` from ``inst``; True when the engine no longer has it."""
