@@ -27,7 +27,7 @@ import redis.exceptions
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
-from .config_schema import RedisConfig
+from .config_schema import RedisConfig, cluster_names
 from .queue_wire import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
 from .redis_conn import RedisConn
 from .redis_keys import RedisKeys
@@ -61,9 +61,11 @@ class QueueClient:
     """Async client for one routerd deployment (identified by its request stream's name)."""
 
     def __init__(self, redis: aioredis.Redis, *, stream: str = "routerd:requests",
-                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "") -> None:
+                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "",
+                 cluster: bool = False) -> None:
         self.redis: Any = redis
-        self.keys = RedisKeys(stream=stream)
+        # ``cluster``: the deployment's ``[redis] cluster``, its keys under one hash tag
+        self.keys = RedisKeys.for_stream(stream, cluster=cluster)
         # Begins every job id this client makes, and so every per-job key (reply, result, status,
         # cancel): the scope of a producer's Redis ACL (``routerd redis-acl --producer-prefix``).
         self.id_prefix = id_prefix
@@ -72,11 +74,28 @@ class QueueClient:
 
     @classmethod
     def from_url(cls, url: str, *, stream: str = "routerd:requests", password: str | None = None,
-                 username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "") -> QueueClient:
-        """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them)."""
-        cfg = RedisConfig(username=username or "", password=password or "", op_timeout_s=op_timeout_s)
-        client = RedisConn(url, cfg, pooled=False).blocking(_READ_BLOCK_MS)
-        return cls(client, stream=stream, op_timeout_s=op_timeout_s, id_prefix=id_prefix)
+                 username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "",
+                 ssl_ca_certs: str = "", ssl_certfile: str = "", ssl_keyfile: str = "",
+                 cluster: bool = False) -> QueueClient:
+        """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them);
+        ``ssl_*``: for a ``rediss://`` URL, the CA and a client certificate and key (PEM files);
+        ``cluster``: the deployment runs on a Redis Cluster (its ``[redis] cluster``)."""
+        cfg = RedisConfig(username=username or "", password=password or "", op_timeout_s=op_timeout_s,
+                          ssl_ca_certs=ssl_ca_certs, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                          cluster=cluster, stream=stream)
+        return cls.from_config(cfg, url, id_prefix=id_prefix)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, url: str | None = None, *, id_prefix: str = "") -> QueueClient:
+        """A client for the deployment whose ``[redis]`` is ``cfg`` (its URL, user, TLS and cluster
+        settings, its request stream), at ``url`` if given."""
+        stream = cfg.stream
+        if cfg.cluster:  # a config's, loaded, is tagged already; a hand-made one is tagged here
+            stream = cluster_names(stream, cfg.dead_stream)[0]
+            cfg = msgspec.structs.replace(cfg, stream=stream)
+        client = RedisConn(url or cfg.url, cfg, pooled=False).blocking(_READ_BLOCK_MS)
+        return cls(client, stream=stream, op_timeout_s=cfg.op_timeout_s, id_prefix=id_prefix,
+                   cluster=cfg.cluster)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

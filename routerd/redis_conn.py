@@ -27,9 +27,12 @@ import contextlib
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import parse_url
 
 from ._aio import timeout
 from .config import RedisConfig
+from .redis_cluster import SlotConnection, SlotMaster, SlotSSLConnection, tag_slot
+from .redis_faults import RedisFaults, WatchedConnection, WatchedSSLConnection
 
 _CLOSE_S = 2.0  # closing a pool's sockets at the end: bounded, the server may be gone
 
@@ -46,20 +49,51 @@ def connection_options(cfg: RedisConfig, url: str, *, block_ms: int) -> dict[str
         kwargs["username"] = cfg.username
     if cfg.password:
         kwargs["password"] = cfg.password
-    if url.startswith("rediss://") and cfg.ssl_ca_certs:
-        kwargs["ssl_ca_certs"] = cfg.ssl_ca_certs
+    if url.startswith("rediss://"):
+        kwargs.update(tls_options(cfg))
     return kwargs
+
+
+def tls_options(cfg: RedisConfig) -> dict[str, Any]:
+    """``rediss://``: the CA to trust ("" = the system's) and the client certificate and key, if any."""
+    options = {"ssl_ca_certs": cfg.ssl_ca_certs, "ssl_certfile": cfg.ssl_certfile,
+               "ssl_keyfile": cfg.ssl_keyfile}
+    return {k: v for k, v in options.items() if v}
+
+
+def _pool(url: str, cfg: RedisConfig, options: dict[str, Any],
+          faults: RedisFaults) -> aioredis.ConnectionPool:
+    """A pool of connections watched by ``faults``: to the URL's server, or with ``cluster`` to the
+    master of the deployment's slot (routerd/redis_cluster.py)."""
+    kwargs: dict[str, Any] = {**options, **parse_url(url)}  # the URL wins, as from_url has it
+    given = kwargs.pop("connection_class", None)
+    if given not in (None, aioredis.SSLConnection):  # unix://: a local socket, no TLS, no cluster
+        return aioredis.ConnectionPool(connection_class=given, **kwargs)
+    tls = given is aioredis.SSLConnection
+    kwargs["faults"] = faults
+    if not cfg.cluster:
+        return aioredis.ConnectionPool(
+            connection_class=WatchedSSLConnection if tls else WatchedConnection, **kwargs)
+    seed = (kwargs.pop("host", "127.0.0.1"), int(kwargs.pop("port", 6379)))
+    asking = {k: v for k, v in kwargs.items() if k != "db"}
+    slots = SlotMaster(seed, tag_slot(cfg.stream), WatchedSSLConnection if tls else WatchedConnection,
+                       asking, cfg.op_timeout_s)
+    return aioredis.ConnectionPool(connection_class=SlotSSLConnection if tls else SlotConnection,
+                                   slot_master=slots, **kwargs)
 
 
 class RedisConn:
     """One process's way to its Redis at ``url`` (the embedded server's, once started, or
     ``cfg.url``): clients by purpose over shared pools, closed together by :meth:`aclose`."""
 
-    def __init__(self, url: str, cfg: RedisConfig, *, pooled: bool = True) -> None:
+    def __init__(self, url: str, cfg: RedisConfig, *, pooled: bool = True,
+                 faults: RedisFaults | None = None) -> None:
         self.url = url
         self.cfg = cfg
         self.pooled = pooled  # else each client owns its pool, closed with it
         self._pools: dict[int, aioredis.ConnectionPool] = {}  # by the longest read's block, in ms
+        # TLS, login and ACL refusals, for the log and /readyz (routerd/redis_faults.py)
+        self.faults = faults if faults is not None else RedisFaults()
 
     def ops(self) -> aioredis.Redis:
         """A client for short commands, none of which blocks on the server."""
@@ -72,11 +106,11 @@ class RedisConn:
     def _client(self, block_ms: int) -> aioredis.Redis:
         options = connection_options(self.cfg, self.url, block_ms=block_ms)
         if not self.pooled:
-            client: aioredis.Redis = aioredis.Redis.from_url(self.url, **options)
+            client: aioredis.Redis = aioredis.Redis.from_pool(_pool(self.url, self.cfg, options, self.faults))
             return client
         pool = self._pools.get(block_ms)
         if pool is None:
-            pool = aioredis.ConnectionPool.from_url(self.url, **options)
+            pool = _pool(self.url, self.cfg, options, self.faults)
             self._pools[block_ms] = pool
         return aioredis.Redis(connection_pool=pool)
 

@@ -5,6 +5,10 @@ per-job key is derived from a namespace — the request stream's name up to its 
 for ``routerd:requests``) — so two routerd deployments with different stream names can share one
 Redis without seeing each other's jobs. The client computes the same names from the same stream name.
 
+On a Redis Cluster (``[redis] cluster``) the namespace is in braces, a hash tag (``{routerd}:requests``,
+``{routerd}:done:<id>``): every key of a deployment is in one slot, so its Lua scripts, transactions and
+pipelines run there. Without it the names are as they always were, so producers keep working.
+
 Every name derived here is ``<ns>:<family>:<suffix>`` (built by ``RedisKeys._key``), so one prefix rule,
 :meth:`RedisKeys.reserved`, covers every key routerd owns — a key added later included: a producer's
 ``reply_to`` must not name one (a stream created over the rate-limit buckets or a day's usage would break
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import RedisConfig
+from .config_schema import cluster_names
 
 
 def namespace_of(stream: str) -> str:
@@ -38,7 +43,14 @@ class RedisKeys:
 
     @classmethod
     def from_config(cls, cfg: RedisConfig) -> RedisKeys:
+        """A loaded config's names (on a cluster, already under the hash tag: ``config.parse``)."""
         return cls(stream=cfg.stream, group=cfg.group, dead=cfg.dead_stream)
+
+    @classmethod
+    def for_stream(cls, stream: str, *, cluster: bool = False) -> RedisKeys:
+        """A producer's names for the deployment whose request stream is ``stream`` (as its config
+        says it), under the hash tag on a cluster (``[redis] cluster``)."""
+        return cls(stream=cluster_names(stream, "")[0] if cluster else stream)
 
     @property
     def ns(self) -> str:
