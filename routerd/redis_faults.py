@@ -103,12 +103,13 @@ class RedisFaults:
         command, key = command_and_key(args)
         if key and not self._owns(key):
             return
+        reason = f"NOPERM {error}"  # redis-py keeps the message, not the error code
         now = self._clock()
         seen = self._refused.get((command, key))
         if seen is None or now - seen[1] > REFUSED_RECENT_S:
             _log.error("redis_refused_command", server=where, command=command or "(in a pipeline)",
-                       key=key, reason=str(error))
-        self._refused[(command, key)] = (str(error), now)
+                       key=key, reason=reason)
+        self._refused[(command, key)] = (reason, now)
 
     def problem(self) -> str:
         """Why routerd is not ready for Redis' sake, or ``""``."""

@@ -75,8 +75,12 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         redis = None
         if redis_url:  # every Redis client of the process comes from it; its pools closed last but Redis
             from ..redis_conn import RedisConn
+            from ..redis_faults import RedisFaults
+            from ..redis_keys import RedisKeys
 
-            redis = RedisConn(redis_url, cfg.redis)
+            keys = RedisKeys.from_config(cfg.redis)  # a refusal on another key is a job's reply_to's
+            redis = RedisConn(redis_url, cfg.redis,
+                              faults=RedisFaults(owns=lambda key: keys.reserved(key) is not None))
             stack.push_async_callback(redis.aclose)
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process

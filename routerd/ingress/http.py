@@ -167,8 +167,11 @@ class HttpIngress:
                  view_untrusted: Callable[[], str] | None = None,
                  control: Callable[[], dict[str, Any]] | None = None,
                  serves: Callable[[str], bool] | None = None,
-                 orphaned: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 orphaned: Callable[[], list[dict[str, Any]]] | None = None,
+                 redis_problem: Callable[[], str] | None = None) -> None:
         self.registry = registry
+        # Why Redis refuses this routerd (TLS, login, ACL: routerd/redis_faults.py), "" if it does not.
+        self.redis_problem = redis_problem
         self.dispatch = dispatch
         self.tenancy = tenancy  # the data plane's, shared with the queue
         self.admission = admission  # its figures in /admin/fleets, its HTTP waiters answered on drain
@@ -414,11 +417,14 @@ class HttpIngress:
                          if n == 0 and elastic is not None and elastic.standby(name))
         not_ready = sorted(name for name, n in fleets.items() if n == 0 and name not in standby)
         untrusted = self.view_untrusted() if self.view_untrusted is not None else ""
-        ready = not not_ready and not self.draining and not untrusted
+        refused = self.redis_problem() if self.redis_problem is not None else ""
+        ready = not not_ready and not self.draining and not untrusted and not refused
         body = {"ready": ready, "draining": self.draining, "ready_instances": fleets,
                 "not_ready": not_ready, "standby": standby}
         if untrusted:  # a follower that cannot trust the controller's fleet state has no fleet view
             body["untrusted_view"] = untrusted
+        if refused:
+            body["redis"] = refused
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
