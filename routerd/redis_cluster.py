@@ -7,9 +7,10 @@ Why not redis-py's ``RedisCluster``: its asyncio client has no pub/sub and no ``
 would gain nothing from routing per key when every key is in one slot. What it does give — following
 the slot when it moves — is done here: each new connection asks a node (``CLUSTER SLOTS``: the URL's
 node first, then every master it has learned of) which master serves the slot; a ``MOVED`` reply points
-the connections at the new master, and the command fails as a lost connection does (routerd's loops
-retry it; redis-py's own retry on a connection error sends it again at once). A failover is found the
-same way: the dead master's connections fail, the next one asks the cluster again.
+every connection at the new master and sends the command once more, there (it did not run: a
+``MOVED`` reply, like the error of a script whose keys the node no longer serves, comes before
+anything is written). A failover is found the same way: the dead master's connections fail as they
+would on a single Redis (routerd's loops retry), and the next one asks the cluster again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import redis.exceptions
 from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
 
 from ._aio import timeout
@@ -42,6 +45,7 @@ class SlotMaster:
         self._timeout_s = timeout_s
         self._address: tuple[str, int] | None = None
         self._lock = asyncio.Lock()
+        self.epoch = 0  # one more each time the slot moves: the connections made before it follow
 
     async def address(self) -> tuple[str, int]:
         if self._address is None:
@@ -52,7 +56,10 @@ class SlotMaster:
 
     def moved(self, address: tuple[str, int] | None) -> None:
         """The slot moved (to ``address``, if the reply said where): the next connection goes there."""
+        if address is not None and address == self._address:
+            return
         self._address = address
+        self.epoch += 1
         if address is not None and address not in self.nodes:
             self.nodes.append(address)
 
@@ -91,22 +98,40 @@ class SlotMaster:
         return found
 
 
+class SlotMoved(redis.exceptions.ConnectionError):
+    """The slot is served elsewhere now: the command was not run, and is sent once more, there
+    (:data:`RETRY`)."""
+
+
+# Each command or pipeline once more after SlotMoved, and after nothing else (a lost connection's
+# command may have run: its retry is the caller's to decide, as without a cluster).
+RETRY = Retry(NoBackoff(), 1, supported_errors=(SlotMoved,))
+
+
 class _SlotConnection(WatchedBase):
     """A connection to whichever master serves the deployment's slot (``slot_master``)."""
 
     def __init__(self, *, slot_master: SlotMaster, **kwargs: Any) -> None:
         self._slots = slot_master
+        self._epoch = -1  # the slot master's epoch when this connection was made
         super().__init__(**kwargs)
 
-    async def connect(self) -> None:
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
         if self.is_connected:
             return
+        self._epoch = self._slots.epoch
         self.host, self.port = await self._slots.address()
         try:
-            await super().connect()
+            await super().connect_check_health(check_health, retry_socket_connect)
         except (redis.exceptions.RedisError, OSError):
             self._slots.moved(None)  # that master is gone, perhaps failed over: ask again next time
             raise
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self.is_connected and self._epoch != self._slots.epoch:
+            await self.disconnect()  # another connection saw the slot move: this one follows
+        await super().send_packed_command(command, check_health)
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -114,12 +139,19 @@ class _SlotConnection(WatchedBase):
         except redis.exceptions.MovedError as e:
             self._slots.moved((e.host, int(e.port)))
             await self.disconnect()
-            raise redis.exceptions.ConnectionError(
-                f"slot {self._slots.slot} moved to {e.host}:{e.port}") from e
+            raise SlotMoved(f"slot {self._slots.slot} moved to {e.host}:{e.port}") from e
         except redis.exceptions.AskError as e:  # being migrated: the new master owns it once it is done
             await self.disconnect()
             raise redis.exceptions.ConnectionError(
                 f"slot {self._slots.slot} is moving to {e.host}:{e.port}") from e
+        except redis.exceptions.ResponseError as e:
+            if "non local key" not in str(e):
+                raise
+            # A script whose keys are its arguments (the rate limiter's) is not answered MOVED: it
+            # fails on the first key the node no longer serves, before it has written anything.
+            self._slots.moved(None)
+            await self.disconnect()
+            raise SlotMoved(f"slot {self._slots.slot} is no longer served by {self.where}") from e
 
 
 class SlotConnection(_SlotConnection, WatchedConnection):

@@ -31,7 +31,7 @@ from redis.asyncio.connection import parse_url
 
 from ._aio import timeout
 from .config import RedisConfig
-from .redis_cluster import SlotConnection, SlotMaster, SlotSSLConnection, tag_slot
+from .redis_cluster import RETRY, SlotConnection, SlotMaster, SlotSSLConnection, tag_slot
 from .redis_faults import RedisFaults, WatchedConnection, WatchedSSLConnection
 
 _CLOSE_S = 2.0  # closing a pool's sockets at the end: bounded, the server may be gone
@@ -79,7 +79,7 @@ def _pool(url: str, cfg: RedisConfig, options: dict[str, Any],
     slots = SlotMaster(seed, tag_slot(cfg.stream), WatchedSSLConnection if tls else WatchedConnection,
                        asking, cfg.op_timeout_s)
     return aioredis.ConnectionPool(connection_class=SlotSSLConnection if tls else SlotConnection,
-                                   slot_master=slots, **kwargs)
+                                   slot_master=slots, retry=RETRY, **kwargs)
 
 
 class RedisConn:

@@ -138,11 +138,13 @@ class WatchedBase(Connection):
     def where(self) -> str:
         return f"{self.host}:{self.port}"
 
-    async def connect(self) -> None:
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
+        # Every connect goes through here (connect(), and a command sent on a closed connection).
         if self.is_connected:
             return
         try:
-            await super().connect()  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+            await super().connect_check_health(check_health, retry_socket_connect)
         except (redis.exceptions.RedisError, OSError) as e:
             if self._faults is not None:
                 self._faults.connect_failed(self.where, e)

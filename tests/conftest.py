@@ -20,6 +20,7 @@ pytest_plugins = [
     "tests.fixtures.vllm",
     "tests.fixtures.redis_server",
     "tests.fixtures.redis_tls",
+    "tests.fixtures.redis_cluster",
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
     "tests.fixtures.daemon",

@@ -63,7 +63,9 @@ _BUCKET_LOG_EVERY_S = 10.0  # one tenant's unreadable bucket is logged at most t
 # both buckets hold enough (a request); 0: apply the deltas whatever the level (a correction, a refund).
 # Per record: {allowed, requests left, tokens left, ms until enough, ms until requests full, ms until
 # tokens full}, or {-1, 0, 0, 0, 0, 0, error} when its key cannot be read as a bucket (then only that
-# record fails, not the batch). A bucket's level never rises above its limit (a refund of a full bucket
+# record fails, not the batch) — but on a Redis Cluster node that no longer serves the buckets' slot the
+# whole call fails, before anything is written, and is sent to the slot's master (routerd/redis_cluster.py).
+# A bucket's level never rises above its limit (a refund of a full bucket
 # is lost). A dimension without a limit keeps no level: a limit added later starts with a full bucket,
 # not with the debt of every request sent while there was none.
 BUCKETS = """
@@ -73,7 +75,9 @@ local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[1])) do
   local key, rpm, tpm, nreq, ntok, check = r[1], r[2], r[3], r[4], r[5], r[6]
   local s = redis.pcall('HMGET', key, 'r', 't', 'ts')
-  if s.err then
+  if s.err and string.find(s.err, 'non local key', 1, true) then
+    return redis.error_reply(s.err)
+  elseif s.err then
     out[i] = {-1, 0, 0, 0, 0, 0, s.err}
   else
     local rl, tl = tonumber(s[1]) or rpm, tonumber(s[2]) or tpm
