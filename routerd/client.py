@@ -117,6 +117,9 @@ class QueueClient:
         owned = self.keys.reserved(reply_to)
         if owned is not None:  # routerd would dead-letter it: say so before it is sent
             raise ValueError(f"reply_to {reply_to!r} is routerd's own key: {owned}")
+        elsewhere = self.keys.elsewhere(reply_to)
+        if elsewhere is not None:
+            raise ValueError(f"reply_to {reply_to!r} is {elsewhere}")
         if endpoint is None:
             endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         job = {"id": job_id, "endpoint": endpoint, "body": dict(body), "reply_to": reply_to,

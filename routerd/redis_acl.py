@@ -66,6 +66,12 @@ PRODUCER_COMMANDS: tuple[str, ...] = (
     "del", "publish", "multi", "exec", "discard",
 )
 
+def _cluster(keys: RedisKeys) -> tuple[str, ...]:
+    """On a Redis Cluster (``[redis] cluster``: the names under a hash tag) every client asks a node
+    which master serves the deployment's slot (routerd/redis_cluster.py)."""
+    return ("cluster|slots",) if keys.tagged else ()
+
+
 _GLOB = re.compile(r"([*?\[\]\\])")
 _NAME = re.compile(r"^[A-Za-z0-9_.@+-]{1,64}$")
 
@@ -84,7 +90,7 @@ def _checked(what: str, value: str) -> str:
 def routerd_rules(keys: RedisKeys, reply_patterns: tuple[str, ...] = ()) -> list[str]:
     """Rules (after ``user NAME``) for routerd's own user."""
     ns = glob_escape(_checked("the namespace", keys.ns))
-    rules = ["resetchannels", "-@all", *(f"+{c}" for c in ROUTERD_COMMANDS), f"~{ns}:*"]
+    rules = ["resetchannels", "-@all", *(f"+{c}" for c in ROUTERD_COMMANDS + _cluster(keys)), f"~{ns}:*"]
     for name in dict.fromkeys((keys.stream, keys.dead)):
         if not name.startswith(f"{keys.ns}:"):
             rules.append(f"~{glob_escape(_checked('the stream', name))}")
@@ -100,7 +106,7 @@ def producer_rules(keys: RedisKeys, prefix: str, reply_patterns: tuple[str, ...]
     probe = keys.reply(prefix)
     if keys.reserved(probe) is not None:  # pragma: no cover - the client family is never reserved
         raise ValueError(f"{probe!r} is routerd's own key")
-    return ["resetchannels", "-@all", *(f"+{c}" for c in PRODUCER_COMMANDS),
+    return ["resetchannels", "-@all", *(f"+{c}" for c in PRODUCER_COMMANDS + _cluster(keys)),
             f"%W~{glob_escape(keys.stream)}",
             f"~{ns}:reply:{own}", f"%R~{ns}:done:{own}", f"~{ns}:job:{own}", f"%W~{ns}:cancel:{own}",
             *(f"~{_checked('a reply pattern', p)}" for p in reply_patterns),

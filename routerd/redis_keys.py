@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis.crc import key_slot
+
 from .config import RedisConfig
 from .config_schema import cluster_names
 
@@ -73,6 +75,18 @@ class RedisKeys:
         if family in CLIENT_FAMILIES and name.startswith(self._key(family, "")):
             return None
         return f"a key under routerd's namespace {self.ns!r}" + (f" ({family}:…)" if family else "")
+
+    @property
+    def tagged(self) -> bool:
+        """Whether the names are under a hash tag (``[redis] cluster``)."""
+        return self.ns.startswith("{") and self.ns.endswith("}")
+
+    def elsewhere(self, name: str) -> str | None:
+        """Why a key named by a producer (``reply_to``) cannot be used with the deployment's keys on a
+        Redis Cluster — another slot, which routerd's scripts and transactions cannot reach — or None."""
+        if not self.tagged or key_slot(name.encode()) == key_slot(self.stream.encode()):
+            return None
+        return f"not under the deployment's hash tag {self.ns} (redis.cluster), so in another slot"
 
     def done(self, job_id: str) -> str:
         """The idempotency record: exists once the job's one result is stored; holds that result."""

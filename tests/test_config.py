@@ -251,3 +251,26 @@ def test_every_number_in_the_config_has_both_bounds() -> None:
     unbounded = [path for path, t in numbers
                  if (t.ge is None and t.gt is None) or (t.le is None and t.lt is None)]
     assert unbounded == []
+
+
+def test_redis_tls_and_cluster_settings_that_contradict_or_cannot_be_read(tmp_path: Path) -> None:
+    cert = tmp_path / "client.crt"
+    cert.write_text("PEM")
+    cases = [
+        ({"url": "redis://h:6379/0", "ssl_ca_certs": str(cert)},
+         "$.redis.ssl_ca_certs: TLS settings need a rediss://"),
+        ({"url": "rediss://h:6379/0", "ssl_keyfile": str(cert)},
+         "$.redis.ssl_keyfile: a client key needs its certificate"),
+        ({"url": "rediss://h:6379/0", "ssl_certfile": str(tmp_path / "gone.crt")},
+         "$.redis.ssl_certfile: cannot read"),
+        ({"url": "embedded", "cluster": True}, "$.redis.cluster: the embedded redis-server is not a cluster"),
+        ({"url": "redis://h:6379/2", "cluster": True},
+         "$.redis.cluster: a Redis Cluster has database 0 only"),
+    ]
+    for redis, problem in cases:
+        with pytest.raises(config.ConfigError) as e:
+            config.parse({"redis": redis}, environ={})
+        assert any(p.startswith(problem) for p in e.value.problems), (redis, e.value.problems)
+    ok = config.parse({"redis": {"url": "rediss://h:6379/0", "ssl_ca_certs": str(cert),
+                                 "ssl_certfile": str(cert), "cluster": True}}, environ={})
+    assert ok.redis.stream == "{routerd}:requests"

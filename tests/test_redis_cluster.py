@@ -6,8 +6,12 @@ when it moves. Off, the names are today's."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Any
 
+import msgspec
+import pytest
 from redis.crc import key_slot
 
 from routerd.client import QueueClient
@@ -20,6 +24,16 @@ from tests.fixtures.redis_cluster import RedisCluster
 from tests.fixtures.redis_server import FakeUpstream, QueueBench
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+
+async def _cli(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ROUTERD_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**base, **env})
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def test_the_setting_puts_every_name_under_one_tag_and_leaves_them_alone_without_it() -> None:
@@ -58,6 +72,23 @@ async def test_the_queue_and_the_rate_limiter_run_on_a_cluster_and_follow_their_
         jobs = await producer.submit_many([BODY] * 40)
         results = await asyncio.gather(*(producer.wait(j, timeout=60) for j in jobs))
         assert [r.status for r in results] == ["ok"] * 40
+        # routerd submit, the cluster setting from the environment; a reply_to in another slot is the
+        # job's own fault (dead-lettered, its result kept), not the queue's
+        code, out, err = await _cli("submit", "--model", "m", "--wait", "hi", env={
+            "ROUTERD_REDIS_URL": seed, "ROUTERD_REDIS_CLUSTER": "true"})
+        assert code == 0, out + err
+        assert '"status":"ok"' in out
+        with pytest.raises(ValueError, match="another slot"):
+            await producer.submit(BODY, reply_to="elsewhere:replies")
+        stray = "stray-0001"
+        await producer.redis.xadd("{routerd}:requests", {"job": msgspec.json.encode(
+            {"id": stray, "endpoint": "/v1/completions", "body": BODY, "reply_to": "elsewhere:replies"})})
+        await until(lambda: producer.result(stray), timeout=30, what="the stray job's result")
+        stray_result = await producer.result(stray)
+        assert stray_result is not None
+        assert stray_result.status == "error"
+        assert stray_result.error is not None
+        assert "another slot" in stray_result.error["message"]
         grants = [await tenancies[i % 2].limiter.acquire(team, 0) for i in range(4)]
         assert [g.allowed for g in grants] == [True, True, True, False]
         assert all(t.limiter.shared and t.limiter.redis_errors == 0 for t in tenancies)
@@ -80,7 +111,7 @@ async def test_the_queue_and_the_rate_limiter_run_on_a_cluster_and_follow_their_
         assert owner.client().dbsize() == 0
         # one result each, in its reply stream on the slot's new master
         replies = [n for n in elsewhere[1].client().scan_iter(match="{routerd}:reply:*", count=1000)]
-        assert len(replies) == 60
+        assert len(replies) == 61  # and routerd submit's
         assert {elsewhere[1].client().xlen(r) for r in replies} == {1}
     finally:
         await bench.stop()
