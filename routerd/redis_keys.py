@@ -52,7 +52,10 @@ class RedisKeys:
     def for_stream(cls, stream: str, *, cluster: bool = False) -> RedisKeys:
         """A producer's names for the deployment whose request stream is ``stream`` (as its config
         says it), under the hash tag on a cluster (``[redis] cluster``)."""
-        return cls(stream=cluster_names(stream, "")[0] if cluster else stream)
+        if not cluster:
+            return cls(stream=stream)
+        stream, dead = cluster_names(stream, RedisConfig().dead_stream)  # a producer never names it
+        return cls(stream=stream, dead=dead)
 
     @property
     def ns(self) -> str:
