@@ -114,6 +114,13 @@ class RedisConn:
             self._pools[block_ms] = pool
         return aioredis.Redis(connection_pool=pool)
 
+    def health(self) -> tuple[str, bool]:
+        """Why Redis cannot be used now ("": it can), and whether that keeps this process from being
+        ready (``/readyz``): a TLS handshake or login refused, a right routerd's ACL user lacks
+        (routerd/redis_faults.py) — what only the operator can fix, and says so."""
+        problem = self.faults.problem()
+        return problem, bool(problem)
+
     async def aclose(self) -> None:
         """Close every pool (the components that used them have stopped)."""
         pools, self._pools = list(self._pools.values()), {}

@@ -73,7 +73,7 @@ class DataPlane:
                                 router=self.router, tenancy=self.tenancy, telemetry=telemetry,
                                 metrics=core.metrics, tracing=tracing, clock=clock, elastic=elastic,
                                 control=core.control.status, **_http_view(fleet_state, fleets),
-                                redis_problem=core.redis.faults.problem if core.redis is not None else None)
+                                redis_health=core.redis.health if core.redis is not None else None)
         self.listener = HttpListener(self.http)
         _conversation_routes(self.http, responses, self.tenancy)  # issue 29
 
