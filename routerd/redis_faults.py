@@ -82,7 +82,7 @@ class RedisFaults:
         """A connection to ``where`` (host:port) failed; kept if it is TLS or the login."""
         tls = tls_failure(error)
         if tls is not None:
-            reason = f"TLS handshake with {where} failed: {tls.reason or tls}"
+            reason = f"TLS handshake with {where} failed: {tls}"
             event = "redis_refused_tls"
         elif isinstance(error, redis.exceptions.AuthenticationError | redis.exceptions.NoPermissionError):
             reason = f"Redis at {where} refused the login: {error}"
