@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from . import log
 _log = log.get("routerd.redis")
 
 REFUSED_RECENT_S = 60.0  # a refused command keeps routerd unready this long after its last refusal
+_UNANSWERED = 65_536  # commands remembered per connection until answered (a label only, if it overflows)
 
 
 def tls_failure(error: BaseException) -> ssl.SSLError | None:
@@ -47,7 +49,7 @@ def _text(arg: object) -> str:
 
 def command_and_key(args: Sequence[object] | None) -> tuple[str, str]:
     """The command a connection sent last (``SET``, ``SCRIPT LOAD``) and its first key, as far as the
-    arguments tell (``EVALSHA``'s keys follow its key count); ``("", "")`` for a pipeline's."""
+    arguments tell (``EVALSHA``'s keys follow its key count); ``("", "")`` when unknown."""
     if not args:
         return "", ""
     name = _text(args[0]).upper()
@@ -107,7 +109,7 @@ class RedisFaults:
         now = self._clock()
         seen = self._refused.get((command, key))
         if seen is None or now - seen[1] > REFUSED_RECENT_S:
-            _log.error("redis_refused_command", server=where, command=command or "(in a pipeline)",
+            _log.error("redis_refused_command", server=where, command=command or "(unknown)",
                        key=key, reason=reason)
         self._refused[(command, key)] = (reason, now)
 
@@ -116,22 +118,25 @@ class RedisFaults:
         if self._connect:
             return self._connect
         now = self._clock()
-        for (command, key), (why, when) in list(self._refused.items()):
+        for refused, (_, when) in list(self._refused.items()):
             if now - when > REFUSED_RECENT_S:
-                del self._refused[(command, key)]
-                continue
-            what = (command or "a pipelined command") + (f" on {key}" if key else "")
-            return f"Redis refused routerd's user {what}: {why}"
-        return ""
+                del self._refused[refused]
+        if not self._refused:
+            return ""
+        (command, key), (why, _) = max(self._refused.items(), key=lambda item: item[1][1])
+        what = (command or "a command") + (f" on {key}" if key else "")
+        more = f" (and {len(self._refused) - 1} more)" if len(self._refused) > 1 else ""
+        return f"Redis refused routerd's user {what}: {why}{more}"
 
 
 class WatchedBase(Connection):
     """A connection that tells :class:`RedisFaults` (the ``faults`` keyword) how its connects and
-    commands went."""
+    commands went; it keeps the commands sent and not yet answered, a pipeline's too, so that a
+    ``NOPERM`` names its command and key (Redis answers in order)."""
 
     def __init__(self, *, faults: RedisFaults | None = None, **kwargs: Any) -> None:
         self._faults = faults
-        self._sent: tuple[object, ...] | None = None  # the last command sent alone (not pipelined)
+        self._unanswered: deque[tuple[object, ...]] = deque(maxlen=_UNANSWERED)
         super().__init__(**kwargs)
 
     @property
@@ -143,29 +148,36 @@ class WatchedBase(Connection):
         # Every connect goes through here (connect(), and a command sent on a closed connection).
         if self.is_connected:
             return
+        # A command packed before the connect is sent after it: the login's own (HELLO, AUTH,
+        # SELECT) are sent and answered in between.
+        packed, self._unanswered = self._unanswered, deque(maxlen=_UNANSWERED)
         try:
             await super().connect_check_health(check_health, retry_socket_connect)
         except (redis.exceptions.RedisError, OSError) as e:
             if self._faults is not None:
                 self._faults.connect_failed(self.where, e)
             raise
+        finally:
+            self._unanswered = packed
         if self._faults is not None:
             self._faults.connected(self.where)
 
-    async def send_command(self, *args: Any, **kwargs: Any) -> None:
-        await super().send_command(*args, **kwargs)
-        self._sent = args
+    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        self._unanswered.clear()  # their answers are lost with the connection
+        await super().disconnect(*args, **kwargs)
 
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        self._sent = None  # a pipeline's (send_command sets it again for a single command)
-        await super().send_packed_command(command, check_health)
+    def pack_command(self, *args: Any) -> list[bytes]:
+        # Every command is packed here before it is sent, alone or in a pipeline (pack_commands).
+        self._unanswered.append(args)
+        return super().pack_command(*args)
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sent = self._unanswered.popleft() if self._unanswered else None
         try:
             return await super().read_response(*args, **kwargs)
         except redis.exceptions.NoPermissionError as e:
             if self._faults is not None:
-                self._faults.refused(self.where, self._sent, e)
+                self._faults.refused(self.where, sent, e)
             raise
 
 
