@@ -145,10 +145,11 @@ class _SlotConnection(WatchedBase):
             raise redis.exceptions.ConnectionError(
                 f"slot {self._slots.slot} is moving to {e.host}:{e.port}") from e
         except redis.exceptions.ResponseError as e:
-            if "non local key" not in str(e):
+            if "non local key" not in str(e) and not str(e).startswith("UNBLOCKED"):
                 raise
             # A script whose keys are its arguments (the rate limiter's) is not answered MOVED: it
-            # fails on the first key the node no longer serves, before it has written anything.
+            # fails on the first key the node no longer serves, before it has written anything. A
+            # blocked XREADGROUP is answered UNBLOCKED when its stream is migrated away.
             self._slots.moved(None)
             await self.disconnect()
             raise SlotMoved(f"slot {self._slots.slot} is no longer served by {self.where}") from e
