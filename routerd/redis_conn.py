@@ -30,17 +30,22 @@ each client a pool of its own, closed with it (:func:`redis_client`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
+from . import log
 from ._aio import timeout
 from .config import RedisConfig
+
+_log = log.get("routerd.redis")
 
 _CLOSE_S = 2.0  # closing a pool's sockets at the end: bounded, the server may be gone
 
@@ -83,8 +88,23 @@ def sentinel_manager(cfg: RedisConfig, url: str) -> Sentinel:
     if urlsplit(url).scheme == "rediss":
         kwargs["ssl"] = True
         kwargs.update({k: v for k, v in options.items() if k.startswith("ssl_")})
-    return Sentinel([_host_port(s) for s in cfg.sentinels],  # type: ignore[no-untyped-call]
-                    sentinel_kwargs=kwargs)
+    return _Sentinels([_host_port(s) for s in cfg.sentinels], sentinel_kwargs=kwargs)
+
+
+class _Sentinels(Sentinel):
+    """redis-py's, its "no master" error short: which name, which sentinels — not its clients' reprs,
+    which every log line naming the error would otherwise carry."""
+
+    def __init__(self, sentinels: list[tuple[str, int]], *, sentinel_kwargs: dict[str, Any]) -> None:
+        super().__init__(sentinels, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        self.addresses = ", ".join(f"{h}:{p}" for h, p in sentinels)
+
+    async def discover_master(self, service_name: str) -> Any:
+        try:
+            return await super().discover_master(service_name)
+        except MasterNotFoundError:
+            raise MasterNotFoundError(f"no sentinel ({self.addresses}) names an available master "
+                                      f"{service_name!r}") from None
 
 
 def sentinel_pool(cfg: RedisConfig, url: str, manager: Sentinel, *, block_ms: int) -> SentinelConnectionPool:
@@ -134,6 +154,7 @@ class RedisConn:
         self._pools: dict[int, aioredis.ConnectionPool] = {}  # by the longest read's block, in ms
         self.sentinels = via_sentinels(cfg, url)
         self._manager: Sentinel | None = None  # the pools' sentinels (shared), made with the first
+        self.watch = SentinelWatch(cfg, url) if self.sentinels and pooled else None  # the daemon's runs it
 
     def ops(self) -> aioredis.Redis:
         """A client for short commands, none of which blocks on the server."""
@@ -172,6 +193,14 @@ class RedisConn:
             self._pools[block_ms] = pool
         return aioredis.Redis(connection_pool=pool)
 
+    def health(self) -> tuple[str, bool]:
+        """Why Redis cannot be used now ("": it can), and whether that keeps this process from being
+        ready (``/readyz``): only a fault it has had since it started, never having reached Redis (a
+        wrong address, a name no sentinel knows) — an outage later leaves the HTTP way in serving."""
+        if self.watch is None:
+            return "", False
+        return self.watch.problem, bool(self.watch.problem) and not self.watch.found
+
     async def aclose(self) -> None:
         """Close every pool (the components that used them have stopped), and the sentinels' clients."""
         pools, self._pools = list(self._pools.values()), {}
@@ -189,3 +218,75 @@ def redis_client(url: str, cfg: RedisConfig, *, block_ms: int | None = None) -> 
     """A client of its own for ``url`` (tools and tests), its reads blocking up to ``block_ms``
     (default ``cfg.block_ms``); a routerd's components get theirs from the process's :class:`RedisConn`."""
     return RedisConn(url, cfg, pooled=False).blocking(block_ms)
+
+
+class SentinelWatch:
+    """What the sentinels say of ``service_name``, asked every ``interval_s`` by :meth:`run`: one log
+    line each time that changes (none answers, none knows the name, the master is down, the master is
+    at host:port — a failover shows as the address changing), and :attr:`problem` for ``/readyz``."""
+
+    def __init__(self, cfg: RedisConfig, url: str, *, interval_s: float = 2.0) -> None:
+        self.cfg = cfg
+        self.url = url
+        self.interval_s = interval_s
+        self.problem = ""  # why the master cannot be used now ("": a sentinel names it, up)
+        self.found = False  # whether a sentinel has named the master since start
+        self.master = ""  # host:port, as last named
+        self._said = ""  # the last state logged
+        self.checked = asyncio.Event()  # set once the sentinels have been asked
+
+    async def run(self) -> None:
+        """Check until cancelled."""
+        manager = sentinel_manager(self.cfg, self.url)
+        try:
+            while True:
+                await self.check(manager)
+                await asyncio.sleep(self.interval_s)
+        finally:
+            with contextlib.suppress(OSError, TimeoutError):
+                async with timeout(_CLOSE_S):
+                    await manager.aclose()
+
+    async def check(self, manager: Sentinel) -> None:
+        """Ask every sentinel (each bounded by ``op_timeout_s``) and note what they say."""
+        name = self.cfg.service_name
+        errors: dict[str, str] = {}
+        known: set[str] = set()
+        state: dict[str, Any] | None = None
+        for address, client in zip(self.cfg.sentinels, manager.sentinels, strict=True):
+            try:
+                async with timeout(self.cfg.op_timeout_s):
+                    masters: Any = await client.sentinel_masters()
+            except (redis.exceptions.RedisError, OSError, TimeoutError) as e:
+                errors[address] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                continue
+            known.update(masters)
+            if name in masters and state is None:
+                state = masters[name]
+        if len(errors) == len(self.cfg.sentinels):
+            self._note("redis_sentinels_unreachable",
+                       f"no sentinel answers ({', '.join(self.cfg.sentinels)})", error=True, errors=errors)
+        elif state is None:
+            self._note("redis_sentinel_unknown_service",
+                       f"no sentinel knows a master named {name!r} (they know: "
+                       f"{', '.join(sorted(known)) or 'none'})", error=True, errors=errors or None)
+        elif not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
+            self.found = True
+            self._note("redis_master_down", f"the master of {name!r} at {state['ip']}:{state['port']} is "
+                       "down; the sentinels fail over to a replica", error=False)
+        else:
+            self.found = True
+            self.master = f"{state['ip']}:{state['port']}"
+            self._note("redis_master", "", error=False, service_name=name, master=self.master)
+
+    def _note(self, event: str, problem: str, *, error: bool, **fields: Any) -> None:
+        self.problem = problem
+        self.checked.set()
+        said = f"{event} {problem or self.master}"
+        if said == self._said:
+            return
+        self._said = said
+        if problem:
+            (_log.error if error else _log.warning)(event, reason=problem, **fields)
+        else:
+            _log.info(event, **fields)
