@@ -225,7 +225,7 @@ class SentinelWatch:
     line each time that changes (none answers, none knows the name, the master is down, the master is
     at host:port — a failover shows as the address changing), and :attr:`problem` for ``/readyz``."""
 
-    def __init__(self, cfg: RedisConfig, url: str, *, interval_s: float = 2.0) -> None:
+    def __init__(self, cfg: RedisConfig, url: str, *, interval_s: float = 1.0) -> None:
         self.cfg = cfg
         self.url = url
         self.interval_s = interval_s
