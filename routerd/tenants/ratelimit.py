@@ -214,6 +214,7 @@ class RateLimiter:
         self._down_until = 0.0 if client is not None else math.inf
         self.redis_errors = 0
         self._down_since: float | None = None  # when this outage began (logged once, and when it ends)
+        self._down_said: set[str] = set()  # the kinds of failure logged in this outage
         self._bucket_logged: dict[str, float] = {}  # tenant → when its unusable bucket was last logged
 
     @property
@@ -324,10 +325,12 @@ class RateLimiter:
                 r.future.set_result(grant)
 
     def _mark_down(self, event: str, error: str, reason: str) -> None:
-        """Decide locally for ``_DOWN_S``; logged once an outage, however many retries fail in it."""
+        """Decide locally for ``_DOWN_S``; each kind logged once an outage, however many retries fail."""
         self.redis_errors += 1
         if self._down_since is None:
             self._down_since = self._clock()
+        if event not in self._down_said:
+            self._down_said.add(event)
             _log.warning(event, error=error, retry_in_s=_DOWN_S, reason=reason)
         self._down_until = self._clock() + _DOWN_S
 
@@ -338,3 +341,4 @@ class RateLimiter:
             _log.info("rate_limits_shared", local_s=round(self._clock() - self._down_since, 3),
                       reason="Redis answers again: tenants' limits are shared again")
             self._down_since = None
+            self._down_said.clear()
