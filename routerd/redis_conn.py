@@ -240,7 +240,10 @@ class SentinelWatch:
         manager = sentinel_manager(self.cfg, self.url)
         try:
             while True:
-                await self.check(manager)
+                try:
+                    await self.check(manager)
+                except Exception:  # noqa: BLE001 — the loop's boundary: an answer it could not read
+                    _log.exception("redis_sentinel_check_failed")
                 await asyncio.sleep(self.interval_s)
         finally:
             with contextlib.suppress(OSError, TimeoutError):

@@ -225,6 +225,7 @@ async def test_a_service_name_no_sentinel_knows_and_wrong_addresses_are_said_onc
         assert rp.proc.poll() is None  # no crash, so no crash loop
         said = log_events(rp.log_path, "redis_sentinel_unknown_service")
         assert len(said) == 1, said
+        assert len(log_events(rp.log_path, "batches_redis_unavailable")) <= 1  # polled each second
 
     nowhere = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     bad = parse({"redis": {"url": "redis:///0", "service_name": "routerd-test", "op_timeout_s": 1.0,
