@@ -26,9 +26,12 @@ from routerd.config import parse
 from routerd.redis_conn import RedisConn
 from routerd.redis_keys import RedisKeys
 from routerd.redis_server import REDIS_DOWN
+from routerd.submit import submit_main
 from routerd.tenants.directory import Directory
 from routerd.tenants.ratelimit import RateLimiter
+from routerd.tenants.report import main as usage_main
 from routerd.tenants.usage import UsageLedger, day_of
+from routerd_bench._common import to_toml
 from routerd_bench.scale_replicas import log_events
 from tests.fixtures.daemon import RouterdFactory
 from tests.fixtures.helpers import until
@@ -153,13 +156,15 @@ async def test_a_failover_mid_queue_loses_no_job_and_answers_each_once(
 
 
 @pytest.mark.timeout(120)
-async def test_rate_limits_and_usage_decide_locally_then_use_the_promoted_master(
-        sentinel_redis: SentinelRedis) -> None:
+async def test_rate_limits_usage_and_the_tools_use_the_promoted_master(
+        sentinel_redis: SentinelRedis, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With the master gone the rate limiter decides locally (logged once) and usage keeps its
-    increments; both reach the promoted replica by themselves, nothing reconnected by hand."""
-    cfg = parse({"redis": sentinel_redis.redis(op_timeout_s=1.0),
-                 "tenants": [{"name": "t", "api_keys": ["k-t"], "requests_per_minute": 100_000}]},
-                environ={})
+    increments; both reach the promoted replica by themselves, nothing reconnected by hand. ``routerd
+    submit`` and ``routerd usage`` with the same config find it through the sentinels too."""
+    raw = {"redis": sentinel_redis.redis(op_timeout_s=1.0),
+           "tenants": [{"name": "t", "api_keys": ["k-t"], "requests_per_minute": 100_000}],
+           "fleets": [{"name": "f", "model": "m", "engine": "static", "urls": ["http://127.0.0.1:1"]}]}
+    cfg = parse(raw, environ={})
     conn = RedisConn(cfg.redis.url, cfg.redis)
     keys = RedisKeys(stream=cfg.redis.stream)
     tenant = Directory(cfg).get("t")
@@ -182,6 +187,15 @@ async def test_rate_limits_and_usage_decide_locally_then_use_the_promoted_master
         try:
             assert await r.exists(keys.ratelimit("t"))
             await until(lambda: _usage_on(r, keys, "t|f|prompt_tokens", 5), 30, "usage on the new master")
+            path = tmp_path / "routerd.toml"
+            path.write_text(to_toml(raw))
+            capsys.readouterr()
+            assert await asyncio.to_thread(submit_main, ["--config", str(path), "hi"]) == 0
+            job_id = capsys.readouterr().out.strip()
+            queued = [msgspec.json.decode(f[b"job"])["id"] for _, f in await r.xrange(keys.stream)]
+            assert queued == [job_id]
+            assert await asyncio.to_thread(usage_main, ["--config", str(path), "--json"]) == 0
+            assert msgspec.json.decode(capsys.readouterr().out)["totals"]["prompt_tokens"] == 5
         finally:
             await r.aclose()
     finally:
