@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -154,7 +155,9 @@ class RedisConn:
         self._pools: dict[int, aioredis.ConnectionPool] = {}  # by the longest read's block, in ms
         self.sentinels = via_sentinels(cfg, url)
         self._manager: Sentinel | None = None  # the pools' sentinels (shared), made with the first
-        self.watch = SentinelWatch(cfg, url) if self.sentinels and pooled else None  # the daemon's runs it
+        # The daemon runs it: a master that moved while the old one still answers (a failover the
+        # operator asked for) is left by every connection at once, not written to until it is demoted.
+        self.watch = SentinelWatch(cfg, url, moved=self._master_moved) if self.sentinels and pooled else None
 
     def ops(self) -> aioredis.Redis:
         """A client for short commands, none of which blocks on the server."""
@@ -193,6 +196,14 @@ class RedisConn:
             self._pools[block_ms] = pool
         return aioredis.Redis(connection_pool=pool)
 
+    async def _master_moved(self) -> None:
+        """Drop every connection, idle or in use: each reconnects to the master the sentinels name now
+        (a command in flight on one fails as with Redis down, and its component retries)."""
+        for pool in list(self._pools.values()):
+            with contextlib.suppress(OSError, TimeoutError, redis.exceptions.RedisError):
+                async with timeout(_CLOSE_S):
+                    await pool.disconnect(inuse_connections=True)
+
     def health(self) -> tuple[str, bool]:
         """Why Redis cannot be used now ("": it can), and whether that keeps this process from being
         ready (``/readyz``): only a fault it has had since it started, never having reached Redis (a
@@ -225,8 +236,10 @@ class SentinelWatch:
     line each time that changes (none answers, none knows the name, the master is down, the master is
     at host:port — a failover shows as the address changing), and :attr:`problem` for ``/readyz``."""
 
-    def __init__(self, cfg: RedisConfig, url: str, *, interval_s: float = 1.0) -> None:
+    def __init__(self, cfg: RedisConfig, url: str, *, interval_s: float = 1.0,
+                 moved: Callable[[], Awaitable[None]] | None = None) -> None:
         self.cfg = cfg
+        self.moved = moved  # called when the sentinels name a master at another address than before
         self.url = url
         self.interval_s = interval_s
         self.problem = ""  # why the master cannot be used now ("": a sentinel names it, up)
@@ -279,8 +292,12 @@ class SentinelWatch:
                        "down; the sentinels fail over to a replica", error=False)
         else:
             self.found = True
-            self.master = f"{state['ip']}:{state['port']}"
-            self._note("redis_master", "", error=False, service_name=name, master=self.master)
+            now, was = f"{state['ip']}:{state['port']}", self.master
+            if was and was != now and self.moved is not None:
+                await self.moved()  # before it is said: who reads `master` finds the connections gone
+            self.master = now
+            self._note("redis_master", "", error=False, service_name=name, master=now,
+                       **({"was": was} if was and was != now else {}))
 
     def _note(self, event: str, problem: str, *, error: bool, **fields: Any) -> None:
         self.problem = problem

@@ -256,3 +256,30 @@ async def test_a_service_name_no_sentinel_knows_and_wrong_addresses_are_said_onc
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
         await conn.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_planned_failover_moves_every_connection_off_the_old_master(
+        sentinel_redis: SentinelRedis) -> None:
+    """``SENTINEL FAILOVER`` leaves the old master running — and taking writes, which its demotion (some
+    10 s later) throws away. Once routerd's watch sees the new master, every connection has left it."""
+    cfg = parse({"redis": sentinel_redis.redis(op_timeout_s=1.0)}, environ={})
+    conn = RedisConn(cfg.redis.url, cfg.redis)
+    watch = conn.watch
+    assert watch is not None
+    watching = asyncio.create_task(watch.run())
+    r = conn.ops()
+    try:
+        await until(lambda: bool(watch.master), 10, "the master named")
+        assert await r.incr("n") == 1  # a connection to the master now
+        old = await asyncio.to_thread(sentinel_redis.failover)
+        new = await asyncio.to_thread(sentinel_redis.wait_promoted, old)
+        await until(lambda: watch.master == f"127.0.0.1:{new.port}", 10, "the watch sees the new master")
+        written = await r.incr("n")
+        with new.client() as on_new, old.client() as on_old:
+            assert on_old.execute_command("ROLE")[0] == b"master"  # not demoted yet: writes would stay
+            assert int(on_new.get("n") or 0) == written
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await conn.aclose()
