@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -48,6 +49,8 @@ from .config import RedisConfig
 
 _log = log.get("routerd.redis")
 
+_CHECK_S = 1.0  # a producer's pool asks the sentinels where the master is at most this often
+_CHECK_FAILED_S = 10.0  # ... and after no sentinel answered, this often
 _CLOSE_S = 2.0  # closing a pool's sockets at the end: bounded, the server may be gone
 
 
@@ -108,9 +111,11 @@ class _Sentinels(Sentinel):
                                       f"{service_name!r}") from None
 
 
-def sentinel_pool(cfg: RedisConfig, url: str, manager: Sentinel, *, block_ms: int) -> SentinelConnectionPool:
+def sentinel_pool(cfg: RedisConfig, url: str, manager: Sentinel, *, block_ms: int,
+                  checked: bool = False) -> SentinelConnectionPool:
     """A pool of connections to ``cfg.service_name``'s master as ``manager``'s sentinels name it now,
-    with ``url``'s database, user and password and :func:`connection_options`."""
+    with ``url``'s database, user and password and :func:`connection_options`; ``checked``: one that
+    asks the sentinels itself, at most every second, whether the master moved (:class:`_CheckedPool`)."""
     parts = urlsplit(url)
     options = connection_options(cfg, url, block_ms=block_ms)
     if parts.username:
@@ -121,7 +126,34 @@ def sentinel_pool(cfg: RedisConfig, url: str, manager: Sentinel, *, block_ms: in
     options["db"] = int(db) if db.isdigit() else 0
     if parts.scheme == "rediss":
         options["ssl"] = True  # the pool's connection class: SentinelManagedSSLConnection
+    if checked:
+        return _CheckedPool(cfg.service_name, manager, check_timeout_s=cfg.op_timeout_s, **options)
     return SentinelConnectionPool(cfg.service_name, manager, **options)  # type: ignore[no-untyped-call]
+
+
+class _CheckedPool(SentinelConnectionPool):
+    """For a client no watch looks after (a producer's, a tool's): before handing out a connection, at
+    most every ``_CHECK_S``, ask the sentinels where the master is; redis-py drops the idle connections
+    when it moved — after a planned failover the old master still answers, and writes to it are lost
+    when it is demoted. A check that fails (no sentinel answers) leaves the connections as they are and
+    is tried again after ``_CHECK_FAILED_S``: the sentinels being away is no reason to fail a command."""
+
+    def __init__(self, service_name: str, manager: Sentinel, *, check_timeout_s: float,
+                 **kwargs: Any) -> None:
+        super().__init__(service_name, manager, **kwargs)  # type: ignore[no-untyped-call]
+        self._check_timeout_s = check_timeout_s
+        self._next_check = 0.0
+
+    async def get_connection(self, *args: Any, **options: Any) -> Any:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + _CHECK_S
+            try:
+                async with timeout(self._check_timeout_s):
+                    await self.get_master_address()  # type: ignore[no-untyped-call]
+            except (redis.exceptions.RedisError, OSError, TimeoutError):
+                self._next_check = time.monotonic() + _CHECK_FAILED_S
+        return await super().get_connection(*args, **options)  # type: ignore[no-untyped-call]
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -183,7 +215,7 @@ class RedisConn:
     def _sentinel_client(self, block_ms: int) -> aioredis.Redis:
         if not self.pooled:
             manager = sentinel_manager(self.cfg, self.url)
-            own = sentinel_pool(self.cfg, self.url, manager, block_ms=block_ms)
+            own = sentinel_pool(self.cfg, self.url, manager, block_ms=block_ms, checked=True)
             client = _OwnsSentinel(connection_pool=own)
             client.auto_close_connection_pool = True  # its own pool, closed with it
             client.manager = manager

@@ -262,16 +262,19 @@ async def test_a_service_name_no_sentinel_knows_and_wrong_addresses_are_said_onc
 async def test_a_planned_failover_moves_every_connection_off_the_old_master(
         sentinel_redis: SentinelRedis) -> None:
     """``SENTINEL FAILOVER`` leaves the old master running — and taking writes, which its demotion (some
-    10 s later) throws away. Once routerd's watch sees the new master, every connection has left it."""
+    10 s later) throws away. Once routerd's watch sees the new master, every connection has left it; a
+    producer's client, which has no watch, asks the sentinels itself and leaves it within seconds."""
     cfg = parse({"redis": sentinel_redis.redis(op_timeout_s=1.0)}, environ={})
     conn = RedisConn(cfg.redis.url, cfg.redis)
     watch = conn.watch
     assert watch is not None
     watching = asyncio.create_task(watch.run())
     r = conn.ops()
+    q = QueueClient.from_config(cfg.redis)
     try:
         await until(lambda: bool(watch.master), 10, "the master named")
         assert await r.incr("n") == 1  # a connection to the master now
+        await q.submit({"model": "m", "prompt": "x"})  # and the producer's
         old = await asyncio.to_thread(sentinel_redis.failover)
         new = await asyncio.to_thread(sentinel_redis.wait_promoted, old)
         await until(lambda: watch.master == f"127.0.0.1:{new.port}", 10, "the watch sees the new master")
@@ -279,7 +282,15 @@ async def test_a_planned_failover_moves_every_connection_off_the_old_master(
         with new.client() as on_new, old.client() as on_old:
             assert on_old.execute_command("ROLE")[0] == b"master"  # not demoted yet: writes would stay
             assert int(on_new.get("n") or 0) == written
+
+        async def lands_on_new() -> bool:
+            job = await q.submit({"model": "m", "prompt": "y"})
+            with new.client() as on_new:
+                return bool(on_new.xrange(q.keys.stream, job.entry, job.entry))
+
+        await until(lands_on_new, 5, "a submit reaching the new master before the old one is demoted")
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
+        await q.aclose()
         await conn.aclose()
