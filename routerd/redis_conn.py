@@ -312,8 +312,10 @@ class SentinelWatch:
             if name in masters and state is None:
                 state = masters[name]
         if len(errors) == len(self.cfg.sentinels):
+            first = next(iter(errors.values()))  # a refused password reads differently from a closed port
             self._note("redis_sentinels_unreachable",
-                       f"no sentinel answers ({', '.join(self.cfg.sentinels)})", error=True, errors=errors)
+                       f"no sentinel answers ({', '.join(self.cfg.sentinels)}): {first}", error=True,
+                       errors=errors)
         elif state is None:
             self._note("redis_sentinel_unknown_service",
                        f"no sentinel knows a master named {name!r} (they know: "

@@ -242,16 +242,32 @@ async def test_a_service_name_no_sentinel_knows_and_wrong_addresses_are_said_onc
         assert len(log_events(rp.log_path, "batches_redis_unavailable")) <= 1  # polled each second
 
     nowhere = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    bad = parse({"redis": {"url": "redis:///0", "service_name": "routerd-test", "op_timeout_s": 1.0,
-                           "sentinels": nowhere}}, environ={})
-    conn = RedisConn(bad.redis.url, bad.redis)
-    assert conn.watch is not None
-    watching = asyncio.create_task(conn.watch.run())
+    problem, unready = await _first_check({"url": "redis:///0", "service_name": "routerd-test",
+                                           "op_timeout_s": 1.0, "sentinels": nowhere})
+    assert unready
+    assert problem.startswith(f"no sentinel answers ({', '.join(nowhere)}): ConnectionError")
+    # Sentinels with ACL users: SENTINEL MASTERS is the one right routerd's needs; a wrong password is
+    # said as the sentinels' refusal.
+    for s in sentinel_redis.sentinels:
+        with s.client() as c:
+            c.execute_command("ACL", "SETUSER", "rt", "on", ">pw", "-@all", "+sentinel|masters")
+    user = sentinel_redis.redis(sentinel_username="rt", sentinel_password="pw")
+    assert await _first_check(user) == ("", False)
+    problem, unready = await _first_check({**user, "sentinel_password": "no"})
+    assert unready
+    assert "AuthenticationError" in problem
+
+
+async def _first_check(redis: dict[str, Any]) -> tuple[str, bool]:
+    """What a routerd with these ``[redis]`` settings would say of its Redis after the first check."""
+    cfg = parse({"redis": redis}, environ={})
+    conn = RedisConn(cfg.redis.url, cfg.redis)
+    watch = conn.watch
+    assert watch is not None
+    watching = asyncio.create_task(watch.run())
     try:
-        await until(lambda: conn.watch is not None and conn.watch.checked.is_set(), 10, "a first check")
-        problem, unready = conn.health()
-        assert unready
-        assert problem == f"no sentinel answers ({', '.join(bad.redis.sentinels)})"
+        await until(watch.checked.is_set, 10, "a first check")
+        return conn.health()
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
