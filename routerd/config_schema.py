@@ -119,6 +119,14 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # → ``{routerd}:requests``, ``{routerd}:done:<id>``…), so all live in one slot, and every client talks
     # to that slot's master, found again when the slot moves (routerd/redis_cluster.py).
     cluster: bool = False
+    # Redis Sentinel (routerd/redis_conn.py): the master of ``service_name`` is asked of these sentinels
+    # ("host:port") and every client follows it through a failover; ``url`` then names no host, only the
+    # scheme and database ("redis:///0", "rediss:///0"; the default URL counts as none).
+    sentinels: list[str] = []
+    service_name: str = ""
+    # The sentinels' own ACL user and password (``requirepass``/``user`` in sentinel.conf), if they have one.
+    sentinel_username: str = ""
+    sentinel_password: str = ""
 
     @property
     def consumer_name(self) -> str:

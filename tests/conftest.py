@@ -21,6 +21,7 @@ pytest_plugins = [
     "tests.fixtures.redis_server",
     "tests.fixtures.redis_tls",
     "tests.fixtures.redis_cluster",
+    "tests.fixtures.sentinel",
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
     "tests.fixtures.daemon",
