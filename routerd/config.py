@@ -231,6 +231,30 @@ def _semantic_problems(cfg: Config) -> list[str]:
     if worker_count(cfg) > 1 and not cfg.redis.enabled:
         problems.append("$.daemon.workers: more than one worker needs Redis ([redis] enabled): the "
                         "workers share the queue and their view of the fleets through it")
+    problems += _sentinel_problems(cfg.redis)
+    return problems
+
+
+def _sentinel_problems(r: RedisConfig) -> list[str]:
+    """``[redis] sentinels`` and what contradicts it: the master's address comes from the sentinels,
+    so the URL names none, and an embedded redis-server has no sentinels."""
+    if not r.sentinels:
+        extra = [k for k in ("service_name", "sentinel_username", "sentinel_password") if getattr(r, k)]
+        return [f"$.redis.{k}: set without [redis] sentinels, which it is for" for k in extra]
+    problems = [f"$.redis.sentinels[{i}]: expected \"host:port\" of a Redis Sentinel, got {s!r}"
+                for i, s in enumerate(r.sentinels) if not _HOST_PORT_RE.fullmatch(s)]
+    if not r.service_name:
+        problems.append("$.redis.service_name: the sentinels' name of the master (their `sentinel "
+                        "monitor <name> ...`) is needed with [redis] sentinels")
+    if r.url == "embedded":
+        problems.append("$.redis.url: \"embedded\" runs routerd's own redis-server, which no sentinel "
+                        "watches: drop [redis] sentinels, or give the URL as \"redis:///0\"")
+    elif r.url != RedisConfig().url:
+        parts = urlsplit(r.url)
+        if parts.scheme not in ("redis", "rediss") or parts.hostname:
+            problems.append(f"$.redis.url: with [redis] sentinels the master's address comes from them; "
+                            f"the URL gives only the scheme and database (\"redis:///0\", "
+                            f"\"rediss:///0\"), got {redact.url(r.url)!r}")
     return problems
 
 
@@ -452,7 +476,7 @@ def state_dir(cfg: Config) -> Path:
 def secret_values(cfg: Config) -> list[str]:
     """Every secret value ``cfg`` holds, for :meth:`routerd.redact.Redactor.learn`. Here, beside the
     schema, so a new secret key is listed where it is declared (and the redactor needs no config)."""
-    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
+    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password, cfg.redis.sentinel_password,
              _userinfo_password(cfg.redis.url) or "", cfg.control.secret]
     found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:

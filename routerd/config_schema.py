@@ -94,6 +94,14 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     reply_maxlen: Annotated[int, Meta(ge=1, le=1_000_000_000)] = 10_000
     op_timeout_s: Seconds = 5.0
     ssl_ca_certs: str = ""
+    # Redis Sentinel (routerd/redis_conn.py): the master of ``service_name`` is asked of these sentinels
+    # ("host:port") and every client follows it through a failover; ``url`` then names no host, only the
+    # scheme and database ("redis:///0", "rediss:///0"; the default URL counts as none).
+    sentinels: list[str] = []
+    service_name: str = ""
+    # The sentinels' own ACL user and password (``requirepass``/``user`` in sentinel.conf), if they have one.
+    sentinel_username: str = ""
+    sentinel_password: str = ""
 
     @property
     def consumer_name(self) -> str:

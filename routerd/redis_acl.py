@@ -63,10 +63,11 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
 )
 
 # What routerd.client.QueueClient sends: submit (HSETNX + EXPIRE + XADD in MULTI), wait (XREAD, GET,
-# MGET), status (GET, HGETALL), cancel (SET + PUBLISH in MULTI), and DEL for a producer cleaning up.
+# MGET), status (GET, HGETALL), cancel (SET + PUBLISH in MULTI), and DEL for a producer cleaning up;
+# WAIT for submit(durable=True).
 PRODUCER_COMMANDS: tuple[str, ...] = (
     "select", "ping", "xadd", "xread", "get", "mget", "hsetnx", "hgetall", "expire", "set",
-    "del", "publish", "multi", "exec", "discard",
+    "del", "publish", "multi", "exec", "discard", "wait",
 )
 
 _GLOB = re.compile(r"([*?\[\]\\])")

@@ -213,6 +213,8 @@ class RateLimiter:
         self._script: Any = None
         self._down_until = 0.0 if client is not None else math.inf
         self.redis_errors = 0
+        self._down_since: float | None = None  # when this outage began (logged once, and when it ends)
+        self._down_said: set[str] = set()  # the kinds of failure logged in this outage
         self._bucket_logged: dict[str, float] = {}  # tenant → when its unusable bucket was last logged
 
     @property
@@ -281,6 +283,7 @@ class RateLimiter:
                 self._script = client.register_script(BUCKETS)
             async with _aio.timeout(_REDIS_TIMEOUT_S):  # redis-py can swallow a cancel: see _aio
                 replies = await self._script(args=[_pack(records)], client=client)
+            self._back()
             for r, reply in zip(batch, replies, strict=True):
                 self._answer(r, reply)
         except _NO_ANSWER as e:
@@ -322,7 +325,20 @@ class RateLimiter:
                 r.future.set_result(grant)
 
     def _mark_down(self, event: str, error: str, reason: str) -> None:
+        """Decide locally for ``_DOWN_S``; each kind logged once an outage, however many retries fail."""
         self.redis_errors += 1
-        if self.shared:
+        if self._down_since is None:
+            self._down_since = self._clock()
+        if event not in self._down_said:
+            self._down_said.add(event)
             _log.warning(event, error=error, retry_in_s=_DOWN_S, reason=reason)
         self._down_until = self._clock() + _DOWN_S
+
+    def _back(self) -> None:
+        """Redis answered: an outage, if there was one, is over (after a Sentinel failover, this is
+        the promoted master answering)."""
+        if self._down_since is not None:
+            _log.info("rate_limits_shared", local_s=round(self._clock() - self._down_since, 3),
+                      reason="Redis answers again: tenants' limits are shared again")
+            self._down_since = None
+            self._down_said.clear()
