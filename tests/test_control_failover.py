@@ -54,7 +54,7 @@ async def test_a_master_killed_mid_restart_leaves_one_controller_and_one_restart
         daemon={"state_dir": str(tmp_path / name), "stop_engines_on_exit": True},
         redis={"enabled": True, **sentinel_redis.redis(consumer=name, block_ms=200)},
         control={"lease_s": LEASE_S, "secret": "s" * 32},
-        ray={"address": ray_cluster.address, "namespace": ns},
+        ray={"address": ray_cluster.address, "namespace": ns, "connect_timeout_s": 90},  # a loaded machine
         health={"restart_backoff_initial_s": 0.2, "restart_backoff_max_s": 2.0}, fleets=[fleet]),
         wait_ready=False) for name in ("fa", "fb")]
     await asyncio.gather(*(asyncio.to_thread(rp.wait_notify, "READY=1", 120) for rp in procs))
