@@ -450,3 +450,19 @@ async def test_a_term_goes_above_the_token_an_engine_holds(redis_server: RedisSe
     await c.step()
     assert c.token > b.token
     await c.release()
+
+
+async def test_a_term_that_lapsed_unobserved_is_counted_ended_before_the_next(
+        redis_server: RedisServer) -> None:
+    """Nothing ran between the take and its deadline (a start-up slower than the lease): the next step
+    takes a new term, and reports the old one ended first — a log of terms has no term that silently
+    changed its token."""
+    a = lease("host-a", redis_server.url, 0.3)
+    await a.step()
+    first = a.token
+    await asyncio.sleep(0.35)  # past the deadline, with nothing watching
+    await a.step()
+    assert a.controls
+    assert a.token > first
+    assert (a.acquisitions, a.losses) == (2, 1)
+    await a.release()

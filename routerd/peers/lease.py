@@ -275,6 +275,7 @@ class ControlLease:
     async def step(self) -> None:
         """One turn: renew what we hold, else try to take it. Redis not answering only delays; the
         deadline decides."""
+        self._note()  # a term that lapsed unobserved (a slow start-up) is logged as ended before a new one
         try:
             if self._value is not None and self.controls:
                 await self._renew()
