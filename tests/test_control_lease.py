@@ -319,33 +319,34 @@ def test_lease_s_is_bounded_and_set_from_the_environment() -> None:
 # -- across a failover: a promoted replica that lacks the last writes ------------------------------
 
 @contextlib.asynccontextmanager
-async def master_and_lagging_replica(tmp_path: Path) -> AsyncIterator[tuple[RedisServer, RedisServer,
-                                                                             PausableProxy]]:
+async def master_and_lagging_replica(tmp_path: Path, healthy: int = 0) -> AsyncIterator[
+        tuple[RedisServer, RedisServer, PausableProxy]]:
     """A master, and a replica that reaches it through a proxy: pausing the proxy makes the replica lag
-    (the master still counts it connected), as an asynchronous replica can when its master dies."""
+    (the master still counts it connected), as an asynchronous replica can when its master dies. Plus
+    ``healthy`` replicas connected directly, which never lag."""
     (tmp_path / "master").mkdir()
-    (tmp_path / "replica").mkdir()
     master = RedisServer(tmp_path / "master", extra_args=("--repl-diskless-sync-delay", "0"))
     master.start()
+    servers = [master]
     try:
         async with PausableProxy(master.port) as link:
-            replica = RedisServer(tmp_path / "replica", extra_args=(
-                "--replicaof", "127.0.0.1", str(link.port)))
-            replica.start()
+            for i, port in enumerate([link.port] + [master.port] * healthy):
+                (tmp_path / f"replica{i}").mkdir()
+                servers.append(RedisServer(tmp_path / f"replica{i}",
+                                           extra_args=("--replicaof", "127.0.0.1", str(port))))
+                servers[-1].start()
+            probe = redis.asyncio.Redis(port=master.port, socket_timeout=2)
             try:
-                probe = redis.asyncio.Redis(port=replica.port, socket_timeout=2)
-                try:
-                    end = time.monotonic() + 20
-                    while (await probe.info("replication")).get("master_link_status") != "up":
-                        assert time.monotonic() < end, "the replica never synced"
-                        await asyncio.sleep(0.05)
-                finally:
-                    await probe.aclose()
-                yield master, replica, link
+                end = time.monotonic() + 20
+                while len((await probe.execute_command("ROLE"))[2]) < 1 + healthy:
+                    assert time.monotonic() < end, "the replicas never synced"
+                    await asyncio.sleep(0.05)
             finally:
-                replica.kill()
+                await probe.aclose()
+            yield master, servers[1], link
     finally:
-        master.kill()
+        for server in servers:
+            server.kill()
 
 
 async def promote(server: RedisServer) -> None:
@@ -358,11 +359,12 @@ async def promote(server: RedisServer) -> None:
 
 async def test_a_failover_to_a_replica_without_the_last_renew_never_gives_two_controllers(
         tmp_path: Path) -> None:
-    """The holder's renewals stop reaching the replica; the master is SIGKILLed and the replica promoted
-    (as Sentinel would), and the other replica's client follows it there. The holder's term ends before
-    the lease lapses on the promoted replica — it counted only what a replica had — so the other never
-    controls at the same time, and its token is higher."""
-    async with master_and_lagging_replica(tmp_path) as (master, replica, link), \
+    """The holder's renewals stop reaching one of two replicas (the other has them all); the master is
+    SIGKILLed and the lagging one promoted (Sentinel may pick either), and the other routerd's client
+    follows it there. The holder's term ends before the lease lapses on the promoted replica — it counted
+    only what every replica had — so the other never controls at the same time, and its token is
+    higher."""
+    async with master_and_lagging_replica(tmp_path, healthy=1) as (master, replica, link), \
             PausableProxy(master.port) as follow:  # b's way to "the master", wherever it is
         a, b = lease("host-a", master.url, 3.0), lease("host-b", follow.url, 3.0)
         async with running(a, b):

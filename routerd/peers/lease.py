@@ -32,12 +32,12 @@ asynchronous: a promoted replica can lack the last take, renew or ``INCR``, so a
 again while its holder still controls, and a token could go back. Three rules keep one controller and
 tokens that only grow:
 
-* **A term exists once a replica has it.** Every take, renew and raise is sent in one pipeline with
-  ``ROLE`` before it and ``WAIT 1`` after it. The local deadline is extended only when a replica
-  acknowledged the write, or when the master had no replica connected (then the lease is as safe as
-  that one server). Sentinel promotes the most up-to-date replica, which holds our lease with an expiry
-  at or past our deadline: nobody takes it there while we still control. A replica that lags past the
-  ``WAIT`` leaves the term unrenewed: the controller stops at its deadline rather than risk two.
+* **A term exists once the replicas have it.** Every take, renew and raise is sent in one pipeline with
+  ``ROLE`` before it (the replicas online) and ``WAIT <that many>`` after it. The local deadline is
+  extended only when every replica online acknowledged the write, or when the master had none (then the
+  lease is as safe as that one server). Whichever replica Sentinel promotes holds our lease with an
+  expiry at or past our deadline: nobody takes it there while we still control. A replica that lags
+  past the ``WAIT`` leaves the term unrenewed: the controller stops at its deadline rather than risk two.
 * **A take starts above every token its taker has seen** (its own terms, every holder it read): the
   script takes ``max(INCR, server ms, highest seen + 1)``, so a promoted replica whose counter or clock
   is behind still hands out a higher token to any replica that watched the lease.
@@ -469,14 +469,14 @@ class ControlLease:
         return self._client
 
     async def _call(self, script: str, keys: list[str], args: list[Any]) -> tuple[Any, bool]:
-        """Run one of the lease's scripts and wait for a replica to have it: its reply, and whether it is
-        replicated — a replica acknowledged it, or the master had none connected (checked just before,
-        by ``ROLE``). ``ROLE``, ``EVAL`` and ``WAIT`` go in one pipeline, on one connection: ``WAIT``
+        """Run one of the lease's scripts and wait for the replicas to have it: its reply, and whether it is
+        replicated — every replica online (``ROLE``, just before) acknowledged it (none: nothing to wait
+        for). ``ROLE``, ``EVAL`` and ``WAIT`` go in one pipeline, on one connection: ``WAIT``
         counts that connection's writes. (``EVAL`` rather than ``EVALSHA``: a pipeline would first
         send ``SCRIPT EXISTS``; a user who may ``SCRIPT LOAD`` and ``EVALSHA`` may ``EVAL`` as much.)"""
         client = self._get_client()
         timeout = self._op_timeout()
-        wanted = 1 if self._replicas else 0
+        wanted = self._replicas  # as last seen: the ROLE just before the write may find more
         async with _aio.timeout(timeout):
             pipe = client.pipeline(transaction=False)
             pipe.execute_command("ROLE")
@@ -486,7 +486,7 @@ class ControlLease:
             role, reply, acked = await pipe.execute()
         replicas = _replicas(role)
         self._replicas = replicas
-        replicated = int(acked) >= 1 if wanted else replicas == 0
+        replicated = int(acked) >= replicas
         if replicated:
             if self._unreplicated:
                 self._unreplicated = False
@@ -494,8 +494,10 @@ class ControlLease:
         elif not self._unreplicated:
             self._unreplicated = True
             _log.warning("control_lease_not_replicated", ident=self.ident, replicas=replicas,
-                         effect="no replica acknowledged the lease in time: it is not taken or renewed "
-                                "(a failover could hand it out again), so control stops at its deadline")
+                         acknowledged=int(acked),
+                         effect="a replica did not acknowledge the lease in time: it is not taken or "
+                                "renewed (a failover could hand it out again), so control stops at its "
+                                "deadline")
         return reply, replicated
 
     async def _close(self) -> None:
