@@ -48,6 +48,9 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     # the Lua scripts (redis-py's Script: EVALSHA, then SCRIPT LOAD on NOSCRIPT; the queue writer's
     # SCRIPT LOAD once per Redis start)
     "evalsha", "script|load",
+    # the control lease (peers/lease.py): its scripts in a pipeline (EVAL: no more than EVALSHA after
+    # SCRIPT LOAD allows), between ROLE (are replicas connected?) and WAIT (has one the lease?)
+    "eval", "role", "wait",
     # the admin relay's answer (RPUSH + PEXPIRE) in one transaction
     "multi", "exec", "discard",
     # batches (routerd/batches/): files' pieces, tenants' lists, the written-lines bitmap, the output's
