@@ -23,6 +23,7 @@ import msgspec
 from . import redact
 from .config_schema import (
     EXIT_CONFIG,
+    AdapterConfig,
     AdmissionConfig,
     AutoscaleConfig,
     BatchesConfig,
@@ -50,7 +51,8 @@ from .config_schema import (
 )
 
 __all__ = [
-    "EXIT_CONFIG", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config", "ConfigError",
+    "EXIT_CONFIG", "AdapterConfig", "AdmissionConfig", "AutoscaleConfig", "BatchesConfig", "Config",
+    "ConfigError",
     "ControlConfig", "Count",
     "DaemonConfig", "FleetConfig", "Fraction", "HealthConfig", "HttpConfig", "Interval", "MaybeCount",
     "MaybeSeconds", "Name", "RayConfig", "RedisConfig", "Replicas", "ResponsesConfig", "RoutingConfig",
@@ -146,9 +148,43 @@ def _fleet_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
             problems.append(f"{where}.autoscale.max_replicas: must be >= min_replicas ({a.min_replicas})")
         problems += _capacity_problems(where, f.engine_args)
         problems += _kv_event_problems(where, f)
+        problems += _adapter_problems(where, f)
         if "disable-log-stats" in f.engine_args or "disable_log_stats" in f.engine_args:
             problems.append(f"{where}.engine_args.disable-log-stats: routerd routes on vllm: "
                             "metrics; this flag turns them off")
+    problems += _adapter_name_problems(fleets)
+    return problems
+
+
+def _adapter_problems(where: str, f: FleetConfig) -> list[str]:
+    """A fleet's adapters need LoRA on its engines, and room for the pinned ones."""
+    if not f.adapters:
+        return []
+    slots = f.lora_slots()
+    if slots == 0:
+        return [f"{where}.adapters: the fleet's engines serve no LoRA adapter: set engine_args "
+                "enable-lora = true (and max-loras, the adapters one instance holds at once)"]
+    pinned = [a.name for a in f.adapters if a.pinned]
+    if len(pinned) > slots:
+        return [f"{where}.adapters: {len(pinned)} adapters are pinned ({', '.join(pinned)}) but an "
+                f"instance holds {slots} (engine_args max-loras)"]
+    return []
+
+
+def _adapter_name_problems(fleets: list[tuple[int, FleetConfig]]) -> list[str]:
+    """An adapter's name is a model name clients send: unique, and no fleet's model."""
+    problems: list[str] = []
+    models = {f.model: i for i, f in fleets}
+    seen: dict[str, str] = {}
+    for i, f in fleets:
+        for j, a in enumerate(f.adapters):
+            where = f"$.fleets[{i}].adapters[{j}].name"
+            if a.name in models:
+                problems.append(f"{where}: {a.name!r} is the model of $.fleets[{models[a.name]}]: "
+                                "a request naming it could mean either")
+            elif a.name in seen:
+                problems.append(f"{where}: adapter {a.name!r} is declared already ({seen[a.name]})")
+            seen.setdefault(a.name, where)
     return problems
 
 
@@ -406,7 +442,8 @@ def _tenant_problems(cfg: Config) -> list[str]:
     problems: list[str] = []
     names: dict[str, int] = {}
     owners: dict[bytes, int] = {}
-    fleets = {f.name for f in cfg.fleets}
+    # a tenant may be given a fleet (its model and adapters) or single adapters
+    fleets = {f.name for f in cfg.fleets} | {a.name for f in cfg.fleets for a in f.adapters}
     for i, t in enumerate(cfg.tenants):
         where = f"$.tenants[{i}]"
         if t.name in names:

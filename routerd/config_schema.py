@@ -236,6 +236,14 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     drain_timeout_s: Seconds = 600.0  # a replica being scaled down may finish its requests this long
 
 
+class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[[fleets.adapters]]``: a LoRA adapter the fleet's engines serve (routerd/routing/adapters.py)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256)]  # what clients send as `model`
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]  # a directory on every node
+    pinned: bool = False  # kept loaded on every instance (counts against max-loras), never evicted
+
+
 class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     model: Annotated[str, Meta(min_length=1)]
@@ -258,6 +266,17 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # per node while nodes without one have room, then doubling up; "strict_spread" = never two on one
     # node (a replica with no such node stays pending, saying so).
     placement: Literal["any", "spread", "strict_spread"] = "any"
+    # LoRA adapters served by the fleet (its engine_args need enable-lora; slots: max-loras)
+    adapters: list[AdapterConfig] = []
+
+    def lora_slots(self) -> int:
+        """Adapters one instance holds at once: ``engine_args`` ``max-loras`` (vLLM's default 1); 0
+        without ``enable-lora``."""
+        args = self.engine_args
+        if not args.get("enable-lora", args.get("enable_lora", False)):
+            return 0
+        n = args.get("max-loras", args.get("max_loras", 1))
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 class TenantConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -358,3 +377,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def fleet_for_model(self, model: str) -> FleetConfig | None:
         return next((f for f in self.fleets if f.model == model), None)
+
+    def fleet_for_adapter(self, adapter: str) -> FleetConfig | None:
+        """The fleet that declares LoRA adapter ``adapter`` (``[[fleets.adapters]]``)."""
+        return next((f for f in self.fleets if any(a.name == adapter for a in f.adapters)), None)

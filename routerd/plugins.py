@@ -51,6 +51,8 @@ class RequestView(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     engine_block_tokens: int = 0
     # the prompt's tokens by the engines' tokenizer (set with engine_keys); 0: not counted
     engine_prompt_tokens: int = 0
+    # the LoRA adapter the request names as its model (routerd.routing.adapters); None: the base model
+    adapter: str | None = None
 
     @property
     def exact_tokens(self) -> bool:

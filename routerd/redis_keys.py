@@ -141,6 +141,11 @@ class RedisKeys:
         """Hash: replica counts set at run time (``set_replicas``), by fleet (routerd/peers/replicas.py)."""
         return self._key("fleet", "replicas")
 
+    def adapters(self) -> str:
+        """Hash: LoRA adapters added at run time (``POST /admin/fleets/{fleet}/adapters``), by name
+        (routerd/view/adapters.py)."""
+        return self._key("fleet", "adapters")
+
     def admin_calls(self) -> str:
         """Stream: admin calls a follower hands to the controller (routerd/peers/admin_relay.py)."""
         return self._key("admin", "calls")

@@ -40,3 +40,8 @@ class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     decode_seconds_count: float = 0.0
     finished_generation_tokens: float = 0.0
     prefill_computed_tokens: float | None = None
+    # vllm:lora_requests_info (its newest series): the adapters with requests running and waiting, and
+    # max_lora; None without --enable-lora
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int | None = None

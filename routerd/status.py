@@ -149,6 +149,19 @@ def _control(c: dict[str, Any], now: float) -> str:
             f"since {_age(holder.get('since'), now)}; {this}")
 
 
+def _adapters(instance: str, a: dict[str, Any]) -> str:
+    """One instance's LoRA adapters: routerd's record beside the engine's vllm:lora_requests_info."""
+    held = ",".join(a.get("held") or []) or "-"
+    line = f"  {instance} adapters: held={held} ({len(a.get('held') or [])}/{a.get('slots', 0)})"
+    if a.get("loading"):
+        line += f" loading={','.join(a['loading'])}"
+    e = a.get("engine")
+    if e:
+        line += (f"; engine: running={','.join(e.get('running') or []) or '-'} "
+                 f"waiting={','.join(e.get('waiting') or []) or '-'} max_lora={e.get('max_lora')}")
+    return line
+
+
 def render(status: dict[str, Any], now: float | None = None) -> str:
     """The table: one block per fleet, one row per instance; the shared view's line first, if any."""
     now = time.time() if now is None else now
@@ -172,6 +185,8 @@ def render(status: dict[str, Any], now: float | None = None) -> str:
                 _bytes(res.get("rss_bytes")), _bytes(res.get("gpu_memory_bytes")),
                 i.get("state_reason") or "",
             ])
+            if i.get("adapters"):
+                rows.append([_adapters(i["id"], i["adapters"])])
     widths = [max([len(c)] + [len(r[k]) for r in rows if len(r) == len(cols)]) for k, c in enumerate(cols)]
     control = status.get("control")
     lines = [_control(control, now)] if control else []

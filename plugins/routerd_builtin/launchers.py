@@ -146,6 +146,9 @@ class VllmLauncher:
             if world > 1:
                 cores = os.cpu_count() or 1
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(world))
+        if args.get("enable-lora", args.get("enable_lora")):
+            # routerd loads and unloads adapters at run time (routerd/routing/adapters.py)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.update(spec.env)
         return LaunchPlan(argv=argv, env=env, startup_timeout_s=900.0)
 

@@ -10,6 +10,7 @@ order, as a few lifecycle objects (*bundles*), each handed what it needs through
 - ``kv.py``: KV routing by the engines' own cache events — fleets that publish them, a role that serves.
 - ``dataplane.py``: the request path, its two ways in and the listener — a role that serves.
 - ``batches.py``: the Batch API's runner and routes — with the queue (issue 31).
+- ``lora.py``: LoRA adapters as models (issue 30) — every role, with a fleet that serves them.
 - ``build.py``: roles as choices of bundles (:func:`compose`); ``routerd.py``: the bundles together
   (:class:`Routerd`: loops, reload, the one ordered stop); ``startup.py``: the start-up order
   (:func:`assemble`, :func:`running`).

@@ -7,6 +7,8 @@ in dependency order; :func:`build` is that over a plain core (a test that drives
 | PARENT   | yes          | a launched fleet  | with Redis | —                   | —          |
 | WORKER   | yes          | —                 | with Redis | fleets that publish | yes        |
 
+LoRA adapters (``lora.py``, issue 30) are built in every role with a fleet that serves them.
+
 **A new component** (say batches, or conversations) is a bundle: a module of this package with a class
 taking the :class:`~routerd.assembly.core.Core` (and the bundles it needs, e.g. the data plane's
 dispatch) in its constructor, with ``loops()`` (its tasks, by name), ``apply(cfg)`` (its part of a
@@ -38,6 +40,7 @@ from .batches import Batches
 from .core import Core, Role, controls_for
 from .dataplane import DataPlane
 from .kv import KvRouting
+from .lora import Lora
 from .peers import Peers, shared_measures
 from .routerd import Routerd
 from .watch import EngineWatch
@@ -55,16 +58,20 @@ def compose(core: Core, *, fleet: FleetControl | None = None,
     collectors and ``collectors`` (the caller's own) on ``/metrics``."""
     measures = shared_measures(core)
     watch = EngineWatch(core, measures)
-    peers = Peers(core, measures, fleet, watch.static_health) if core.redis is not None else None
+    lora = Lora.for_config(core)  # issue 30: a fleet that serves LoRA adapters
+    peers = Peers(core, measures, fleet, watch.static_health,
+                  adapters=lora.admin if lora is not None else None) if core.redis is not None else None
+    if lora is not None and peers is not None:
+        lora.relay_loads(peers.admin_relay)  # only the controller loads
     kv = dataplane = None
     if core.role.serves:
         # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores
         # their instances by the engines' own cache views.
         kv = KvRouting.for_config(core)
-        dataplane = DataPlane(core, measures=measures, peers=peers, fleet=fleet, kv=kv)
+        dataplane = DataPlane(core, measures=measures, peers=peers, fleet=fleet, kv=kv, lora=lora)
     batches = Batches.for_config(core, dataplane)  # issue 31
     routerd = Routerd(core=core, watch=watch, fleet=fleet, peers=peers, kv=kv, dataplane=dataplane,
-                      batches=batches)
+                      batches=batches, lora=lora)
     core.metrics.add([*routerd.collectors(), *collectors])
     return routerd
 

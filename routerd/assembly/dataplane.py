@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..peers.fleet_state import FleetStateSync
     from .fleets import FleetControl
     from .kv import KvRouting
+    from .lora import Lora
     from .peers import Peers
 
 
@@ -37,15 +38,17 @@ class DataPlane:
     """The request path of one process, built over the bundles below it."""
 
     def __init__(self, core: Core, *, measures: SharedMeasures | None, peers: Peers | None,
-                 fleet: FleetControl | None, kv: KvRouting | None) -> None:
+                 fleet: FleetControl | None, kv: KvRouting | None, lora: Lora | None = None) -> None:
         cfg, self.core = core.cfg, core
         clock, rng, tracing, telemetry = core.clock, core.rng, core.tracing, core.telemetry
         fleets = fleet.fleets if fleet is not None else None
         views = RequestViews(cfg.routing, keyers=kv.keyers if kv else None, keying=kv.keying if kv else None,
-                             learned_block_size=kv.events.fleet_block_size if kv else None)
+                             learned_block_size=kv.events.fleet_block_size if kv else None,
+                             adapter_of=lora.adapter_of if lora else None)
         self.router = Router.from_config(core.registry, cfg.routing, rng=rng, clock=clock, views=views,
                                          engine_cache=kv.events if kv else None,
-                                         shared_sessions=measures.sessions if measures else None)
+                                         shared_sessions=measures.sessions if measures else None,
+                                         adapters=lora.slots if lora else None)
         self.tenancy = Tenancy(cfg, core.redis, clock=clock, rng=rng)
         local = fleets.autoscaler if fleets is not None else None
         elastic = peers.elastic(local) if peers is not None else local
@@ -74,6 +77,8 @@ class DataPlane:
                                 metrics=core.metrics, tracing=tracing, clock=clock, elastic=elastic,
                                 control=core.control.status, **_http_view(fleet_state, fleets),
                                 redis_health=core.redis.health if core.redis is not None else None)
+        if lora is not None:
+            lora.attach(self.http)
         self.listener = HttpListener(self.http)
         _conversation_routes(self.http, responses, self.tenancy)  # issue 29
 

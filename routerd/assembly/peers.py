@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from ..fleet.static import StaticHealth
+    from ..ingress.adapter_admin import AdapterAdmin
     from ..peers import SharedMeasures
     from ..peers.admin_relay import AdminRelay
     from ..peers.fleet_state import FleetStateSync
@@ -53,7 +54,7 @@ class Peers:
     """The fleet state and the relays over the peers' Redis client, with the shared measures."""
 
     def __init__(self, core: Core, measures: SharedMeasures | None, fleet: FleetControl | None,
-                 static_health: StaticHealth) -> None:
+                 static_health: StaticHealth, *, adapters: AdapterAdmin | None = None) -> None:
         assert core.redis is not None, "peers share a Redis"
         from ..peers.admin_relay import READ_BLOCK_MS, AdminRelay
         from ..peers.fleet_state import FleetStateSync, config_fingerprint
@@ -62,6 +63,7 @@ class Peers:
         cfg, self.core, self.measures = core.cfg, core, measures
         self.fleets = fleets = fleet.fleets if fleet is not None else None
         self.static_health = static_health
+        self.adapters = adapters  # LoRA adapters' admin calls, carried out here while controlling
         self.wake_relay: RelayedElastic | None = None  # with a data plane: see :meth:`elastic`
         keys = RedisKeys.from_config(cfg.redis)
         # One client for both: the relay's reads block up to READ_BLOCK_MS (with the default [redis]
@@ -103,7 +105,8 @@ class Peers:
     def loops(self) -> Loops:
         from ..ingress.admin import AdminActions
 
-        actions = AdminActions(self.fleets, self.static_health)  # carried out here while controlling
+        # carried out here while controlling
+        actions = AdminActions(self.fleets, self.static_health, self.adapters)
         loops: Loops = {"fleet_view": self.fleet_state.run(),
                         "admin_relay": self.admin_relay.run(actions.execute)}
         if self.wake_relay is not None:

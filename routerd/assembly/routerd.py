@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .dataplane import DataPlane
     from .fleets import FleetControl
     from .kv import KvRouting
+    from .lora import Lora
     from .peers import Peers
     from .watch import EngineWatch
 
@@ -52,6 +53,7 @@ class Routerd:
     core: Core
     dataplane: DataPlane | None = None  # a role that serves
     batches: Batches | None = None  # the Batch API's runner, with the queue (issue 31)
+    lora: Lora | None = None  # a fleet that serves LoRA adapters (issue 30)
     watch: EngineWatch
     kv: KvRouting | None = None  # fleets whose engines publish KV events, in a role that serves
     peers: Peers | None = None  # with Redis

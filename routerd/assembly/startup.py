@@ -244,7 +244,8 @@ def _admin_routes(routerd: Routerd, worker: int | None = None) -> Callable[[web.
 
     def add(app: web.Application) -> None:
         add_admin_routes(app, routerd.fleets, routerd.watch.static_health,
-                         lambda: http.cfg.http.admin_api_key, relay)
+                         lambda: http.cfg.http.admin_api_key, relay,
+                         routerd.lora.admin if routerd.lora is not None else None)
         for bundle in routerd.bundles():
             if isinstance(bundle, HasRoutes):
                 bundle.add_routes(app)

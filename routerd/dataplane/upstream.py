@@ -28,6 +28,7 @@ propagate the same way and do not count against the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,8 @@ from ..config import FleetConfig, RoutingConfig
 from ..errors import NoReadyInstance, UpstreamError
 from ..plugins import RequestView
 from ..registry import Instance
-from ..routing import Router
+from ..routing import RouteDecision, Router
+from ..routing.adapters import AdapterLoadFailed
 from ..speed import PRIOR_PREFILL_S
 from ..surface import EventReader, Route, StreamShape, passthrough_route, route_for
 from ..telemetry import Telemetry
@@ -51,9 +53,16 @@ from .resume import ResumableStream
 from .sinks import ForwardResult, ResponseSink
 from .usage import UsageTap
 
-__all__ = ["Upstream", "make_session"]
+__all__ = ["Upstream", "engine_bearers", "make_session"]
 
 _log = log.get("routerd.upstream")
+
+
+def engine_bearers(fleets: Sequence[FleetConfig], engine_api_key: str) -> dict[str, str]:
+    """The API key each fleet's engines are sent: a static fleet's own ``api_key`` (none without one:
+    the launched engines' key never goes to an engine routerd did not launch), the launched engines'
+    key for the others."""
+    return {f.name: f.api_key if f.engine == "static" else engine_api_key for f in fleets}
 
 
 def make_session(cfg: RoutingConfig) -> aiohttp.ClientSession:
@@ -94,12 +103,15 @@ class Upstream:
         self._attempts = Attempts(self.pool, router, cfg, telemetry, tracing, clock)
         self.engine_api_key = engine_api_key
 
+    def bearer(self, fleet: str) -> str:
+        """The API key ``fleet``'s engines are sent ("" for none)."""
+        return self._attempts.bearers.get(fleet, "")
+
     def update_fleets(self, fleets: Sequence[FleetConfig]) -> None:
         """The API key each fleet's engines are sent (at start-up and on reload): a static fleet's own
         ``api_key`` (none without one: the launched engines' key never goes to an engine routerd did
         not launch), the launched engines' key for the others."""
-        self._attempts.bearers = {f.name: f.api_key if f.engine == "static" else self.engine_api_key
-                                  for f in fleets}
+        self._attempts.bearers = engine_bearers(fleets, self.engine_api_key)
 
     def update_config(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
@@ -160,8 +172,9 @@ class Upstream:
                 tried.append(inst.id)
                 sent = self.clock()
                 try:
-                    with self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
-                                              decision.log_fields() if self.tracing.on else None):
+                    using = await self._adapter_ready(inst, decision)  # a failed load: Retry
+                    with using, self.tracing.attempt("routerd.attempt", attempt, inst.id, inst.url,
+                                                     decision.log_fields() if self.tracing.on else None):
                         result = await self._attempts.attempt(inst, endpoint, body, sink, stream, request_id,
                                                               started, unexplained, task, plan, route=route,
                                                               content_type=content_type)
@@ -205,6 +218,24 @@ class Upstream:
             raise err
         finally:
             self.active -= 1
+
+    async def _adapter_ready(self, inst: Instance, decision: RouteDecision
+                             ) -> contextlib.AbstractContextManager[object]:
+        """For an adapter request: what marks the adapter busy there during the attempt, after its load
+        there (joined if in flight, bounded). A failed load is a :class:`Retry` (tried elsewhere next);
+        a path that holds no adapter is :class:`NoReadyInstance` at once (any instance would fail alike)."""
+        lora, adapters = decision.adapter, self.router.adapters
+        if lora is None or adapters is None:
+            return contextlib.nullcontext()
+        if lora.load:
+            try:
+                await adapters.ensure(inst, lora)
+            except AdapterLoadFailed as e:
+                if e.permanent:
+                    raise NoReadyInstance(e.message) from None
+                raise Retry("adapter_load", e.message) from None
+        ctx: contextlib.AbstractContextManager[object] = adapters.using(inst, lora.adapter.name)
+        return ctx
 
     def _plan(self, route: Route, body: bytes, sink: ResponseSink) -> ResumableStream | EventReader | str:
         """How a stream is read: continued after a failure, or only read for its usage (``fixed``), or
@@ -252,17 +283,18 @@ class Upstream:
                 return ForwardResult(instance=failure.instance, attempts=resumes, status=200, ok=True,
                                      error=None, resumes=resumes)
             why, key = self._why_not_resume(rs, resumes)
-            inst = None
+            inst = decision = None
             if not why:
                 if resumes:
                     await asyncio.sleep(self.backoff_s(resumes + 1))
                 try:
-                    inst = self.router.pick(fleet, tried, request)
+                    decision = self.router.choose(fleet, tried, request)
+                    inst = decision.instance
                 except NoReadyInstance:
                     inst = None
                 if inst is None or inst.id in failed:
                     why, key = "no other instance is ready", "no_instance"
-            if why or inst is None:
+            if why or inst is None or decision is None:
                 message = f"{failure.message}; not continued elsewhere: {why}"
                 tel.streams_cut.labels(fleet, key).inc()
                 _log.warning("stream_cut", request_id=request_id, instance=failure.instance,
@@ -276,15 +308,17 @@ class Upstream:
             _log.info("stream_resumed", request_id=request_id, failed=failure.instance, to=inst.id,
                       reason=failure.reason, tokens_sent=rs.tokens, resume=resumes)
             try:
-                with self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
+                # an adapter's continuation goes where the adapter is (loaded there first if need be)
+                with await self._adapter_ready(inst, decision), \
+                        self.tracing.attempt("routerd.resume", resumes, inst.id, inst.url):
                     self.tracing.note(**{"routerd.resume.reason": failure.reason,
                                          "routerd.resume.failed_instance": failure.instance,
                                          "routerd.resume.tokens_sent": rs.tokens})
                     result = await self._attempts.attempt(inst, endpoint, rs.continuation(), sink, True,
                                                           request_id, 0.0, [], task, rs)
                     self.tracing.outcome(result.ok, result.error, result.status)
-            except Retry as e:  # the continuation failed before any event of it reached the client
-                failure = StreamFailed(e.reason, e.message, inst.id)
+            except (Retry, NoReadyInstance) as e:  # failed before any event of it reached the client
+                failure = StreamFailed(getattr(e, "reason", "adapter_load"), e.message, inst.id)
             except StreamFailed as e:
                 failure = e
             else:

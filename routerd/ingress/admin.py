@@ -23,6 +23,7 @@ from ..config import Config
 from ..errors import BadRequest, NotFound, RouterdError, error_json
 from ..peers.admin_relay import AdminAnswer, AdminCall, AdminRelay
 from ..registry import Instance, Registry
+from .adapter_admin import AdapterAdmin
 from .auth import check_admin
 
 _MAX_DRAIN_WAIT_S = 3600.0  # the drain call holds its HTTP connection while it waits
@@ -80,7 +81,8 @@ class StaticControl(Protocol):
 
 
 def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, static: StaticControl,
-                     admin_key: str | Callable[[], str], relay: AdminRelay | None = None) -> None:
+                     admin_key: str | Callable[[], str], relay: AdminRelay | None = None,
+                     adapters: AdapterAdmin | None = None) -> None:
     """``POST /admin/instances/{id}/restart``, ``POST /admin/instances/{id}/drain`` (``{"timeout_s"}``),
     ``POST /admin/instances/{id}/undrain`` (a static instance), ``POST /admin/fleets/{fleet}/replicas``
     (``{"replicas": n}``: an autoscaled fleet is pinned there) and ``DELETE /admin/fleets/{fleet}/replicas``
@@ -94,7 +96,7 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
     routerd on one Redis), a process that does not control the fleets hands each call, once authorised
     here, to the one that does and answers with its answer (routerd/peers/admin_relay.py)."""
     key = admin_key if callable(admin_key) else (lambda: admin_key)
-    actions = AdminActions(fleet_manager, static)
+    actions = AdminActions(fleet_manager, static, adapters)
 
     def route(op: str, param: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         """Authorize and run, here or on the controller. routerd's errors are answered in OpenAI's
@@ -102,6 +104,8 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
         async def wrapped(request: web.Request) -> web.Response:
             check_admin(request, key())
             target, body = request.match_info[param], await request.read()
+            if "name" in request.match_info:  # DELETE …/adapters/{name}: the name travels in the body
+                body = json.dumps({"name": request.match_info["name"]}).encode()
             if relay is not None and not relay.controls():
                 answer = await relay.call(op, target, body, wait_s=_wait_s(op, body))
                 return web.Response(status=answer.status, body=answer.body, content_type="application/json")
@@ -114,6 +118,8 @@ def add_admin_routes(app: web.Application, fleet_manager: FleetControl | None, s
     app.router.add_post("/admin/fleets/{fleet}/replicas", route("replicas", "fleet"))
     app.router.add_delete("/admin/fleets/{fleet}/replicas", route("unpin", "fleet"))
     app.router.add_delete("/admin/orphans/{instance}", route("remove_orphan", "instance"))
+    app.router.add_post("/admin/fleets/{fleet}/adapters", route("adapter_add", "fleet"))
+    app.router.add_delete("/admin/fleets/{fleet}/adapters/{name}", route("adapter_remove", "fleet"))
 
 
 def _wait_s(op: str, body: bytes) -> float:
@@ -129,13 +135,16 @@ class AdminActions:
     the fleet manager's. The same code answers a call made here and one relayed from a follower
     (:meth:`execute`), so both get the same status and JSON."""
 
-    def __init__(self, fleet_manager: FleetControl | None, static: StaticControl) -> None:
+    def __init__(self, fleet_manager: FleetControl | None, static: StaticControl,
+                 adapters: AdapterAdmin | None = None) -> None:
         self.fleet_manager = fleet_manager
         self.static = static
         self._ops: dict[str, Callable[[str, bytes], Awaitable[Any]]] = {
             "restart": self.restart, "drain": self.drain, "undrain": self.undrain,
             "replicas": self.replicas, "unpin": self.unpin, "wake": self.wake,
-            "remove_orphan": self.remove_orphan}
+            "remove_orphan": self.remove_orphan, "adapter_add": self.adapter_add,
+            "adapter_remove": self.adapter_remove, "adapter_load": self.adapter_load}
+        self.adapters = adapters  # LoRA adapters at run time (routerd/ingress/adapter_admin.py)
 
     async def run(self, op: str, target: str, body: bytes) -> Any:
         """The action's JSON answer; raises routerd's errors (a missing instance or fleet: NotFound)."""
@@ -209,6 +218,22 @@ class AdminActions:
     async def remove_orphan(self, instance: str, raw: bytes) -> Any:
         """Stop an engine left running because its fleet is not in the controller's config."""
         return await self.launched(instance).remove_orphan(instance)
+
+    def _adapters(self) -> AdapterAdmin:
+        if self.adapters is None:
+            raise BadRequest("no fleet serves LoRA adapters (engine_args enable-lora)")
+        return self.adapters
+
+    async def adapter_add(self, fleet: str, raw: bytes) -> Any:
+        return await self._adapters().add(fleet, raw)
+
+    async def adapter_remove(self, fleet: str, raw: bytes) -> Any:
+        return await self._adapters().remove(fleet, raw)
+
+    async def adapter_load(self, instance: str, raw: bytes) -> Any:
+        """Not a route: a follower's or worker's request needs an adapter loaded (only the controller
+        loads: AdapterSlots.remote)."""
+        return await self._adapters().load(instance, raw)
 
     async def wake(self, fleet: str, raw: bytes) -> Any:
         """Not a route: a follower's request found ``fleet`` scaled to zero (AdminRelay.ask_wake)."""

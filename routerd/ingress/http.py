@@ -44,6 +44,7 @@ from ..errors import (
 )
 from ..registry import InstanceState, Registry
 from ..routing import Router
+from ..routing.adapters import AdapterCatalog, AdapterSlots
 from ..surface import (
     ROUTES,
     Body,
@@ -213,6 +214,9 @@ class HttpIngress:
         self.batch_routes: ExtraRoutes | None = None
         self.conversation_routes: ExtraRoutes | None = None  # stored responses, conversations (issue 29)
         self.batch_status: Callable[[], dict[str, Any]] | None = None
+        # LoRA adapters as models (routerd/routing/adapters.py), set by the assembly; None: no LoRA fleet
+        self.adapters: AdapterCatalog | None = None
+        self.adapter_slots: AdapterSlots | None = None  # who holds which (/admin/fleets)
         self.update_config(cfg)
 
     def update_config(self, cfg: Config) -> None:
@@ -337,17 +341,24 @@ class HttpIngress:
             model, stream = read.model, read.stream
             fields["model"], fields["stream"] = quote(model), stream
             fleet = self._models.get(model)
+            adapter = self.adapters.get(model) if fleet is None and self.adapters is not None else None
+            if adapter is not None:
+                fleet = adapter.fleet
+                fields["adapter"] = adapter.name
             if fleet is None or not self.serves(fleet):
-                valid = sorted(m for m, f in self._models.items() if self.serves(f))
                 raise NotFound(f"The model `{quote(model)}` does not exist. Valid models: "
-                               f"{', '.join(valid) or 'none'}", param="model")
+                               f"{', '.join(self._valid_models()) or 'none'}", param="model")
             fields["fleet"] = fleet
-            self.tenancy.check_fleet(tenant, fleet)
+            self.tenancy.check_fleet(tenant, fleet, adapter.name if adapter is not None else None)
+            if adapter is not None and self.adapters is not None and adapter.name in self.adapters.failed:
+                raise NoReadyInstance(f"adapter {adapter.name!r} does not load: "
+                                      f"{self.adapters.failed[adapter.name]}")
             # a passthrough path goes to the engine as asked (its query string too)
             endpoint = request.path_qs if route.family is Family.OTHER else route.path
             req = Request(fleet=fleet, endpoint=endpoint, body=body, head=read.head, stream=stream,
                           id=request_id, tenant=tenant, source="http", route=route, content_type=content_type,
-                          session=_session(request) or read.session)
+                          session=_session(request) or read.session,
+                          adapter=adapter.name if adapter is not None else "")
         except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
             self.telemetry.count_request(fields.get("fleet", ""), "", e.status, route.label)
@@ -396,13 +407,25 @@ class HttpIngress:
         except (ConnectionResetError, RuntimeError, TimeoutError):
             pass
 
+    def _valid_models(self) -> list[str]:
+        """The models and adapters there are, for a 404's message."""
+        valid = [m for m, f in self._models.items() if self.serves(f)]
+        if self.adapters is not None:
+            valid += [a.name for a in self.adapters.all() if self.serves(a.fleet)]
+        return sorted(valid)
+
     async def models(self, request: web.Request) -> web.Response:
         # A refusal is answered by errors_as_json. Only the fleets the caller's tenant may use are
-        # listed: a model it would get 403 for is not one it has.
+        # listed: a model it would get 403 for is not one it has; so for adapters (with `parent`).
         tenant = authenticate(request, self.tenancy.directory)
         data = [{"id": f.model, "object": "model", "created": self.created, "owned_by": "routerd",
                  "root": f.model, "parent": None} for f in self.cfg.fleets
                 if tenant.allows(f.name) and self.serves(f.name)]
+        if self.adapters is not None:
+            parents = self.adapters.parents
+            data += [{"id": a.name, "object": "model", "created": self.created, "owned_by": "routerd",
+                      "root": a.path, "parent": parents.get(a.fleet)} for a in self.adapters.all()
+                     if tenant.allows(a.fleet, a.name) and self.serves(a.fleet)]
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     # operations ------------------------------------------------------------------------------
@@ -450,7 +473,10 @@ class HttpIngress:
             f = configured.get(name)
             instances = []
             for inst in sorted(self.registry.instances(name), key=lambda i: i.id):
-                instances.append(inst.status(now))
+                row = inst.status(now)
+                if self.adapter_slots is not None and self.adapter_slots.catalog.slots.get(name):
+                    row["adapters"] = self.adapter_slots.status(inst)
+                instances.append(row)
             out[name] = {
                 "model": f.model if f else None,
                 "engine": f.engine if f else None,

@@ -28,10 +28,11 @@ ADMIN_CALL: Final = "admin_call"
 ADMIN_ANSWER: Final = "admin_answer"
 FLEET_STATE: Final = "fleet_state"
 REPLICAS: Final = "replicas"
+ADAPTERS: Final = "adapters"
 LOAD: Final = "load"
 SCRAPE: Final = "scrape"
 SESSION: Final = "session"
-KINDS: Final = (ADMIN_CALL, ADMIN_ANSWER, FLEET_STATE, REPLICAS, LOAD, SCRAPE, SESSION)
+KINDS: Final = (ADMIN_CALL, ADMIN_ANSWER, FLEET_STATE, REPLICAS, ADAPTERS, LOAD, SCRAPE, SESSION)
 
 _EFFECT = {
     Why.UNSIGNED: "refused, not acted on: not written by a routerd of this deployment (anyone who can "

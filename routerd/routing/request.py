@@ -52,6 +52,7 @@ import msgspec
 from ..config import RoutingConfig
 from ..openai import ChatHead, ChatMessage, CompletionHead
 from ..plugins import RequestView
+from ..vllm_wire import block_hash
 from .engine_cache import block_keys as engine_keys
 
 if TYPE_CHECKING:
@@ -170,7 +171,8 @@ class RequestViews:
     def __init__(self, cfg: RoutingConfig, *,
                  keyers: dict[str, tuple[engine_keys.EngineKeyer, int | None, bytes]] | None = None,
                  learned_block_size: Callable[[str], int | None] | None = None,
-                 keying: KeyingProcess | None = None) -> None:
+                 keying: KeyingProcess | None = None,
+                 adapter_of: Callable[[str, str], tuple[str, str] | None] | None = None) -> None:
         self.ratios: dict[str, TokenRatio] = {}
         # fleet → how its engines key blocks (keyer, block size if configured, first parent); and the
         # block size the engines' own events state, for a fleet whose config does not say
@@ -179,6 +181,9 @@ class RequestViews:
         # long prompts are keyed there when set (routerd.routing.engine_cache.keying_process), else in a
         # thread
         self.keying = keying
+        # (fleet, model) → the LoRA adapter's (name, path) when the model names one of the fleet's
+        # adapters (routerd.routing.adapters): its blocks are other blocks, as in the engines' cache
+        self.adapter_of = adapter_of
         self.configure(cfg)
 
     def configure(self, cfg: RoutingConfig) -> None:
@@ -212,6 +217,18 @@ class RequestViews:
 
     def build(self, fleet: str, endpoint: str, head: CompletionHead | ChatHead, *,
               session: str | None = None, priority: int = 0) -> RequestView:
+        """:meth:`_build`, for an adapter's request its block keys made the adapter's (another adapter's
+        prefix is another cache, in routerd's model as in the engines')."""
+        view = self._build(fleet, endpoint, head, session=session, priority=priority)
+        found = self.adapter_of(fleet, head.model) if self.adapter_of is not None else None
+        if found is None:
+            return view
+        salt = hash(found)
+        return msgspec.structs.replace(view, adapter=found[0],
+                                       block_keys=tuple(hash((salt, k)) for k in view.block_keys))
+
+    def _build(self, fleet: str, endpoint: str, head: CompletionHead | ChatHead, *,
+               session: str | None = None, priority: int = 0) -> RequestView:
         """The view of a request whose body ``head`` (:func:`routerd.ingress.validate.read_head`) was
         read for ``endpoint``; ``session`` is the caller's (``X-Session-Id``, a job's ``session``),
         else the body's ``user`` when it is a string."""
@@ -253,10 +270,12 @@ class RequestViews:
         if not block_size:
             return view
         keyed = None
+        found = self.adapter_of(view.fleet, view.adapter) if view.adapter and self.adapter_of else None
+        extra = block_hash.lora_extra(*found) if found is not None else None
         if self.keying is not None and engine_keys.prompt_size(head) > engine_keys.INLINE_MAX:
-            keyed = await self.keying.keyed(view.fleet, head, block_size, root, hittable=True)
+            keyed = await self.keying.keyed(view.fleet, head, block_size, root, hittable=True, extra=extra)
         if keyed is None:
-            keyed = await engine_keys.keyed_for(tokenizer, head, block_size, root, hittable=True)
+            keyed = await engine_keys.keyed_for(tokenizer, head, block_size, root, hittable=True, extra=extra)
         view = msgspec.structs.replace(view, engine_keys=keyed.keys, engine_block_tokens=block_size,
                                        engine_prompt_tokens=keyed.tokens)
         # The engines' own count where their tokenizer could count the prompt: exact hits are then

@@ -43,6 +43,7 @@ from ..errors import NoReadyInstance
 from ..plugins import Candidate, RequestView, RoutingPolicy
 from ..registry import Instance, InstanceState, LoadSnapshot, Registry
 from ..speed import PRIOR_PREFILL_TOKENS_PER_S, DecayedRatio
+from .adapters import AdapterPlan, AdapterSlots
 from .breaker import CircuitBreaker
 from .engine_cache.blocks import EngineCacheSource
 from .prefix_index import PrefixIndex, Sessions
@@ -57,7 +58,8 @@ class RouteDecision:
     :meth:`log_fields` turns it into the request log line's explanation only when the line is written.
     """
 
-    __slots__ = ("_fields", "chosen", "events", "instance", "policy", "request", "rule", "views")
+    __slots__ = ("_fields", "adapter", "chosen", "events", "instance", "policy", "policy_rule", "request",
+                 "rule", "views")
 
     def __init__(self, instance: Instance, chosen: Candidate, views: list[Candidate], request: RequestView,
                  policy: str, rule: str, events: frozenset[str] = frozenset()) -> None:
@@ -71,6 +73,10 @@ class RouteDecision:
         # Which of the policy's rules chose (ExplainingPolicy), so that a choice that is not the least
         # estimate says why: "session", "prefix_spread", …; "only_candidate" when there was no choice.
         self.rule = rule
+        # An adapter request: where its adapter is and what to load (routing.adapters); the rule is then
+        # the adapter's (adapter_loaded, adapter_free_slot, …) and the policy's is kept beside it.
+        self.adapter: AdapterPlan | None = None
+        self.policy_rule = ""
 
     def runner_up(self) -> Candidate | None:
         """The best other candidate by estimated TTFT (``None`` when there was no other)."""
@@ -103,6 +109,10 @@ class RouteDecision:
         }
         if c.session:
             out["session_affinity"] = True
+        if self.adapter is not None:
+            out.update(adapter=self.adapter.adapter.name, policy_rule=self.policy_rule)
+            if self.adapter.evict is not None:
+                out["adapter_evicted"] = self.adapter.evict
         r = self.runner_up()
         if r is not None:
             out.update(runner_up=r.id, runner_up_cached_tokens_est=round(r.cached_tokens),
@@ -162,7 +172,8 @@ class Router:
                  rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic, views: RequestViews | None = None,
                  engine_cache: EngineCacheSource | None = None,
-                 shared_sessions: SharedSessionTable | None = None) -> None:
+                 shared_sessions: SharedSessionTable | None = None,
+                 adapters: AdapterSlots | None = None) -> None:
         """``views`` builds the request views (with the engines' keyers when their KV events are
         followed); ``engine_cache`` is the engines' own cache views
         (routerd.routing.engine_cache.subscriptions);
@@ -180,6 +191,7 @@ class Router:
         self._tracks: dict[str, _Track] = {}
         self._decisions = 0
         self.engine_cache = engine_cache
+        self.adapters = adapters  # which instance holds which LoRA adapter (None: no LoRA fleet)
 
     @classmethod
     def from_config(cls, registry: Registry, cfg: RoutingConfig, **kwargs: object) -> Router:
@@ -292,6 +304,11 @@ class Router:
         pairs, req, events = self._candidates(fleet, exclude, request)
         if not pairs:
             raise NoReadyInstance(f"fleet {fleet!r} has no ready instance")
+        plans: dict[str, AdapterPlan] | None = None
+        if req.adapter is not None and self.adapters is not None:
+            adapter = self.adapters.catalog.get(req.adapter)
+            if adapter is not None:
+                pairs, plans = self.adapters.narrow(adapter, pairs)
         views = [v for v, _ in pairs]
         if len(pairs) == 1:
             (chosen, inst), rule = pairs[0], "only_candidate"
@@ -307,7 +324,11 @@ class Router:
                 raise LookupError(f"policy {self.policy.name!r} returned {chosen.id!r}, not a candidate")
             inst = found
         self._sent(inst, chosen, req, inst.id in events)
-        return RouteDecision(inst, chosen, views, req, self.policy.name, rule, events)
+        decision = RouteDecision(inst, chosen, views, req, self.policy.name, rule, events)
+        if plans is not None:
+            decision.adapter = plans[inst.id]
+            decision.policy_rule, decision.rule = rule, decision.adapter.rule
+        return decision
 
     def served(self, session: str, instance_id: str, generation: int) -> None:
         """Where ``session``'s last turn was served, as a record says (a stored response's): kept unless

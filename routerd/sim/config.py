@@ -77,6 +77,14 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     responses_store_max: PositiveInt = 4096
     # vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB: the largest audio file the speech routes read
     max_audio_filesize_mb: PositiveInt = 25
+    # LoRA adapters (routerd/sim/lora.py), vLLM's flags: adapters loaded at run time through
+    # /v1/load_lora_adapter; at most max_loras distinct ones in a running batch; max_cpu_loras loaded
+    # weights kept (0: max_loras, vLLM's default); reading one adapter's weights takes lora_load_s
+    enable_lora: bool = False
+    max_loras: PositiveInt = 1
+    max_lora_rank: PositiveInt = 16
+    max_cpu_loras: Annotated[int, msgspec.Meta(ge=0)] = 0
+    lora_load_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05
 
     @property
     def kv_capacity_tokens(self) -> int:

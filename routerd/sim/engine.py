@@ -27,6 +27,7 @@ from routerd.vllm_wire.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 
 from .config import SimConfig
 from .faults import Faults
+from .lora import SimAdapter, SimLora
 from .metrics import SimMetrics
 
 _log = log.get("routerd.sim.engine")
@@ -65,6 +66,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     # A pooling request (embeddings, score, …): one prefill step, no generated token counted.
     pooling: bool = False
+    # The LoRA adapter the request asked for (None: the base model).
+    lora: SimAdapter | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +124,9 @@ class BatchEngine:
         # KV-cache events of the current step, handed to ``kv_publish`` (one batch) when it ends.
         self.kv_publish: Callable[[list[KvEvent]], None] | None = None
         self._kv_events: list[KvEvent] = []
+        # --enable-lora (routerd/sim/lora.py), and the utility calls (adapter loads) waiting for the loop
+        self.lora: SimLora | None = None
+        self._utility: list[tuple[float, asyncio.Future[None]]] = []
 
     @property
     def stats(self) -> SimStats:
@@ -165,16 +171,37 @@ class BatchEngine:
     async def run(self) -> None:
         """The engine task: step while there is work, sleep on an event while there is none."""
         while True:
-            if not self.running and not self.waiting:
+            if not self.running and not self.waiting and not self._utility:
                 self._wake.clear()
                 await self._wake.wait()
             await self.faults.wait_unhung()
+            if self._utility:
+                await self._run_utility()
+                if not self.running and not self.waiting:
+                    continue
             try:
                 await self.step()
             except Exception:  # noqa: BLE001 — loop boundary: log, fail what is in flight, keep serving
                 _log.exception("sim_engine_step_failed")
                 for seq in [*self.running, *self.waiting]:
                     self.abort(seq, reason="error")
+
+    async def utility(self, seconds: float) -> None:
+        """Run ``seconds`` of work on the engine's own loop, between two steps, stalling them (vLLM's
+        utility calls such as ``add_lora`` are served by the engine core's busy loop); returns when done."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._utility.append((seconds, fut))
+        self._wake.set()
+        await fut
+
+    async def _run_utility(self) -> None:
+        calls, self._utility = self._utility, []
+        try:
+            await asyncio.sleep(sum(s for s, _ in calls) * self.faults.slow_factor)
+        finally:
+            for _, fut in calls:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def step(self) -> None:
         """One iteration: admit what fits, reserve KV for the decode, wait the step time, emit tokens."""
@@ -192,6 +219,8 @@ class BatchEngine:
                 step_ms += self.cfg.ttft_ms + self.cfg.prefill_ms_per_token * prefill_tokens
             if decoding:
                 step_ms += self._decode_ms()
+        if self.lora is not None and (load_ms := self.lora.take_load_ms()):
+            step_ms, idle = step_ms + load_ms, False  # adapters read inside the step stall all of it
         self._update_gauges()
         if idle:  # nothing to compute until a first token is due: a new request is scheduled at once
             self._wake.clear()
@@ -245,13 +274,20 @@ class BatchEngine:
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
+        skipped: list[Sequence] = []
         now = self.clock()
+        lora = self.lora
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if lora is not None and not lora.admits(seq.lora, (s.lora for s in self.running)):
+                skipped.append(self.waiting.popleft())  # over max_loras: vLLM skips it, keeps its place
+                continue
             need = self._blocks_for(seq.prompt_tokens + seq.generated + 1)
             if need > self.free_blocks:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if lora is not None and seq.lora is not None:
+                lora.activate(seq.lora, (s.lora for s in self.running))
             self.free_blocks -= need
             seq.blocks = need
             seq.state = SeqState.RUNNING
@@ -263,6 +299,7 @@ class BatchEngine:
             self._prefix_lookup(seq)
             self.running.append(seq)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(skipped))
         return admitted
 
     def _reserve_decode_blocks(self, decoding: list[Sequence]) -> None:
@@ -337,7 +374,8 @@ class BatchEngine:
                     block_hashes=tuple(hashes[run[0]:run[-1] + 1]),
                     parent_block_hash=hashes[first - 1] if first else None,
                     token_ids=tuple(seq.token_ids[first * bs:(run[-1] + 1) * bs]), block_size=bs,
-                    medium="GPU"))
+                    medium="GPU", lora_name=seq.lora.name if seq.lora is not None else None,
+                    lora_id=seq.lora.int_id if seq.lora is not None else None))
                 run = []
             if i >= 0:
                 run.append(i)
@@ -386,5 +424,11 @@ class BatchEngine:
         m = self.metrics
         m.running.set(len(self.running))
         m.waiting.set(len(self.waiting))
-        m.waiting_capacity.set(len(self.waiting))
+        deferred = 0
+        if self.lora is not None:
+            running, waiting = [s.lora for s in self.running], [s.lora for s in self.waiting]
+            deferred = self.lora.deferred(running, waiting)
+            self.lora.record(running, waiting)
+        m.waiting_capacity.set(len(self.waiting) - deferred)
+        m.waiting_deferred.set(deferred)
         m.kv_usage.set(self.kv_usage)

@@ -72,8 +72,11 @@ def _wire(event: KvEvent, form: EventForm) -> Any:
     if isinstance(event, BlockStored):
         fields: dict[str, Any] = {
             "block_hashes": list(event.block_hashes), "parent_block_hash": event.parent_block_hash,
-            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
-            "medium": event.medium, "lora_name": None}
+            "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": event.lora_id,
+            "medium": event.medium, "lora_name": event.lora_name}
+        if event.lora_name is not None:
+            # vLLM's per-block extra keys, published untagged: the adapter's name for every block
+            fields["extra_keys"] = [[event.lora_name] for _ in event.block_hashes]
         kind = "BlockStored"
     elif isinstance(event, BlockRemoved):
         fields = {"block_hashes": list(event.block_hashes), "medium": event.medium}

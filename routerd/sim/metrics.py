@@ -103,7 +103,7 @@ class SimMetrics:
             "status). Sum of all reasons equals vllm:num_requests_waiting.",
             [*LABELS, "reason"], registry=reg)
         self.waiting_capacity = by_reason.labels(*lv, "capacity")
-        by_reason.labels(*lv, "deferred").set(0)
+        self.waiting_deferred = by_reason.labels(*lv, "deferred")
         sleep = Gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "

@@ -25,6 +25,7 @@ from .config import SimConfig
 from .engine import BatchEngine, SeqState
 from .engine import Sequence as Seq
 from .faults import Faults
+from .lora import SimAdapter, SimLora
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,29 @@ class Runner:
         """An injected 500 for this request: the server stopping, the error rate, or a poison text."""
         return self.stopping or self.faults.draw_error() or self.faults.poisoned(key)
 
-    def _hashes(self, words: Sequence[str]) -> tuple[list[int], list[int]]:
+    def _hashes(self, words: Sequence[str], lora: SimAdapter | None = None) -> tuple[list[int], list[int]]:
+        """The prompt's block keys and token ids; an adapter's blocks are other blocks (its LoRA extra
+        key, as vLLM's)."""
         if self._kv_keys:
             ids = token_ids(words)
-            return block_hash.block_keys(ids, self.config.block_size, self._kv_root), ids
-        return p.block_hashes(words, self.config.block_size), []
+            return block_hash.block_keys(ids, self.config.block_size, self._kv_root,
+                                         extra=None if lora is None else lora.extra_key_tuple), ids
+        hashes = p.block_hashes(words, self.config.block_size)
+        if lora is not None:
+            hashes = [hash((lora.extra_key, h)) for h in hashes]
+        return hashes, []
 
     def generation(self, prompt: Prompt, max_tokens: int, *, stop: tuple[str, ...] = (),
-                   ignore_eos: bool = False) -> Seq:
-        """The sequence that generates ``prompt``'s deterministic output (not submitted yet)."""
+                   ignore_eos: bool = False, lora: SimAdapter | None = None) -> Seq:
+        """The sequence that generates ``prompt``'s deterministic output (not submitted yet); with a LoRA
+        adapter, the adapter's output (``adapter_seed``) over the adapter's blocks."""
         cfg = self.config
-        pieces, finish, stop_reason = generate(cfg.seed, prompt.key, max_tokens, stop=stop,
+        seed = SimLora.seed(cfg.seed, lora)
+        pieces, finish, stop_reason = generate(seed, prompt.key, max_tokens, stop=stop,
                                                eos_prob=cfg.eos_prob, ignore_eos=ignore_eos)
-        hashes, ids = self._hashes(prompt.words)
+        hashes, ids = self._hashes(prompt.words, lora)
         return Seq(prompt_tokens=prompt.tokens, block_hashes=hashes, pieces=pieces, finish_reason=finish,
-                   stop_reason=stop_reason, max_tokens=max_tokens, arrival=0.0, token_ids=ids)
+                   stop_reason=stop_reason, max_tokens=max_tokens, arrival=0.0, token_ids=ids, lora=lora)
 
     def pooling(self, prompt: Prompt) -> Seq:
         """A pooling request: the prompt's prefill and nothing generated (one step, finished "stop")."""

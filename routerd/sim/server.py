@@ -39,6 +39,7 @@ from .config import SimConfig
 from .engine import BatchEngine, SeqState, Sequence, SimStats
 from .faults import Faults, FaultUpdate
 from .kv_publisher import KvEventPublisher, parse_config
+from .lora import LoraRoutes, SimLora
 from .metrics import SimMetrics
 from .pooling import PoolingRoutes
 from .responses import ResponsesRoutes
@@ -99,6 +100,12 @@ class SimEngine:
         self.faults = Faults(seed=config.seed, on_crash=self._crash)
         self.metrics = SimMetrics(config)
         self.engine = BatchEngine(config, self.faults, self.metrics)
+        # LoRA adapters (routerd/sim/lora.py): the load/unload routes and /v1/models always know them;
+        # only --enable-lora lets a load succeed and gives the scheduler its max_loras check
+        self.lora = SimLora(config)
+        if config.enable_lora:
+            self.lora.bind_metrics(self.metrics.registry)
+            self.engine.lora = self.lora
         # KV-cache events as vLLM publishes them; block keys then as vLLM computes them (seeded alike).
         kv_cfg = parse_config(config.kv_events_config)
         self.kv_events: KvEventPublisher | None = None
@@ -110,7 +117,9 @@ class SimEngine:
         self.responses = ResponsesRoutes(config, self.runner)
         generating: list[RouteFamily] = [self.responses, AnthropicRoutes(config, self.runner)]
         pooling: list[RouteFamily] = [PoolingRoutes(config, self.runner)]
-        self.families: list[RouteFamily] = [TokenizeRoutes(config)]
+        lora = LoraRoutes(self.lora, self.engine.utility,
+                          lambda: (s.lora for s in self.engine.running if s.lora is not None))
+        self.families: list[RouteFamily] = [TokenizeRoutes(config), lora]
         if config.runner in ("all", "generate"):
             self.families += generating
         if config.runner in ("all", "pooling"):
@@ -291,7 +300,9 @@ class SimEngine:
         return web.Response(status=503 if self.faults.unhealthy else 200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return _json_response(p.models_body(self.config, self.created))
+        body = p.models_body(self.config, self.created)
+        body["data"].extend(self.lora.model_cards(self.created, body["data"][0]["permission"][0]))
+        return _json_response(body)
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json_response({"version": self.config.version})
@@ -320,7 +331,11 @@ class SimEngine:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            req = p.parse_request(await wire.read_json(request), self.config, chat=chat)
+            body = await wire.read_json(request)
+            adapter = self.lora.resolve(body.get("model") if isinstance(body, dict) else None)
+            # An adapter's request is answered under the adapter's name, as vLLM's model_name(lora_request)
+            cfg = self.config if adapter is None else msgspec.structs.replace(self.config, model=adapter.name)
+            req = p.parse_request(body, cfg, chat=chat)
         except wire.Unparsable:
             return wire.unparsable()
         except p.RequestError as e:
@@ -328,14 +343,14 @@ class SimEngine:
         if self.runner.refuses(req.key):
             return wire.internal_error()
         seq = self.runner.generation(Prompt(req.words, req.prompt_tokens, req.key), req.max_tokens,
-                                     stop=req.stop, ignore_eos=req.ignore_eos)
+                                     stop=req.stop, ignore_eos=req.ignore_eos, lora=adapter)
         async with self.runner.running(seq):
             if req.stream:
                 return await self._stream(request, req, seq)
             if not await self.runner.finish(seq):
                 return wire.internal_error()
             build = p.chat_body if chat else p.completion_body
-            return _json_response(build(p.new_id(chat), int(time.time()), self.config, "".join(seq.pieces),
+            return _json_response(build(p.new_id(chat), int(time.time()), cfg, "".join(seq.pieces),
                                         seq.finish_reason, seq.stop_reason, req.prompt_tokens, seq.generated))
 
     async def _stream(self, request: web.Request, req: p.GenRequest, seq: Sequence) -> web.StreamResponse:

@@ -41,8 +41,10 @@ class Tenant:
         """Whether a rate limit applies (then each request asks the shared buckets)."""
         return self.requests_per_minute > 0 or self.tokens_per_minute > 0
 
-    def allows(self, fleet: str) -> bool:
-        return not self.fleets or fleet in self.fleets
+    def allows(self, fleet: str, adapter: str | None = None) -> bool:
+        """Whether it may use ``fleet`` (its model and its adapters), or, for ``adapter`` of that fleet,
+        that adapter: a ``fleets`` list may name single adapters."""
+        return not self.fleets or fleet in self.fleets or (adapter is not None and adapter in self.fleets)
 
     def priority(self, requested: int) -> int:
         """A queue job's priority under this tenant's ceiling."""

@@ -7,7 +7,8 @@ vLLM 0.32 (``vllm/v1/core/kv_cache_utils.py``, ``vllm/utils/hashing.py``) chains
 - ``NONE_HASH = H(seed)``, the seed being ``PYTHONHASHSEED`` when set, else ``"vllm-none-hash"`` for
   the cryptographic algorithms;
 - block *i* (full blocks only): ``H((parent, tuple(token_ids), extra_keys))``, parent = block *i−1*'s
-  full hash (``NONE_HASH`` for the first), ``extra_keys`` None without LoRA, images or ``cache_salt``;
+  full hash (``NONE_HASH`` for the first), ``extra_keys`` None without LoRA, images or ``cache_salt``
+  (a LoRA request's: ``(("lora", name, path),)`` on every block, :func:`lora_extra`);
 - ``H = sha256(pickle.dumps(x, HIGHEST_PROTOCOL))`` for ``--prefix-caching-hash-algo sha256`` (the
   default), the only algorithm supported here: routerd launches its engines with it, and the
   alternatives need ``cbor2``/``xxhash`` (xxhash additionally seeds randomly unless told);
@@ -30,6 +31,7 @@ DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed when PYTHONHASHSEED is unset (sha
 # parent is then sha256 of this string, the same on every engine routerd launches.
 LAUNCH_SEED = "0"
 _MASK64 = (1 << 64) - 1
+ExtraKeys = tuple[tuple[str, ...], ...]
 
 
 def _sha256(obj: object) -> bytes:
@@ -41,9 +43,16 @@ def none_hash(seed: str | None) -> bytes:
     return _sha256(DEFAULT_SEED if seed is None else seed)
 
 
+def lora_extra(name: str, path: str) -> ExtraKeys:
+    """The extra keys vLLM 0.32 hashes into every block of a LoRA request: ``(("lora", name, path),)``
+    (``_gen_lora_extra_hash_keys``: the path too, so a name pointed at new weights is a new cache)."""
+    return (("lora", name, path),)
+
+
 def block_digests(token_ids: Sequence[int], block_size: int, root: bytes, *,
-                  pause: Callable[[], None] | None = None) -> list[bytes]:
-    """Full digests of every *full* block of ``token_ids``, chained from ``root`` (:func:`none_hash`).
+                  pause: Callable[[], None] | None = None, extra: ExtraKeys | None = None) -> list[bytes]:
+    """Full digests of every *full* block of ``token_ids``, chained from ``root`` (:func:`none_hash`);
+    ``extra``: the blocks' extra keys (:func:`lora_extra`), None without LoRA.
 
     ``pause`` is called every 32 blocks: in a thread, ``time.sleep(0)`` there hands the GIL back, so a
     long prompt's hashing does not hold the event loop's thread off for a whole switch interval."""
@@ -51,7 +60,7 @@ def block_digests(token_ids: Sequence[int], block_size: int, root: bytes, *,
     parent = root
     ids = list(token_ids)
     for n, start in enumerate(range(0, len(ids) - block_size + 1, block_size), 1):
-        parent = _sha256((parent, tuple(ids[start:start + block_size]), None))
+        parent = _sha256((parent, tuple(ids[start:start + block_size]), extra))
         out.append(parent)
         if pause is not None and n % 32 == 0:
             pause()
@@ -66,6 +75,6 @@ def external(block_hash: bytes | int) -> int:
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, root: bytes, *,
-               pause: Callable[[], None] | None = None) -> list[int]:
+               pause: Callable[[], None] | None = None, extra: ExtraKeys | None = None) -> list[int]:
     """The event keys of the full blocks of ``token_ids``: what the engine will announce storing."""
-    return [external(d) for d in block_digests(token_ids, block_size, root, pause=pause)]
+    return [external(d) for d in block_digests(token_ids, block_size, root, pause=pause, extra=extra)]

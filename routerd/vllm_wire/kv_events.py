@@ -38,6 +38,9 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     medium: str | None = None
+    # The LoRA adapter of the request that stored them (its name is an extra key of their hashes).
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +130,12 @@ def decode_event(raw: Any) -> KvEvent | None:
             tokens = _ints(raw_tokens)
             if tokens is None:  # not plain ints: as tolerant as ever, at Python's pace
                 tokens = tuple(int(t) for t in raw_tokens)
+            lora_name, lora_id = f.get("lora_name"), f.get("lora_id")
             return BlockStored(block_hashes=_hashes(f.get("block_hashes")),
                                parent_block_hash=None if parent is None else external(parent),
-                               token_ids=tokens, block_size=size, medium=_medium(f.get("medium")))
+                               token_ids=tokens, block_size=size, medium=_medium(f.get("medium")),
+                               lora_name=lora_name if isinstance(lora_name, str) else None,
+                               lora_id=lora_id if isinstance(lora_id, int) else None)
         if kind == "BlockRemoved":
             return BlockRemoved(block_hashes=_hashes(f.get("block_hashes")), medium=_medium(f.get("medium")))
         if kind == "AllBlocksCleared":

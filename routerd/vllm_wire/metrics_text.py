@@ -177,6 +177,10 @@ def _read(lines: Iterable[str], sums: dict[str, float], counts: dict[str, int],
             if end < brace:
                 raise ParseError(f"unterminated label set in {line[:80]!r}")
             rest = line[end + 1:].strip()
+            if name == _LORA_INFO:
+                _lora_info(_labels(line[brace + 1:end]), rest, info)
+                seen += 1
+                continue
             if name.endswith("_info"):
                 info.update(_labels(line[brace + 1:end]))
                 seen += 1
@@ -198,6 +202,22 @@ def _read(lines: Iterable[str], sums: dict[str, float], counts: dict[str, int],
         sums[key] = sums.get(key, 0.0) + v
         counts[key] = counts.get(key, 0) + 1
     return seen
+
+
+_LORA_INFO = "vllm:lora_requests_info"
+
+
+def _lora_info(labels: tuple[tuple[str, str], ...], rest: str, info: dict[str, str]) -> None:
+    """vLLM keeps one series per label set it ever exported, valued at the time it was last true:
+    the one with the highest value is now."""
+    try:
+        at = _value(rest)
+    except ParseError:
+        return
+    if at >= float(info.get("lora:at", "-inf")):
+        d = dict(labels)
+        info.update({"lora:at": repr(at), "lora:running": d.get("running_lora_adapters", ""),
+                     "lora:waiting": d.get("waiting_lora_adapters", ""), "lora:max": d.get("max_lora", "")})
 
 
 def _snapshot(sums: dict[str, float], counts: dict[str, int], info: dict[str, str],
@@ -229,4 +249,7 @@ def _snapshot(sums: dict[str, float], counts: dict[str, int], info: dict[str, st
         decode_seconds_count=sums.get("decode_seconds_count", 0.0),
         finished_generation_tokens=sums.get("finished_generation_tokens", 0.0),
         prefill_computed_tokens=sums.get("prefill_computed_tokens"),
+        lora_running=tuple(n for n in info.get("lora:running", "").split(",") if n),
+        lora_waiting=tuple(n for n in info.get("lora:waiting", "").split(",") if n),
+        max_lora=_int_label(info, "lora:max"),
     )

@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ... import log
-from ...config import Config
+from ...config import Config, FleetConfig
 from ...dataplane.dispatch import Dispatch, Request, SetAside
 from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
 from ...queue_wire import (
@@ -199,7 +199,11 @@ class JobRunner:
             return None
         self._held.name(running, job.id)
         problem, code, reply_to = _body_problem(running, job, msgpack=not is_json(raw)), 400, job.reply_to
-        fleet = cfg.fleet_for_model(str(job.body.get("model", "")))
+        model = str(job.body.get("model", ""))
+        fleet = cfg.fleet_for_model(model)
+        adapter = None
+        if fleet is None and (fleet := cfg.fleet_for_adapter(model)) is not None:
+            adapter = model  # a LoRA adapter of that fleet, declared in the config
         if fleet is not None and self._serves is not None and not self._serves(fleet.name):
             fleet = None  # only this process's file has it: the controller's fleets are the fleets
         owned = self._keys.reserved(job.reply_to)
@@ -213,7 +217,7 @@ class JobRunner:
             problem, code = f"body.model: no fleet serves model {model}", 404
         if problem is None and fleet is not None:
             try:
-                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name)
+                self._tenancy.check_fleet(self._tenancy.named(job.tenant), fleet.name, adapter)
             except RouterdError as e:
                 problem, code = e.message, e.status
         if problem is not None or fleet is None:
@@ -278,7 +282,8 @@ class JobRunner:
         req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=read.head,
                       stream=read.stream, id=job.id, tenant=tenant, source="queue", route=route,
                       priority=job.priority, deadline=deadline, session=job.session or read.session,
-                      rooms=rooms, preemptible=not read.stream, preempted=running.preempted)
+                      rooms=rooms, preemptible=not read.stream, preempted=running.preempted,
+                      adapter=_adapter(self._cfg().fleet(fleet), read.head.model))
         try:
             return await self._run(running, job, req, rooms)
         except DeadlineExceeded as e:
@@ -420,3 +425,8 @@ def _operation(endpoint: str) -> str:
 
 def _ignore(_: str) -> None:
     pass
+
+
+def _adapter(fleet: FleetConfig | None, model: str) -> str:
+    """The LoRA adapter a job's model names on its fleet ("": the fleet's own model), for its usage."""
+    return model if fleet is not None and model != fleet.model else ""

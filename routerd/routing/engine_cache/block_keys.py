@@ -176,12 +176,15 @@ class Keyed(NamedTuple):
 
 
 def keyed(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-          hittable: bool = False, pause: Callable[[], None] | None = None) -> Keyed:
+          hittable: bool = False, pause: Callable[[], None] | None = None,
+          extra: block_hash.ExtraKeys | None = None) -> Keyed:
     """The request's block keys as the engine will announce them (empty when it cannot be keyed), and
     its prompt's tokens.
 
     ``hittable``: only the blocks a cache hit can cover — vLLM computes a prompt's last token whatever
-    it holds, so of a prompt of *n* tokens at most ⌊(n−1)/block⌋ blocks are ever served from cache."""
+    it holds, so of a prompt of *n* tokens at most ⌊(n−1)/block⌋ blocks are ever served from cache.
+    ``extra``: the blocks' extra keys as the engine hashes them (a LoRA request's:
+    ``block_hash.lora_extra``)."""
     try:
         ids = keyer.token_ids(head)
     except (ValueError, TypeError, LookupError):  # a template refusing the messages: the engine will too
@@ -189,7 +192,7 @@ def keyed(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, 
     if not ids:
         return Keyed((), 0)
     hashed = ids[:-1] if hittable else ids
-    keys = tuple(block_hash.block_keys(hashed, block_size, root, pause=pause)) if hashed else ()
+    keys = tuple(block_hash.block_keys(hashed, block_size, root, pause=pause, extra=extra)) if hashed else ()
     return Keyed(keys, len(ids))
 
 
@@ -200,12 +203,13 @@ def keys(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int, r
 
 
 async def keyed_for(keyer: EngineKeyer, head: CompletionHead | ChatHead, block_size: int,
-                    root: bytes, *, hittable: bool = False) -> Keyed:
+                    root: bytes, *, hittable: bool = False,
+                    extra: block_hash.ExtraKeys | None = None) -> Keyed:
     """:func:`keyed`, in a thread when the prompt is long (the request waits as long either way; the
     loop waits less — see the module docstring for what that buys under the GIL)."""
     if prompt_size(head) <= INLINE_MAX:
-        return keyed(keyer, head, block_size, root, hittable=hittable)
-    work = functools.partial(keyed, hittable=hittable, pause=_yield_gil)
+        return keyed(keyer, head, block_size, root, hittable=hittable, extra=extra)
+    work = functools.partial(keyed, hittable=hittable, pause=_yield_gil, extra=extra)
     return await asyncio.to_thread(work, keyer, head, block_size, root)
 
 

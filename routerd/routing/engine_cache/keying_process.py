@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from ... import _proc, log
 from ...openai import ChatHead, CompletionHead
+from ...vllm_wire import block_hash
 from . import block_keys
 
 _log = log.get("routerd.routing.engine_cache.keying_process")
@@ -66,11 +67,11 @@ def _log_ready(fleets: list[str], started: float, ready: Future[bool]) -> None:
 
 
 def _worker_keyed(fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes,
-                  hittable: bool) -> block_keys.Keyed | None:
+                  hittable: bool, extra: block_hash.ExtraKeys | None = None) -> block_keys.Keyed | None:
     keyer = _worker_keyers.get(fleet)
     if keyer is None:
         return None
-    return block_keys.keyed(keyer, head, block_size, root, hittable=hittable)
+    return block_keys.keyed(keyer, head, block_size, root, hittable=hittable, extra=extra)
 
 
 class KeyingProcess:
@@ -115,7 +116,8 @@ class KeyingProcess:
         return self._ready is not None and self._ready.done() and not self._ready.exception()
 
     async def keyed(self, fleet: str, head: CompletionHead | ChatHead, block_size: int, root: bytes, *,
-                    hittable: bool = False) -> block_keys.Keyed | None:
+                    hittable: bool = False, extra: block_hash.ExtraKeys | None = None
+                    ) -> block_keys.Keyed | None:
         """The keys and the prompt's tokens (:func:`~routerd.routing.engine_cache.block_keys.keyed`),
         computed in
         the worker; None when it could not (the caller keys in a thread)."""
@@ -126,7 +128,7 @@ class KeyingProcess:
             return None  # still starting: this request is keyed in a thread
         try:
             ready.result()  # raises what broke the start
-            future = pool.submit(_worker_keyed, fleet, head, block_size, root, hittable)
+            future = pool.submit(_worker_keyed, fleet, head, block_size, root, hittable, extra)
             async with asyncio.timeout(self.timeout_s):
                 return await asyncio.wrap_future(future)
         except (BrokenProcessPool, TimeoutError, OSError) as e:

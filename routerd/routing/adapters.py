@@ -1,0 +1,486 @@
+"""LoRA adapters as models: which adapters there are, which instance holds which, and where a request
+for one goes.
+
+- :class:`AdapterCatalog` — the adapters a client may name: the config's ``[[fleets.adapters]]`` and
+  those added at run time (``POST /admin/fleets/{fleet}/adapters``, kept in Redis:
+  :mod:`routerd.peers.adapters`), each with its fleet and path; adapters whose path did not load are
+  marked failed (asked for, they answer 503 saying why; nothing retries them in a loop).
+- :class:`AdapterSlots` — what each instance holds: what routerd loaded there, checked against the
+  engine's own ``/v1/models`` every ``sync_interval_s`` (an engine restart empties it; a load that
+  timed out is settled by asking the engine), with routerd's count of each adapter's requests in
+  flight there (an adapter with none is *idle*: it may be evicted).
+
+Routing (:meth:`AdapterSlots.narrow`, called by the router before the policy) keeps, of the
+candidates, in this order the first group that is not empty:
+
+1. ``adapter_loaded`` — instances holding the adapter with room (not saturated);
+2. ``adapter_free_slot`` — instances with a free slot (fewer than ``max-loras`` held) and room: it is
+   loaded there;
+3. ``adapter_evicted`` — instances with room where an idle, unpinned adapter can go: the least
+   recently used one is unloaded and this one loaded;
+4. when every instance is saturated: the holders (a request waits behind requests, never behind a load,
+   where the adapter is held), then a free slot, then an eviction;
+5. ``adapter_overflow`` — no slot anywhere (every adapter busy): loaded beyond the slots on the least
+   loaded instance; vLLM keeps it in its CPU cache and its scheduler makes it wait for a slot.
+
+The policy then chooses among that group as always (expected wait, prefix cache). A load is shared:
+requests for the same adapter on the same instance wait for the one load in flight
+(``load_timeout_s`` bounds it); a load that fails is retried on another instance by the caller; one
+the engine refuses because the path holds no adapter marks the adapter failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from .. import _aio, log
+from ..config import Config
+from ..lora_placement import FleetPlacement, Move
+from ..plugins import Candidate
+from ..registry import Instance, InstanceState, Registry
+
+_log = log.get("routerd.adapters")
+
+ADAPTER_LOADED = "adapter_loaded"
+ADAPTER_FREE_SLOT = "adapter_free_slot"
+ADAPTER_EVICTED = "adapter_evicted"
+ADAPTER_OVERFLOW = "adapter_overflow"
+# An adapter is spread to one more instance per this share of an instance's slots in flight for it
+PER_COPY_SHARE = 0.5
+
+
+class Adapter(msgspec.Struct, frozen=True, kw_only=True):
+    """One adapter clients may name: its fleet, its path on every node, whether it is pinned."""
+
+    name: str
+    fleet: str
+    path: str
+    pinned: bool = False
+    source: str = "config"  # "config" | "admin" (added at run time)
+
+
+class AdapterCatalog:
+    """The adapters there are, by name (see the module docstring)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._config: dict[str, Adapter] = {}
+        self._runtime: dict[str, Adapter] = {}
+        self.parents: dict[str, str] = {}  # fleet → its model (an adapter's `parent`)
+        self.slots: dict[str, int] = {}  # fleet → max-loras (0: no LoRA)
+        self.failed: dict[str, str] = {}  # adapter → why its path did not load
+        self.update_config(cfg)
+
+    def update_config(self, cfg: Config) -> None:
+        self._config = {a.name: Adapter(name=a.name, fleet=f.name, path=a.path, pinned=a.pinned)
+                        for f in cfg.fleets for a in f.adapters}
+        self.parents = {f.name: f.model for f in cfg.fleets}
+        self.slots = {f.name: f.lora_slots() for f in cfg.fleets}
+
+    def set_runtime(self, adapters: Iterable[Adapter]) -> None:
+        """The run-time adapters as the shared store holds them now (a config adapter's name wins)."""
+        self._runtime = {a.name: a for a in adapters if a.name not in self._config}
+
+    def get(self, name: str) -> Adapter | None:
+        found = self._config.get(name)
+        return found if found is not None else self._runtime.get(name)
+
+    def all(self) -> list[Adapter]:
+        return [*self._config.values(), *self._runtime.values()]
+
+    def of_fleet(self, fleet: str) -> list[Adapter]:
+        return [a for a in self.all() if a.fleet == fleet]
+
+    def mark_failed(self, name: str, why: str) -> None:
+        if name not in self.failed:
+            _log.warning("adapter_failed", adapter=name, error=why)
+        self.failed[name] = why
+
+
+class AdapterLoadFailed(Exception):
+    """A load on one instance did not succeed; ``permanent``: the engine says the path holds no adapter
+    (retrying elsewhere would fail alike)."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.permanent = permanent
+
+
+@dataclass(eq=False)
+class _Held:
+    """One instance generation's adapters: name → last used (monotonic), least recently used first."""
+
+    generation: int
+    names: OrderedDict[str, float] = field(default_factory=OrderedDict)
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """What routing decided for an adapter request on one instance: the rule, and what to load there
+    (``load``) after unloading ``evict``."""
+
+    adapter: Adapter
+    rule: str
+    load: bool = False
+    evict: str | None = None
+
+
+class AdapterSlots:
+    """Which instance holds which adapter, and loads and unloads on the engines (module docstring)."""
+
+    def __init__(self, registry: Registry, catalog: AdapterCatalog, session: aiohttp.ClientSession, *,
+                 bearer: Callable[[str], str] = lambda fleet: "", load_timeout_s: float = 60.0,
+                 sync_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.catalog = catalog
+        self.session = session
+        self.bearer = bearer
+        self.load_timeout_s = load_timeout_s
+        self.sync_interval_s = sync_interval_s
+        self.clock = clock
+        self._held: dict[str, _Held] = {}
+        self._inflight: dict[tuple[str, str], int] = {}
+        self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # metrics: loads and unloads by fleet and adapter and outcome, load seconds, requests, slot waits
+        self.loads: dict[tuple[str, str, str], int] = {}
+        self.unloads: dict[tuple[str, str], int] = {}
+        self.load_seconds: dict[str, float] = {}
+        self.requests: dict[tuple[str, str], int] = {}
+        self.slot_waits: dict[str, int] = {}
+        # the engine's own vllm:lora_requests_info, by instance (the scraper's, when it reads it)
+        self.engine_info: dict[str, dict[str, Any]] = {}
+        # Only the process that controls the fleets loads and unloads: in any other (a follower, a
+        # worker) a load is asked of the controller (``remote``: the admin relay), while ``controls()``
+        # says it does not control. None: a process alone (no Redis) loads itself.
+        self.remote: Callable[[Instance, str, str | None], Awaitable[tuple[int, str]]] | None = None
+        self.controls: Callable[[], bool] = lambda: True
+
+    # ---- what is held ---------------------------------------------------------------------------
+
+    def _of(self, inst: Instance) -> _Held:
+        held = self._held.get(inst.id)
+        if held is None or held.generation != inst.generation:
+            held = self._held[inst.id] = _Held(inst.generation)
+        return held
+
+    def holds(self, inst: Instance, name: str) -> bool:
+        return name in self._of(inst).names
+
+    def held(self, inst: Instance) -> list[str]:
+        return list(self._of(inst).names)
+
+    def _idle(self, inst: Instance, name: str) -> bool:
+        return not self._inflight.get((inst.id, name)) and (inst.id, name) not in self._loading
+
+    def _victim(self, inst: Instance, fleet: str) -> str | None:
+        """The least recently used idle, unpinned adapter of ``inst``, or None."""
+        for name in self._of(inst).names:
+            a = self.catalog.get(name)
+            if (a is None or not a.pinned) and self._idle(inst, name):
+                return name
+        return None
+
+    # ---- routing ---------------------------------------------------------------------------------
+
+    def narrow(self, adapter: Adapter, pairs: Sequence[tuple[Candidate, Instance]]
+               ) -> tuple[list[tuple[Candidate, Instance]], dict[str, AdapterPlan]]:
+        """The candidates an adapter request may go to, with each one's plan (module docstring)."""
+        slots = max(1, self.catalog.slots.get(adapter.fleet, 1))
+        name = adapter.name
+        holders, free, evictable = [], [], []
+        plans: dict[str, AdapterPlan] = {}
+        for cand, inst in pairs:
+            if self.holds(inst, name):
+                holders.append((cand, inst))
+                plans[inst.id] = AdapterPlan(adapter, ADAPTER_LOADED)
+            elif len(self._of(inst).names) + self._loads_to(inst) < slots:
+                free.append((cand, inst))
+                plans[inst.id] = AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
+            elif (victim := self._victim(inst, adapter.fleet)) is not None:
+                evictable.append((cand, inst))
+                plans[inst.id] = AdapterPlan(adapter, ADAPTER_EVICTED, load=True, evict=victim)
+        for group in (holders, free, evictable):
+            roomy = [p for p in group if not p[0].saturated]
+            if roomy:
+                return roomy, plans
+        for group in (holders, free, evictable):
+            if group:
+                return group, plans
+        overflow = {i.id: AdapterPlan(adapter, ADAPTER_OVERFLOW, load=True) for _, i in pairs}
+        return list(pairs), overflow
+
+    def _loads_to(self, inst: Instance) -> int:
+        return sum(1 for (iid, name) in self._loading if iid == inst.id and name not in self._of(inst).names)
+
+    @contextlib.contextmanager
+    def using(self, inst: Instance, name: str) -> Any:
+        """Around one request of adapter ``name`` on ``inst``: it is busy there (not evictable)."""
+        key = (inst.id, name)
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        fleet_key = (inst.fleet, name)
+        self.requests[fleet_key] = self.requests.get(fleet_key, 0) + 1
+        held = self._of(inst).names
+        if name in held:
+            held[name] = self.clock()
+            held.move_to_end(name)
+        try:
+            yield
+        finally:
+            n = self._inflight.get(key, 0) - 1
+            if n > 0:
+                self._inflight[key] = n
+            else:
+                self._inflight.pop(key, None)
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    async def ensure(self, inst: Instance, plan: AdapterPlan) -> None:
+        """Make ``plan.adapter`` held on ``inst``: join the load in flight there, or start one (after
+        unloading ``plan.evict``). Bounded by ``load_timeout_s``; raises :class:`AdapterLoadFailed`."""
+        adapter = plan.adapter
+        if self.holds(inst, adapter.name):
+            return
+        key = (inst.id, adapter.name)
+        task = self._loading.get(key)
+        if task is None:
+            self.slot_waits[inst.fleet] = self.slot_waits.get(inst.fleet, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._load(inst, adapter, plan.evict),
+                                                          name=f"adapter-load:{inst.id}:{adapter.name}")
+            self._loading[key] = task
+            task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+        waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
+        waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
+        try:
+            # shield: one waiter giving up (its client left) does not cancel the others' load
+            await _aio.wait_for(asyncio.shield(task), self.load_timeout_s)
+        except TimeoutError:
+            # no half-state: what the engine holds is asked, not guessed
+            asked = asyncio.get_running_loop().create_task(self.sync(inst), name=f"adapter-sync:{inst.id}")
+            self._tasks.add(asked)
+            asked.add_done_callback(self._tasks.discard)
+            raise AdapterLoadFailed(f"loading adapter {adapter.name!r} on {inst.id} took over "
+                                    f"{self.load_timeout_s:g} s") from None
+        finally:
+            if (left := waiting.get(inst.fleet, 0) - 1) > 0:
+                waiting[inst.fleet] = left
+            else:
+                waiting.pop(inst.fleet, None)
+
+    def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self._loading.get(key) is task:
+            del self._loading[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter got it already
+
+    async def _load(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
+        started = self.clock()
+        relayed = self.remote is not None and not self.controls()
+        if self.remote is not None and relayed:
+            # the controller loads (evicting there), fenced by its lease; its record is the engine's
+            if evict is not None and self._idle(inst, evict):
+                self._of(inst).names.pop(evict, None)
+            else:
+                evict = None
+            status, text = await self.remote(inst, adapter.name, evict)
+        else:
+            if evict is not None and self._idle(inst, evict):
+                await self.unload(inst, evict)
+            status, text = await self._post(inst, "/v1/load_lora_adapter",
+                                            {"lora_name": adapter.name, "lora_path": adapter.path})
+        if status == 400 and "already been loaded" in text:
+            status = 200  # loaded by someone else meanwhile (another routerd, the placement loop)
+        outcome = "ok" if status == 200 else "error"
+        lk = (inst.fleet, adapter.name, outcome)
+        self.loads[lk] = self.loads.get(lk, 0) + 1
+        if status != 200:
+            permanent = status == 404  # vLLM: "No adapter found for <path>"
+            message = f"loading adapter {adapter.name!r} on {inst.id}: engine answered {status}: {text[:300]}"
+            if permanent:
+                self.catalog.mark_failed(adapter.name, message)
+            raise AdapterLoadFailed(message, permanent=permanent)
+        took = self.clock() - started
+        self.load_seconds[inst.fleet] = self.load_seconds.get(inst.fleet, 0.0) + took
+        held = self._of(inst).names
+        held[adapter.name] = self.clock()
+        held.move_to_end(adapter.name)
+        self.catalog.failed.pop(adapter.name, None)
+        _log.info("adapter_loaded", instance=inst.id, adapter=adapter.name, load_ms=round(took * 1000, 1),
+                  evicted=evict, by="controller" if relayed else "here")
+
+    async def unload(self, inst: Instance, name: str) -> bool:
+        """Unload ``name`` from ``inst``; True when the engine no longer has it."""
+        self._of(inst).names.pop(name, None)
+        status, _ = await self._post(inst, "/v1/unload_lora_adapter", {"lora_name": name})
+        uk = (inst.fleet, name)
+        self.unloads[uk] = self.unloads.get(uk, 0) + 1
+        _log.info("adapter_unloaded", instance=inst.id, adapter=name, status=status)
+        return status in (200, 404)
+
+    async def _post(self, inst: Instance, path: str, body: dict[str, Any]) -> tuple[int, str]:
+        headers = {}
+        if key := self.bearer(inst.fleet):
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            async with _aio.timeout(self.load_timeout_s), \
+                    self.session.post(inst.url + path, json=body, headers=headers) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return 0, repr(e)
+
+    # ---- what the engines say they hold -------------------------------------------------------
+
+    async def sync(self, inst: Instance) -> None:
+        """Ask the engine what it holds (``/v1/models``): its adapters replace routerd's record (a load
+        routerd made that the engine does not list was lost: a restart, a load that timed out)."""
+        headers = {}
+        if key := self.bearer(inst.fleet):
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            async with _aio.timeout(min(self.sync_interval_s * 2, 10.0)), \
+                    self.session.get(inst.url + "/v1/models", headers=headers) as r:
+                if r.status != 200:
+                    return
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            return
+        listed = [m["id"] for m in data
+                  if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str)]
+        held = self._of(inst).names
+        now = self.clock()
+        for name in list(held):
+            if name not in listed and (inst.id, name) not in self._loading:
+                del held[name]
+        for name in listed:
+            if name not in held:
+                held[name] = now
+                held.move_to_end(name, last=False)  # not used by routerd yet: first to go
+
+    async def run(self) -> None:
+        """Keep every LoRA fleet's record true to its engines, until cancelled."""
+        while True:
+            insts = [i for fleet, n in self.catalog.slots.items() if n
+                     for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+            for inst in insts:
+                await self.sync(inst)
+            live = {i.id for f in self.registry.fleets() for i in self.registry.instances(f)
+                    if i.state is InstanceState.READY}
+            # out of rotation (dead, restarting, gone): what it held is not counted on; a static
+            # instance keeps its generation across an engine restart, so this is what forgets it
+            for iid in [k for k in self._held if k not in live]:
+                del self._held[iid]
+            await asyncio.sleep(self.sync_interval_s)
+
+    # ---- what placement (routerd/fleet/adapters.py) asks ------------------------------------------
+
+    def lora_fleets(self) -> list[str]:
+        return [f for f, n in self.catalog.slots.items() if n]
+
+    def request_counts(self) -> dict[tuple[str, str], int]:
+        return dict(self.requests)
+
+    def in_flight(self) -> dict[tuple[str, str], int]:
+        """(fleet, adapter) → its requests in flight from this process, on any instance."""
+        out: dict[tuple[str, str], int] = {}
+        for (iid, name), n in self._inflight.items():
+            inst = self.registry.get(iid)
+            if inst is not None:
+                out[(inst.fleet, name)] = out.get((inst.fleet, name), 0) + n
+        return out
+
+    def placement(self, fleet: str, rates: dict[str, float], demand: dict[str, float]
+                  ) -> FleetPlacement | None:
+        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates and
+        demand, and what one copy serves: half an instance's slots (its capacity, as routing knows it)."""
+        insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+        if not insts:
+            return None
+        per_copy = PER_COPY_SHARE * sum(i.capacity_source()[0] for i in insts) / len(insts)
+        return FleetPlacement(
+            slots=self.catalog.slots.get(fleet, 0),
+            adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
+                      if a.name not in self.catalog.failed},
+            held={i.id: self.held(i) for i in insts},
+            busy={i.id: {n for (iid, n) in [*self._inflight, *self._loading] if iid == i.id} for i in insts},
+            rates=rates, demand=demand, per_copy=per_copy)
+
+    async def place(self, fleet: str, move: Move) -> bool:
+        """Carry out one of placement's moves (a load is shared with requests waiting for it)."""
+        inst = self.registry.get(move.instance)
+        adapter = self.catalog.get(move.adapter)
+        if inst is None or inst.state is not InstanceState.READY:
+            return False
+        if move.kind == "unload":
+            return self._idle(inst, move.adapter) and await self.unload(inst, move.adapter)
+        if adapter is None:
+            return False
+        try:
+            await self.ensure(inst, AdapterPlan(adapter, "placement", load=True))
+        except AdapterLoadFailed:
+            return False
+        return True
+
+    def status(self, inst: Instance) -> dict[str, Any]:
+        """What ``/admin/fleets`` shows of an instance's adapters: routerd's record (held, least
+        recently used first; loading; requests in flight) beside the engine's own
+        ``vllm:lora_requests_info`` as last scraped."""
+        snap = inst.snapshot
+        engine = None if snap is None or snap.max_lora is None else {
+            "running": list(snap.lora_running), "waiting": list(snap.lora_waiting), "max_lora": snap.max_lora}
+        return {"held": self.held(inst), "slots": self.catalog.slots.get(inst.fleet, 0),
+                "loading": sorted(n for (iid, n) in self._loading if iid == inst.id),
+                "in_flight": {n: c for (iid, n), c in self._inflight.items() if iid == inst.id},
+                "engine": engine}
+
+
+class AdaptersCollector:
+    """``routerd_adapter_*`` in ``/metrics``: loads (by outcome), unloads, load seconds, requests per
+    adapter, waits for a slot (requests that had to wait for a load), adapters held per instance."""
+
+    def __init__(self, slots: AdapterSlots) -> None:
+        self.slots = slots
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.slots
+        loads = CounterMetricFamily("routerd_adapter_loads", "LoRA adapter loads routerd asked an engine for",
+                                    labels=["fleet", "adapter", "outcome"])
+        for (fleet, name, outcome), n in s.loads.items():
+            loads.add_metric([fleet, name, outcome], n)
+        unloads = CounterMetricFamily("routerd_adapter_unloads", "LoRA adapters unloaded from an engine",
+                                      labels=["fleet", "adapter"])
+        for (fleet, name), n in s.unloads.items():
+            unloads.add_metric([fleet, name], n)
+        seconds = CounterMetricFamily("routerd_adapter_load_seconds",
+                                      "Seconds spent in successful LoRA adapter loads", labels=["fleet"])
+        for fleet, v in s.load_seconds.items():
+            seconds.add_metric([fleet], v)
+        requests = CounterMetricFamily("routerd_adapter_requests", "Requests routed for each LoRA adapter",
+                                       labels=["fleet", "adapter"])
+        for (fleet, name), n in s.requests.items():
+            requests.add_metric([fleet, name], n)
+        waits = CounterMetricFamily("routerd_adapter_slot_waits",
+                                    "Adapter loads requests waited for (no instance with room held it)",
+                                    labels=["fleet"])
+        for fleet, n in s.slot_waits.items():
+            waits.add_metric([fleet], n)
+        held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
+                                 labels=["fleet", "instance"])
+        for fleet, n in s.catalog.slots.items():
+            if n:
+                for inst in s.registry.instances(fleet):
+                    held.add_metric([fleet, inst.id], len(s.held(inst)))
+        yield from (loads, unloads, seconds, requests, waits, held)
