@@ -225,7 +225,8 @@ class SimLora:
         # route and again when a request's adapter had left the cache — what ``routerd bench lora``
         # compares routers by
         self._loads = Counter("sim:lora_loads", "Adapter weights read (load route, or reloaded when "
-                              "scheduled after the cache let them go); the simulator's own.", registry=registry)
+                              "scheduled after the cache let them go); the simulator's own.",
+                              registry=registry)
 
     def record(self, running: Iterable[SimAdapter | None], waiting: Iterable[SimAdapter | None]) -> None:
         """One step's stats as vLLM logs them: a series per label set, its value the time it was last
