@@ -269,6 +269,9 @@ class Registry:
         # Requests waiting in admission for a slot of each fleet: written by admission alone, read by
         # the autoscaler as demand (the one state both share, so neither holds the other).
         self.queued: dict[str, int] = {}
+        # Requests waiting for a LoRA adapter to load before they reach an engine (their slot: an
+        # adapter's): written by routing.adapters alone, read by the autoscaler as demand, as above.
+        self.adapter_waiting: dict[str, int] = {}
         # routerd processes sharing this one's Redis and serving now, itself included (1 alone): written
         # by routerd.peers.load alone, read by admission, which bounds a fleet per fleet, not per process
         self.processes = 1

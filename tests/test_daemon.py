@@ -203,6 +203,7 @@ async def test_second_sigterm_exits_at_once(
     assert code == 0
     assert events[-1] == b"data: [DONE]"
     assert b'"error"' in events[-2]  # the open stream learns it was cut
+    assert "never retrieved" not in rp.log()  # the abandoned drain's wait left no unread error
 
 
 async def test_a_static_only_daemon_drains_and_undrains_a_static_instance(

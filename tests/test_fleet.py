@@ -25,7 +25,7 @@ from routerd.registry import InstanceState, Registry
 from routerd.status import fetch, render
 from routerd.status import main as status_main
 from tests.fixtures.helpers import eventually
-from tests.fixtures.ray_cluster import RayTestCluster
+from tests.fixtures.ray_cluster import RayTestCluster, reclaim_leftovers
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
@@ -69,6 +69,7 @@ async def running(cfg: Config, *, stop_engines: bool = True) -> AsyncIterator[Ru
     async with assembly.running(cfg, Registry(), stop_engines=stop_engines) as routerd:
         assert routerd.fleets is not None
         assert routerd.cluster is not None
+        await reclaim_leftovers(routerd.cluster)  # the head's 4 GPUs are this test's to count
         yield Running(routerd.fleets, routerd.registry, routerd.cluster, routerd.url)
 
 

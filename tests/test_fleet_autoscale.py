@@ -32,7 +32,7 @@ from routerd.registry import InstanceState, Registry
 from routerd_bench.in_process import running_routerd
 from routerd_bench.load import Load
 from tests.fixtures.helpers import eventually
-from tests.fixtures.ray_cluster import RayTestCluster
+from tests.fixtures.ray_cluster import RayTestCluster, reclaim_leftovers
 from tests.test_fleet import make_cfg
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -65,6 +65,7 @@ class Elastic:
 async def elastic(cfg: Config) -> AsyncIterator[Elastic]:
     """Fleet manager, data plane and admin routes, wired as the daemon wires them."""
     async with running_routerd(cfg) as r:
+        await reclaim_leftovers(r.cluster)  # the head's 4 GPUs are this test's to count
         yield Elastic(r.fm, r.dp, r.registry, r.cluster, r.url)
 
 

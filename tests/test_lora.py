@@ -11,6 +11,7 @@ model is a 404 listing the models and adapters; check-config refuses what cannot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -27,14 +28,18 @@ from routerd import status
 from routerd.client import QueueClient
 from routerd.config import RedisConfig
 from routerd.fleet.adapters import AdapterPlanner
+from routerd.fleet.autoscaler import Autoscaler
 from routerd.lora_placement import FleetPlacement
 from routerd.redis_keys import RedisKeys
+from routerd.registry import Instance, InstanceState, Registry
+from routerd.routing.adapters import ADAPTER_FREE_SLOT, AdapterCatalog, AdapterPlan, AdapterSlots
 from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
 from routerd_bench._common import to_toml
 from tests.fixtures.daemon import RouterdFactory, base_config
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.sim import SimProcessFactory
+from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 from tests.test_sim_lora import make_adapter
 
 LORA_ARGS = {"enable-lora": True, "max-loras": 1}
@@ -138,6 +143,26 @@ async def test_adapters_are_models_routed_to_the_instance_holding_them(
         assert re.search(r'routerd_adapter_loads_total\{adapter="b",fleet="f",outcome="ok"\} [1-9]', text), \
             [line for line in text.splitlines() if "adapter" in line]
         assert re.search(r'routerd_adapter_requests_total\{adapter="a",fleet="f"\} [4-9]', text)
+        # usage per adapter and tenant: in /metrics, and per day in Redis as `routerd usage` reads it
+        assert re.search(r'routerd_tenant_adapter_requests_total\{adapter="a",fleet="f",outcome="ok",'
+                         r'tenant="default"\} 4', text), [ln for ln in text.splitlines() if "tenant" in ln]
+
+        async def usage_rows() -> list[dict[str, Any]]:
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "routerd", "usage", "--redis", redis_server.url, "--adapter", "a",
+                "--json", stdout=asyncio.subprocess.PIPE)
+            out, _ = await asyncio.wait_for(cli.communicate(), 60)
+            return list(json.loads(out)["rows"])
+
+        rows_a: list[dict[str, Any]] = []
+        for _ in range(50):  # written to Redis every second
+            rows_a = await usage_rows()
+            if rows_a and rows_a[0]["requests"] == 4:
+                break
+            await asyncio.sleep(0.2)
+        assert [(r["tenant"], r["fleet"], r["adapter"], r["requests"]) for r in rows_a] == \
+            [("default", "f", "a", 4)]
+        assert rows_a[0]["completion_tokens"] > 0
 
         # run time: c added (it loads on an instance, evicting its idle adapter), kept in Redis
         st, body, _ = await _post(s, f"{url}/admin/fleets/f/adapters", {"name": "c", "path": c})
@@ -203,14 +228,19 @@ def test_placement_spreads_a_hot_adapter_and_unloads_a_cold_one_only_after_a_whi
     planner = AdapterPlanner(cold_s=60.0, max_moves=8, clock=lambda: now[0])
     adapters = {"hot": False, "warm": False, "cold": False, "pin": True}
     p = FleetPlacement(slots=2, adapters=adapters, held={"i0": ["cold"], "i1": [], "i2": []},
-                       rates={"hot": 9.0, "warm": 1.0, "cold": 0.0})
-    # 90 % of the traffic asks for 3 copies, 10 % for 1, pinned everywhere: 7 > 6 slots, so the hot one
+                       rates={"hot": 9.0, "warm": 1.0, "cold": 0.0}, demand={"hot": 9.0, "warm": 1.0},
+                       per_copy=4.0)
+    # 9 in flight at 4 a copy asks for 3 copies, 1 for 1, pinned everywhere: 7 > 6 slots, so the hot one
     # gives one up; cold (no traffic) none
     assert planner.wanted(p) == {"hot": 2, "warm": 1, "cold": 0, "pin": 3}
     # free slots first, the hottest first; cold gives its slot up at once where a wanted adapter needs it
     assert [(m.kind, m.instance, m.adapter) for m in planner.plan(p)] == [
         ("load", "i1", "hot"), ("load", "i2", "hot"), ("load", "i0", "warm"), ("load", "i1", "pin"),
         ("load", "i2", "pin"), ("unload", "i0", "cold"), ("load", "i0", "pin")]
+    # a trickle for the only adapter in use keeps it on one instance: the free slot stays for the next
+    trickle = FleetPlacement(slots=1, adapters={"a": False, "b": False}, held={"i0": ["a"], "i1": []},
+                             rates={"a": 0.5}, demand={"a": 1.0}, per_copy=4.0)
+    assert planner.plan(trickle) == []
 
     # a cold adapter with a free slot beside it stays until cold_s has passed
     q = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
@@ -225,23 +255,32 @@ def test_placement_spreads_a_hot_adapter_and_unloads_a_cold_one_only_after_a_whi
                           busy={"i0": {"b"}}, rates={"a": 1.0, "b": 0.0})
     assert planner.plan(busy) == []
     # a restarted instance holds nothing: the demand's copies are loaded there again
-    r = FleetPlacement(slots=1, adapters={"a": False}, held={"i0": ["a"], "i1": []}, rates={"a": 5.0})
+    r = FleetPlacement(slots=1, adapters={"a": False}, held={"i0": ["a"], "i1": []}, rates={"a": 5.0},
+                       demand={"a": 6.0}, per_copy=4.0)
     assert [(m.kind, m.instance, m.adapter) for m in planner.plan(r)] == [("load", "i1", "a")]
 
 
 async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
-    # One adapter takes all the traffic: placement holds it on both instances. One engine is killed
-    # and started again empty: placement loads it there again, no request needed.
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.01, ttft_ms=1,
-                              itl_ms=1) for _ in range(2)]
-    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static",
+    # One adapter has more requests in flight than half an instance's slots: placement holds it on
+    # both instances. One engine is killed and started again empty while the load goes on: placement
+    # loads it there again.
+    sim_args = {"model": "base", "enable_lora": True, "max_loras": 1, "lora_load_s": 0.01, "ttft_ms": 1,
+                "itl_ms": 20, "max_num_seqs": 2}
+    sims = [await sim_process(**sim_args) for _ in range(2)]
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 2,
                                          "urls": [s.url for s in sims], "engine_args": LORA_ARGS,
                                          "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
     rd = routerd_process(cfg)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        for _ in range(20):
-            assert (await _post(s, f"{rd.url}/v1/completions", {"model": "a", "prompt": "hi"}))[0] == 200
+        assert (await _post(s, f"{rd.url}/v1/completions", {"model": "a", "prompt": "hi"}))[0] == 200
+        stop = asyncio.Event()
+
+        async def load() -> None:  # 4 requests in flight at all times (statuses: the kill fails some)
+            while not stop.is_set():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                    await _post(s, f"{rd.url}/v1/completions",
+                                {"model": "a", "prompt": "hi", "max_tokens": 20})
 
         async def holders() -> set[str]:
             async with s.get(f"{rd.url}/admin/fleets") as r:
@@ -255,12 +294,87 @@ async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
                 await asyncio.sleep(0.2)
             return False
 
-        assert await both(), "placement spreads the only adapter over both instances"
-        port = sims[0].url.rsplit(":", 1)[1]
-        sims[0].signal(signal.SIGKILL)
-        sims[0].proc.wait(10)
-        await sim_process(model="base", port=int(port), enable_lora=True, max_loras=1, lora_load_s=0.01,
-                          ttft_ms=1, itl_ms=1)
-        async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
-            assert [m["id"] for m in (await r.json())["data"]] == ["base"]  # it came back empty
-        assert await both(), "the restarted engine got the adapter back"
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(4):
+                tg.create_task(load())
+            try:
+                assert await both(), "placement spreads the busy adapter over both instances"
+                port = sims[0].url.rsplit(":", 1)[1]
+                sims[0].signal(signal.SIGKILL)
+                sims[0].proc.wait(10)
+                again = await sim_process(port=int(port), **sim_args)
+                async with s.get(f"{again.url}/v1/models") as r:
+                    assert [m["id"] for m in (await r.json())["data"]] == ["base"]  # it came back empty
+                assert await both(), "the restarted engine got the adapter back"
+            finally:
+                stop.set()
+
+
+async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autoscaler(
+        sim_engine: SimEngineFactory, tmp_path: Path) -> None:
+    # A request whose adapter is being loaded has no engine slot yet (the engine has not seen it): the
+    # autoscaler counts it as waiting demand, as it counts one waiting in admission, until the load ends.
+    eng = await sim_engine(model="base", enable_lora=True, max_loras=1, lora_load_s=2.0, ttft_ms=1, itl_ms=1)
+    cfg = config_mod.parse(base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": [eng.url], "engine_args": LORA_ARGS,
+         "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}]))
+    registry = Registry()
+    inst = registry.add(Instance(id="f:static0", fleet="f", url=eng.url, capacity_hint=8))
+    registry.set_state(inst, InstanceState.READY)
+    catalog = AdapterCatalog(cfg)
+    adapter = catalog.get("a")
+    assert adapter is not None
+    scaler = Autoscaler(cfg, registry, None, on_change=lambda: None, pin=lambda fleet: None)
+    fleet = cfg.fleets[0]
+    idle = scaler._signals(fleet)
+    async with aiohttp.ClientSession() as session:
+        slots = AdapterSlots(registry, catalog, session)
+        loads = [asyncio.create_task(slots.ensure(inst, AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)))
+                 for _ in range(2)]  # two requests, one load shared
+        assert await eventually(lambda: scaler._signals(fleet).waiting == idle.waiting + 2, 10)
+        assert scaler._signals(fleet).demand == idle.demand + 2
+        await asyncio.gather(*loads)
+        assert slots.holds(inst, "a")
+        assert slots.loads == {("f", "a", "ok"): 1}
+        assert (scaler._signals(fleet).waiting, scaler._signals(fleet).demand) == (idle.waiting, idle.demand)
+
+
+async def test_only_the_controller_loads_a_followers_request_asks_it(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # Two routerd on one Redis: a request on the one that does not control needs its adapter loaded;
+    # the controller loads it (fenced by its lease), the follower records it and serves the request.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
+             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
+    replicas = []
+    for name in ("la", "lb"):
+        (tmp_path / name).mkdir()
+        replicas.append(routerd_process(base_config(
+            tmp_path / name, fleets=[fleet],
+            redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        controls: list[bool] = []
+        for _ in range(150):  # each sees the one controller
+            controls = []
+            for rp in replicas:
+                async with s.get(f"{rp.url}/admin/fleets") as r:
+                    control = (await r.json())["control"]
+                controls.append(bool(control["controls"]) if control["controller"] is not None else False)
+            if controls.count(True) == 1:
+                break
+            await asyncio.sleep(0.2)
+        assert controls.count(True) == 1, controls
+        ctl, fol = replicas if controls[0] else replicas[::-1]
+        st, body, inst = await _post(s, f"{fol.url}/v1/completions",
+                                     {"model": "a", "prompt": "hi", "max_tokens": 5})
+        assert st == 200, body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "a"), "hi", 5)
+
+    def loaded(rp: Any) -> list[tuple[str, str]]:
+        return [(rec["instance"], rec["by"]) for rec in (json.loads(line[line.index("{"):])
+                for line in rp.log().splitlines() if '"adapter_loaded"' in line)]
+
+    assert loaded(fol) == [(inst, "controller")]  # asked of the controller
+    assert loaded(ctl) == [(inst, "here")]  # the one engine call

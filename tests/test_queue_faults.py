@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from routerd.client import QueueClient
@@ -114,6 +115,7 @@ async def test_backlog_stays_in_redis(queue_bench: QueueBenchFactory, redis_serv
     assert up.max_concurrent == limit
 
 
+@pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
 async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
     directory = tmp_path / "redis"
     async with EmbeddedRedis(directory, restart_backoff_s=0.05) as url:
@@ -147,6 +149,7 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
             await client.aclose()
 
 
+@pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
 async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
     """The way the daemon builds the queue path: embedded Redis, then the queue over the data plane's
     upstream and admission."""
@@ -173,6 +176,7 @@ async def test_daemon_wiring_embedded_redis(tmp_path: Path) -> None:
     assert result.status == "ok"
 
 
+@pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
 async def test_redis_password_from_the_environment(tmp_path: Path) -> None:
     from tests.fixtures.redis_server import RedisServer as Server
 
@@ -205,6 +209,7 @@ def parse_with_env(url: str, environ: dict[str, str]) -> Any:
                   "fleets": [{"name": "f", "model": "m", "engine": "sim"}]}, environ=environ)
 
 
+@pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
 async def test_embedded_redis_exit_keeps_the_callers_cancellation(tmp_path: Path) -> None:
     """Cancelling the task that is stopping embedded Redis must cancel it (never swallowed), and the
     redis-server must still be stopped."""

@@ -61,6 +61,8 @@ def compose(core: Core, *, fleet: FleetControl | None = None,
     lora = Lora.for_config(core)  # issue 30: a fleet that serves LoRA adapters
     peers = Peers(core, measures, fleet, watch.static_health,
                   adapters=lora.admin if lora is not None else None) if core.redis is not None else None
+    if lora is not None and peers is not None:
+        lora.relay_loads(peers.admin_relay)  # only the controller loads
     kv = dataplane = None
     if core.role.serves:
         # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores

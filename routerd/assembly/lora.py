@@ -11,6 +11,7 @@ adapter's request to where it is, and whose ingress lists and checks adapters).
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from ..config import Config
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from ..ingress.adapter_admin import AdapterAdmin
     from ..ingress.http import HttpIngress
     from ..peers.adapters import AdapterStore
+    from ..peers.admin_relay import AdminRelay
+    from ..registry import Instance
     from ..routing.adapters import AdapterCatalog, AdapterSlots
 
 
@@ -69,6 +72,18 @@ class Lora:
         """(name, path) of the adapter ``model`` names when it is one of ``fleet``'s (its blocks' key)."""
         a = self.catalog.get(model)
         return (a.name, a.path) if a is not None and a.fleet == fleet else None
+
+    def relay_loads(self, relay: AdminRelay) -> None:
+        """Only the controller loads and unloads (fenced by its lease): while this process does not
+        control, a request's load is asked of it through the admin relay (op ``adapter_load``)."""
+        slots = self.slots
+
+        async def remote(inst: Instance, adapter: str, evict: str | None) -> tuple[int, str]:
+            body = json.dumps({"adapter": adapter, "evict": evict}).encode()
+            answer = await relay.call("adapter_load", inst.id, body, wait_s=slots.load_timeout_s)
+            return answer.status, answer.body.decode(errors="replace")
+
+        slots.remote, slots.controls = remote, relay.controls
 
     def attach(self, http: HttpIngress) -> None:
         """The ingress knows the adapters: /v1/models, a request's fleet, /admin/fleets."""

@@ -134,6 +134,9 @@ class Routerd:
         forced.cancel()
         if drained not in done:
             drained.cancel()
+            # a wait that fails while being cancelled (a second SIGTERM forces this) leaves its error on
+            # the gather: retrieved here, or asyncio logs "exception was never retrieved" at exit
+            drained.add_done_callback(_retrieve)
             if forced in done:
                 _log.warning("drain_interrupted")
         elif drained.exception() is not None:  # retrieved, so it is logged once, here
@@ -189,3 +192,9 @@ async def _bounded(step: str, aw: Awaitable[Any], timeout_s: float) -> None:
         await _aio.wait_for(aw, timeout_s)
     except TimeoutError:
         _log.error("stop_step_timed_out", step=step, timeout_s=timeout_s)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's outcome as seen (an abandoned wait's error is not news at shutdown)."""
+    if not future.cancelled():
+        future.exception()

@@ -76,6 +76,7 @@ class Request:
     preemptible: bool = False
     preempted: int = 0  # runs whose slot admission took back (each ran again), set by the dispatch
     context: Any = None  # its route hook's own state, from prepare to observe and finished (RouteHook)
+    adapter: str = ""  # the LoRA adapter its model names ("": the fleet's own model): usage per adapter
 
 
 class Rooms(Protocol):
@@ -218,7 +219,7 @@ class Dispatch:
                 rooms = req.rooms
                 if rooms is None:  # RateLimited: 429
                     charge = await tracing.timed("routerd.rate_limit", self._tenancy.charge(
-                        req.tenant, req.fleet, facts), req.tenant.limited)
+                        req.tenant, req.fleet, facts, req.adapter), req.tenant.limited)
                     priority = req.priority
                 else:
                     charge = await tracing.timed("routerd.rate_limit",
@@ -304,7 +305,7 @@ class Dispatch:
         (:class:`PermissionDenied`), one removed by a reload is the default's."""
         with rooms.quota() as may_wait:
             charge = await self._tenancy.wait_for_quota(req.tenant.name, req.fleet, facts, req.deadline,
-                                                        may_wait=may_wait)
+                                                        may_wait=may_wait, adapter=req.adapter)
         if charge is None:
             raise SetAside(req.tenant.name)
         req.tenant = tenant = charge.tenant

@@ -3,10 +3,12 @@
 Routing loads an adapter where a request finds no holder with room (routerd/routing/adapters.py); this
 loop, run only by the process that controls the fleets, plans ahead of the requests:
 
-- **copies by traffic share.** Each adapter's request rate (requests per second, smoothed over
-  ``window_s``) buys it ``ceil(share × instances)`` copies — a hot adapter is spread over as many
-  instances as its share of the traffic, a warm one held on one, a pinned one on every instance —
-  within the slots there are (``max-loras`` × instances; over that, the coldest lose copies first).
+- **copies by demand.** An adapter with traffic (its request rate, smoothed over ``window_s``) is held
+  on one instance; it is spread over more as its load grows: one copy per ``per_copy`` of its requests
+  in flight fleet-wide (half an instance's slots: a copy is added before the instances holding it
+  overload), a pinned one on every instance — within the slots there are (``max-loras`` × instances;
+  over that, the coldest lose copies first). A trickle of requests for the only adapter in use does
+  not fill every free slot with it: the next adapter then finds a free slot, not an eviction.
 - **loads** go to instances with a free slot (the fewest held first), else in place of an idle adapter
   that has more copies than it needs (or none needed).
 - **hysteresis.** A copy goes only after its adapter has wanted fewer copies for ``cold_s``
@@ -52,14 +54,14 @@ class AdapterPlanner:
         n = len(p.held)
         if n == 0:
             return {}
-        total = sum(r for a, r in p.rates.items() if a in p.adapters)
         want: dict[str, int] = {}
         for a, pinned in p.adapters.items():
-            rate = p.rates.get(a, 0.0)
+            demand = p.demand.get(a, 0.0)
             if pinned:
                 want[a] = n
-            elif rate > self.min_rate and total > 0:
-                want[a] = min(n, max(1, math.ceil(rate / total * n)))
+            elif p.rates.get(a, 0.0) > self.min_rate or demand > 0:
+                spread = math.ceil(demand / p.per_copy - 1e-9) if p.per_copy > 0 else 1
+                want[a] = min(n, max(1, spread))
             else:
                 want[a] = 0
         room = p.slots * n
@@ -69,7 +71,7 @@ class AdapterPlanner:
                   [a for a, c in want.items() if c > 0 and not p.adapters[a]]
             if not cut:
                 break
-            coldest = min(cut, key=lambda a: p.rates.get(a, 0.0) / want[a])
+            coldest = min(cut, key=lambda a: (p.demand.get(a, 0.0) + p.rates.get(a, 0.0)) / want[a])
             want[coldest] -= 1
         return want
 
@@ -134,18 +136,21 @@ class AdapterPlanner:
 class PlacementTarget(Protocol):
     """What placement needs of the routing side's record (``routing.adapters.AdapterSlots`` is it)."""
 
-    def placement(self, fleet: str, rates: dict[str, float]) -> FleetPlacement | None: ...
+    def placement(self, fleet: str, rates: dict[str, float], demand: dict[str, float]
+                  ) -> FleetPlacement | None: ...
 
     def lora_fleets(self) -> list[str]: ...
 
     def request_counts(self) -> dict[tuple[str, str], int]: ...
 
+    def in_flight(self) -> dict[tuple[str, str], int]: ...
+
     async def place(self, fleet: str, move: Move) -> bool: ...
 
 
 class AdapterPlacer:
-    """The loop: every ``interval_s`` while ``controls()``, measure each adapter's rate and carry out
-    the planner's moves."""
+    """The loop: every ``interval_s`` while ``controls()``, measure each adapter's rate and demand and
+    carry out the planner's moves."""
 
     def __init__(self, target: PlacementTarget, controls: Callable[[], bool], *, interval_s: float = 2.0,
                  window_s: float = 30.0, planner: AdapterPlanner | None = None,
@@ -157,27 +162,38 @@ class AdapterPlacer:
         self.planner = planner or AdapterPlanner(clock=clock)
         self.clock = clock
         self.rates: dict[tuple[str, str], float] = {}
+        self.demand: dict[tuple[str, str], float] = {}
         self._last: dict[tuple[str, str], int] = {}
         self._last_at: float | None = None
         self.moves = 0
 
     def measure(self) -> None:
-        """Smooth each adapter's request rate since the last call (exponential, over ``window_s``)."""
+        """Smooth each adapter's request rate since the last call (exponential, over ``window_s``), and
+        its demand: its requests in flight now, or the smoothed figure when more (a burst spreads an
+        adapter at once; its copies go only as the smoothed demand falls, and after ``cold_s``)."""
         now = self.clock()
         counts = self.target.request_counts()
+        flying = self.target.in_flight()
         if self._last_at is not None and now > self._last_at:
             dt = now - self._last_at
             alpha = 1.0 - math.exp(-dt / self.window_s)
             for key in {*counts, *self.rates}:
                 r = (counts.get(key, 0) - self._last.get(key, 0)) / dt
                 self.rates[key] = self.rates.get(key, 0.0) + alpha * (r - self.rates.get(key, 0.0))
+            for key in {*flying, *self.demand}:
+                now_in = float(flying.get(key, 0))
+                smoothed = self.demand.get(key, 0.0) + alpha * (now_in - self.demand.get(key, 0.0))
+                self.demand[key] = max(now_in, smoothed)
+        else:
+            self.demand = {k: float(v) for k, v in flying.items()}
         self._last, self._last_at = dict(counts), now
 
     async def step(self) -> None:
         self.measure()
         for fleet in self.target.lora_fleets():
             rates = {a: r for (f, a), r in self.rates.items() if f == fleet}
-            p = self.target.placement(fleet, rates)
+            demand = {a: d for (f, a), d in self.demand.items() if f == fleet}
+            p = self.target.placement(fleet, rates, demand)
             if p is None:
                 continue
             for move in self.planner.plan(p):

@@ -2,7 +2,8 @@
 
 It gathers the policy's signals from what routerd already knows — the registry (engines' running and
 waiting counts, KV use, expected wait, readiness, and the requests and queue jobs admission has
-waiting for the fleet, ``Registry.queued``) — every :data:`TICK_S`, logs every decision with those
+waiting for the fleet, ``Registry.queued``, and the requests waiting for a LoRA adapter to load,
+``Registry.adapter_waiting``) — every :data:`TICK_S`, logs every decision with those
 inputs, and wakes the fleet manager, which reconciles to the new count (launching at once; draining,
 then stopping, one replica going).
 
@@ -207,6 +208,8 @@ class Autoscaler:
     def _signals(self, fleet: FleetConfig) -> Signals:
         ready = [i for i in self.registry.instances(fleet.name) if i.state is InstanceState.READY]
         queued = float(self.registry.queued.get(fleet.name, 0))  # waiting in admission
+        # and waiting for a LoRA adapter to load (routing.adapters): demand no engine counts yet
+        queued += self.registry.adapter_waiting.get(fleet.name, 0)
         demand = queued
         waiting = queued
         kv = 0.0

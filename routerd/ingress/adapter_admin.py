@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..config import Config, FleetConfig
-from ..errors import BadRequest
+from ..errors import BadRequest, NotFound, UpstreamError
 from ..peers.adapters import AdapterStore, StoredAdapter
 from ..plugins import Candidate
 from ..registry import InstanceState, Registry
@@ -34,6 +34,13 @@ from ..routing.adapters import (
 class _NewAdapter(msgspec.Struct, forbid_unknown_fields=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
+class _Load(msgspec.Struct, forbid_unknown_fields=True):
+    """A relayed load (op ``adapter_load``, target the instance): the adapter, what to unload first."""
+
+    adapter: str
+    evict: str | None = None
 
 
 def _decode(raw: bytes) -> _NewAdapter:
@@ -98,6 +105,29 @@ class AdapterAdmin:
                                  param="path") from None
             return inst.id
         return None
+
+    async def load(self, instance: str, raw: bytes) -> Any:
+        """Load an adapter on ``instance`` for a request of another process (a follower, a worker): only
+        the controller loads, so one record of each load there is, fenced by the lease as every engine
+        change (the relay carries calls out only while this process controls). 404 when the engine
+        says the path holds no adapter (the caller marks it failed), 502 for any other failure."""
+        try:
+            body = msgspec.json.decode(raw or b"{}", type=_Load)
+        except msgspec.DecodeError as e:
+            raise BadRequest(f"invalid body: {e}") from None
+        inst = self.registry.get(instance)
+        if inst is None or inst.state is not InstanceState.READY:
+            raise UpstreamError(f"instance {instance!r} is not ready on the controller", instance=instance)
+        adapter = self.slots.catalog.get(body.adapter)
+        if adapter is None or adapter.fleet != inst.fleet:
+            raise NotFound(f"no adapter {body.adapter!r} in fleet {inst.fleet!r}", param="model")
+        try:
+            await self.slots.ensure(inst, AdapterPlan(adapter, "relayed", load=True, evict=body.evict))
+        except AdapterLoadFailed as e:
+            if e.permanent:
+                raise NotFound(e.message, param="model") from None
+            raise UpstreamError(e.message, instance=instance) from None
+        return {"instance": instance, "held": self.slots.held(inst)}
 
     async def remove(self, fleet: str, raw: bytes) -> Any:
         name = msgspec.json.decode(raw or b"{}", type=dict[str, str]).get("name", "")

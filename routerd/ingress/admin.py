@@ -143,7 +143,7 @@ class AdminActions:
             "restart": self.restart, "drain": self.drain, "undrain": self.undrain,
             "replicas": self.replicas, "unpin": self.unpin, "wake": self.wake,
             "remove_orphan": self.remove_orphan, "adapter_add": self.adapter_add,
-            "adapter_remove": self.adapter_remove}
+            "adapter_remove": self.adapter_remove, "adapter_load": self.adapter_load}
         self.adapters = adapters  # LoRA adapters at run time (routerd/ingress/adapter_admin.py)
 
     async def run(self, op: str, target: str, body: bytes) -> Any:
@@ -229,6 +229,11 @@ class AdminActions:
 
     async def adapter_remove(self, fleet: str, raw: bytes) -> Any:
         return await self._adapters().remove(fleet, raw)
+
+    async def adapter_load(self, instance: str, raw: bytes) -> Any:
+        """Not a route: a follower's or worker's request needs an adapter loaded (only the controller
+        loads: AdapterSlots.remote)."""
+        return await self._adapters().load(instance, raw)
 
     async def wake(self, fleet: str, raw: bytes) -> Any:
         """Not a route: a follower's request found ``fleet`` scaled to zero (AdminRelay.ask_wake)."""

@@ -354,7 +354,8 @@ class HttpIngress:
             endpoint = request.path_qs if route.family is Family.OTHER else route.path
             req = Request(fleet=fleet, endpoint=endpoint, body=body, head=read.head, stream=stream,
                           id=request_id, tenant=tenant, source="http", route=route, content_type=content_type,
-                          session=_session(request) or read.session)
+                          session=_session(request) or read.session,
+                          adapter=adapter.name if adapter is not None else "")
         except RouterdError as e:  # refused before the dispatch: counted here
             fields["status"], fields["error"] = e.status, e.message
             self.telemetry.count_request(fields.get("fleet", ""), "", e.status, route.label)

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,8 @@ ADAPTER_LOADED = "adapter_loaded"
 ADAPTER_FREE_SLOT = "adapter_free_slot"
 ADAPTER_EVICTED = "adapter_evicted"
 ADAPTER_OVERFLOW = "adapter_overflow"
+# An adapter is spread to one more instance per this share of an instance's slots in flight for it
+PER_COPY_SHARE = 0.5
 
 
 class Adapter(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,6 +160,11 @@ class AdapterSlots:
         self.slot_wait_seconds: dict[str, float] = {}  # requests' time waiting for a load, summed
         # the engine's own vllm:lora_requests_info, by instance (the scraper's, when it reads it)
         self.engine_info: dict[str, dict[str, Any]] = {}
+        # Only the process that controls the fleets loads and unloads: in any other (a follower, a
+        # worker) a load is asked of the controller (``remote``: the admin relay), while ``controls()``
+        # says it does not control. None: a process alone (no Redis) loads itself.
+        self.remote: Callable[[Instance, str, str | None], Awaitable[tuple[int, str]]] | None = None
+        self.controls: Callable[[], bool] = lambda: True
 
     # ---- what is held ---------------------------------------------------------------------------
 
@@ -253,6 +260,8 @@ class AdapterSlots:
             self._loading[key] = task
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
         started = self.clock()
+        waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
+        waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
         try:
             # shield: one waiter giving up (its client left) does not cancel the others' load
             await _aio.wait_for(asyncio.shield(task), self.load_timeout_s)
@@ -267,6 +276,10 @@ class AdapterSlots:
             if plan.rule != "placement":  # a request's wait (placement's own loads keep nobody waiting)
                 waited = self.slot_wait_seconds.get(inst.fleet, 0.0) + self.clock() - started
                 self.slot_wait_seconds[inst.fleet] = waited
+            if (left := waiting.get(inst.fleet, 0) - 1) > 0:
+                waiting[inst.fleet] = left
+            else:
+                waiting.pop(inst.fleet, None)
 
     def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self._loading.get(key) is task:
@@ -275,11 +288,20 @@ class AdapterSlots:
             task.exception()  # retrieved: every waiter got it already
 
     async def _load(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
-        if evict is not None and self._idle(inst, evict):
-            await self.unload(inst, evict)
         started = self.clock()
-        status, text = await self._post(inst, "/v1/load_lora_adapter",
-                                        {"lora_name": adapter.name, "lora_path": adapter.path})
+        relayed = self.remote is not None and not self.controls()
+        if self.remote is not None and relayed:
+            # the controller loads (evicting there), fenced by its lease; its record is the engine's
+            if evict is not None and self._idle(inst, evict):
+                self._of(inst).names.pop(evict, None)
+            else:
+                evict = None
+            status, text = await self.remote(inst, adapter.name, evict)
+        else:
+            if evict is not None and self._idle(inst, evict):
+                await self.unload(inst, evict)
+            status, text = await self._post(inst, "/v1/load_lora_adapter",
+                                            {"lora_name": adapter.name, "lora_path": adapter.path})
         if status == 400 and "already been loaded" in text:
             status = 200  # loaded by someone else meanwhile (another routerd, the placement loop)
         outcome = "ok" if status == 200 else "error"
@@ -298,7 +320,7 @@ class AdapterSlots:
         held.move_to_end(adapter.name)
         self.catalog.failed.pop(adapter.name, None)
         _log.info("adapter_loaded", instance=inst.id, adapter=adapter.name, load_ms=round(took * 1000, 1),
-                  evicted=evict)
+                  evicted=evict, by="controller" if relayed else "here")
 
     async def unload(self, inst: Instance, name: str) -> bool:
         """Unload ``name`` from ``inst``; True when the engine no longer has it."""
@@ -374,18 +396,30 @@ class AdapterSlots:
     def request_counts(self) -> dict[tuple[str, str], int]:
         return dict(self.requests)
 
-    def placement(self, fleet: str, rates: dict[str, float]) -> FleetPlacement | None:
-        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates."""
+    def in_flight(self) -> dict[tuple[str, str], int]:
+        """(fleet, adapter) → its requests in flight from this process, on any instance."""
+        out: dict[tuple[str, str], int] = {}
+        for (iid, name), n in self._inflight.items():
+            inst = self.registry.get(iid)
+            if inst is not None:
+                out[(inst.fleet, name)] = out.get((inst.fleet, name), 0) + n
+        return out
+
+    def placement(self, fleet: str, rates: dict[str, float], demand: dict[str, float]
+                  ) -> FleetPlacement | None:
+        """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates and
+        demand, and what one copy serves: half an instance's slots (its capacity, as routing knows it)."""
         insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
         if not insts:
             return None
+        per_copy = PER_COPY_SHARE * sum(i.capacity_source()[0] for i in insts) / len(insts)
         return FleetPlacement(
             slots=self.catalog.slots.get(fleet, 0),
             adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
                       if a.name not in self.catalog.failed},
             held={i.id: self.held(i) for i in insts},
             busy={i.id: {n for (iid, n) in [*self._inflight, *self._loading] if iid == i.id} for i in insts},
-            rates=rates)
+            rates=rates, demand=demand, per_copy=per_copy)
 
     async def place(self, fleet: str, move: Move) -> bool:
         """Carry out one of placement's moves (a load is shared with requests waiting for it)."""

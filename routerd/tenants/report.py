@@ -2,7 +2,8 @@
 
 Reads what every routerd on that Redis wrote (:mod:`routerd.tenants.usage`): requests served, failed
 and refused by a rate limit, and the prompt and completion tokens the engines reported, per UTC day,
-tenant and fleet, with the totals over the days shown.
+tenant, fleet and LoRA adapter (``adapter``: empty for the fleet's own model), with the totals over
+the days shown.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..redis_keys import RedisKeys
 from ..redis_server import RedisTarget, redis_target
 from .usage import COUNTERS, day_of, read_days
 
-_COLUMNS = ["day", "tenant", "fleet", *COUNTERS, "total_tokens"]
+_COLUMNS = ["day", "tenant", "fleet", "adapter", *COUNTERS, "total_tokens"]
 _MAX_DAYS = 3660  # ten years of per-day counters
 
 
@@ -41,13 +42,14 @@ async def _read(target: RedisTarget, days: list[str]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="routerd usage", description="Usage per tenant and fleet (requests, "
-                                "tokens the engines reported) per UTC day, from routerd's Redis.")
+    p = argparse.ArgumentParser(prog="routerd usage", description="Usage per tenant, fleet and LoRA adapter "
+                                "(requests, tokens the engines reported) per UTC day, from routerd's Redis.")
     p.add_argument("--redis", default=os.environ.get("ROUTERD_REDIS_URL", ""),
                    help="Redis URL (default: $ROUTERD_REDIS_URL, else the config's, else localhost)")
     p.add_argument("--config", help="read the Redis URL, password and stream namespace from this config")
     p.add_argument("--tenant", help="only this tenant")
     p.add_argument("--fleet", help="only this fleet")
+    p.add_argument("--adapter", help="only this LoRA adapter")
     p.add_argument("--days", type=int, default=7, help="the last N UTC days, today included (default 7)")
     p.add_argument("--json", action="store_true", help="print JSON: {days, rows, totals}")
     args = p.parse_args(argv)
@@ -70,11 +72,12 @@ def main(argv: list[str]) -> int:
         print(f"routerd usage: cannot read Redis at {redact.url(target.url)}: {e}", file=sys.stderr)
         return 1
     rows = [r for r in rows if (not args.tenant or r["tenant"] == args.tenant)
-            and (not args.fleet or r["fleet"] == args.fleet)]
+            and (not args.fleet or r["fleet"] == args.fleet)
+            and (not args.adapter or r["adapter"] == args.adapter)]
     totals = {c: sum(r[c] for r in rows) for c in [*COUNTERS, "total_tokens"]}
     if args.json:
         print(msgspec.json.encode({"days": days, "rows": rows, "totals": totals}).decode())
         return 0
     print_table(f"usage {days[0]} .. {days[-1]} (UTC)", _COLUMNS,
-                [[r[c] for c in _COLUMNS] for r in rows] + [["total", "", "", *totals.values()]])
+                [[r[c] for c in _COLUMNS] for r in rows] + [["total", "", "", "", *totals.values()]])
     return 0

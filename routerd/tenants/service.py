@@ -48,6 +48,7 @@ class Charge:
     estimate: int
     grant: Grant
     settled: bool = False
+    adapter: str = ""  # the LoRA adapter asked for ("": the fleet's own model): usage is metered per adapter
 
 
 class Tenancy:
@@ -130,19 +131,20 @@ class Tenancy:
             raise PermissionDenied(f"tenant {tenant.name!r} may not use {what} "
                                    f"(fleets allowed: {', '.join(sorted(tenant.fleets))})", param="model")
 
-    async def charge(self, tenant: Tenant, fleet: str, facts: RequestFacts) -> Charge:
+    async def charge(self, tenant: Tenant, fleet: str, facts: RequestFacts, adapter: str = "") -> Charge:
         """Charge one request (HTTP); :class:`RateLimited` with the headers when over a limit."""
         grant = await self._grant(tenant, facts)
         if not grant.allowed:
-            self.ledger.add(tenant.name, fleet, rate_limited=1)
+            self.ledger.add(tenant.name, fleet, adapter=adapter, rate_limited=1)
             raise RateLimited(f"tenant {tenant.name!r} is over its rate limit "
                               f"({_limits(tenant)}); retry after {grant.retry_after_s:.3g} s",
                               retry_after_s=grant.retry_after_s, headers=grant.headers())
-        return Charge(tenant, fleet, facts.prompt_tokens, grant)
+        return Charge(tenant, fleet, facts.prompt_tokens, grant, adapter=adapter)
 
     async def wait_for_quota(self, name: str, fleet: str, facts: RequestFacts,
                              deadline_epoch_s: float | None, *,
-                             may_wait: Callable[[Tenant], bool] | None = None) -> Charge | None:
+                             may_wait: Callable[[Tenant], bool] | None = None, adapter: str = ""
+                             ) -> Charge | None:
         """Charge one request (a queue job) of the tenant ``name``, waiting while it is over a limit;
         raises :class:`DeadlineExceeded` when the quota would come after the job's deadline. None when
         it is over a limit and ``may_wait`` says it may not wait here (the queue then sets it aside).
@@ -156,10 +158,10 @@ class Tenancy:
             woken = self._look_again
             grant = await self._grant(tenant, facts)
             if grant.allowed:
-                return Charge(tenant, fleet, facts.prompt_tokens, grant)
+                return Charge(tenant, fleet, facts.prompt_tokens, grant, adapter=adapter)
             wait = min(max(grant.retry_after_s, 0.01), _QUOTA_POLL_MAX_S) * (1 + 0.1 * self._rng.random())
             if deadline_epoch_s is not None and self._wall() + wait >= deadline_epoch_s:
-                self.ledger.add(tenant.name, fleet, rate_limited=1)
+                self.ledger.add(tenant.name, fleet, adapter=adapter, rate_limited=1)
                 raise DeadlineExceeded("the job's deadline passed while its tenant "
                                        f"{tenant.name!r} was over its rate limit")
             if may_wait is not None and not may_wait(tenant):
@@ -183,15 +185,15 @@ class Tenancy:
         if charge is None or charge.settled:
             return
         charge.settled = True
-        t, fleet = charge.tenant, charge.fleet
+        t, fleet, adapter = charge.tenant, charge.fleet, charge.adapter
         if usage is not None:
-            self.ledger.add(t.name, fleet, requests=1 if ok else 0, errors=0 if ok else 1,
+            self.ledger.add(t.name, fleet, adapter=adapter, requests=1 if ok else 0, errors=0 if ok else 1,
                             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
             self.limiter.settle(t, 0, usage.total - charge.estimate)
         elif 200 <= status < 300:
-            self.ledger.add(t.name, fleet, requests=1 if ok else 0, errors=0 if ok else 1)
+            self.ledger.add(t.name, fleet, adapter=adapter, requests=1 if ok else 0, errors=0 if ok else 1)
         else:
-            self.ledger.add(t.name, fleet, errors=1)
+            self.ledger.add(t.name, fleet, adapter=adapter, errors=1)
             self.limiter.settle(t, 0 if status else -1, -charge.estimate)
 
     def withdraw(self, charge: Charge | None) -> None:
@@ -216,6 +218,9 @@ def _limits(t: Tenant) -> str:
     return ", ".join(parts)
 
 
+_OUTCOMES = (("ok", "requests"), ("error", "errors"), ("rate_limited", "rate_limited"))
+
+
 class _Collector:
     """Read at scrape time: nothing is mirrored into gauges that could drift."""
 
@@ -235,9 +240,21 @@ class _Collector:
                                        labels=[*labels, "outcome"])
         tokens = CounterMetricFamily("routerd_tenant_tokens", "Tokens the engines reported per tenant "
                                      "and fleet, by kind (prompt, completion)", labels=[*labels, "kind"])
+        by_adapter = ["tenant", "fleet", "adapter"]
+        adapter_requests = CounterMetricFamily("routerd_tenant_adapter_requests", "Requests per tenant and "
+                                               "LoRA adapter by outcome (in routerd_tenant_requests too)",
+                                               labels=[*by_adapter, "outcome"])
+        adapter_tokens = CounterMetricFamily("routerd_tenant_adapter_tokens", "Tokens the engines reported "
+                                             "per tenant and LoRA adapter, by kind (in routerd_tenant_tokens "
+                                             "too)", labels=[*by_adapter, "kind"])
         idx = {name: i for i, name in enumerate(COUNTERS)}
+        for (tenant, fleet, adapter), c in self._ledger.adapter_totals.items():
+            for outcome, name in _OUTCOMES:
+                adapter_requests.add_metric([tenant, fleet, adapter, outcome], c[idx[name]])
+            adapter_tokens.add_metric([tenant, fleet, adapter, "prompt"], c[idx["prompt_tokens"]])
+            adapter_tokens.add_metric([tenant, fleet, adapter, "completion"], c[idx["completion_tokens"]])
         for (tenant, fleet), c in self._ledger.totals.items():
-            for outcome, name in (("ok", "requests"), ("error", "errors"), ("rate_limited", "rate_limited")):
+            for outcome, name in _OUTCOMES:
                 requests.add_metric([tenant, fleet, outcome], c[idx[name]])
             tokens.add_metric([tenant, fleet, "prompt"], c[idx["prompt_tokens"]])
             tokens.add_metric([tenant, fleet, "completion"], c[idx["completion_tokens"]])
@@ -252,7 +269,7 @@ class _Collector:
             active.add_metric([tenant, fleet], s["active"])
             queued.add_metric([tenant, fleet], s["queued"])
             slot_seconds.add_metric([tenant, fleet], s["slot_seconds"])
-        yield from (requests, tokens, active, queued, slot_seconds)
+        yield from (requests, tokens, adapter_requests, adapter_tokens, active, queued, slot_seconds)
         yield CounterMetricFamily("routerd_tenant_ratelimit_redis_errors", "Rate-limit calls Redis did not "
                                   "answer or answered with an error, a tenant's unusable bucket included "
                                   "(this routerd then decided alone: see the log)",

@@ -1,13 +1,15 @@
-"""Usage per tenant and fleet: counters in this process (``/metrics``) and per-day counters in Redis.
+"""Usage per tenant, fleet and LoRA adapter: counters in this process (``/metrics``) and per-day
+counters in Redis.
 
 Every request a tenant sent to a fleet ends in :meth:`UsageLedger.add`: served (``requests``),
 failed (``errors``), refused by its rate limit (``rate_limited``), and the prompt and completion
 tokens the engine reported. The process's totals since start feed ``/metrics``; the same increments
 are summed per UTC day and written to Redis by :meth:`UsageLedger.run` every ``flush_interval_s`` as
-``HINCRBY <ns>:usage:<day> <tenant>|<fleet>|<counter>`` — one command per counter that moved, however
-many requests moved it — so the days survive restarts and every routerd on the same Redis adds to
-the same figures. A failed write keeps its increments for the next one; on stop the last ones are
-written (bounded). A crash loses at most one interval's. ``routerd usage`` reads them back
+``HINCRBY <ns>:usage:<day> <tenant>|<fleet>|<counter>`` (a LoRA adapter's requests:
+``<tenant>|<fleet>:<adapter>|<counter>``; names hold neither ``|`` nor ``:``) — one command per counter
+that moved, however many requests moved it — so the days survive restarts and every routerd on the same
+Redis adds to the same figures. A failed write keeps its increments for the next one; on stop the last
+ones are written (bounded). A crash loses at most one interval's. ``routerd usage`` reads them back
 (:func:`read_days`).
 """
 
@@ -61,20 +63,27 @@ class UsageLedger:
         self._op_timeout = op_timeout_s
         self._wall = wall
         self.totals: dict[tuple[str, str], list[int]] = {}  # (tenant, fleet) → COUNTERS, since start
-        self._pending: dict[tuple[str, str, str], list[int]] = {}  # (day, tenant, fleet) → increments
+        # (tenant, fleet, adapter) → COUNTERS since start, of a LoRA adapter's requests (in totals too)
+        self.adapter_totals: dict[tuple[str, str, str], list[int]] = {}
+        # (day, tenant, fleet, adapter) → increments not written yet
+        self._pending: dict[tuple[str, str, str, str], list[int]] = {}
         self.flush_errors = 0
 
-    def add(self, tenant: str, fleet: str, *, requests: int = 0, errors: int = 0, rate_limited: int = 0,
-            prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def add(self, tenant: str, fleet: str, *, adapter: str = "", requests: int = 0, errors: int = 0,
+            rate_limited: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         deltas = (requests, errors, rate_limited, prompt_tokens, completion_tokens)
         total = self.totals.get((tenant, fleet))
         if total is None:
             total = self.totals[(tenant, fleet)] = [0] * len(COUNTERS)
+        if adapter:
+            of_adapter = self.adapter_totals.setdefault((tenant, fleet, adapter), [0] * len(COUNTERS))
+            for i, d in enumerate(deltas):
+                of_adapter[i] += d
         if self._client is None:
             for i, d in enumerate(deltas):
                 total[i] += d
             return
-        key = (day_of(self._wall()), tenant, fleet)
+        key = (day_of(self._wall()), tenant, fleet, adapter)
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = [0] * len(COUNTERS)
@@ -110,18 +119,19 @@ class UsageLedger:
         try:
             async with _aio.timeout(self._op_timeout):  # redis-py can swallow a cancel: see _aio
                 pipe = self._client().pipeline(transaction=False)
-                for (day, tenant, fleet), deltas in batch.items():
+                for (day, tenant, fleet, adapter), deltas in batch.items():
                     key = self._keys.usage(day)
+                    where = f"{tenant}|{fleet}:{adapter}" if adapter else f"{tenant}|{fleet}"
                     for name, d in zip(COUNTERS, deltas, strict=True):
                         if d:
-                            pipe.hincrby(key, f"{tenant}|{fleet}|{name}", d)
-                            fields.append((key, f"{tenant}|{fleet}|{name}"))
+                            pipe.hincrby(key, f"{where}|{name}", d)
+                            fields.append((key, f"{where}|{name}"))
                     pipe.expire(key, ttl)
                     fields.append((key, ""))
                 replies = await pipe.execute(raise_on_error=False)
         except _REDIS_ERRORS as e:
-            for where, deltas in batch.items():  # added to what came meanwhile
-                pending = self._pending.setdefault(where, [0] * len(COUNTERS))
+            for of, deltas in batch.items():  # added to what came meanwhile
+                pending = self._pending.setdefault(of, [0] * len(COUNTERS))
                 for i, d in enumerate(deltas):
                     pending[i] += d
             self.flush_errors += 1
@@ -140,18 +150,21 @@ class UsageLedger:
 
 
 async def read_days(client: Any, keys: RedisKeys, days: Iterable[str]) -> list[dict[str, Any]]:
-    """Rows ``{day, tenant, fleet, <counters>, total_tokens}`` of the stored days, sorted."""
+    """Rows ``{day, tenant, fleet, adapter, <counters>, total_tokens}`` of the stored days, sorted
+    (``adapter`` "": the fleet's own model)."""
     days = list(days)
     pipe = client.pipeline(transaction=False)
     for day in days:
         pipe.hgetall(keys.usage(day))
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for day, fields in zip(days, await pipe.execute(), strict=True):
         for field, value in fields.items():
             name = field.decode() if isinstance(field, bytes) else str(field)
-            tenant, fleet, counter = name.rsplit("|", 2)
-            row = rows.setdefault((day, tenant, fleet), {"day": day, "tenant": tenant, "fleet": fleet,
-                                                         **dict.fromkeys(COUNTERS, 0)})
+            tenant, where, counter = name.rsplit("|", 2)
+            fleet, _, adapter = where.partition(":")
+            row = rows.setdefault((day, tenant, fleet, adapter),
+                                  {"day": day, "tenant": tenant, "fleet": fleet, "adapter": adapter,
+                                   **dict.fromkeys(COUNTERS, 0)})
             if counter in row:
                 row[counter] += int(value)
     out = [rows[k] for k in sorted(rows)]

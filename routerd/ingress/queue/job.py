@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ... import log
-from ...config import Config
+from ...config import Config, FleetConfig
 from ...dataplane.dispatch import Dispatch, Request, SetAside
 from ...errors import BadRequest, DeadlineExceeded, PermissionDenied, RouterdError, error_type
 from ...queue_wire import (
@@ -279,7 +279,8 @@ class JobRunner:
         req = Request(fleet=fleet, endpoint=job.endpoint, body=running.body, head=read.head,
                       stream=read.stream, id=job.id, tenant=tenant, source="queue", route=route,
                       priority=job.priority, deadline=deadline, session=job.session or read.session,
-                      rooms=rooms, preemptible=not read.stream, preempted=running.preempted)
+                      rooms=rooms, preemptible=not read.stream, preempted=running.preempted,
+                      adapter=_adapter(self._cfg().fleet(fleet), read.head.model))
         try:
             return await self._run(running, job, req, rooms)
         except DeadlineExceeded as e:
@@ -421,3 +422,8 @@ def _operation(endpoint: str) -> str:
 
 def _ignore(_: str) -> None:
     pass
+
+
+def _adapter(fleet: FleetConfig | None, model: str) -> str:
+    """The LoRA adapter a job's model names on its fleet ("": the fleet's own model), for its usage."""
+    return model if fleet is not None and model != fleet.model else ""
