@@ -6,6 +6,13 @@ job's one result is kept in its idempotency record (``<ns>:done:<id>``) as well 
 and :meth:`QueueClient.status` can answer "done" with the result. ``queued`` is known only for jobs
 submitted through this client (a plain ``XADD`` leaves no status until routerd starts the job).
 
+Across a Redis failover (Sentinel): replication is asynchronous, so a job whose ``XADD`` the master
+acknowledged can be missing from the replica it promotes. ``submit(..., durable=True)`` waits (``WAIT``)
+until a replica has the jobs too, and raises :class:`NotDurable` when none confirms them in time. A
+result stored just before a failover can be lost with it and the job run again: its second result
+carries the same job id, and this client keeps the first it saw (``wait``, ``result``, ``wait_many``
+and ``status`` answer that one from then on).
+
     async with QueueClient.from_url("redis://127.0.0.1:6379/0") as q:
         job = await q.submit({"model": "sim-small", "prompt": "hi", "max_tokens": 8})
         result = await q.wait(job, timeout=30)
@@ -27,7 +34,7 @@ import redis.exceptions
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import _aio
-from .config_schema import RedisConfig
+from .config_schema import RedisConfig, cluster_names
 from .queue_wire import ChunkView, ResultView, decode_chunk, decode_result, json_encode, msgpack_encode
 from .redis_conn import RedisConn
 from .redis_keys import RedisKeys
@@ -40,6 +47,18 @@ _W3C = TraceContextTextMapPropagator()
 # Its longest blocking read (a result's or a stream's wait is sliced into reads of at most 1 s): the
 # socket timeout covers it with room to spare.
 _READ_BLOCK_MS = 5000
+_KEPT_RESULTS = 100_000  # the first result seen per job id, kept for this many jobs (oldest dropped)
+
+
+class NotDurable(Exception):
+    """Jobs the master queued but no replica confirmed within the client's op time-out (``WAIT``): a
+    failover now could lose them. Submitting them again with the same job ids is safe — routerd stores
+    one result per job id — and so is keeping them (they are queued)."""
+
+    def __init__(self, jobs: list[Submitted], replicas: int) -> None:
+        super().__init__(f"{len(jobs)} job(s) queued, but {replicas} replica(s) confirmed them, not 1")
+        self.jobs = jobs
+        self.replicas = replicas
 
 class Submitted(msgspec.Struct, frozen=True):
     """A submitted job: its id, where its result goes, and its stream entry."""
@@ -61,22 +80,47 @@ class QueueClient:
     """Async client for one routerd deployment (identified by its request stream's name)."""
 
     def __init__(self, redis: aioredis.Redis, *, stream: str = "routerd:requests",
-                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "") -> None:
+                 op_timeout_s: float = 5.0, status_ttl_s: int = 86_400, id_prefix: str = "",
+                 cluster: bool = False) -> None:
         self.redis: Any = redis
-        self.keys = RedisKeys(stream=stream)
+        # ``cluster``: the deployment's ``[redis] cluster``, its keys under one hash tag
+        self.keys = RedisKeys.for_stream(stream, cluster=cluster)
         # Begins every job id this client makes, and so every per-job key (reply, result, status,
         # cancel): the scope of a producer's Redis ACL (``routerd redis-acl --producer-prefix``).
         self.id_prefix = id_prefix
         self._timeout = op_timeout_s
         self._status_ttl_s = status_ttl_s
+        self._first: dict[str, ResultView] = {}  # job id → the first result seen (insertion order)
 
     @classmethod
     def from_url(cls, url: str, *, stream: str = "routerd:requests", password: str | None = None,
-                 username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "") -> QueueClient:
-        """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them)."""
-        cfg = RedisConfig(username=username or "", password=password or "", op_timeout_s=op_timeout_s)
-        client = RedisConn(url, cfg, pooled=False).blocking(_READ_BLOCK_MS)
-        return cls(client, stream=stream, op_timeout_s=op_timeout_s, id_prefix=id_prefix)
+                 username: str | None = None, op_timeout_s: float = 5.0, id_prefix: str = "",
+                 ssl_ca_certs: str = "", ssl_certfile: str = "", ssl_keyfile: str = "",
+                 cluster: bool = False) -> QueueClient:
+        """``username``/``password``: a Redis ACL user's (a userinfo in ``url`` wins over them);
+        ``ssl_*``: for a ``rediss://`` URL, the CA and a client certificate and key (PEM files);
+        ``cluster``: the deployment runs on a Redis Cluster (its ``[redis] cluster``)."""
+        cfg = RedisConfig(username=username or "", password=password or "", op_timeout_s=op_timeout_s,
+                          ssl_ca_certs=ssl_ca_certs, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                          cluster=cluster, stream=stream)
+        return cls.from_config(cfg, url, id_prefix=id_prefix)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig, url: str | None = None, *, id_prefix: str = "") -> QueueClient:
+        """A client reaching Redis as a routerd with ``[redis]`` = ``cfg`` does — its URL (or ``url``),
+        user, password, TLS, its sentinels (``sentinels``, ``service_name``: the client follows the
+        master through a failover) and its ``cluster`` setting — on ``cfg.stream``::
+
+            QueueClient.from_config(RedisConfig(sentinels=["10.0.0.1:26379", "10.0.0.2:26379"],
+                                                service_name="routerd", url="redis:///0"))
+        """
+        stream = cfg.stream
+        if cfg.cluster:  # a config's, loaded, is tagged already; a hand-made one is tagged here
+            stream = cluster_names(stream, cfg.dead_stream)[0]
+            cfg = msgspec.structs.replace(cfg, stream=stream)
+        client = RedisConn(url or cfg.url, cfg, pooled=False).blocking(_READ_BLOCK_MS)
+        return cls(client, stream=stream, op_timeout_s=cfg.op_timeout_s, id_prefix=id_prefix,
+                   cluster=cfg.cluster)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -98,6 +142,9 @@ class QueueClient:
         owned = self.keys.reserved(reply_to)
         if owned is not None:  # routerd would dead-letter it: say so before it is sent
             raise ValueError(f"reply_to {reply_to!r} is routerd's own key: {owned}")
+        elsewhere = self.keys.elsewhere(reply_to)
+        if elsewhere is not None:
+            raise ValueError(f"reply_to {reply_to!r} is {elsewhere}")
         if endpoint is None:
             endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         job = {"id": job_id, "endpoint": endpoint, "body": dict(body), "reply_to": reply_to,
@@ -121,28 +168,34 @@ class QueueClient:
     async def submit(self, body: Mapping[str, Any], *, endpoint: str | None = None,
                      job_id: str | None = None, reply_to: str | None = None, priority: int = 0,
                      deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
-                     tenant: str | None = None, session: str | None = None) -> Submitted:
+                     tenant: str | None = None, session: str | None = None, durable: bool = False,
+                     ) -> Submitted:
         """Enqueue one OpenAI request. ``deadline_ms``: Unix ms, or ms after enqueueing if < 1e11;
         ``tenant``: a ``[[tenants]]`` name (None: ``default``); ``session``: keeps a conversation's
-        jobs on one instance while it is not saturated (None: the body's ``user``)."""
+        jobs on one instance while it is not saturated (None: the body's ``user``); ``durable``: return
+        only once a replica has the job too (``WAIT 1``), so that a failover to it cannot lose it; raises
+        :class:`NotDurable` when none confirms it within the op time-out (the job is queued)."""
         return (await self.submit_many([body], endpoint=endpoint, reply_to=reply_to, priority=priority,
                                        deadline_ms=deadline_ms, encoding=encoding,
                                        job_ids=[job_id] if job_id else None, tenant=tenant,
-                                       session=session))[0]
+                                       session=session, durable=durable))[0]
 
     async def submit_many(self, bodies: Iterable[Mapping[str, Any]], *, endpoint: str | None = None,
                           reply_to: str | None = None, priority: int = 0,
                           deadline_ms: int | None = None, encoding: Literal["json", "msgpack"] = "json",
                           job_ids: Sequence[str] | None = None, batch: int = 500,
-                          tenant: str | None = None, session: str | None = None) -> list[Submitted]:
+                          tenant: str | None = None, session: str | None = None,
+                          durable: bool = False) -> list[Submitted]:
         """Enqueue many jobs in pipelined batches (one MULTI per batch); returns them in order.
+        ``durable``: each batch waits for a replica (``WAIT 1``) as in :meth:`submit`; a batch none
+        confirms raises :class:`NotDurable` with the jobs queued so far.
 
         Each job carries the W3C context of the caller's current OpenTelemetry span, if any
         (``traceparent``/``tracestate``): routerd's spans for it join the caller's trace."""
         trace = trace_context()
         out: list[Submitted] = []
         pending: list[tuple[str, str]] = []
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self._pipeline(durable)
         for i, body in enumerate(bodies):
             jid = job_ids[i] if job_ids else None
             job_id, reply, job = self._job(body, endpoint, jid, reply_to, priority, deadline_ms, tenant,
@@ -150,26 +203,52 @@ class QueueClient:
             self._queue(pipe, job_id, job, encoding)
             pending.append((job_id, reply))
             if len(pending) >= batch:
-                out += await self._flush(pipe, pending)
+                out += await self._flush(pipe, pending, durable, out)
                 pending = []
-                pipe = self.redis.pipeline(transaction=True)
+                pipe = self._pipeline(durable)
         if pending:
-            out += await self._flush(pipe, pending)
+            out += await self._flush(pipe, pending, durable, out)
         return out
 
-    async def _flush(self, pipe: Any, pending: list[tuple[str, str]]) -> list[Submitted]:
-        async with _aio.timeout(self._timeout + len(pending) / 1000):
+    def _pipeline(self, durable: bool) -> Any:
+        """A batch's MULTI; a durable one spells MULTI … EXEC out in a plain pipeline, so that the
+        ``WAIT`` after it runs on the same connection (WAIT counts that connection's writes)."""
+        if not durable:
+            return self.redis.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.execute_command("MULTI")
+        return pipe
+
+    async def _flush(self, pipe: Any, pending: list[tuple[str, str]], durable: bool = False,
+                     before: Sequence[Submitted] = ()) -> list[Submitted]:
+        if durable:
+            pipe.execute_command("EXEC")
+            pipe.execute_command("WAIT", 1, max(1, int(self._timeout * 1000)))
+        async with _aio.timeout(self._timeout * (2 if durable else 1) + len(pending) / 1000):
             replies = await pipe.execute()
-        entries = replies[2::3]
-        return [Submitted(jid, reply, _s(entry))
-                for (jid, reply), entry in zip(pending, entries, strict=True)]
+        entries = (replies[-2] if durable else replies)[2::3]
+        out = [Submitted(jid, reply, _s(entry)) for (jid, reply), entry in zip(pending, entries, strict=True)]
+        if durable and int(replies[-1]) < 1:
+            raise NotDurable([*before, *out], int(replies[-1]))
+        return out
 
     # results -------------------------------------------------------------------------------------
     async def result(self, job_id: str) -> ResultView | None:
-        """The job's result if it has one (from its idempotency record), else None."""
+        """The job's result if it has one (from its idempotency record; the first this client saw),
+        else None."""
+        if (kept := self._first.get(job_id)) is not None:
+            return kept
         async with _aio.timeout(self._timeout):
             raw = await self.redis.get(self.keys.done(job_id))
-        return None if raw is None else decode_result(raw)
+        return None if raw is None else self._keep(decode_result(raw))
+
+    def _keep(self, result: ResultView) -> ResultView:
+        """The first result this client saw for ``result.id``: a job run again after a failover lost its
+        stored result has a second one, which is not the answer the producer may already have acted on."""
+        kept = self._first.setdefault(result.id, result)
+        if len(self._first) > _KEPT_RESULTS:
+            del self._first[next(iter(self._first))]
+        return kept
 
     async def wait(self, job: Submitted | str, *, timeout: float, reply_to: str | None = None,
                    ) -> ResultView:
@@ -193,7 +272,10 @@ class QueueClient:
         while missing:
             still: list[str] = []
             for i in range(0, len(missing), 1000):
-                part = missing[i:i + 1000]
+                results.update({j: self._first[j] for j in missing[i:i + 1000] if j in self._first})
+                part = [j for j in missing[i:i + 1000] if j not in self._first]
+                if not part:
+                    continue
                 try:
                     async with _aio.timeout(self._timeout):
                         raws = await self.redis.mget([self.keys.done(j) for j in part])
@@ -204,7 +286,7 @@ class QueueClient:
                     if raw is None:
                         still.append(job_id)
                     else:
-                        results[job_id] = decode_result(raw)
+                        results[job_id] = self._keep(decode_result(raw))
             missing = still
             if missing:
                 if time.monotonic() > deadline:
@@ -267,6 +349,8 @@ class QueueClient:
             for entry_id, fields in reply[0][1]:
                 last = _s(entry_id)
                 item = _reply_item(fields, job_id)
+                if isinstance(item, ResultView):
+                    item = self._keep(item)
                 if item is not None:
                     yield item
                     if isinstance(item, ResultView):
@@ -292,8 +376,8 @@ class QueueClient:
             pipe.hgetall(self.keys.status(job_id))
             raw, fields = await pipe.execute()
         fields = {_s(k): _s(v) for k, v in fields.items()}
-        if raw is not None:
-            result = decode_result(raw)
+        if raw is not None or job_id in self._first:
+            result = self._first.get(job_id) or self._keep(decode_result(raw))
             return JobStatus(id=job_id, state="done", result=result, instance=result.instance,
                              consumer=fields.get("consumer", ""))
         state = fields.get("state", "unknown")

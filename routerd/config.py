@@ -47,6 +47,7 @@ from .config_schema import (
     Seconds,
     TenantConfig,
     TracingConfig,
+    cluster_names,
 )
 
 __all__ = [
@@ -263,10 +264,34 @@ def _semantic_problems(cfg: Config) -> list[str]:
         # Caught here (exit 78) rather than as a ValueError deep in start-up that systemd restarts forever.
         problems.append(f"$.ray.address: expected host:port of the Ray GCS (\"\" = routerd's own head), "
                         f"got {redact.url(cfg.ray.address)!r}")
-    problems += _tls_problems(cfg.http.tls_cert, cfg.http.tls_key)
+    problems += _tls_problems(cfg.http.tls_cert, cfg.http.tls_key) + _redis_problems(cfg.redis)
     if worker_count(cfg) > 1 and not cfg.redis.enabled:
         problems.append("$.daemon.workers: more than one worker needs Redis ([redis] enabled): the "
                         "workers share the queue and their view of the fleets through it")
+    problems += _sentinel_problems(cfg.redis)
+    return problems
+
+
+def _sentinel_problems(r: RedisConfig) -> list[str]:
+    """``[redis] sentinels`` and what contradicts it: the master's address comes from the sentinels,
+    so the URL names none, and an embedded redis-server has no sentinels."""
+    if not r.sentinels:
+        extra = [k for k in ("service_name", "sentinel_username", "sentinel_password") if getattr(r, k)]
+        return [f"$.redis.{k}: set without [redis] sentinels, which it is for" for k in extra]
+    problems = [f"$.redis.sentinels[{i}]: expected \"host:port\" of a Redis Sentinel, got {s!r}"
+                for i, s in enumerate(r.sentinels) if not _HOST_PORT_RE.fullmatch(s)]
+    if not r.service_name:
+        problems.append("$.redis.service_name: the sentinels' name of the master (their `sentinel "
+                        "monitor <name> ...`) is needed with [redis] sentinels")
+    if r.url == "embedded":
+        problems.append("$.redis.url: \"embedded\" runs routerd's own redis-server, which no sentinel "
+                        "watches: drop [redis] sentinels, or give the URL as \"redis:///0\"")
+    elif r.url != RedisConfig().url:
+        parts = urlsplit(r.url)
+        if parts.scheme not in ("redis", "rediss") or parts.hostname:
+            problems.append(f"$.redis.url: with [redis] sentinels the master's address comes from them; "
+                            f"the URL gives only the scheme and database (\"redis:///0\", "
+                            f"\"rediss:///0\"), got {redact.url(r.url)!r}")
     return problems
 
 
@@ -289,6 +314,37 @@ def _tls_problems(cert: str, key: str) -> list[str]:
     except (ssl.SSLError, OSError) as e:
         return [f"$.http.tls_cert: {cert} with {key}: not a PEM certificate and its private key ({e})"]
     return []
+
+
+def _redis_problems(r: RedisConfig) -> list[str]:
+    """TLS files that are no use (no ``rediss://``) or unreadable, and a cluster where there is none."""
+    problems: list[str] = []
+    tls = {name: getattr(r, name) for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+           if getattr(r, name)}
+    if tls and not r.url.startswith("rediss://"):
+        problems.append(f"$.redis.{next(iter(tls))}: TLS settings need a rediss:// redis.url, not "
+                        f"{redact.url(r.url)!r}")
+    if r.ssl_keyfile and not r.ssl_certfile:
+        problems.append("$.redis.ssl_keyfile: a client key needs its certificate (redis.ssl_certfile)")
+    problems += [f"$.redis.{name}: cannot read {path}: {e.strerror}" for name, path in tls.items()
+                 for e in _unreadable(path)]
+    if r.cluster:
+        if r.url == "embedded":
+            problems.append("$.redis.cluster: the embedded redis-server is not a cluster")
+        elif urlsplit(r.url).path.strip("/") not in ("", "0"):
+            problems.append("$.redis.cluster: a Redis Cluster has database 0 only, and redis.url names "
+                            f"{urlsplit(r.url).path.strip('/')!r}")
+    return problems
+
+
+def _cluster_keys(cfg: Config) -> Config:
+    """On a Redis Cluster, the stream names under their namespace's hash tag (``cluster_names``), so
+    that every component reading ``redis.stream`` and ``redis.dead_stream`` uses the tagged ones."""
+    if not cfg.redis.cluster:
+        return cfg
+    stream, dead = cluster_names(cfg.redis.stream, cfg.redis.dead_stream)
+    return msgspec.structs.replace(cfg, redis=msgspec.structs.replace(
+        cfg.redis, stream=stream, dead_stream=dead))
 
 
 def _unreadable(path: str) -> list[OSError]:
@@ -330,7 +386,7 @@ def parse(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> Conf
     problems += key_problems + _tenant_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return _cluster_keys(cfg)
 
 
 def _resolve_keys(cfg: Config, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
@@ -489,7 +545,7 @@ def state_dir(cfg: Config) -> Path:
 def secret_values(cfg: Config) -> list[str]:
     """Every secret value ``cfg`` holds, for :meth:`routerd.redact.Redactor.learn`. Here, beside the
     schema, so a new secret key is listed where it is declared (and the redactor needs no config)."""
-    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password,
+    found = [*cfg.http.api_keys, cfg.http.admin_api_key, cfg.redis.password, cfg.redis.sentinel_password,
              _userinfo_password(cfg.redis.url) or "", cfg.control.secret]
     found += [k for t in cfg.tenants for k in t.api_keys]  # env: forms already resolved by the loader
     for fleet in cfg.fleets:

@@ -70,6 +70,23 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     tls_key: str = ""
 
 
+def cluster_names(stream: str, dead: str) -> tuple[str, str]:
+    """The request and dead-letter streams' names on a Redis Cluster (``[redis] cluster``): the
+    request stream's namespace (its name up to the last ``:``) in braces, Redis' hash tag, so that
+    every key derived from it lands in one slot: ``routerd:requests`` → ``{routerd}:requests``,
+    ``routerd:dead`` → ``{routerd}:dead``; a dead-letter stream outside the namespace goes under it
+    (``dead-letters`` → ``{routerd}:dead-letters``). Names already tagged so are kept."""
+    ns = stream.rsplit(":", 1)[0] if ":" in stream else stream
+    if ns.startswith("{") and ns.endswith("}"):
+        return stream, dead if dead.startswith(ns) else f"{ns}:{dead}"
+    tag = "{" + ns + "}"
+    if dead == ns or dead.startswith(f"{ns}:"):
+        dead = tag + dead[len(ns):]
+    elif not dead.startswith(tag):
+        dead = f"{tag}:{dead}"
+    return tag + stream[len(ns):], dead
+
+
 class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: str = "redis://127.0.0.1:6379/0"
     # An ACL user (``routerd redis-acl`` prints its rules); "" = the URL's, else Redis' ``default``.
@@ -93,7 +110,23 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     read_ahead_jobs: MaybeCount = 1000
     reply_maxlen: Annotated[int, Meta(ge=1, le=1_000_000_000)] = 10_000
     op_timeout_s: Seconds = 5.0
+    # TLS (``rediss://``): the CA that signed the server's certificate ("" = the system's), and a client
+    # certificate and its key (PEM) for a server with ``tls-auth-clients yes`` (certfile may hold both).
     ssl_ca_certs: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    # A Redis Cluster: every key under the hash tag of the request stream's namespace (``routerd:requests``
+    # → ``{routerd}:requests``, ``{routerd}:done:<id>``…), so all live in one slot, and every client talks
+    # to that slot's master, found again when the slot moves (routerd/redis_cluster.py).
+    cluster: bool = False
+    # Redis Sentinel (routerd/redis_conn.py): the master of ``service_name`` is asked of these sentinels
+    # ("host:port") and every client follows it through a failover; ``url`` then names no host, only the
+    # scheme and database ("redis:///0", "rediss:///0"; the default URL counts as none).
+    sentinels: list[str] = []
+    service_name: str = ""
+    # The sentinels' own ACL user and password (``requirepass``/``user`` in sentinel.conf), if they have one.
+    sentinel_username: str = ""
+    sentinel_password: str = ""
 
     @property
     def consumer_name(self) -> str:

@@ -61,7 +61,8 @@ _logger = log.get("routerd.daemon")
 _RESTART_ONLY = (
     ("http", "host"), ("http", "port"), ("http", "tls_cert"), ("http", "tls_key"), ("redis", "url"),
     ("redis", "stream"), ("redis", "group"), ("redis", "dead_stream"), ("redis", "consumer"),
-    ("redis", "username"), ("redis", "password"), ("redis", "ssl_ca_certs"),
+    ("redis", "username"), ("redis", "password"), ("redis", "ssl_ca_certs"), ("redis", "ssl_certfile"),
+    ("redis", "ssl_keyfile"), ("redis", "cluster"),
     ("redis", "enabled"), ("ray", "address"), ("ray", "namespace"), ("daemon", "state_dir"),
     ("daemon", "file_sd_path"), ("daemon", "log_level"), ("daemon", "workers"),
 )

@@ -48,6 +48,9 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
     # the Lua scripts (redis-py's Script: EVALSHA, then SCRIPT LOAD on NOSCRIPT; the queue writer's
     # SCRIPT LOAD once per Redis start)
     "evalsha", "script|load",
+    # the control lease (peers/lease.py): its scripts in a pipeline (EVAL: no more than EVALSHA after
+    # SCRIPT LOAD allows), between ROLE (are replicas connected?) and WAIT (has one the lease?)
+    "eval", "role", "wait",
     # the admin relay's answer (RPUSH + PEXPIRE) in one transaction
     "multi", "exec", "discard",
     # batches (routerd/batches/): files' pieces, tenants' lists, the written-lines bitmap, the output's
@@ -60,11 +63,18 @@ ROUTERD_COMMANDS: tuple[str, ...] = (
 )
 
 # What routerd.client.QueueClient sends: submit (HSETNX + EXPIRE + XADD in MULTI), wait (XREAD, GET,
-# MGET), status (GET, HGETALL), cancel (SET + PUBLISH in MULTI), and DEL for a producer cleaning up.
+# MGET), status (GET, HGETALL), cancel (SET + PUBLISH in MULTI), and DEL for a producer cleaning up;
+# WAIT for submit(durable=True).
 PRODUCER_COMMANDS: tuple[str, ...] = (
     "select", "ping", "xadd", "xread", "get", "mget", "hsetnx", "hgetall", "expire", "set",
-    "del", "publish", "multi", "exec", "discard",
+    "del", "publish", "multi", "exec", "discard", "wait",
 )
+
+def _cluster(keys: RedisKeys) -> tuple[str, ...]:
+    """On a Redis Cluster (``[redis] cluster``: the names under a hash tag) every client asks a node
+    which master serves the deployment's slot (routerd/redis_cluster.py)."""
+    return ("cluster|slots",) if keys.tagged else ()
+
 
 _GLOB = re.compile(r"([*?\[\]\\])")
 _NAME = re.compile(r"^[A-Za-z0-9_.@+-]{1,64}$")
@@ -84,7 +94,7 @@ def _checked(what: str, value: str) -> str:
 def routerd_rules(keys: RedisKeys, reply_patterns: tuple[str, ...] = ()) -> list[str]:
     """Rules (after ``user NAME``) for routerd's own user."""
     ns = glob_escape(_checked("the namespace", keys.ns))
-    rules = ["resetchannels", "-@all", *(f"+{c}" for c in ROUTERD_COMMANDS), f"~{ns}:*"]
+    rules = ["resetchannels", "-@all", *(f"+{c}" for c in ROUTERD_COMMANDS + _cluster(keys)), f"~{ns}:*"]
     for name in dict.fromkeys((keys.stream, keys.dead)):
         if not name.startswith(f"{keys.ns}:"):
             rules.append(f"~{glob_escape(_checked('the stream', name))}")
@@ -100,7 +110,7 @@ def producer_rules(keys: RedisKeys, prefix: str, reply_patterns: tuple[str, ...]
     probe = keys.reply(prefix)
     if keys.reserved(probe) is not None:  # pragma: no cover - the client family is never reserved
         raise ValueError(f"{probe!r} is routerd's own key")
-    return ["resetchannels", "-@all", *(f"+{c}" for c in PRODUCER_COMMANDS),
+    return ["resetchannels", "-@all", *(f"+{c}" for c in PRODUCER_COMMANDS + _cluster(keys)),
             f"%W~{glob_escape(keys.stream)}",
             f"~{ns}:reply:{own}", f"%R~{ns}:done:{own}", f"~{ns}:job:{own}", f"%W~{ns}:cancel:{own}",
             *(f"~{_checked('a reply pattern', p)}" for p in reply_patterns),

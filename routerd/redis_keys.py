@@ -5,6 +5,10 @@ per-job key is derived from a namespace — the request stream's name up to its 
 for ``routerd:requests``) — so two routerd deployments with different stream names can share one
 Redis without seeing each other's jobs. The client computes the same names from the same stream name.
 
+On a Redis Cluster (``[redis] cluster``) the namespace is in braces, a hash tag (``{routerd}:requests``,
+``{routerd}:done:<id>``): every key of a deployment is in one slot, so its Lua scripts, transactions and
+pipelines run there. Without it the names are as they always were, so producers keep working.
+
 Every name derived here is ``<ns>:<family>:<suffix>`` (built by ``RedisKeys._key``), so one prefix rule,
 :meth:`RedisKeys.reserved`, covers every key routerd owns — a key added later included: a producer's
 ``reply_to`` must not name one (a stream created over the rate-limit buckets or a day's usage would break
@@ -16,7 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis.crc import key_slot
+
 from .config import RedisConfig
+from .config_schema import cluster_names
 
 
 def namespace_of(stream: str) -> str:
@@ -38,7 +45,17 @@ class RedisKeys:
 
     @classmethod
     def from_config(cls, cfg: RedisConfig) -> RedisKeys:
+        """A loaded config's names (on a cluster, already under the hash tag: ``config.parse``)."""
         return cls(stream=cfg.stream, group=cfg.group, dead=cfg.dead_stream)
+
+    @classmethod
+    def for_stream(cls, stream: str, *, cluster: bool = False) -> RedisKeys:
+        """A producer's names for the deployment whose request stream is ``stream`` (as its config
+        says it), under the hash tag on a cluster (``[redis] cluster``)."""
+        if not cluster:
+            return cls(stream=stream)
+        stream, dead = cluster_names(stream, RedisConfig().dead_stream)  # a producer never names it
+        return cls(stream=stream, dead=dead)
 
     @property
     def ns(self) -> str:
@@ -61,6 +78,18 @@ class RedisKeys:
         if family in CLIENT_FAMILIES and name.startswith(self._key(family, "")):
             return None
         return f"a key under routerd's namespace {self.ns!r}" + (f" ({family}:…)" if family else "")
+
+    @property
+    def tagged(self) -> bool:
+        """Whether the names are under a hash tag (``[redis] cluster``)."""
+        return self.ns.startswith("{") and self.ns.endswith("}")
+
+    def elsewhere(self, name: str) -> str | None:
+        """Why a key named by a producer (``reply_to``) cannot be used with the deployment's keys on a
+        Redis Cluster — another slot, which routerd's scripts and transactions cannot reach — or None."""
+        if not self.tagged or key_slot(name.encode()) == key_slot(self.stream.encode()):
+            return None
+        return f"not under the deployment's hash tag {self.ns} (redis.cluster), so in another slot"
 
     def done(self, job_id: str) -> str:
         """The idempotency record: exists once the job's one result is stored; holds that result."""

@@ -57,18 +57,20 @@ class RedisTarget:
 
 def redis_target(url: str, config_path: str | None) -> RedisTarget:
     """``routerd submit`` and ``routerd usage``: the URL given (``--redis``, ``$ROUTERD_REDIS_URL``), else
-    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the user and
-    password the config holds (``redis.username``/``redis.password``, or ``ROUTERD_REDIS_USERNAME``/
-    ``ROUTERD_REDIS_PASSWORD`` over them), those variables alone without a config.
+    the config's (the embedded server's last URL for ``"embedded"``), else localhost; the user,
+    password, TLS files and cluster setting the config's ``[redis]`` holds, the ``ROUTERD_REDIS_*``
+    variables over them (``ROUTERD_REDIS_PASSWORD``, ``ROUTERD_REDIS_SSL_CERTFILE``…), those variables
+    alone without a config.
 
     The config is read by :func:`routerd.config.load_for_tool` (its API keys left out).
     Raises :class:`routerd.config.ConfigError`."""
     from . import config
 
-    if not config_path:
-        return RedisTarget(url=url or LOCAL_REDIS, redis=config.RedisConfig(
-            username=os.environ.get("ROUTERD_REDIS_USERNAME", ""),
-            password=os.environ.get("ROUTERD_REDIS_PASSWORD", "")))
+    if not config_path:  # [redis] from the ROUTERD_REDIS_* variables alone
+        redis_env = {k: v for k, v in os.environ.items() if k.startswith("ROUTERD_REDIS_")}
+        if url:
+            redis_env["ROUTERD_REDIS_URL"] = url
+        return RedisTarget(url=url or LOCAL_REDIS, redis=config.parse({}, environ=redis_env).redis)
     cfg = config.load_for_tool(config_path)
     if not url:
         url = cfg.redis.url

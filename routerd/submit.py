@@ -92,8 +92,8 @@ async def _submit_one(args: argparse.Namespace, target: RedisTarget, model: str)
     if args.stream:
         body["stream"] = True
     redis_cfg = target.redis
-    async with QueueClient.from_url(target.url, stream=redis_cfg.stream, username=redis_cfg.username,
-                                    password=redis_cfg.password, id_prefix=args.id_prefix) as q:
+    # As the daemon reaches Redis: user, password, TLS, and the sentinels of a config that has them.
+    async with QueueClient.from_config(redis_cfg, target.url, id_prefix=args.id_prefix) as q:
         job = await q.submit(body, priority=args.priority, deadline_ms=args.deadline_ms, tenant=args.tenant)
         if not args.wait:
             print(job.id)

@@ -19,6 +19,9 @@ pytest_plugins = [
     "tests.fixtures.otlp",  # before vllm, which imports it
     "tests.fixtures.vllm",
     "tests.fixtures.redis_server",
+    "tests.fixtures.redis_tls",
+    "tests.fixtures.redis_cluster",
+    "tests.fixtures.sentinel",
     "tests.fixtures.ray_cluster",
     "tests.fixtures.dataplane",
     "tests.fixtures.daemon",

@@ -10,8 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from routerd.client import QueueClient
+from routerd.client import NotDurable, QueueClient
 from routerd.submit import submit_main
+from tests.fixtures.helpers import until
 from tests.fixtures.redis_server import FakeUpstream, QueueBenchFactory, RedisServer
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
@@ -126,3 +127,42 @@ async def test_routerd_submit_command(redis_server: RedisServer, redis_async: ai
             assert len(job_id) == 32
     finally:
         await bench.stop()
+
+
+async def test_a_result_stored_twice_is_kept_as_first_seen(queue_bench: QueueBenchFactory,
+                                                           redis_async: aioredis.Redis) -> None:
+    """A failover can lose a job's stored result with the old master, and routerd runs the job again: a
+    second result with the same job id. The client that saw the first keeps answering it."""
+    bench = queue_bench(FakeUpstream(fail=lambda job_id, n: n > 1))  # the second run fails
+    q = QueueClient(redis_async)
+    job = await q.submit(BODY, job_id="twice")
+    await bench.start()
+    try:
+        first = await q.wait(job, timeout=10)
+        assert first.status == "ok"
+        await redis_async.delete(q.keys.done(job.id))  # lost with the old master
+        await q.submit(BODY, job_id=job.id)  # ... and the job run again
+        await until(lambda: _results_on(redis_async, job.reply_to, 2), 30, "the second result")
+    finally:
+        await bench.stop()
+    assert (await QueueClient(redis_async).result(job.id)).status == "error"  # what Redis holds now
+    assert await q.result(job.id) is first
+    assert await q.wait(job, timeout=5) is first
+    assert (await q.wait_many([job], timeout=5))[job.id] is first
+    assert (await q.status(job)).result is first
+
+
+async def _results_on(r: aioredis.Redis, stream: str, n: int) -> bool:
+    return sum(b"result" in fields for _, fields in await r.xrange(stream)) >= n
+
+
+async def test_a_durable_submit_no_replica_confirms_raises_not_durable(redis_async: aioredis.Redis) -> None:
+    """``durable=True`` waits for a replica (``WAIT``); with none, NotDurable names the jobs, queued."""
+    q = QueueClient(redis_async, op_timeout_s=0.3)
+    with pytest.raises(NotDurable) as raised:
+        await q.submit_many([BODY, BODY], durable=True)
+    assert raised.value.replicas == 0
+    assert len(raised.value.jobs) == 2
+    assert await redis_async.xlen(q.keys.stream) == 2
+    assert [j.id for j in raised.value.jobs] == [
+        msgspec.json.decode(f[b"job"])["id"] for _, f in await redis_async.xrange(q.keys.stream)]

@@ -251,3 +251,45 @@ def test_every_number_in_the_config_has_both_bounds() -> None:
     unbounded = [path for path, t in numbers
                  if (t.ge is None and t.gt is None) or (t.le is None and t.lt is None)]
     assert unbounded == []
+
+
+def test_redis_tls_and_cluster_settings_that_contradict_or_cannot_be_read(tmp_path: Path) -> None:
+    cert = tmp_path / "client.crt"
+    cert.write_text("PEM")
+    cases = [
+        ({"url": "redis://h:6379/0", "ssl_ca_certs": str(cert)},
+         "$.redis.ssl_ca_certs: TLS settings need a rediss://"),
+        ({"url": "rediss://h:6379/0", "ssl_keyfile": str(cert)},
+         "$.redis.ssl_keyfile: a client key needs its certificate"),
+        ({"url": "rediss://h:6379/0", "ssl_certfile": str(tmp_path / "gone.crt")},
+         "$.redis.ssl_certfile: cannot read"),
+        ({"url": "embedded", "cluster": True}, "$.redis.cluster: the embedded redis-server is not a cluster"),
+        ({"url": "redis://h:6379/2", "cluster": True},
+         "$.redis.cluster: a Redis Cluster has database 0 only"),
+    ]
+    for redis, problem in cases:
+        with pytest.raises(config.ConfigError) as e:
+            config.parse({"redis": redis}, environ={})
+        assert any(p.startswith(problem) for p in e.value.problems), (redis, e.value.problems)
+    ok = config.parse({"redis": {"url": "rediss://h:6379/0", "ssl_ca_certs": str(cert),
+                                 "ssl_certfile": str(cert), "cluster": True}}, environ={})
+    assert ok.redis.stream == "{routerd}:requests"
+def test_sentinel_settings_that_contradict_each_other_are_named(tmp_path: Path) -> None:
+    """``[redis] sentinels``: the master's address comes from them, so a URL naming a host, an embedded
+    server, a missing ``service_name`` or a malformed address is a ``check-config`` error (exit 78);
+    a service name or sentinel password without sentinels too."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[redis]\nurl = "redis://10.0.0.5:6379/0"\nsentinels = ["127.0.0.1:26379", "s2"]\n')
+    result = _check(bad)
+    assert result.returncode == 78
+    assert "$.redis.url: with [redis] sentinels the master's address comes from them" in result.stderr
+    assert "$.redis.sentinels[1]: expected \"host:port\"" in result.stderr
+    assert "$.redis.service_name:" in result.stderr
+    with pytest.raises(config.ConfigError, match=r"\$\.redis\.url: \"embedded\""):
+        config.parse({"redis": {"url": "embedded", "sentinels": ["h:1"], "service_name": "m"}}, environ={})
+    with pytest.raises(config.ConfigError, match=r"\$\.redis\.sentinel_password: set without"):
+        config.parse({"redis": {"sentinel_password": "x"}}, environ={})
+    ok = config.parse({"redis": {"url": "rediss:///2", "service_name": "m"}},
+                      environ={"ROUTERD_REDIS_SENTINELS": "s1:26379, [::1]:26379"})
+    assert ok.redis.sentinels == ["s1:26379", "[::1]:26379"]
+    assert config.parse({"redis": {"sentinels": ["s1:26379"], "service_name": "m"}}, environ={})

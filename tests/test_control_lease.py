@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import redis
+import redis.asyncio
 
 from routerd.config import ConfigError, ControlConfig, RedisConfig, parse
 from routerd.fleet.actor import EngineActor, FencedOut
@@ -20,6 +21,7 @@ from routerd.fleet.ray_cluster import RayCluster
 from routerd.peers.lease import _MARGIN, ControlLease, NotController
 from routerd.plugins import LaunchSpec
 from routerd.redis_conn import RedisConn
+from routerd.redis_keys import RedisKeys
 from routerd.status import render
 from tests.fixtures.redis_server import RedisServer
 
@@ -55,7 +57,11 @@ class PausableProxy:
         return f"redis://127.0.0.1:{self.port}/0"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:  # the server behind it is gone (killed by the test): refused, as it would be
+            writer.close()
+            return
         for src, dst in ((reader, up_w), (up_r, writer)):
             task = asyncio.create_task(self._pump(src, dst))
             self._tasks.add(task)
@@ -308,3 +314,157 @@ def test_lease_s_is_bounded_and_set_from_the_environment() -> None:
     assert any(p.startswith("$.control.lease_s") for p in e.value.problems), e.value.problems
     assert parse({}, environ={"ROUTERD_CONTROL_LEASE_S": "2.5"}).control.lease_s == 2.5
     assert parse({}, environ={}).control.lease_s == 5.0
+
+
+# -- across a failover: a promoted replica that lacks the last writes ------------------------------
+
+@contextlib.asynccontextmanager
+async def master_and_lagging_replica(tmp_path: Path, healthy: int = 0) -> AsyncIterator[
+        tuple[RedisServer, RedisServer, PausableProxy]]:
+    """A master, and a replica that reaches it through a proxy: pausing the proxy makes the replica lag
+    (the master still counts it connected), as an asynchronous replica can when its master dies. Plus
+    ``healthy`` replicas connected directly, which never lag."""
+    (tmp_path / "master").mkdir()
+    master = RedisServer(tmp_path / "master", extra_args=("--repl-diskless-sync-delay", "0"))
+    master.start()
+    servers = [master]
+    try:
+        async with PausableProxy(master.port) as link:
+            for i, port in enumerate([link.port] + [master.port] * healthy):
+                (tmp_path / f"replica{i}").mkdir()
+                servers.append(RedisServer(tmp_path / f"replica{i}",
+                                           extra_args=("--replicaof", "127.0.0.1", str(port))))
+                servers[-1].start()
+            probe = redis.asyncio.Redis(port=master.port, socket_timeout=2)
+            try:
+                end = time.monotonic() + 20
+                while len((await probe.execute_command("ROLE"))[2]) < 1 + healthy:
+                    assert time.monotonic() < end, "the replicas never synced"
+                    await asyncio.sleep(0.05)
+            finally:
+                await probe.aclose()
+            yield master, servers[1], link
+    finally:
+        for server in servers:
+            server.kill()
+
+
+async def promote(server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=server.port, socket_timeout=2)
+    try:
+        await client.execute_command("REPLICAOF", "NO", "ONE")
+    finally:
+        await client.aclose()
+
+
+async def test_a_failover_to_a_replica_without_the_last_renew_never_gives_two_controllers(
+        tmp_path: Path) -> None:
+    """The holder's renewals stop reaching one of two replicas (the other has them all); the master is
+    SIGKILLed and the lagging one promoted (Sentinel may pick either), and the other routerd's client
+    follows it there. The holder's term ends before the lease lapses on the promoted replica — it counted
+    only what every replica had — so the other never controls at the same time, and its token is
+    higher."""
+    async with master_and_lagging_replica(tmp_path, healthy=1) as (master, replica, link), \
+            PausableProxy(master.port) as follow:  # b's way to "the master", wherever it is
+        a, b = lease("host-a", master.url, 3.0), lease("host-b", follow.url, 3.0)
+        async with running(a, b):
+            await until(lambda: a.controls, 10)
+            await until(lambda: b.holder is not None and b.holder.ident == "host-a", 10)
+            link.open.clear()  # from now on the replica sees nothing
+            renewed = a._deadline
+            await until(lambda: a._deadline != renewed or a._unreplicated, 5)  # a renew the replica lacks
+            master.kill()
+            follow.target = replica.port
+            await promote(replica)
+            killed = time.monotonic()
+            stopped = started = None
+            while started is None:
+                now = time.monotonic()
+                assert not (a.controls and b.controls), "both controlled at once"
+                if stopped is None and not a.controls:
+                    stopped = now
+                if b.controls:
+                    started = now
+                assert now - killed < 15, "b never took control"
+                await asyncio.sleep(0.002)
+            assert stopped is not None
+            assert stopped < started
+            assert b.token > a.token
+            assert not a.controls
+
+
+async def test_a_take_starts_above_every_token_its_taker_saw(tmp_path: Path) -> None:
+    """A term the replica never had (its counter and clock far behind the master's): a replica that
+    read that holder takes a token above it on the promoted replica."""
+    async with master_and_lagging_replica(tmp_path) as (master, replica, link), \
+            PausableProxy(master.port) as follow:
+        link.open.clear()
+        client = redis.asyncio.Redis(port=master.port)
+        try:  # the master's counter far ahead (many terms, or a clock ahead): the replica lacks it
+            counter = RedisKeys.from_config(RedisConfig()).control_token()
+            await client.set(counter, int(time.time() * 1000) + 10**9)
+        finally:
+            await client.aclose()
+        a, b = lease("host-a", master.url, 3.0), lease("host-b", follow.url, 3.0)
+        await a.step()
+        assert not a.controls  # its take reached no replica: it is no term of control
+        assert a.holder is not None
+        ahead = a.holder.token
+        assert ahead > time.time() * 1000 + 10**8
+        await b.step()
+        assert b.seen == ahead
+        master.kill()
+        follow.target = replica.port
+        await promote(replica)
+        end = time.monotonic() + 10
+        while not b.controls:
+            assert time.monotonic() < end, "b never took control"
+            await b.step()
+            await asyncio.sleep(0.05)
+        assert b.token > ahead
+        await b.release()
+        await a.release()
+
+
+async def test_a_term_goes_above_the_token_an_engine_holds(redis_server: RedisServer,
+                                                           tmp_path: Path) -> None:
+    """An engine holds a token from a term Redis lost: the new controller raises its own above it,
+    keeping the lease, and the engine takes its commands; Redis hands out higher tokens from then on."""
+    lost = int(time.time() * 1000) + 10**9
+    spec = LaunchSpec(fleet="f", index=0, engine="sim", model="m", engine_args={}, env={}, num_cpus=0.1,
+                      num_gpus=0)
+    actor = EngineActor(msgspec.json.encode(spec), 1, str(tmp_path), "127.0.0.1", lost)
+    b = lease("host-b", redis_server.url, 5.0)
+    await b.step()
+    assert b.controls
+    with pytest.raises(FencedOut):
+        await actor.stop(1.0, b.token)
+    assert await b.raise_above((await actor.info())["token"])
+    assert b.token > lost
+    await actor.stop(1.0, b.token)
+    await b.step()  # the raised value is the lease's: renewing it keeps control
+    assert b.controls
+    c = lease("host-c", redis_server.url, 5.0)
+    await c.step()
+    assert c.holder is not None
+    assert (c.holder.ident, c.holder.token) == ("host-b", b.token)
+    await b.release()
+    await c.step()
+    assert c.token > b.token
+    await c.release()
+
+
+async def test_a_term_that_lapsed_unobserved_is_counted_ended_before_the_next(
+        redis_server: RedisServer) -> None:
+    """Nothing ran between the take and its deadline (a start-up slower than the lease): the next step
+    takes a new term, and reports the old one ended first — a log of terms has no term that silently
+    changed its token."""
+    a = lease("host-a", redis_server.url, 0.3)
+    await a.step()
+    first = a.token
+    await asyncio.sleep(0.35)  # past the deadline, with nothing watching
+    await a.step()
+    assert a.controls
+    assert a.token > first
+    assert (a.acquisitions, a.losses) == (2, 1)
+    await a.release()

@@ -138,7 +138,8 @@ def _every_key(keys: RedisKeys, job_id: str = "x1") -> dict[str, str]:
     covered without touching this test."""
     names = {}
     for attr in dir(RedisKeys):
-        if attr.startswith("_") or attr in ("from_config", "reserved", "group"):  # group: not a key
+        if attr.startswith("_") or attr in ("from_config", "for_stream", "reserved", "elsewhere", "tagged",
+                                            "group"):  # group: not a key; the others: not names
             continue
         value = getattr(keys, attr)
         if callable(value):  # a key family takes its suffix (a file's piece: its id and number); a single
@@ -153,8 +154,11 @@ def _every_key(keys: RedisKeys, job_id: str = "x1") -> dict[str, str]:
 
 def test_every_key_routerd_owns_is_reserved_and_only_the_clients_reply_is_not() -> None:
     for keys in (RedisKeys(), RedisKeys(stream="acme:jobs:in", dead="acme-dead"),
-                 RedisKeys(stream="solo", dead="x")):
-        for attr, name in _every_key(keys).items():
+                 RedisKeys(stream="solo", dead="x"), RedisKeys.for_stream("routerd:requests", cluster=True)):
+        every = _every_key(keys)
+        if keys.tagged:  # [redis] cluster: every name in the one slot of the tag, none "elsewhere"
+            assert {keys.elsewhere(name) for name in every.values()} == {None}, every
+        for attr, name in every.items():
             why = keys.reserved(name)
             if attr in CLIENTS_OWN:
                 assert why is None, name

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from routerd.client import QueueClient
-from routerd.config import RedisConfig
+from routerd.config import RedisConfig, parse
 from routerd.redis_acl import acl_file
 from routerd.redis_keys import RedisKeys
 from tests.fixtures.daemon import RouterdFactory, base_config, to_toml
@@ -204,6 +204,14 @@ def test_rules_escape_glob_characters_and_cover_streams_outside_the_namespace() 
     assert producer_line.endswith(
         r" %W~app\[1\]:jobs ~app\[1\]:reply:team\*a-* %R~app\[1\]:done:team\*a-* ~app\[1\]:job:team\*a-*"
         r" %W~app\[1\]:cancel:team\*a-* ~results:* &app\[1\]:cancel")
+    # [redis] cluster: the tagged names, and CLUSTER SLOTS to find the slot's master
+    on_cluster = acl_file(parse({"redis": {"cluster": True}}, environ={}).redis, routerd_user="rd",
+                          producer_user="p1", producer_prefix="p1-")
+    for line in on_cluster.splitlines():
+        assert " +cluster|slots " in line, line
+    assert on_cluster.splitlines()[0].endswith(" ~{routerd}:* &{routerd}:*")
+    assert " %W~{routerd}:requests ~{routerd}:reply:p1-* " in on_cluster.splitlines()[1]
+    assert "cluster" not in text
     hashed = acl_file(RedisConfig(), routerd_user="rd", producer_user="p1", producer_prefix="p1-",
                       routerd_password="s3cret-pw")
     assert "s3cret-pw" not in hashed

@@ -75,7 +75,8 @@ class DataPlane:
         self.http = HttpIngress(cfg, core.registry, dispatch=self.dispatch, admission=self.admission,
                                 router=self.router, tenancy=self.tenancy, telemetry=telemetry,
                                 metrics=core.metrics, tracing=tracing, clock=clock, elastic=elastic,
-                                control=core.control.status, **_http_view(fleet_state, fleets))
+                                control=core.control.status, **_http_view(fleet_state, fleets),
+                                redis_health=core.redis.health if core.redis is not None else None)
         if lora is not None:
             lora.attach(self.http)
         self.listener = HttpListener(self.http)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .. import config as config_mod
 from .. import log
-from .._aio import cancel_and_wait
+from .._aio import cancel_and_wait, timeout
 from ..config import Config
 from ..dataplane.upstream import make_session
 from ..peers.lease import ControlLease
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from aiohttp import web
     from prometheus_client.registry import Collector
 
+    from ..redis_conn import RedisConn
     from .fleets import FleetControl
 
 _log = log.get("routerd.assembly")
@@ -75,9 +76,14 @@ async def assemble(cfg: Config, registry: Registry, *, sockets: Sequence[socket.
         redis = None
         if redis_url:  # every Redis client of the process comes from it; its pools closed last but Redis
             from ..redis_conn import RedisConn
+            from ..redis_faults import RedisFaults
+            from ..redis_keys import RedisKeys
 
-            redis = RedisConn(redis_url, cfg.redis)
+            keys = RedisKeys.from_config(cfg.redis)  # a refusal on another key is a job's reply_to's
+            redis = RedisConn(redis_url, cfg.redis,
+                              faults=RedisFaults(owns=lambda key: keys.reserved(key) is not None))
             stack.push_async_callback(redis.aclose)
+            await _watch_sentinels(redis, stack)
         tracing = await _tracing(cfg, stack) if tracing is None else tracing
         session = make_session(cfg.routing)  # the one client session of the process
         stack.push_async_callback(session.close)
@@ -191,6 +197,26 @@ async def _take_control(control: ControlLease, stack: contextlib.AsyncExitStack)
             _log.error("control_lease_task_stuck")
 
     stack.push_async_callback(stop)
+
+
+async def _watch_sentinels(redis: RedisConn, stack: contextlib.AsyncExitStack) -> None:
+    """With ``[redis] sentinels``: what they say of the master, logged when it changes and read by
+    ``/readyz`` (:meth:`RedisConn.health`) — asked once now, so a wrong address or service name is the
+    first thing the log says, then every few seconds until the end (stopped by ``stack``)."""
+    watch = redis.watch
+    if watch is None:
+        return
+    task = asyncio.create_task(watch.run(), name="redis_sentinels")
+
+    async def stop() -> None:
+        if await cancel_and_wait({task}, 5.0):
+            _log.error("redis_sentinel_watch_stuck")
+
+    stack.push_async_callback(stop)
+    # The first answer, bounded by the sentinels' time-outs: never a reason not to start.
+    with contextlib.suppress(TimeoutError):
+        async with timeout(redis.cfg.op_timeout_s * (len(redis.cfg.sentinels) + 1)):
+            await watch.checked.wait()
 
 
 async def _redis(cfg: Config, stack: contextlib.AsyncExitStack, state: Path) -> str:

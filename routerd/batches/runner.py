@@ -119,13 +119,19 @@ class BatchRunner:
         return None
 
     async def run(self) -> None:
+        down = False  # an outage is logged once, and its end (a Sentinel failover: the new master answers)
         try:
             while True:
                 try:
                     await self._adopt()
                     await self._sample()
+                    if down:
+                        down = False
+                        _log.info("batches_redis_back")
                 except REDIS_DOWN as e:
-                    _log.warning("batches_redis_unavailable", error=repr(e))
+                    if not down:
+                        down = True
+                        _log.warning("batches_redis_unavailable", error=repr(e))
                 except Exception:  # noqa: BLE001 — loop boundary: logged, the next poll goes on
                     _log.exception("batches_poll_failed")
                 await asyncio.sleep(self._cfg().batches.poll_s)

@@ -78,6 +78,11 @@ async def adopt(name: str, fleet: str, index: int, cluster: RayCluster, ops: Eng
         _logger.warning("adopt_unresponsive", actor=name, error=repr(e))
         await stop(actor, False, "unresponsive when adopted")
         return None
+    held = int(info.get("token") or 0)
+    if held > ops.token() and ops.raise_token is not None:
+        # A token from a term Redis lost in a failover (routerd/peers/lease.py): this term goes above it
+        # before it sends the engine anything, else the engine would refuse every command of it.
+        await ops.raise_token(held)
     try:
         recorded = msgspec.json.decode(info["spec"].encode(), type=LaunchSpec)
     except (KeyError, AttributeError, msgspec.DecodeError) as e:  # another routerd version's record

@@ -19,7 +19,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +83,15 @@ class EngineOps:
     def __init__(self, cluster: RayCluster, state_dir: str, clock: Callable[[], float],
                  session: aiohttp.ClientSession, *, spreader: Spreader | None = None,
                  nodes: NodeWatch | None = None, token: Callable[[], int] = lambda: 0,
+                 raise_token: Callable[[int], Awaitable[bool]] | None = None,
                  api_key: str = "") -> None:
         """``token()``: this process's control token, sent with every mutating actor call (the actor
-        refuses one older than it has seen: routerd/fleet/actor.py). ``api_key``: what every engine
-        started here requires on its /v1 routes (routerd/trust.py derives it; "" none)."""
+        refuses one older than it has seen: routerd/fleet/actor.py); ``raise_token(t)`` makes it higher
+        than ``t``, one an adopted engine holds (``ControlLease.raise_above``). ``api_key``: what every
+        engine started here requires on its /v1 routes (routerd/trust.py derives it; "" none)."""
         self.cluster = cluster
         self.token = token
+        self.raise_token = raise_token
         self.api_key = api_key
         self.api_key_id = api_key_id(api_key)
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -89,7 +89,8 @@ class FleetManager:
                                clock=clock)
         spreader = Spreader(cluster, self.nodes, self._placement_of)
         self.ops = EngineOps(cluster, str(config_mod.state_dir(cfg)), clock, session, spreader=spreader,
-                             nodes=self.nodes, token=lambda: self.control.token, api_key=engine_api_key)
+                             nodes=self.nodes, token=lambda: self.control.token,
+                             raise_token=self.control.raise_above, api_key=engine_api_key)
         self.supervisors: dict[str, Supervisor] = {}
         # Engines of fleets this controller's config lacks, found running at the start of its term: left
         # running, unmanaged, until an operator removes them (remove_orphan) or a config with their fleet

@@ -168,7 +168,8 @@ class HttpIngress:
                  view_untrusted: Callable[[], str] | None = None,
                  control: Callable[[], dict[str, Any]] | None = None,
                  serves: Callable[[str], bool] | None = None,
-                 orphaned: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 orphaned: Callable[[], list[dict[str, Any]]] | None = None,
+                 redis_health: Callable[[], tuple[str, bool]] | None = None) -> None:
         self.registry = registry
         self.dispatch = dispatch
         self.tenancy = tenancy  # the data plane's, shared with the queue
@@ -194,6 +195,8 @@ class HttpIngress:
         # and who controls the fleets (routerd/peers/lease.py ControlLease.status), in /admin/fleets.
         self.view_status = view_status
         self.view_untrusted = view_untrusted  # why this follower has no fleet view it can trust ("": has)
+        # Why Redis cannot be used ("": it can), and whether that keeps it unready (RedisConn.health).
+        self.redis_health = redis_health
         self.control = control
         # serves(fleet): whether it is one of the fleets there are (FleetStateSync.serves; None: every fleet
         # of
@@ -437,9 +440,12 @@ class HttpIngress:
                          if n == 0 and elastic is not None and elastic.standby(name))
         not_ready = sorted(name for name, n in fleets.items() if n == 0 and name not in standby)
         untrusted = self.view_untrusted() if self.view_untrusted is not None else ""
-        ready = not not_ready and not self.draining and not untrusted
+        redis, redis_blocks = self.redis_health() if self.redis_health is not None else ("", False)
+        ready = not not_ready and not self.draining and not untrusted and not redis_blocks
         body = {"ready": ready, "draining": self.draining, "ready_instances": fleets,
                 "not_ready": not_ready, "standby": standby}
+        if redis:  # Redis unusable: unready only if never reached since start (a wrong address or name)
+            body["redis"] = redis
         if untrusted:  # a follower that cannot trust the controller's fleet state has no fleet view
             body["untrusted_view"] = untrusted
         return web.json_response(body, status=200 if ready else 503, dumps=_dumps)

@@ -26,6 +26,25 @@ Without Redis (or for a process that is alone by construction) the lease is *sol
 the start, nothing to renew; its token is its start time in ms. A token taken in Redis is never below
 the server's clock in ms either, so tokens keep growing across a Redis that lost its data, or a switch
 from a routerd without Redis to replicas with it.
+
+**Across a failover** (Sentinel promoting a replica, README "Redis in production"). Replication is
+asynchronous: a promoted replica can lack the last take, renew or ``INCR``, so a lease could be granted
+again while its holder still controls, and a token could go back. Three rules keep one controller and
+tokens that only grow:
+
+* **A term exists once the replicas have it.** Every take, renew and raise is sent in one pipeline with
+  ``ROLE`` before it (the replicas online) and ``WAIT <that many>`` after it. The local deadline is
+  extended only when every replica online acknowledged the write, or when the master had none (then the
+  lease is as safe as that one server). Whichever replica Sentinel promotes holds our lease with an
+  expiry at or past our deadline: nobody takes it there while we still control. A replica that lags
+  past the ``WAIT`` leaves the term unrenewed: the controller stops at its deadline rather than risk two.
+* **A take starts above every token its taker has seen** (its own terms, every holder it read): the
+  script takes ``max(INCR, server ms, highest seen + 1)``, so a promoted replica whose counter or clock
+  is behind still hands out a higher token to any replica that watched the lease.
+* **A term starts above every token its engines hold.** Adopting the fleets, the controller reads each
+  engine actor's highest token; one at or above its own (a term lost with a replica that was not
+  promoted, a Redis with its clock behind) makes it :meth:`ControlLease.raise_above` it, within the
+  term, before it sends a command — the engines then take the new controller's commands.
 """
 
 from __future__ import annotations
@@ -51,17 +70,20 @@ from ..redis_keys import RedisKeys
 
 _log = log.get("routerd.control")
 
-# KEYS: lease, token. ARGV: holder json, ttl ms, the value we may replace ("" = only an absent key).
-# A token is never below the Redis server's clock in ms: a Redis that lost its data (or a routerd that
-# ran without Redis, whose token is its start time) never leaves an engine actor holding a higher one.
+# KEYS: lease, token. ARGV: holder json, ttl ms, the value we may replace ("" = only an absent key),
+# the highest token the taker has seen. A token is never below the Redis server's clock in ms: a Redis
+# that lost its data (or a routerd that ran without Redis, whose token is its start time) never leaves
+# an engine actor holding a higher one; nor at or below a token the taker saw (a promoted replica whose
+# counter or clock is behind).
 _TAKE = """
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[3] then return {0, cur, redis.call('PTTL', KEYS[1])} end
 local token = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
 local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-if token < ms then
-  token = ms
+local floor = math.max(ms - 1, tonumber(ARGV[4]) or 0)
+if token <= floor then
+  token = floor + 1
   redis.call('SET', KEYS[2], string.format('%d', token))
 end
 local value = string.format('%d', token) .. ' ' .. ARGV[1]
@@ -73,6 +95,20 @@ RENEW_IF_HELD = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# KEYS: lease, token. ARGV: our value, the token to go above, our holder json. A new token for the term
+# we hold (same expiry): the value it returns is ours from then on; nil when we do not hold it.
+_RAISE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local token = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[2])
+if token <= floor then
+  token = floor + 1
+  redis.call('SET', KEYS[2], string.format('%d', token))
+end
+local value = string.format('%d', token) .. ' ' .. ARGV[3]
+redis.call('SET', KEYS[1], value, 'KEEPTTL')
+return value
+"""
 # KEYS: lease. ARGV: our value.
 RELEASE_IF_HELD = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -81,8 +117,16 @@ return 0
 # The part of the lease a controller gives up at its end: it stops this long before Redis could pass the
 # lease on (clock rate differences between hosts are far below it).
 _MARGIN = 0.1
+_SCRIPTS = {"take": _TAKE, "renew": RENEW_IF_HELD, "release": RELEASE_IF_HELD, "raise": _RAISE}
 _NO_ANSWER = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError, TimeoutError)
 _WARN_EVERY_S = 10.0
+
+
+def _replicas(role: Any) -> int:
+    """Replicas connected to the master, from its ``ROLE`` reply (0 from a replica or anything else)."""
+    if isinstance(role, list | tuple) and len(role) >= 3 and role[0] in (b"master", "master"):
+        return len(role[2])
+    return 0
 
 
 class NotController(RouterdError):
@@ -153,16 +197,18 @@ class ControlLease:
         self._deadline = -1.0  # monotonic: controls until then
         self.holder: Holder | None = None  # the last holder seen (us included)
         self.token = 0
+        self.seen = 0  # the highest token this process has seen (its own terms, every holder it read)
         self.acquisitions = 0
         self.losses = 0
         self._was = False  # controls, as last reported
         self._changed = asyncio.Event()
         self._client: aioredis.Redis | None = None
-        self._scripts: dict[str, Any] = {}
         self._warned = -_WARN_EVERY_S
         self._raw_current = ""  # the lease's value as last read
         self._released = False  # given up for good (the process is stopping): never taken again
         self._expires_in: float | None = None  # the holder's lease lapses in this long, as last read
+        self._replicas = 0  # replicas the master had connected, as its last ROLE said
+        self._unreplicated = False  # the last write no replica acknowledged (logged once until one is)
         if self.sole:
             # Alone by construction: its token is its start time, above what a lease handed out before.
             self.token = self.me.started_ms
@@ -229,6 +275,7 @@ class ControlLease:
     async def step(self) -> None:
         """One turn: renew what we hold, else try to take it. Redis not answering only delays; the
         deadline decides."""
+        self._note()  # a term that lapsed unobserved (a slow start-up) is logged as ended before a new one
         try:
             if self._value is not None and self.controls:
                 await self._renew()
@@ -259,14 +306,20 @@ class ControlLease:
         if holder is not None and self._may_replace(holder):
             expect = self._raw_current
         sent = self._clock()
-        took, value, *ttl = await self._call("take", [self._keys.control_lease(), self._keys.control_token()],
-                                             [_encode(me), int(cfg.lease_s * 1000), expect])
+        (took, value, *ttl), replicated = await self._call(
+            "take", [self._keys.control_lease(), self._keys.control_token()],
+            [_encode(me), int(cfg.lease_s * 1000), expect, self.seen])
         self._expires_in = int(ttl[0]) / 1000 if ttl and int(ttl[0]) >= 0 else None  # -1: no TTL
         raw = value.decode() if isinstance(value, bytes) else str(value)
         seen = Holder.parse(raw)
+        self._saw(seen)
         if not int(took):
             self.holder = seen
             self._lose("held by another", seen)
+            return False
+        if not replicated:  # ours on the master only: a failover now could hand it out again
+            self.holder = seen
+            self._expires_in = None
             return False
         if holder is not None and expect and holder.incarnation != self.me.incarnation:
             _log.warning("control_lease_taken_from_same_ident", ident=self.ident, previous=holder.status(),
@@ -278,6 +331,13 @@ class ControlLease:
         self.token = seen.token if seen is not None else 0
         self._note()
         return True
+
+    def _saw(self, holder: Holder | None) -> None:
+        if holder is not None:
+            self._saw_token(holder.token)
+
+    def _saw_token(self, token: int) -> None:
+        self.seen = max(self.seen, token)
 
     def _may_replace(self, holder: Holder) -> bool:
         """A holder with our ident: ourselves from a term whose deadline passed, or an older
@@ -291,20 +351,57 @@ class ControlLease:
     async def _current(self) -> Holder | None:
         client = self._get_client()
         async with _aio.timeout(self._op_timeout()):
-            raw = await client.get(self._keys.control_lease())
+            pipe = client.pipeline(transaction=False)
+            pipe.get(self._keys.control_lease())
+            pipe.execute_command("ROLE")
+            raw, role = await pipe.execute()
+        self._replicas = _replicas(role)
         self._raw_current = raw.decode() if isinstance(raw, bytes) else (raw or "")
-        return Holder.parse(raw) if raw else None
+        holder = Holder.parse(raw) if raw else None
+        self._saw(holder)
+        return holder
 
     async def _renew(self) -> None:
         assert self._value is not None
         sent = self._clock()
-        ok = await self._call("renew", [self._keys.control_lease()],
-                              [self._value, int(self._cfg.lease_s * 1000)])
-        if int(ok):
-            if self.controls:  # a reply after the deadline does not bring back a term that ended
-                self._extend(sent)
-        else:
+        ok, replicated = await self._call("renew", [self._keys.control_lease()],
+                                          [self._value, int(self._cfg.lease_s * 1000)])
+        if not int(ok):
             self._lose("lease taken by another", None)
+        elif replicated and self.controls:  # a reply after the deadline does not bring back a term
+            self._extend(sent)
+
+    async def raise_above(self, token: int) -> bool:
+        """Make this term's token higher than ``token`` — one an engine actor holds (read when the fleets
+        are adopted), from a term a failover lost — keeping the lease and its expiry, so the engines
+        take this controller's commands. False (and control stopped) when this process does not hold
+        the lease any more; True when :attr:`token` is above ``token`` now."""
+        self._saw_token(token)
+        if token < self.token:
+            return True
+        if self.sole:  # alone by construction: no Redis to agree with, and no other controller
+            self.token = token + 1
+            self.holder = msgspec.structs.replace(self.me, since_ms=self.me.started_ms, token=self.token)
+            return True
+        value = self._value
+        if value is None or not self.controls:
+            return False
+        old = self.token
+        raised, _ = await self._call("raise", [self._keys.control_lease(), self._keys.control_token()],
+                                     [value, token, value.partition(" ")[2]])
+        if raised is None or self._value != value:
+            self._lose("lease taken by another", None)
+            return False
+        raw = raised.decode() if isinstance(raised, bytes) else str(raised)
+        holder = Holder.parse(raw)
+        self._value = raw
+        self.holder = holder
+        self.token = holder.token if holder is not None else token + 1
+        self._saw_token(self.token)
+        _log.warning("control_token_raised", ident=self.ident, token=self.token, was=old, engine_token=token,
+                     why="an engine holds a token from a term Redis lost (a failover to a replica that "
+                         "lacked it, or a Redis whose clock is behind)")
+        return True
 
     async def release(self) -> None:
         """Give the lease up for good (the process is stopping, fleet control has stopped), so another
@@ -369,15 +466,39 @@ class ControlLease:
         if self._client is None:
             assert self._redis is not None, "sole control calls no Redis"
             self._client = self._redis.ops()
-            self._scripts = {"take": self._client.register_script(_TAKE),
-                             "renew": self._client.register_script(RENEW_IF_HELD),
-                             "release": self._client.register_script(RELEASE_IF_HELD)}
         return self._client
 
-    async def _call(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    async def _call(self, script: str, keys: list[str], args: list[Any]) -> tuple[Any, bool]:
+        """Run one of the lease's scripts and wait for the replicas to have it: its reply, and whether it is
+        replicated — every replica online (``ROLE``, just before) acknowledged it (none: nothing to wait
+        for). ``ROLE``, ``EVAL`` and ``WAIT`` go in one pipeline, on one connection: ``WAIT``
+        counts that connection's writes. (``EVAL`` rather than ``EVALSHA``: a pipeline would first
+        send ``SCRIPT EXISTS``; a user who may ``SCRIPT LOAD`` and ``EVALSHA`` may ``EVAL`` as much.)"""
         client = self._get_client()
-        async with _aio.timeout(self._op_timeout()):
-            return await self._scripts[script](keys=keys, args=args, client=client)
+        timeout = self._op_timeout()
+        wanted = self._replicas  # as last seen: the ROLE just before the write may find more
+        async with _aio.timeout(timeout):
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("ROLE")
+            pipe.execute_command("EVAL", _SCRIPTS[script], len(keys), *keys, *args)
+            # A replica acknowledges at once (WAIT asks it to): half the call's time is plenty.
+            pipe.execute_command("WAIT", wanted, max(1, int(timeout * 500)))
+            role, reply, acked = await pipe.execute()
+        replicas = _replicas(role)
+        self._replicas = replicas
+        replicated = int(acked) >= replicas
+        if replicated:
+            if self._unreplicated:
+                self._unreplicated = False
+                _log.info("control_lease_replicated", ident=self.ident, replicas=replicas)
+        elif not self._unreplicated:
+            self._unreplicated = True
+            _log.warning("control_lease_not_replicated", ident=self.ident, replicas=replicas,
+                         acknowledged=int(acked),
+                         effect="a replica did not acknowledge the lease in time: it is not taken or "
+                                "renewed (a failover could hand it out again), so control stops at its "
+                                "deadline")
+        return reply, replicated
 
     async def _close(self) -> None:
         client, self._client = self._client, None

@@ -63,7 +63,9 @@ _BUCKET_LOG_EVERY_S = 10.0  # one tenant's unreadable bucket is logged at most t
 # both buckets hold enough (a request); 0: apply the deltas whatever the level (a correction, a refund).
 # Per record: {allowed, requests left, tokens left, ms until enough, ms until requests full, ms until
 # tokens full}, or {-1, 0, 0, 0, 0, 0, error} when its key cannot be read as a bucket (then only that
-# record fails, not the batch). A bucket's level never rises above its limit (a refund of a full bucket
+# record fails, not the batch) — but on a Redis Cluster node that no longer serves the buckets' slot the
+# whole call fails, before anything is written, and is sent to the slot's master (routerd/redis_cluster.py).
+# A bucket's level never rises above its limit (a refund of a full bucket
 # is lost). A dimension without a limit keeps no level: a limit added later starts with a full bucket,
 # not with the debt of every request sent while there was none.
 BUCKETS = """
@@ -73,7 +75,9 @@ local out = {}
 for i, r in ipairs(cmsgpack.unpack(ARGV[1])) do
   local key, rpm, tpm, nreq, ntok, check = r[1], r[2], r[3], r[4], r[5], r[6]
   local s = redis.pcall('HMGET', key, 'r', 't', 'ts')
-  if s.err then
+  if s.err and string.find(s.err, 'non local key', 1, true) then
+    return redis.error_reply(s.err)
+  elseif s.err then
     out[i] = {-1, 0, 0, 0, 0, 0, s.err}
   else
     local rl, tl = tonumber(s[1]) or rpm, tonumber(s[2]) or tpm
@@ -213,6 +217,8 @@ class RateLimiter:
         self._script: Any = None
         self._down_until = 0.0 if client is not None else math.inf
         self.redis_errors = 0
+        self._down_since: float | None = None  # when this outage began (logged once, and when it ends)
+        self._down_said: set[str] = set()  # the kinds of failure logged in this outage
         self._bucket_logged: dict[str, float] = {}  # tenant → when its unusable bucket was last logged
 
     @property
@@ -281,6 +287,7 @@ class RateLimiter:
                 self._script = client.register_script(BUCKETS)
             async with _aio.timeout(_REDIS_TIMEOUT_S):  # redis-py can swallow a cancel: see _aio
                 replies = await self._script(args=[_pack(records)], client=client)
+            self._back()
             for r, reply in zip(batch, replies, strict=True):
                 self._answer(r, reply)
         except _NO_ANSWER as e:
@@ -322,7 +329,20 @@ class RateLimiter:
                 r.future.set_result(grant)
 
     def _mark_down(self, event: str, error: str, reason: str) -> None:
+        """Decide locally for ``_DOWN_S``; each kind logged once an outage, however many retries fail."""
         self.redis_errors += 1
-        if self.shared:
+        if self._down_since is None:
+            self._down_since = self._clock()
+        if event not in self._down_said:
+            self._down_said.add(event)
             _log.warning(event, error=error, retry_in_s=_DOWN_S, reason=reason)
         self._down_until = self._clock() + _DOWN_S
+
+    def _back(self) -> None:
+        """Redis answered: an outage, if there was one, is over (after a Sentinel failover, this is
+        the promoted master answering)."""
+        if self._down_since is not None:
+            _log.info("rate_limits_shared", local_s=round(self._clock() - self._down_since, 3),
+                      reason="Redis answers again: tenants' limits are shared again")
+            self._down_since = None
+            self._down_said.clear()

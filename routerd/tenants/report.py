@@ -36,7 +36,7 @@ async def _read(target: RedisTarget, days: list[str]) -> list[dict[str, Any]]:
 
     client: Any = RedisConn(target.url, target.redis, pooled=False).ops()  # password and TLS as the daemon's
     try:
-        return await read_days(client, RedisKeys(stream=target.redis.stream), days)
+        return await read_days(client, RedisKeys.from_config(target.redis), days)
     finally:
         await client.aclose()
 

@@ -209,6 +209,9 @@ class JobRunner:
         owned = self._keys.reserved(job.reply_to)
         if problem is None and owned is not None:  # a result there would break what routerd keeps in it
             problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is routerd's own key: {owned}", ""
+        elsewhere = self._keys.elsewhere(job.reply_to)
+        if problem is None and elsewhere is not None:  # on a cluster, out of the scripts' reach
+            problem, reply_to = f"reply_to {clip(job.reply_to, 100)!r} is {elsewhere}", ""
         if problem is None and fleet is None:
             model = clip(repr(job.body.get("model")), 200)
             problem, code = f"body.model: no fleet serves model {model}", 404
@@ -374,7 +377,7 @@ class JobRunner:
         is known (sent to ``reply_to`` too unless that is empty)."""
         running.finishing = True
         _log.warning("queue_job_dead", entry=running.entry_id, job_id=job_id, reason=reason)
-        if reply_to and self._keys.reserved(reply_to) is not None:
+        if reply_to and (self._keys.reserved(reply_to) or self._keys.elsewhere(reply_to)) is not None:
             reply_to = ""  # an invalid job's salvaged reply_to is checked here: nothing writes there
         result = None
         if job_id:

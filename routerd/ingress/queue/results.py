@@ -122,6 +122,9 @@ for i, r in ipairs(cmsgpack.unpack(ARGV[2])) do
   out[i] = 0
   local run, seq = tonumber(r[3]), tonumber(r[4])
   local cur = redis.pcall('GET', r[2])
+  if type(cur) == 'table' and cur.err and string.find(cur.err, 'non local key', 1, true) then
+    return redis.error_reply(cur.err)  -- a cluster node that lost the slot: the whole call, elsewhere
+  end
   local fresh = true
   if type(cur) == 'string' then
     local cr, cs = string.match(cur, '^(%d+):(%d+)$')
