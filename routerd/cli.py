@@ -94,7 +94,8 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "usage": (_usage, "usage per tenant and fleet per day (requests, tokens), from Redis"),
     "redis-acl": (_redis_acl, "Redis ACL rules for routerd's own user and a queue producer"),
     "sim-engine": (_sim_engine, "the vLLM-compatible simulated engine"),
-    "bench": (_bench, "benchmarks: overhead, routing, queue, failover, autoscale, fairness, scale, batch"),
+    "bench": (_bench, "benchmarks: overhead, routing, queue, failover, autoscale, fairness, scale, batch, "
+                       "lora"),
 }
 
 

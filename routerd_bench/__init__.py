@@ -1,4 +1,4 @@
-"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness,scale,batch}``:
+"""``routerd bench {overhead,routing,queue,failover,autoscale,fairness,scale,batch,lora}``:
 each prints a table and writes JSON with --json.
 
 A package beside ``routerd``, not inside it: the benchmarks drive routerd from outside (and assemble it
@@ -24,6 +24,7 @@ BENCHMARKS = {
     "fairness": "an interactive tenant's time to first token under a batch tenant's flood; shares by weight",
     "scale": "relayed events/s and requests/s with 1 and N workers (and vLLM Router); idle watching CPU",
     "batch": "a chat batch through the Batch API against the same lines as plain queue jobs (CPU, memory)",
+    "lora": "TTFT for 24 LoRA adapters on 4×4 slots: routerd, adapter-blind least-load, llm-d's scoring",
 }
 
 

@@ -23,7 +23,7 @@ from tests.fixtures.ray_cluster import RayTestCluster
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(240)]  # each runs `routerd bench` as a process
 
-SMOKED = {"overhead", "queue", "failover", "autoscale", "fairness", "scale", "batch"}
+SMOKED = {"overhead", "queue", "failover", "autoscale", "fairness", "scale", "batch", "lora"}
 ELSEWHERE = {"routing"}  # tests/test_bench_routing.py runs it through the command too
 
 
@@ -62,6 +62,26 @@ def test_bench_batch(tmp_path: Path) -> None:
     for figure in ("queue_lines_per_s", "batch_lines_per_s", "queue_cpu_us_per_line", "batch_cpu_us_per_line",
                    "queue_redis_bytes_per_waiting_line", "batch_redis_bytes_per_waiting_line"):
         assert r[figure] > 0, figure
+
+
+def test_bench_lora(tmp_path: Path) -> None:
+    """Every router of the comparison runs the same plan, and each has every figure."""
+    r = _bench(tmp_path, "lora", "--adapters", "6", "--instances", "2", "--max-loras", "2",
+               "--load-s", "0.05", "--capacity-rps", "8", "--duration", "3", "--warmup-s", "0.5",
+               "--mean-tokens", "8", "--sample-s", "0.05")
+    assert set(r["runs"]) == {"routerd", "llm-d", "least-load"}
+    assert r["requests"] > 0
+    assert len(r["adapter_share"]) == 6
+    for name, run in r["runs"].items():
+        assert (run["requests"], run["failed"]) == (r["requests"], 0), name
+        assert _finite(run["ttft_ms"]), name
+        assert _finite(run["e2e_ms"]), name
+        for figure in ("loads_per_1000", "slot_wait_s", "slot_wait_ms_per_request", "engine_slot_wait_s"):
+            assert run[figure] >= 0, (name, figure)  # NaN compares False
+        assert run["loads"] > 0, name  # 6 adapters on 2 × 2 slots: something had to be loaded
+    assert math.isfinite(r["runs"]["routerd"]["routerd_slot_wait_s"])
+    assert sum(r["runs"]["routerd"]["routerd_rules"].values()) == r["requests"]
+    assert {t["target"].split(" ÷ ")[1].split("'")[0] for t in r["targets"]} == {"least-load", "llm-d"}
 
 
 def test_bench_overhead(tmp_path: Path) -> None:

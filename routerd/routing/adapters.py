@@ -157,6 +157,7 @@ class AdapterSlots:
         self.load_seconds: dict[str, float] = {}
         self.requests: dict[tuple[str, str], int] = {}
         self.slot_waits: dict[str, int] = {}
+        self.slot_wait_seconds: dict[str, float] = {}  # requests' time waiting for a load, summed
         # the engine's own vllm:lora_requests_info, by instance (the scraper's, when it reads it)
         self.engine_info: dict[str, dict[str, Any]] = {}
         # Only the process that controls the fleets loads and unloads: in any other (a follower, a
@@ -258,6 +259,7 @@ class AdapterSlots:
                                                           name=f"adapter-load:{inst.id}:{adapter.name}")
             self._loading[key] = task
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+        started = self.clock()
         waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
         waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
         try:
@@ -271,6 +273,9 @@ class AdapterSlots:
             raise AdapterLoadFailed(f"loading adapter {adapter.name!r} on {inst.id} took over "
                                     f"{self.load_timeout_s:g} s") from None
         finally:
+            if plan.rule != "placement":  # a request's wait (placement's own loads keep nobody waiting)
+                waited = self.slot_wait_seconds.get(inst.fleet, 0.0) + self.clock() - started
+                self.slot_wait_seconds[inst.fleet] = waited
             if (left := waiting.get(inst.fleet, 0) - 1) > 0:
                 waiting[inst.fleet] = left
             else:
@@ -447,7 +452,8 @@ class AdapterSlots:
 
 class AdaptersCollector:
     """``routerd_adapter_*`` in ``/metrics``: loads (by outcome), unloads, load seconds, requests per
-    adapter, waits for a slot (requests that had to wait for a load), adapters held per instance."""
+    adapter, waits for a slot (requests that had to wait for a load) and the seconds requests spent
+    waiting, adapters held per instance."""
 
     def __init__(self, slots: AdapterSlots) -> None:
         self.slots = slots
@@ -477,10 +483,15 @@ class AdaptersCollector:
                                     labels=["fleet"])
         for fleet, n in s.slot_waits.items():
             waits.add_metric([fleet], n)
+        wait_s = CounterMetricFamily("routerd_adapter_slot_wait_seconds",
+                                     "Seconds requests waited for their adapter's load before being sent "
+                                     "(summed over requests)", labels=["fleet"])
+        for fleet, v in s.slot_wait_seconds.items():
+            wait_s.add_metric([fleet], v)
         held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
                                  labels=["fleet", "instance"])
         for fleet, n in s.catalog.slots.items():
             if n:
                 for inst in s.registry.instances(fleet):
                     held.add_metric([fleet, inst.id], len(s.held(inst)))
-        yield from (loads, unloads, seconds, requests, waits, held)
+        yield from (loads, unloads, seconds, requests, waits, wait_s, held)

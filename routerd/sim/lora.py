@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from routerd import log
 from routerd.errors import error_body
@@ -111,6 +111,7 @@ class SimLora:
         self._read_rank = read_rank
         self._pending_load_s = 0.0
         self._info: Gauge | None = None
+        self._loads: Counter | None = None
 
     # ---- the routes -------------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class SimLora:
         """The weights are read (the engine stalled for it): register and make resident."""
         self.registered[adapter.name] = adapter
         self._make_resident(adapter, {a.int_id for a in busy})
-        self.loads += 1
+        self._count_load()
 
     def unload(self, body: Any) -> str:
         """Forget a name (requests already admitted go on); raise :class:`LoraError` as vLLM does."""
@@ -194,8 +195,13 @@ class SimLora:
             self.resident.move_to_end(adapter.int_id)
             return
         self._make_resident(adapter, {a.int_id for a in busy if a is not None})
-        self.loads += 1
+        self._count_load()
         self._pending_load_s += self.cfg.lora_load_s
+
+    def _count_load(self) -> None:
+        self.loads += 1
+        if self._loads is not None:
+            self._loads.inc()
 
     def take_load_ms(self) -> float:
         """The loading this step did (ms), once."""
@@ -215,6 +221,12 @@ class SimLora:
         """``vllm:lora_requests_info`` in the engine's registry (only with ``--enable-lora``, as vLLM)."""
         self._info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry)
+        # the simulator's own (vLLM counts no loads): every read of an adapter's weights, by the load
+        # route and again when a request's adapter had left the cache — what ``routerd bench lora``
+        # compares routers by
+        self._loads = Counter("sim:lora_loads", "Adapter weights read (load route, or reloaded when "
+                              "scheduled after the cache let them go); the simulator's own.",
+                              registry=registry)
 
     def record(self, running: Iterable[SimAdapter | None], waiting: Iterable[SimAdapter | None]) -> None:
         """One step's stats as vLLM logs them: a series per label set, its value the time it was last
