@@ -209,8 +209,12 @@ async def test_a_rate_limited_tenants_backlog_does_not_stop_the_queue_for_others
         held, parked = rd.queue.held, dict(rd.queue._held.parked_by)
         aside, served = rd.queue._held.set_aside, rd.served("slow")
         stats = dict(rd.queue.stats)
+        went_local = rd.dp.serving.tenancy.limiter.redis_errors > 0
     assert [r.status for r in results.values()] == ["ok"] * 10
-    assert served == 3  # the bucket's minute: the rest wait
+    # the bucket's minute: the rest wait. A Redis answer slower than the limiter waits (a loaded CI
+    # machine: "rate_limits_local") has this routerd decide alone for a while, from its own full bucket
+    # (README: limits are per routerd while Redis is away): one more minute's quota at the most
+    assert served == 3 if not went_local else 3 <= served <= 6
     for r in late:
         assert r.error is not None
         assert "over its rate limit" in r.error["message"]
