@@ -147,6 +147,22 @@ async def test_a_renewed_lease_is_kept_and_a_lapsed_one_taken(redis_server: Redi
         assert c.token > token
 
 
+async def _handover(a: ControlLease, b: ControlLease, since: float, limit_s: float) -> tuple[float, float]:
+    """Watch control pass from ``a`` to ``b`` (every 2 ms, never both at once, within ``limit_s`` of
+    ``since``): when ``a`` stopped and when ``b`` started."""
+    stopped: float | None = None
+    while True:
+        now = time.monotonic()
+        assert not (a.controls and b.controls), "both controlled at once"
+        if stopped is None and not a.controls:
+            stopped = now
+        if b.controls:
+            assert stopped is not None
+            return stopped, now
+        assert now - since < limit_s, "b never took control"
+        await asyncio.sleep(0.002)
+
+
 async def test_a_partitioned_controller_stops_before_the_other_starts(redis_server: RedisServer) -> None:
     async with PausableProxy(redis_server.port) as proxy:
         a, b = lease("host-a", proxy.url, 0.9), lease("host-b", redis_server.url, 0.9)
@@ -156,17 +172,7 @@ async def test_a_partitioned_controller_stops_before_the_other_starts(redis_serv
                 await asyncio.sleep(0.3)
                 proxy.open.clear()  # a's Redis connection blocked; b still reaches Redis
                 paused = time.monotonic()
-                stopped = started = None
-                while started is None:
-                    now = time.monotonic()
-                    assert not (a.controls and b.controls), "both controlled at once"
-                    if stopped is None and not a.controls:
-                        stopped = now
-                    if b.controls:
-                        started = now
-                    assert now - paused < 5, "b never took control"
-                    await asyncio.sleep(0.002)
-                assert stopped is not None
+                stopped, started = await _handover(a, b, paused, 5)
                 assert stopped < started
                 # a stops within one lease of its last renew, b starts once the key has lapsed in Redis
                 assert stopped - paused <= 0.9 + 0.1
@@ -376,18 +382,7 @@ async def test_a_failover_to_a_replica_without_the_last_renew_never_gives_two_co
             master.kill()
             follow.target = replica.port
             await promote(replica)
-            killed = time.monotonic()
-            stopped = started = None
-            while started is None:
-                now = time.monotonic()
-                assert not (a.controls and b.controls), "both controlled at once"
-                if stopped is None and not a.controls:
-                    stopped = now
-                if b.controls:
-                    started = now
-                assert now - killed < 15, "b never took control"
-                await asyncio.sleep(0.002)
-            assert stopped is not None
+            stopped, started = await _handover(a, b, time.monotonic(), 15)
             assert stopped < started
             assert b.token > a.token
             assert not a.controls
