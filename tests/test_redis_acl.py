@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,22 +24,13 @@ from routerd.config import RedisConfig, parse
 from routerd.redis_acl import acl_file
 from routerd.redis_keys import RedisKeys
 from tests.fixtures.daemon import RouterdFactory, base_config, to_toml
+from tests.fixtures.helpers import routerd_cli
 from tests.fixtures.redis_server import AclRedisFactory
 from tests.fixtures.sim import SimProcessFactory
 
 ROUTERD_PW = "routerd-pw-Acl1"
 PRODUCER_PW = "producer-pw-Acl2"
 KEYS = RedisKeys()
-
-
-async def _cli(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ROUTERD_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**base, **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 async def _refused(call: Callable[[], Any]) -> str:
@@ -72,7 +61,7 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
     # the rules, as an operator gets them: from the config, the routerd user's password hashed in
     written = tmp_path / "for-acl.toml"
     written.write_text(to_toml(cfg("r1", "redis://127.0.0.1:1/0")))
-    code, acl, err = await _cli("redis-acl", "--config", str(written),
+    code, acl, err = await routerd_cli("redis-acl", "--config", str(written),
                                 env={"ROUTERD_REDIS_PASSWORD": ROUTERD_PW})
     assert code == 0, err
     assert ROUTERD_PW not in acl
@@ -143,7 +132,7 @@ async def test_routerd_and_a_producer_work_with_the_printed_acl_and_the_producer
         await producer.cancel(streamed)
         await raw.delete(job.reply_to, streamed.reply_to)  # it cleans up its own reply streams
         # routerd submit, as the producer user (the password from the environment, not argv)
-        code, out, err = await _cli("submit", "--model", "m", "--wait", "from the command line", env={
+        code, out, err = await routerd_cli("submit", "--model", "m", "--wait", "from the command line", env={
             "ROUTERD_REDIS_URL": server.url, "ROUTERD_REDIS_USERNAME": "producer",
             "ROUTERD_REDIS_PASSWORD": PRODUCER_PW, "ROUTERD_ID_PREFIX": "producer-"})
         assert code == 0, out + err

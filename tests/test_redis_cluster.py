@@ -6,8 +6,6 @@ when it moves. Off, the names are today's."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from typing import Any
 
 import msgspec
@@ -19,21 +17,11 @@ from routerd.config import parse
 from routerd.redis_conn import RedisConn
 from routerd.redis_keys import RedisKeys
 from routerd.tenants.service import Tenancy
-from tests.fixtures.helpers import until
+from tests.fixtures.helpers import routerd_cli, until
 from tests.fixtures.redis_cluster import RedisCluster
 from tests.fixtures.redis_server import FakeUpstream, QueueBench
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 2}
-
-
-async def _cli(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ROUTERD_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**base, **env})
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def test_the_setting_puts_every_name_under_one_tag_and_leaves_them_alone_without_it() -> None:
@@ -74,7 +62,7 @@ async def test_the_queue_and_the_rate_limiter_run_on_a_cluster_and_follow_their_
         assert [r.status for r in results] == ["ok"] * 40
         # routerd submit, the cluster setting from the environment; a reply_to in another slot is the
         # job's own fault (dead-lettered, its result kept), not the queue's
-        code, out, err = await _cli("submit", "--model", "m", "--wait", "hi", env={
+        code, out, err = await routerd_cli("submit", "--model", "m", "--wait", "hi", env={
             "ROUTERD_REDIS_URL": seed, "ROUTERD_REDIS_CLUSTER": "true"})
         assert code == 0, out + err
         assert '"status":"ok"' in out

@@ -7,8 +7,6 @@ in ``/readyz``, and a routerd that keeps running."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,22 +19,13 @@ from routerd.client import QueueClient
 from routerd.config import RedisConfig
 from routerd.redis_acl import ROUTERD_COMMANDS, acl_file
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess, base_config
+from tests.fixtures.helpers import routerd_cli
 from tests.fixtures.redis_tls import TlsFiles, TlsRedisFactory
 from tests.fixtures.sim import SimProcessFactory
 
 ROUTERD_PW = "routerd-pw-Tls1"
 PRODUCER_PW = "producer-pw-Tls2"
 T = TypeVar("T")
-
-
-async def _cli(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ROUTERD_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "routerd", *argv, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**base, **env})
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def _users() -> str:
@@ -99,7 +88,7 @@ async def test_routerd_a_producer_and_the_tools_work_over_tls_with_client_certif
         job = await producer.submit({"model": "m", "prompt": "over tls", "max_tokens": 3})
         assert (await producer.wait(job, timeout=30)).status == "ok"
         # routerd submit: the URL, user and TLS files from the environment
-        code, out, err = await _cli("submit", "--model", "m", "--wait", "from the command line", env={
+        code, out, err = await routerd_cli("submit", "--model", "m", "--wait", "from the command line", env={
             "ROUTERD_REDIS_URL": server.tls_url, "ROUTERD_REDIS_USERNAME": "producer",
             "ROUTERD_REDIS_PASSWORD": PRODUCER_PW, "ROUTERD_ID_PREFIX": "producer-",
             "ROUTERD_REDIS_SSL_CA_CERTS": str(tls_files.ca),
@@ -110,7 +99,7 @@ async def test_routerd_a_producer_and_the_tools_work_over_tls_with_client_certif
 
         # routerd usage, from the daemon's config (its TLS files and user), as routerd's user
         async def usage() -> list[dict[str, Any]]:
-            code, out, err = await _cli("usage", "--config", str(rp.config_path), "--json",
+            code, out, err = await routerd_cli("usage", "--config", str(rp.config_path), "--json",
                                         env={"ROUTERD_REDIS_PASSWORD": ROUTERD_PW})
             assert code == 0, out + err
             rows: list[dict[str, Any]] = msgspec.json.decode(out)["rows"]
