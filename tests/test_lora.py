@@ -36,8 +36,8 @@ from routerd.routing.adapters import ADAPTER_FREE_SLOT, AdapterCatalog, AdapterP
 from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
 from routerd_bench._common import to_toml
-from tests.fixtures.daemon import RouterdFactory, base_config
-from tests.fixtures.helpers import eventually, until
+from tests.fixtures.daemon import RouterdFactory, base_config, wait_all_ready
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 from tests.test_sim_lora import make_adapter
@@ -82,12 +82,7 @@ async def test_adapters_are_models_routed_to_the_instance_holding_them(
     rd = routerd_process(cfg)
     url = rd.url
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        async def both_ready() -> bool:  # routerd is ready with one: a free slot needs the other
-            async with s.get(f"{url}/admin/fleets") as r:
-                rows = (await r.json())["fleets"]["f"]["instances"]
-            return sum(1 for i in rows if i["state"] == "ready") == len(sims)
-
-        await until(both_ready, 60, "both sims ready in routerd")
+        await wait_all_ready(s, url, "f", len(sims), 60)
         async with s.get(f"{url}/v1/models") as r:
             models = {m["id"]: m for m in (await r.json())["data"]}
         assert {k: m["parent"] for k, m in models.items()} == {"base": None, "a": "base", "b": "base"}

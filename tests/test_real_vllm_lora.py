@@ -24,8 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures.daemon import RouterdFactory, base_config
-from tests.fixtures.helpers import until
+from tests.fixtures.daemon import RouterdFactory, base_config, wait_all_ready
 from tests.fixtures.vllm import SERVED_MODEL, EnginePair, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -82,12 +81,7 @@ async def test_adapters_on_real_engines_answer_from_an_instance_holding_them(
         rd = routerd_process(cfg)
         urls = {f"f:static{i}": s.url for i, s in enumerate(servers)}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-            async def both_ready() -> bool:  # routerd is ready with one: a free slot needs the other
-                async with s.get(rd.url + "/admin/fleets") as r:
-                    rows = (await r.json())["fleets"]["f"]["instances"]
-                return sum(1 for i in rows if i["state"] == "ready") == len(servers)
-
-            await until(both_ready, 120, "both engines ready in routerd")
+            await wait_all_ready(s, rd.url, "f", len(servers), 120)
             out: dict[str, str] = {}
             where: dict[str, str] = {}
             for model in ("lora-a", "lora-b", SERVED_MODEL, "lora-a"):
