@@ -73,7 +73,7 @@ def test_bench_lora(tmp_path: Path) -> None:
     assert r["requests"] > 0
     assert len(r["adapter_share"]) == 6
     for name, run in r["runs"].items():
-        assert (run["requests"], run["failed"]) == (r["requests"], 0), name
+        assert (run["requests"], run["failed"]) == (r["requests"], 0), (name, run["failures"])
         assert _finite(run["ttft_ms"]), name
         assert _finite(run["e2e_ms"]), name
         for figure in ("loads_per_1000", "slot_wait_s", "slot_wait_ms_per_request", "engine_slot_wait_s"):

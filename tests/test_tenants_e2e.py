@@ -30,6 +30,7 @@ from routerd.tenants.service import Tenancy
 from routerd.tenants.usage import UsageLedger, day_of, read_days
 from routerd.vllm_wire.metrics_text import parse as parse_metrics
 from tests.fixtures.daemon import RouterdFactory, to_toml
+from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -375,7 +376,14 @@ async def test_backlogged_http_tenants_get_slots_by_weight(
                 assert status == 200
 
         tasks = [asyncio.create_task(client(k)) for k in ("sk-small", "sk-large") for _ in range(12)]
-        await asyncio.sleep(1.0)
+
+        def backlogged() -> bool:  # both tenants have requests waiting: the share is then by weight
+            lines = {t: v for t, _, v in rd.dp.admission.tenant_stats()}
+            return all(t in lines and lines[t]["queued"] > 0 for t in ("small", "large"))
+
+        # A loaded machine may take seconds before the first requests arrive; measure from the backlog.
+        assert await eventually(backlogged, 30.0), list(rd.dp.admission.tenant_stats())
+        await asyncio.sleep(0.5)
         before = {t: v["slot_seconds"] for t, _, v in rd.dp.admission.tenant_stats()}
         await asyncio.sleep(4.0)
         after = {t: v["slot_seconds"] for t, _, v in rd.dp.admission.tenant_stats()}
