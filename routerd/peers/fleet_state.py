@@ -16,7 +16,8 @@ covers a lost notice) it reads the value and applies it to its own registry — 
 controller-owned fields updated (its own in-process fields — in-flight counts, scrapes, learned speed,
 circuit breaker — kept), instances the controller no longer has removed. A new engine generation gets
 a new :class:`~routerd.registry.Instance`, as on the controller, and an instance that leaves rotation
-failed has its engine calls ended here too (a hung engine never closes its sockets).
+failed has its engine calls ended here too (a hung engine never closes its sockets). A read that returns
+after this process took control is dropped: its registry is its own from then on.
 
 The state's age is the time since this follower last saw a *new* version (its own monotonic clock, so
 hosts' clocks may differ). Past ``stale_after_s`` — no controller publishing — the follower keeps the
@@ -463,6 +464,11 @@ class FleetStateSync:
         """Read the published state and apply it if it is new; returns whether it was."""
         async with _aio.timeout(self.op_timeout_s):
             got: list[Any] = await self.client.hmget(self.keys.fleet_state(), ["version", "state"])
+        if self.controls():
+            # Control came here while the read was in flight: the registry is this process's own now
+            # (the fleet manager adopts into it, and it is what the next publish says); the previous
+            # controller's state, applied over it, would remove what was added since.
+            return False
         raw_version, record = got
         if raw_version is None or record is None:
             self._refused = None  # nothing to refuse: no controller publishes (stale says so)
