@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from routerd.sim_tokens import generate
 from routerd.status import render
 from tests.fixtures.daemon import RouterdFactory, RouterdProcess
+from tests.fixtures.helpers import until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimProcessFactory
 
@@ -152,8 +153,13 @@ async def test_the_openai_client_runs_batches_and_bad_input_gets_clear_errors(
         with pytest.raises(openai.NotFoundError):
             await a.files.retrieve(uploaded.id)
 
-        assert 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics")
-        assert "batches: completed=3" in render(json.loads(await _get(rp, "/admin/fleets")))
+        # both are the runner's sample, taken every poll_s (a scrape never waits on Redis): on a busy
+        # machine the last batch's end reaches the API before the next sample
+        async def sampled() -> bool:
+            return 'routerd_batches{state="completed"} 3.0' in await _get(rp, "/metrics") and \
+                "batches: completed=3" in render(json.loads(await _get(rp, "/admin/fleets")))
+
+        await until(sampled, 30, "the three completed batches in /metrics and routerd status")
         await _bad_input(a, b)
 
 

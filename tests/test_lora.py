@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp import web
 
 from routerd import config as config_mod
 from routerd import status
@@ -338,6 +339,71 @@ async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autosc
         assert slots.holds(inst, "a")
         assert slots.loads == {("f", "a", "ok"): 1}
         assert (scaler._signals(fleet).waiting, scaler._signals(fleet).demand) == (idle.waiting, idle.demand)
+
+
+async def test_an_engine_listing_older_than_a_load_or_unload_does_not_undo_it(
+        sim_engine: SimEngineFactory, tmp_path: Path) -> None:
+    # routerd asks each engine what it holds every sync_interval_s. On a busy machine an answer the engine
+    # gave before an unload was read after it: the adapter was held again in routerd's record, requests
+    # were routed to it there and the engine answered 404 "model does not exist" (bench lora, loaded CI).
+    eng = await sim_engine(model="base", enable_lora=True, max_loras=2, ttft_ms=1, itl_ms=1)
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def relay(request: web.Request) -> web.Response:
+        """The engine's own answers; one to /v1/models is held back in transit until ``answer``."""
+        async with session.request(request.method, eng.url + request.path, data=await request.read(),
+                                   headers={"Content-Type": "application/json"}) as r:
+            body, status_code = await r.read(), r.status
+        if request.path == "/v1/models":
+            asked.set()
+            await answer.wait()
+        return web.Response(body=body, status=status_code, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", relay)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    cfg = config_mod.parse(base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": [f"http://127.0.0.1:{port}"],
+         "engine_args": {"enable-lora": True, "max-loras": 2},
+         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b")]}]))
+    registry = Registry()
+    inst = registry.add(Instance(id="f:static0", fleet="f", url=f"http://127.0.0.1:{port}", capacity_hint=8))
+    registry.set_state(inst, InstanceState.READY)
+    catalog = AdapterCatalog(cfg)
+    plans = {n: AdapterPlan(a, ADAPTER_FREE_SLOT, load=True) for n in ("a", "b") if (a := catalog.get(n))}
+
+    async def sync_around(move: Any) -> None:
+        """``move`` done while the engine's answer to a /v1/models asked before it is in transit."""
+        asked.clear()
+        answer.clear()
+        syncing = asyncio.create_task(slots.sync(inst))
+        async with asyncio.timeout(10):
+            await asked.wait()
+        await move
+        answer.set()
+        await syncing
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            slots = AdapterSlots(registry, catalog, session)
+            answer.set()
+            await slots.ensure(inst, plans["a"])
+            await slots.ensure(inst, plans["b"])
+            await sync_around(slots.unload(inst, "a"))
+            assert slots.held(inst) == ["b"], "an unload is not undone by a listing older than it"
+            await sync_around(slots.ensure(inst, plans["a"]))
+            assert sorted(slots.held(inst)) == ["a", "b"], "nor a load forgotten"
+            await slots.unload(inst, "b")
+            await slots.sync(inst)  # a listing asked after the moves is the record again
+            assert slots.held(inst) == ["a"]
+            async with session.get(f"{eng.url}/v1/models") as r:
+                assert sorted(m["id"] for m in (await r.json())["data"]) == ["a", "base"]
+    finally:
+        await runner.cleanup()
 
 
 async def test_only_the_controller_loads_a_followers_request_asks_it(

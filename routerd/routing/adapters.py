@@ -8,7 +8,10 @@ for one goes.
 - :class:`AdapterSlots` — what each instance holds: what routerd loaded there, checked against the
   engine's own ``/v1/models`` every ``sync_interval_s`` (an engine restart empties it; a load that
   timed out is settled by asking the engine), with routerd's count of each adapter's requests in
-  flight there (an adapter with none is *idle*: it may be evicted).
+  flight there (an adapter with none, and no request waiting for its load, is *idle*: it may be
+  evicted). A listing the engine gave while routerd loaded or unloaded an adapter there may predate
+  that move: it is not applied to that adapter (an unload in flight was read back as held, and
+  requests routed to it got the engine's 404).
 
 Routing (:meth:`AdapterSlots.narrow`, called by the router before the policy) keeps, of the
 candidates, in this order the first group that is not empty:
@@ -150,6 +153,11 @@ class AdapterSlots:
         self._held: dict[str, _Held] = {}
         self._inflight: dict[tuple[str, str], int] = {}
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._joined: dict[tuple[str, str], int] = {}  # requests waiting for a load there
+        self._unloading: dict[tuple[str, str], int] = {}
+        # each load's and unload's start and end numbered: what a /v1/models answer may not know yet
+        self._moves = 0
+        self._moved: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # metrics: loads and unloads by fleet and adapter and outcome, load seconds, requests, slot waits
         self.loads: dict[tuple[str, str, str], int] = {}
@@ -181,7 +189,13 @@ class AdapterSlots:
         return list(self._of(inst).names)
 
     def _idle(self, inst: Instance, name: str) -> bool:
-        return not self._inflight.get((inst.id, name)) and (inst.id, name) not in self._loading
+        key = (inst.id, name)
+        # a request whose load just ended is not yet in flight: it is one step from being sent
+        return not self._inflight.get(key) and key not in self._loading and not self._joined.get(key)
+
+    def _move(self, key: tuple[str, str]) -> None:
+        self._moves += 1
+        self._moved[key] = self._moves
 
     def _victim(self, inst: Instance, fleet: str) -> str | None:
         """The least recently used idle, unpinned adapter of ``inst``, or None."""
@@ -262,6 +276,7 @@ class AdapterSlots:
         started = self.clock()
         waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
         waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
+        self._joined[key] = self._joined.get(key, 0) + 1
         try:
             # shield: one waiter giving up (its client left) does not cancel the others' load
             await _aio.wait_for(asyncio.shield(task), self.load_timeout_s)
@@ -280,6 +295,10 @@ class AdapterSlots:
                 waiting[inst.fleet] = left
             else:
                 waiting.pop(inst.fleet, None)
+            if (left := self._joined.get(key, 0) - 1) > 0:
+                self._joined[key] = left
+            else:
+                self._joined.pop(key, None)
 
     def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self._loading.get(key) is task:
@@ -288,6 +307,16 @@ class AdapterSlots:
             task.exception()  # retrieved: every waiter got it already
 
     async def _load(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
+        keys = [(inst.id, adapter.name), *([(inst.id, evict)] if evict is not None else [])]
+        for key in keys:
+            self._move(key)
+        try:
+            await self._load_once(inst, adapter, evict)
+        finally:
+            for key in keys:
+                self._move(key)
+
+    async def _load_once(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
         started = self.clock()
         relayed = self.remote is not None and not self.controls()
         if self.remote is not None and relayed:
@@ -324,8 +353,18 @@ class AdapterSlots:
 
     async def unload(self, inst: Instance, name: str) -> bool:
         """Unload ``name`` from ``inst``; True when the engine no longer has it."""
+        key = (inst.id, name)
         self._of(inst).names.pop(name, None)
-        status, _ = await self._post(inst, "/v1/unload_lora_adapter", {"lora_name": name})
+        self._unloading[key] = self._unloading.get(key, 0) + 1
+        self._move(key)
+        try:
+            status, _ = await self._post(inst, "/v1/unload_lora_adapter", {"lora_name": name})
+        finally:
+            self._move(key)
+            if (left := self._unloading.get(key, 0) - 1) > 0:
+                self._unloading[key] = left
+            else:
+                self._unloading.pop(key, None)
         uk = (inst.fleet, name)
         self.unloads[uk] = self.unloads.get(uk, 0) + 1
         _log.info("adapter_unloaded", instance=inst.id, adapter=name, status=status)
@@ -346,7 +385,10 @@ class AdapterSlots:
 
     async def sync(self, inst: Instance) -> None:
         """Ask the engine what it holds (``/v1/models``): its adapters replace routerd's record (a load
-        routerd made that the engine does not list was lost: a restart, a load that timed out)."""
+        routerd made that the engine does not list was lost: a restart, a load that timed out) — but
+        for an adapter routerd loaded or unloaded there while the question was out: the answer may
+        predate that, and routerd's record of it stands."""
+        asked_at = self._moves
         headers = {}
         if key := self.bearer(inst.fleet):
             headers["Authorization"] = f"Bearer {key}"
@@ -365,11 +407,16 @@ class AdapterSlots:
                   if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str)]
         held = self._of(inst).names
         now = self.clock()
+
+        def moved(name: str) -> bool:
+            key = (inst.id, name)
+            return self._moved.get(key, 0) > asked_at or key in self._loading or key in self._unloading
+
         for name in list(held):
-            if name not in listed and (inst.id, name) not in self._loading:
+            if name not in listed and not moved(name):
                 del held[name]
         for name in listed:
-            if name not in held:
+            if name not in held and not moved(name):
                 held[name] = now
                 held.move_to_end(name, last=False)  # not used by routerd yet: first to go
 
@@ -386,6 +433,8 @@ class AdapterSlots:
             # instance keeps its generation across an engine restart, so this is what forgets it
             for iid in [k for k in self._held if k not in live]:
                 del self._held[iid]
+            for key in [k for k in self._moved if k[0] not in live and k not in self._loading]:
+                del self._moved[key]
             await asyncio.sleep(self.sync_interval_s)
 
     # ---- what placement (routerd/fleet/adapters.py) asks ------------------------------------------
