@@ -37,7 +37,7 @@ from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
 from routerd_bench._common import to_toml
 from tests.fixtures.daemon import RouterdFactory, base_config, wait_all_ready
-from tests.fixtures.helpers import eventually
+from tests.fixtures.helpers import eventually, until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 from tests.test_sim_lora import make_adapter
@@ -379,3 +379,51 @@ async def test_only_the_controller_loads_a_followers_request_asks_it(
 
     assert loaded(fol) == [(inst, "controller")]  # asked of the controller
     assert loaded(ctl) == [(inst, "here")]  # the one engine call
+
+
+async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # Issue 30 item 8. An admin add on a fleet whose engines run without enable-lora is refused with a
+    # clear 400. A load that outlives adapter_load_timeout_s is a 504 that adds nothing; the engine
+    # finishes it after all, and routerd's record then says what the engine holds (asked, not guessed):
+    # adding the adapter again is answered at once, from that record.
+    slow = await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=3.0, ttft_ms=1,
+                             itl_ms=1)
+    plain = await sim_process(model="other", ttft_ms=1, itl_ms=1)
+    cfg = base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": [slow.url], "engine_args": LORA_ARGS,
+         "adapter_load_timeout_s": 1.0},
+        {"name": "g", "model": "other", "engine": "static", "urls": [plain.url]}])
+    rd = routerd_process(cfg)
+    c = make_adapter(tmp_path, "c")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        await wait_all_ready(s, rd.url, "f", 1, 60)
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/g/adapters", {"name": "c", "path": c})
+        assert st == 400, body
+        assert body["error"]["message"] == ("fleet 'g' serves no LoRA adapter: its engine_args need "
+                                            "enable-lora = true (and max-loras)")
+
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/f/adapters", {"name": "c", "path": c})
+        assert st == 504, body
+        assert "took over 1 s (fleets.adapter_load_timeout_s)" in body["error"]["message"]
+        async with s.get(f"{rd.url}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base", "other"]  # not added
+
+        async def engine_holds() -> list[str]:
+            async with s.get(f"{slow.url}/v1/models") as r:
+                return [m["id"] for m in (await r.json())["data"] if m.get("parent")]
+
+        async def routerd_holds() -> list[str]:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                return list((await r.json())["fleets"]["f"]["instances"][0]["adapters"]["held"])
+
+        async def settled() -> bool:
+            return await engine_holds() == ["c"] and await routerd_holds() == ["c"]
+
+        await until(settled, 30, "the engine finished the load and routerd's record says so")
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/f/adapters", {"name": "c", "path": c})
+        assert (st, body["loaded_on"]) == (200, "f:static0"), body
+        st, body, inst = await _post(s, f"{rd.url}/v1/completions",
+                                     {"model": "c", "prompt": "hi", "max_tokens": 3})
+        assert (st, inst) == (200, "f:static0"), body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "c"), "hi", 3)
