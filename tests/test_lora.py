@@ -340,15 +340,20 @@ async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autosc
         assert (scaler._signals(fleet).waiting, scaler._signals(fleet).demand) == (idle.waiting, idle.demand)
 
 
-async def test_only_the_controller_loads_a_followers_request_asks_it(
+async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
         tmp_path: Path) -> None:
-    # Two routerd on one Redis: a request on the one that does not control needs its adapter loaded;
-    # the controller loads it (fenced by its lease), the follower records it and serves the request.
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
-                              itl_ms=1) for _ in range(2)]
+    # Two routerd on one Redis. Only the controller loads and unloads, and only it asks the engines
+    # what they hold; the follower routes from the record the controller publishes in the fleet state
+    # (held, loads in flight) and from every process's requests in flight (the shared load). While the
+    # controller loads `a` on one instance for a long request of its own, the follower's request for
+    # `c` does not take that instance's only slot (the engine would hold two adapters in one slot):
+    # it evicts the idle `b` on the other one, through the controller.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=1.5, ttft_ms=1,
+                              itl_ms=5) for _ in range(2)]
     fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
-             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
+             "engine_args": LORA_ARGS,
+             "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}
     replicas = []
     for name in ("la", "lb"):
         (tmp_path / name).mkdir()
@@ -357,28 +362,69 @@ async def test_only_the_controller_loads_a_followers_request_asks_it(
             redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         controls: list[bool] = []
-        for _ in range(150):  # each sees the one controller
-            controls = []
+
+        async def one_controller() -> bool:
+            controls.clear()
             for rp in replicas:
                 async with s.get(f"{rp.url}/admin/fleets") as r:
                     control = (await r.json())["control"]
                 controls.append(bool(control["controls"]) if control["controller"] is not None else False)
-            if controls.count(True) == 1:
-                break
-            await asyncio.sleep(0.2)
-        assert controls.count(True) == 1, controls
+            return controls.count(True) == 1
+
+        await until(one_controller, 30, "each replica sees the one controller")
         ctl, fol = replicas if controls[0] else replicas[::-1]
-        st, body, inst = await _post(s, f"{fol.url}/v1/completions",
-                                     {"model": "a", "prompt": "hi", "max_tokens": 5})
+        for rp in replicas:
+            await wait_all_ready(s, rp.url, "f", 2, 60)
+
+        async def seen(rp: Any, inst: str) -> dict[str, Any]:
+            async with s.get(f"{rp.url}/admin/fleets") as r:
+                rows = (await r.json())["fleets"]["f"]["instances"]
+            return dict(next(i for i in rows if i["id"] == inst)["adapters"])
+
+        short = {"prompt": "hi", "max_tokens": 3}
+        st, body, x = await _post(s, f"{ctl.url}/v1/completions", {"model": "b", **short})
         assert st == 200, body
-        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "a"), "hi", 5)
+        y = ({"f:static0", "f:static1"} - {x}).pop()
 
-    def loaded(rp: Any) -> list[tuple[str, str]]:
-        return [(rec["instance"], rec["by"]) for rec in (json.loads(line[line.index("{"):])
-                for line in rp.log().splitlines() if '"adapter_loaded"' in line)]
+        async def b_on_x() -> bool:
+            return (await seen(fol, x))["held"] == ["b"]
 
-    assert loaded(fol) == [(inst, "controller")]  # asked of the controller
-    assert loaded(ctl) == [(inst, "here")]  # the one engine call
+        await until(b_on_x, 30, "the follower sees b where the controller loaded it")
+        long_a = asyncio.create_task(_post(s, f"{ctl.url}/v1/completions",
+                                           {"model": "a", "prompt": "hi", "max_tokens": 300}))
+
+        async def a_busy_on_y() -> bool:  # being loaded there, or held with the controller's request on it
+            there = await seen(fol, y)
+            return "a" in there["loading"] or there["in_flight"].get("a", 0) > 0
+
+        await until(a_busy_on_y, 30, "the follower sees the controller's load of a and its request")
+        st, body, inst_c = await _post(s, f"{fol.url}/v1/completions", {"model": "c", **short})
+        assert (st, inst_c) == (200, x), body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "c"), "hi", 3)
+        st, body, inst_a = await long_a
+        assert (st, inst_a) == (200, y), body
+
+        async def placed() -> bool:
+            return (await seen(fol, x))["held"] == ["c"] and (await seen(fol, y))["held"] == ["a"]
+
+        await until(placed, 30, "the follower sees c and a where the controller holds them")
+        st, body, inst = await _post(s, f"{fol.url}/v1/completions", {"model": "a", **short})
+        assert (st, inst) == (200, y), body
+        for sim, held in ((x, ["c"]), (y, ["a"])):  # one adapter per slot on the engines themselves
+            url = sims[int(sim[-1])].url
+            async with s.get(f"{url}/v1/models") as r:
+                assert [m["id"] for m in (await r.json())["data"] if m.get("parent")] == held
+
+    def events(rp: Any, event: str) -> list[dict[str, Any]]:
+        recs = [json.loads(line[line.index("{"):]) for line in rp.log().splitlines() if f'"{event}"' in line]
+        return [r for r in recs if r.get("event") == event]
+
+    assert [(r["instance"], r["by"]) for r in events(fol, "adapter_loaded")] == [(x, "controller")]
+    assert events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
+    assert {r["by"] for r in events(ctl, "adapter_loaded")} == {"here"}
+    assert [(r["instance"], r["adapter"]) for r in events(ctl, "adapter_unloaded")] == [(x, "b")]
+    rules = {(rec["adapter"], rec["rule"]) for a in ("a", "c") for rec in _lines(fol.log(), a)}
+    assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
 
 
 async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
