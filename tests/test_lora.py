@@ -340,6 +340,45 @@ async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autosc
         assert (scaler._signals(fleet).waiting, scaler._signals(fleet).demand) == (idle.waiting, idle.demand)
 
 
+async def _two_replicas(s: aiohttp.ClientSession, routerd_process: RouterdFactory, redis_server: RedisServer,
+                        tmp_path: Path, fleet: dict[str, Any]) -> tuple[Any, Any]:
+    """Two routerd on one Redis serving ``fleet``: (the controller, the follower), each with every
+    instance ready."""
+    replicas = []
+    for name in ("la", "lb"):
+        (tmp_path / name).mkdir()
+        replicas.append(routerd_process(base_config(
+            tmp_path / name, fleets=[fleet],
+            redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
+    controls: list[bool] = []
+
+    async def one_controller() -> bool:
+        controls.clear()
+        for rp in replicas:
+            async with s.get(f"{rp.url}/admin/fleets") as r:
+                control = (await r.json())["control"]
+            controls.append(bool(control["controls"]) if control["controller"] is not None else False)
+        return controls.count(True) == 1
+
+    await until(one_controller, 30, "each replica sees the one controller")
+    for rp in replicas:
+        await wait_all_ready(s, rp.url, fleet["name"], len(fleet["urls"]), 60)
+    return (replicas[0], replicas[1]) if controls[0] else (replicas[1], replicas[0])
+
+
+async def _seen(s: aiohttp.ClientSession, rp: Any, inst: str) -> dict[str, Any]:
+    """What routerd ``rp``'s /admin/fleets says of instance ``inst``'s adapters (fleet f)."""
+    async with s.get(f"{rp.url}/admin/fleets") as r:
+        rows = (await r.json())["fleets"]["f"]["instances"]
+    return dict(next(i for i in rows if i["id"] == inst)["adapters"])
+
+
+def _events(rp: Any, event: str) -> list[dict[str, Any]]:
+    """The log records of ``event`` in a routerd's log."""
+    recs = [json.loads(line[line.index("{"):]) for line in rp.log().splitlines() if f'"{event}"' in line]
+    return [r for r in recs if r.get("event") == event]
+
+
 async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
         tmp_path: Path) -> None:
@@ -354,32 +393,11 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
     fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
              "engine_args": LORA_ARGS,
              "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}
-    replicas = []
-    for name in ("la", "lb"):
-        (tmp_path / name).mkdir()
-        replicas.append(routerd_process(base_config(
-            tmp_path / name, fleets=[fleet],
-            redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        controls: list[bool] = []
+        ctl, fol = await _two_replicas(s, routerd_process, redis_server, tmp_path, fleet)
 
-        async def one_controller() -> bool:
-            controls.clear()
-            for rp in replicas:
-                async with s.get(f"{rp.url}/admin/fleets") as r:
-                    control = (await r.json())["control"]
-                controls.append(bool(control["controls"]) if control["controller"] is not None else False)
-            return controls.count(True) == 1
-
-        await until(one_controller, 30, "each replica sees the one controller")
-        ctl, fol = replicas if controls[0] else replicas[::-1]
-        for rp in replicas:
-            await wait_all_ready(s, rp.url, "f", 2, 60)
-
-        async def seen(rp: Any, inst: str) -> dict[str, Any]:
-            async with s.get(f"{rp.url}/admin/fleets") as r:
-                rows = (await r.json())["fleets"]["f"]["instances"]
-            return dict(next(i for i in rows if i["id"] == inst)["adapters"])
+        def seen(rp: Any, inst: str) -> Any:
+            return _seen(s, rp, inst)
 
         short = {"prompt": "hi", "max_tokens": 3}
         st, body, x = await _post(s, f"{ctl.url}/v1/completions", {"model": "b", **short})
@@ -415,16 +433,42 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
             async with s.get(f"{url}/v1/models") as r:
                 assert [m["id"] for m in (await r.json())["data"] if m.get("parent")] == held
 
-    def events(rp: Any, event: str) -> list[dict[str, Any]]:
-        recs = [json.loads(line[line.index("{"):]) for line in rp.log().splitlines() if f'"{event}"' in line]
-        return [r for r in recs if r.get("event") == event]
-
-    assert [(r["instance"], r["by"]) for r in events(fol, "adapter_loaded")] == [(x, "controller")]
-    assert events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
-    assert {r["by"] for r in events(ctl, "adapter_loaded")} == {"here"}
-    assert [(r["instance"], r["adapter"]) for r in events(ctl, "adapter_unloaded")] == [(x, "b")]
+    assert [(r["instance"], r["by"]) for r in _events(fol, "adapter_loaded")] == [(x, "controller")]
+    assert _events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
+    assert {r["by"] for r in _events(ctl, "adapter_loaded")} == {"here"}
+    assert [(r["instance"], r["adapter"]) for r in _events(ctl, "adapter_unloaded")] == [(x, "b")]
     rules = {(rec["adapter"], rec["rule"]) for a in ("a", "c") for rec in _lines(fol.log(), a)}
     assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
+
+
+async def test_the_controller_places_by_a_followers_demand(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # Every routerd's adapter traffic reaches the controller with its shared load, and the controller's
+    # placement plans by all of it: an adapter whose requests all arrive at a follower is loaded again
+    # by the controller, ahead of any request, when the engine holding it lost it (as in a restart).
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                              itl_ms=1) for _ in range(2)]
+    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
+             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        ctl, fol = await _two_replicas(s, routerd_process, redis_server, tmp_path, fleet)
+        for _ in range(3):
+            st, body, x = await _post(s, f"{fol.url}/v1/completions", {"model": "a", "prompt": "hi"})
+            assert st == 200, body
+        engine = sims[int(x[-1])].url
+        async with s.post(f"{engine}/v1/unload_lora_adapter", json={"lora_name": "a"}) as r:
+            assert r.status == 200, await r.text()
+
+        def placed() -> bool:
+            return any(r["move"] == "load" and r["adapter"] == "a" and r["ok"]
+                       for r in _events(ctl, "adapter_placed"))
+
+        await until(placed, 30, "the controller loaded a again from the follower's traffic")
+        held = [[m["id"] for m in (await (await s.get(f"{sim.url}/v1/models")).json())["data"]
+                 if m.get("parent")] for sim in sims]
+        assert sorted(held) == [[], ["a"]], held
+    assert [r["by"] for r in _events(fol, "adapter_loaded")] == ["controller"]  # its first request's only
 
 
 async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
