@@ -387,7 +387,8 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
     # (held, loads in flight) and from every process's requests in flight (the shared load). While the
     # controller loads `a` on one instance for a long request of its own, the follower's request for
     # `c` does not take that instance's only slot (the engine would hold two adapters in one slot):
-    # it evicts the idle `b` on the other one, through the controller.
+    # it evicts the idle `b` on the other one, through the controller. And the follower's traffic is
+    # the controller's demand: an adapter only it asked for is kept loaded by the controller.
     sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=1.5, ttft_ms=1,
                               itl_ms=5) for _ in range(2)]
     fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
@@ -404,10 +405,11 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
         assert st == 200, body
         y = ({"f:static0", "f:static1"} - {x}).pop()
 
-        async def b_on_x() -> bool:
-            return (await seen(fol, x))["held"] == ["b"]
+        async def b_idle_on_x() -> bool:  # held, and the controller's request on it seen to have ended
+            there = await seen(fol, x)
+            return there["held"] == ["b"] and not there["in_flight"]
 
-        await until(b_on_x, 30, "the follower sees b where the controller loaded it")
+        await until(b_idle_on_x, 30, "the follower sees b idle where the controller loaded it")
         long_a = asyncio.create_task(_post(s, f"{ctl.url}/v1/completions",
                                            {"model": "a", "prompt": "hi", "max_tokens": 300}))
 
@@ -433,42 +435,24 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
             async with s.get(f"{url}/v1/models") as r:
                 assert [m["id"] for m in (await r.json())["data"] if m.get("parent")] == held
 
+        # Every routerd's traffic is demand to the controller's placement (it rides the shared load):
+        # c, which only the follower asked for, is loaded again by the controller, ahead of any request,
+        # once the engine holding it lost it (as in a restart). b, colder, stays out.
+        async with s.post(f"{sims[int(x[-1])].url}/v1/unload_lora_adapter", json={"lora_name": "c"}) as r:
+            assert r.status == 200, await r.text()
+
+        def c_placed() -> bool:
+            return any((r["move"], r["instance"], r["adapter"], r["ok"]) == ("load", x, "c", True)
+                       for r in _events(ctl, "adapter_placed"))
+
+        await until(c_placed, 30, "the controller loaded c again from the follower's traffic")
+
     assert [(r["instance"], r["by"]) for r in _events(fol, "adapter_loaded")] == [(x, "controller")]
     assert _events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
     assert {r["by"] for r in _events(ctl, "adapter_loaded")} == {"here"}
     assert [(r["instance"], r["adapter"]) for r in _events(ctl, "adapter_unloaded")] == [(x, "b")]
     rules = {(rec["adapter"], rec["rule"]) for a in ("a", "c") for rec in _lines(fol.log(), a)}
     assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
-
-
-async def test_the_controller_places_by_a_followers_demand(
-        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
-        tmp_path: Path) -> None:
-    # Every routerd's adapter traffic reaches the controller with its shared load, and the controller's
-    # placement plans by all of it: an adapter whose requests all arrive at a follower is loaded again
-    # by the controller, ahead of any request, when the engine holding it lost it (as in a restart).
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
-                              itl_ms=1) for _ in range(2)]
-    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
-             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        ctl, fol = await _two_replicas(s, routerd_process, redis_server, tmp_path, fleet)
-        for _ in range(3):
-            st, body, x = await _post(s, f"{fol.url}/v1/completions", {"model": "a", "prompt": "hi"})
-            assert st == 200, body
-        engine = sims[int(x[-1])].url
-        async with s.post(f"{engine}/v1/unload_lora_adapter", json={"lora_name": "a"}) as r:
-            assert r.status == 200, await r.text()
-
-        def placed() -> bool:
-            return any(r["move"] == "load" and r["adapter"] == "a" and r["ok"]
-                       for r in _events(ctl, "adapter_placed"))
-
-        await until(placed, 30, "the controller loaded a again from the follower's traffic")
-        held = [[m["id"] for m in (await (await s.get(f"{sim.url}/v1/models")).json())["data"]
-                 if m.get("parent")] for sim in sims]
-        assert sorted(held) == [[], ["a"]], held
-    assert [r["by"] for r in _events(fol, "adapter_loaded")] == ["controller"]  # its first request's only
 
 
 async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
