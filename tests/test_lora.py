@@ -455,6 +455,37 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
     assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
 
 
+async def test_a_daemon_of_workers_places_by_its_workers_demand(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # workers > 1: the parent serves no request but controls the fleets; its placement plans by the
+    # workers' adapter traffic (their shared load), so an adapter the workers' requests use is loaded
+    # again by the parent, ahead of any request, once the engine lost it.
+    sim = await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                            itl_ms=1)
+    cfg = base_config(tmp_path, daemon={"workers": 2},
+                      redis={"enabled": True, "url": redis_server.url, "block_ms": 100},
+                      fleets=[{"name": "f", "model": "base", "engine": "static", "urls": [sim.url],
+                               "engine_args": LORA_ARGS,
+                               "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
+    rd = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for _ in range(4):  # a fresh connection each: both workers take some
+            async with s.post(f"{rd.url}/v1/completions", headers={"Connection": "close"},
+                              json={"model": "a", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+        async with s.post(f"{sim.url}/v1/unload_lora_adapter", json={"lora_name": "a"}) as r:
+            assert r.status == 200, await r.text()
+
+        def placed() -> bool:
+            return any((r["move"], r["adapter"], r["ok"]) == ("load", "a", True)
+                       for r in _events(rd, "adapter_placed"))
+
+        await until(placed, 30, "the parent loaded a again from its workers' traffic")
+        async with s.get(f"{sim.url}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base", "a"]
+
+
 async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
     # Issue 30 item 8. An admin add on a fleet whose engines run without enable-lora is refused with a
