@@ -293,7 +293,11 @@ class AdapterSlots:
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
             self._changed()
         started = self.clock()
-        waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
+        # A request's wait is demand the autoscaler counts, as requests in admission. Placement's own
+        # loads keep nobody waiting, and a load relayed here is counted by the process whose request
+        # waits for it (its shared load carries it): counted once.
+        ours = plan.rule not in ("placement", "relayed")
+        waiting = self.registry.adapter_waiting if ours else {}
         waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
         timeout_s = self.load_timeout(inst.fleet)
         try:
@@ -309,7 +313,7 @@ class AdapterSlots:
                                     f"{timeout_s:g} s (fleets.adapter_load_timeout_s)",
                                     timed_out=True) from None
         finally:
-            if plan.rule != "placement":  # a request's wait (placement's own loads keep nobody waiting)
+            if ours:
                 waited = self.slot_wait_seconds.get(inst.fleet, 0.0) + self.clock() - started
                 self.slot_wait_seconds[inst.fleet] = waited
             if (left := waiting.get(inst.fleet, 0) - 1) > 0:
