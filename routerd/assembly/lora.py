@@ -114,7 +114,7 @@ class Lora:
         self._set_bearers(cfg)
 
     def collectors(self) -> list[Collector]:
-        from ..routing.adapters import AdaptersCollector
+        from ..routing.adapter_metrics import AdaptersCollector
 
         return [AdaptersCollector(self.slots)]
 
