@@ -268,6 +268,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     placement: Literal["any", "spread", "strict_spread"] = "any"
     # LoRA adapters served by the fleet (its engine_args need enable-lora; slots: max-loras)
     adapters: list[AdapterConfig] = []
+    # How long routerd waits for one adapter load on an engine; past it the load is an error (the request
+    # tries another instance, an admin add answers 504) and the engine is asked what it holds
+    adapter_load_timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 60.0
 
     def lora_slots(self) -> int:
         """Adapters one instance holds at once: ``engine_args`` ``max-loras`` (vLLM's default 1); 0

@@ -1,9 +1,12 @@
 """What LoRA placement (routerd/fleet/adapters.py) and the routing side's record of who holds which
-adapter (routerd/routing/adapters.py) exchange: one fleet as the planner sees it, and one move."""
+adapter (routerd/routing/adapters.py) exchange: one fleet as the planner sees it, and one move; and the
+record the controller publishes of who holds which (:class:`LoraRecord`, in the fleet state)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass(frozen=True)
@@ -30,3 +33,32 @@ class FleetPlacement:
     rates: dict[str, float] = field(default_factory=dict)
     demand: dict[str, float] = field(default_factory=dict)
     per_copy: float = 0.0
+
+
+class HeldAdapters(msgspec.Struct, frozen=True, kw_only=True):
+    """The controller's record of one instance's adapters, as the fleet state carries it: the engine
+    generation it is of, the adapters held (least recently used first), those being loaded there."""
+
+    generation: int = 0
+    held: list[str] = []
+    loading: list[str] = []
+
+
+class LoraRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The controller's LoRA placement, published in the fleet state (routerd/peers/fleet_state.py) for
+    followers and workers to route from: each ready instance's adapters (by instance id) and the
+    adapters whose path did not load (name → why)."""
+
+    instances: dict[str, HeldAdapters] = {}
+    failed: dict[str, str] = {}
+
+
+class AdapterDemand(msgspec.Struct, frozen=True, array_like=True):
+    """One process's adapter traffic, exchanged with its shared load (routerd/peers/load.py) so that
+    the controller places by every process's demand and every process knows which adapters are busy:
+    requests in flight (instance → adapter → count), requests routed so far (fleet → adapter → count)
+    and requests waiting for a load (fleet → count)."""
+
+    inflight: dict[str, dict[str, int]] = {}
+    requests: dict[str, dict[str, int]] = {}
+    waiting: dict[str, int] = {}

@@ -272,6 +272,9 @@ class Registry:
         # Requests waiting for a LoRA adapter to load before they reach an engine (their slot: an
         # adapter's): written by routing.adapters alone, read by the autoscaler as demand, as above.
         self.adapter_waiting: dict[str, int] = {}
+        # … and those of the other routerd processes on this Redis (a daemon's workers, the replicas),
+        # as their shared load says: written by routing.adapters from it, read by the autoscaler
+        self.adapter_waiting_elsewhere: dict[str, int] = {}
         # routerd processes sharing this one's Redis and serving now, itself included (1 alone): written
         # by routerd.peers.load alone, read by admission, which bounds a fleet per fleet, not per process
         self.processes = 1

@@ -38,7 +38,7 @@ from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
 from routerd_bench._common import to_toml
 from tests.fixtures.daemon import RouterdFactory, base_config, wait_all_ready
-from tests.fixtures.helpers import eventually
+from tests.fixtures.helpers import eventually, until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
 from tests.test_sim_lora import make_adapter
@@ -406,42 +406,195 @@ async def test_an_engine_listing_older_than_a_load_or_unload_does_not_undo_it(
         await runner.cleanup()
 
 
-async def test_only_the_controller_loads_a_followers_request_asks_it(
-        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
-        tmp_path: Path) -> None:
-    # Two routerd on one Redis: a request on the one that does not control needs its adapter loaded;
-    # the controller loads it (fenced by its lease), the follower records it and serves the request.
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
-                              itl_ms=1) for _ in range(2)]
-    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
-             "engine_args": LORA_ARGS, "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}
+async def _two_replicas(s: aiohttp.ClientSession, routerd_process: RouterdFactory, redis_server: RedisServer,
+                        tmp_path: Path, fleet: dict[str, Any]) -> tuple[Any, Any]:
+    """Two routerd on one Redis serving ``fleet``: (the controller, the follower), each with every
+    instance ready."""
     replicas = []
     for name in ("la", "lb"):
         (tmp_path / name).mkdir()
         replicas.append(routerd_process(base_config(
             tmp_path / name, fleets=[fleet],
             redis={"enabled": True, "url": redis_server.url, "consumer": name, "block_ms": 100})))
+    controls: list[bool] = []
+
+    async def one_controller() -> bool:
+        controls.clear()
+        for rp in replicas:
+            async with s.get(f"{rp.url}/admin/fleets") as r:
+                control = (await r.json())["control"]
+            controls.append(bool(control["controls"]) if control["controller"] is not None else False)
+        return controls.count(True) == 1
+
+    await until(one_controller, 30, "each replica sees the one controller")
+    for rp in replicas:
+        await wait_all_ready(s, rp.url, fleet["name"], len(fleet["urls"]), 60)
+    return (replicas[0], replicas[1]) if controls[0] else (replicas[1], replicas[0])
+
+
+async def _seen(s: aiohttp.ClientSession, rp: Any, inst: str) -> dict[str, Any]:
+    """What routerd ``rp``'s /admin/fleets says of instance ``inst``'s adapters (fleet f)."""
+    async with s.get(f"{rp.url}/admin/fleets") as r:
+        rows = (await r.json())["fleets"]["f"]["instances"]
+    return dict(next(i for i in rows if i["id"] == inst)["adapters"])
+
+
+def _events(rp: Any, event: str) -> list[dict[str, Any]]:
+    """The log records of ``event`` in a routerd's log."""
+    recs = [json.loads(line[line.index("{"):]) for line in rp.log().splitlines() if f'"{event}"' in line]
+    return [r for r in recs if r.get("event") == event]
+
+
+async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # Two routerd on one Redis. Only the controller loads and unloads, and only it asks the engines
+    # what they hold; the follower routes from the record the controller publishes in the fleet state
+    # (held, loads in flight) and from every process's requests in flight (the shared load). While the
+    # controller loads `a` on one instance for a long request of its own, the follower's request for
+    # `c` does not take that instance's only slot (the engine would hold two adapters in one slot):
+    # it evicts the idle `b` on the other one, through the controller. And the follower's traffic is
+    # the controller's demand: an adapter only it asked for is kept loaded by the controller.
+    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=1.5, ttft_ms=1,
+                              itl_ms=5) for _ in range(2)]
+    fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
+             "engine_args": LORA_ARGS,
+             "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        controls: list[bool] = []
-        for _ in range(150):  # each sees the one controller
-            controls = []
-            for rp in replicas:
-                async with s.get(f"{rp.url}/admin/fleets") as r:
-                    control = (await r.json())["control"]
-                controls.append(bool(control["controls"]) if control["controller"] is not None else False)
-            if controls.count(True) == 1:
-                break
-            await asyncio.sleep(0.2)
-        assert controls.count(True) == 1, controls
-        ctl, fol = replicas if controls[0] else replicas[::-1]
-        st, body, inst = await _post(s, f"{fol.url}/v1/completions",
-                                     {"model": "a", "prompt": "hi", "max_tokens": 5})
+        ctl, fol = await _two_replicas(s, routerd_process, redis_server, tmp_path, fleet)
+
+        def seen(rp: Any, inst: str) -> Any:
+            return _seen(s, rp, inst)
+
+        short = {"prompt": "hi", "max_tokens": 3}
+        st, body, x = await _post(s, f"{ctl.url}/v1/completions", {"model": "b", **short})
         assert st == 200, body
-        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "a"), "hi", 5)
+        y = ({"f:static0", "f:static1"} - {x}).pop()
 
-    def loaded(rp: Any) -> list[tuple[str, str]]:
-        return [(rec["instance"], rec["by"]) for rec in (json.loads(line[line.index("{"):])
-                for line in rp.log().splitlines() if '"adapter_loaded"' in line)]
+        async def b_idle_on_x() -> bool:  # held, and the controller's request on it seen to have ended
+            there = await seen(fol, x)
+            return there["held"] == ["b"] and not there["in_flight"]
 
-    assert loaded(fol) == [(inst, "controller")]  # asked of the controller
-    assert loaded(ctl) == [(inst, "here")]  # the one engine call
+        await until(b_idle_on_x, 30, "the follower sees b idle where the controller loaded it")
+        long_a = asyncio.create_task(_post(s, f"{ctl.url}/v1/completions",
+                                           {"model": "a", "prompt": "hi", "max_tokens": 300}))
+
+        async def a_busy_on_y() -> bool:  # being loaded there, or held with the controller's request on it
+            there = await seen(fol, y)
+            return "a" in there["loading"] or there["in_flight"].get("a", 0) > 0
+
+        await until(a_busy_on_y, 30, "the follower sees the controller's load of a and its request")
+        st, body, inst_c = await _post(s, f"{fol.url}/v1/completions", {"model": "c", **short})
+        assert (st, inst_c) == (200, x), body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "c"), "hi", 3)
+        st, body, inst_a = await long_a
+        assert (st, inst_a) == (200, y), body
+
+        async def placed() -> bool:
+            return (await seen(fol, x))["held"] == ["c"] and (await seen(fol, y))["held"] == ["a"]
+
+        await until(placed, 30, "the follower sees c and a where the controller holds them")
+        st, body, inst = await _post(s, f"{fol.url}/v1/completions", {"model": "a", **short})
+        assert (st, inst) == (200, y), body
+        for sim, held in ((x, ["c"]), (y, ["a"])):  # one adapter per slot on the engines themselves
+            url = sims[int(sim[-1])].url
+            async with s.get(f"{url}/v1/models") as r:
+                assert [m["id"] for m in (await r.json())["data"] if m.get("parent")] == held
+
+        # Every routerd's traffic is demand to the controller's placement (it rides the shared load):
+        # c, which only the follower asked for, is loaded again by the controller, ahead of any request,
+        # once the engine holding it lost it (as in a restart). b, colder, stays out.
+        async with s.post(f"{sims[int(x[-1])].url}/v1/unload_lora_adapter", json={"lora_name": "c"}) as r:
+            assert r.status == 200, await r.text()
+
+        def c_placed() -> bool:
+            return any((r["move"], r["instance"], r["adapter"], r["ok"]) == ("load", x, "c", True)
+                       for r in _events(ctl, "adapter_placed"))
+
+        await until(c_placed, 30, "the controller loaded c again from the follower's traffic")
+
+    assert [(r["instance"], r["by"]) for r in _events(fol, "adapter_loaded")] == [(x, "controller")]
+    assert _events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
+    assert {r["by"] for r in _events(ctl, "adapter_loaded")} == {"here"}
+    assert [(r["instance"], r["adapter"]) for r in _events(ctl, "adapter_unloaded")] == [(x, "b")]
+    rules = {(rec["adapter"], rec["rule"]) for a in ("a", "c") for rec in _lines(fol.log(), a)}
+    assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
+
+
+async def test_a_daemon_of_workers_places_by_its_workers_demand(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
+        tmp_path: Path) -> None:
+    # workers > 1: the parent serves no request but controls the fleets; its placement plans by the
+    # workers' adapter traffic (their shared load), so an adapter the workers' requests use is loaded
+    # again by the parent, ahead of any request, once the engine lost it.
+    sim = await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
+                            itl_ms=1)
+    cfg = base_config(tmp_path, daemon={"workers": 2},
+                      redis={"enabled": True, "url": redis_server.url, "block_ms": 100},
+                      fleets=[{"name": "f", "model": "base", "engine": "static", "urls": [sim.url],
+                               "engine_args": LORA_ARGS,
+                               "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
+    rd = await asyncio.to_thread(routerd_process, cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for _ in range(4):  # a fresh connection each: both workers take some
+            async with s.post(f"{rd.url}/v1/completions", headers={"Connection": "close"},
+                              json={"model": "a", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+        async with s.post(f"{sim.url}/v1/unload_lora_adapter", json={"lora_name": "a"}) as r:
+            assert r.status == 200, await r.text()
+
+        def placed() -> bool:
+            return any((r["move"], r["adapter"], r["ok"]) == ("load", "a", True)
+                       for r in _events(rd, "adapter_placed"))
+
+        await until(placed, 30, "the parent loaded a again from its workers' traffic")
+        async with s.get(f"{sim.url}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base", "a"]
+
+
+async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no_half_state(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # Issue 30 item 8. An admin add on a fleet whose engines run without enable-lora is refused with a
+    # clear 400. A load that outlives adapter_load_timeout_s is a 504 that adds nothing; the engine
+    # finishes it after all, and routerd's record then says what the engine holds (asked, not guessed):
+    # adding the adapter again is answered at once, from that record.
+    slow = await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=3.0, ttft_ms=1,
+                             itl_ms=1)
+    plain = await sim_process(model="other", ttft_ms=1, itl_ms=1)
+    cfg = base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": [slow.url], "engine_args": LORA_ARGS,
+         "adapter_load_timeout_s": 1.0},
+        {"name": "g", "model": "other", "engine": "static", "urls": [plain.url]}])
+    rd = routerd_process(cfg)
+    c = make_adapter(tmp_path, "c")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        await wait_all_ready(s, rd.url, "f", 1, 60)
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/g/adapters", {"name": "c", "path": c})
+        assert st == 400, body
+        assert body["error"]["message"] == ("fleet 'g' serves no LoRA adapter: its engine_args need "
+                                            "enable-lora = true (and max-loras)")
+
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/f/adapters", {"name": "c", "path": c})
+        assert st == 504, body
+        assert "took over 1 s (fleets.adapter_load_timeout_s)" in body["error"]["message"]
+        async with s.get(f"{rd.url}/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["base", "other"]  # not added
+
+        async def engine_holds() -> list[str]:
+            async with s.get(f"{slow.url}/v1/models") as r:
+                return [m["id"] for m in (await r.json())["data"] if m.get("parent")]
+
+        async def routerd_holds() -> list[str]:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                return list((await r.json())["fleets"]["f"]["instances"][0]["adapters"]["held"])
+
+        async def settled() -> bool:
+            return await engine_holds() == ["c"] and await routerd_holds() == ["c"]
+
+        await until(settled, 30, "the engine finished the load and routerd's record says so")
+        st, body, _ = await _post(s, f"{rd.url}/admin/fleets/f/adapters", {"name": "c", "path": c})
+        assert (st, body["loaded_on"]) == (200, "f:static0"), body
+        st, body, inst = await _post(s, f"{rd.url}/v1/completions",
+                                     {"model": "c", "prompt": "hi", "max_tokens": 3})
+        assert (st, inst) == (200, "f:static0"), body
+        assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "c"), "hi", 3)

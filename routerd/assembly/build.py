@@ -62,7 +62,8 @@ def compose(core: Core, *, fleet: FleetControl | None = None,
     peers = Peers(core, measures, fleet, watch.static_health,
                   adapters=lora.admin if lora is not None else None) if core.redis is not None else None
     if lora is not None and peers is not None:
-        lora.relay_loads(peers.admin_relay)  # only the controller loads
+        # only the controller loads; the others follow its record and share their demand
+        lora.with_peers(peers.admin_relay, peers.fleet_state, measures.load if measures is not None else None)
     kv = dataplane = None
     if core.role.serves:
         # Fleets whose engines publish KV events and whose tokens routerd can compute: routing scores

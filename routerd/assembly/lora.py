@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..dataplane.upstream import engine_bearers
-from .core import Core, Loops, Role
+from .core import Core, Loops
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from ..ingress.http import HttpIngress
     from ..peers.adapters import AdapterStore
     from ..peers.admin_relay import AdminRelay
+    from ..peers.fleet_state import FleetStateSync
+    from ..peers.load import SharedLoad
     from ..registry import Instance
     from ..routing.adapters import AdapterCatalog, AdapterSlots
 
@@ -57,9 +59,9 @@ class Lora:
                                      for n, e in entries.items())
 
         self.store.on_change = changed
-        # Placement measures demand where requests are routed: not in a daemon of workers (it serves none)
-        controls = core.controlling() if core.role is not Role.PARENT else _never
-        self.placer: AdapterPlacer = AdapterPlacer(self.slots, controls, clock=core.clock)
+        # Placement runs where the fleets are controlled (the daemon of workers, too): it measures every
+        # process's demand, which the others' shared load carries (see with_peers)
+        self.placer: AdapterPlacer = AdapterPlacer(self.slots, core.controlling(), clock=core.clock)
         self.admin: AdapterAdmin = AdapterAdmin(cfg, core.registry, self.slots, self.store)
         self._set_bearers(cfg)
 
@@ -73,14 +75,20 @@ class Lora:
         a = self.catalog.get(model)
         return (a.name, a.path) if a is not None and a.fleet == fleet else None
 
-    def relay_loads(self, relay: AdminRelay) -> None:
-        """Only the controller loads and unloads (fenced by its lease): while this process does not
-        control, a request's load is asked of it through the admin relay (op ``adapter_load``)."""
+    def with_peers(self, relay: AdminRelay, view: FleetStateSync, load: SharedLoad | None) -> None:
+        """Only the controller loads and unloads (fenced by its lease), and only it asks the engines
+        what they hold: it publishes its record in the fleet state, which the others route from; while
+        this process does not control, a request's load is asked of it through the admin relay (op
+        ``adapter_load``). Every process's adapter traffic goes with its shared load: the controller
+        places by all of it, and no process evicts an adapter another has requests on."""
         slots = self.slots
+        view.lora_of, view.on_lora = slots.record, slots.follow
+        if load is not None:
+            load.lora_of, load.on_lora = slots.demand, slots.elsewhere
 
         async def remote(inst: Instance, adapter: str, evict: str | None) -> tuple[int, str]:
             body = json.dumps({"adapter": adapter, "evict": evict}).encode()
-            answer = await relay.call("adapter_load", inst.id, body, wait_s=slots.load_timeout_s)
+            answer = await relay.call("adapter_load", inst.id, body, wait_s=slots.load_timeout(inst.fleet))
             return answer.status, answer.body.decode(errors="replace")
 
         slots.remote, slots.controls = remote, relay.controls
@@ -106,11 +114,7 @@ class Lora:
         self._set_bearers(cfg)
 
     def collectors(self) -> list[Collector]:
-        from ..routing.adapters import AdaptersCollector
+        from ..routing.adapter_metrics import AdaptersCollector
 
         return [AdaptersCollector(self.slots)]
 
-
-def _never() -> bool:
-    """The daemon of workers' answer to "do I place adapters?"."""
-    return False

@@ -178,7 +178,8 @@ class AdapterPlacer:
             dt = now - self._last_at
             alpha = 1.0 - math.exp(-dt / self.window_s)
             for key in {*counts, *self.rates}:
-                r = (counts.get(key, 0) - self._last.get(key, 0)) / dt
+                # counts are every process's: one that left takes its count along (not a negative rate)
+                r = max(0, counts.get(key, 0) - self._last.get(key, 0)) / dt
                 self.rates[key] = self.rates.get(key, 0.0) + alpha * (r - self.rates.get(key, 0.0))
             for key in {*flying, *self.demand}:
                 now_in = float(flying.get(key, 0))

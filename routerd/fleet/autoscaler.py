@@ -3,9 +3,9 @@
 It gathers the policy's signals from what routerd already knows — the registry (engines' running and
 waiting counts, KV use, expected wait, readiness, and the requests and queue jobs admission has
 waiting for the fleet, ``Registry.queued``, and the requests waiting for a LoRA adapter to load,
-``Registry.adapter_waiting``) — every :data:`TICK_S`, logs every decision with those
-inputs, and wakes the fleet manager, which reconciles to the new count (launching at once; draining,
-then stopping, one replica going).
+``Registry.adapter_waiting``, this process's and the other routerd's on its Redis) — every
+:data:`TICK_S`, logs every decision with those inputs, and wakes the fleet manager, which reconciles
+to the new count (launching at once; draining, then stopping, one replica going).
 
 It is also the data plane's :class:`routerd.elastic.Elastic`: a request for a fleet scaled to zero
 calls :meth:`Autoscaler.wake`, which decides at once (no tick to wait for) and returns when an engine
@@ -210,6 +210,7 @@ class Autoscaler:
         queued = float(self.registry.queued.get(fleet.name, 0))  # waiting in admission
         # and waiting for a LoRA adapter to load (routing.adapters): demand no engine counts yet
         queued += self.registry.adapter_waiting.get(fleet.name, 0)
+        queued += self.registry.adapter_waiting_elsewhere.get(fleet.name, 0)  # a worker's, a replica's
         demand = queued
         waiting = queued
         kv = 0.0

@@ -8,6 +8,11 @@ marked failed, not retried in a loop. An instance with room is not needed: with 
 adapter is kept unloaded, and the first request for it loads it. It is then kept in Redis
 (routerd/peers/adapters.py), so every routerd serves it and the next controller starts from it.
 Removing one unloads it from every instance that holds it.
+
+A load that outlives the fleet's ``adapter_load_timeout_s`` is a 504: the adapter is not added nor
+marked failed (its path may only be slow), and the instance is asked what it holds once the load's call
+ended — an engine that finished the load is recorded as holding it, and adding it again is then
+answered at once.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Annotated, Any
 import msgspec
 
 from ..config import Config, FleetConfig
-from ..errors import BadRequest, NotFound, UpstreamError
+from ..errors import BadRequest, DeadlineExceeded, NotFound, UpstreamError
 from ..peers.adapters import AdapterStore, StoredAdapter
 from ..plugins import Candidate
 from ..registry import InstanceState, Registry
@@ -93,6 +98,8 @@ class AdapterAdmin:
         for inst in self.registry.instances(adapter.fleet):
             if inst.state is not InstanceState.READY:
                 continue
+            if self.slots.holds(inst, adapter.name):  # an engine finished a load that had timed out
+                return inst.id
             plans = dict(self.slots.narrow(adapter, [(_room(), inst)])[1])
             plan = plans.get(inst.id)
             if plan is None or plan.rule not in (ADAPTER_FREE_SLOT, ADAPTER_EVICTED):
@@ -100,6 +107,11 @@ class AdapterAdmin:
             try:
                 await self.slots.ensure(inst, AdapterPlan(adapter, plan.rule, load=True, evict=plan.evict))
             except AdapterLoadFailed as e:
+                if e.timed_out:  # a slow path, not a bad one: not added, not marked failed; asked again after
+                    raise DeadlineExceeded(
+                        f"adapter {adapter.name!r} is not added: {e.message}; {inst.id} is asked what it "
+                        "holds once the load ends (a load the engine finished is kept: adding it again "
+                        "then succeeds at once)", param="path") from None
                 self.slots.catalog.mark_failed(adapter.name, e.message)
                 raise BadRequest(f"adapter {adapter.name!r} did not load from {adapter.path!r}: {e.message}",
                                  param="path") from None

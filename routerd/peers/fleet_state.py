@@ -3,7 +3,8 @@
 Exactly one process controls the fleets (launch, adopt, health, restarts, scaling: the fleet manager and
 the static fleets' heartbeats run there). It *publishes* what its registry knows of every instance — id,
 URL, state and why, generation, restarts, PID, node, capacity, health, last heartbeat, resources —
-plus each launched fleet's desired replica count, its own ident and its config fingerprint: one msgpack
+plus each launched fleet's desired replica count, its LoRA record (which instance holds, and is loading,
+which adapter; the adapters that failed to load), its own ident and its config fingerprint: one msgpack
 value in the hash :meth:`routerd.redis_keys.RedisKeys.fleet_state`, written by one Lua script that refuses a
 writer whose fencing token is older than the stored one (a deposed controller cannot overwrite its
 successor), gives each write the next version of a counter, renews a short expiry and announces a
@@ -58,6 +59,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from .. import _aio, log, redact
 from ..config import Config
+from ..lora_placement import LoraRecord
 from ..redis_keys import RedisKeys
 from ..redis_server import REDIS_DOWN
 from ..registry import Instance, InstanceState, Registry
@@ -131,6 +133,9 @@ class FleetState(msgspec.Struct, frozen=True, kw_only=True):
     # (their parent's count moved on, theirs not yet) from a config that differs (FleetStateSync.mismatch).
     reloads: int = 0
     orphans: list[PublishedOrphan] = []
+    # Who holds which LoRA adapter, as the controller's record says (routerd/routing/adapters.py); None:
+    # no fleet serves adapters (or a controller of a version before it published one)
+    lora: LoraRecord | None = None
 
 
 class Published(msgspec.Struct, frozen=True, array_like=True):
@@ -232,12 +237,15 @@ class FleetStateSync:
                  publish_every_s: float = PUBLISH_EVERY_S, expire_ms: int = EXPIRE_MS,
                  stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic,
                  parent: str | None = None,
-                 orphans: Callable[[], list[dict[str, Any]]] = list) -> None:
+                 orphans: Callable[[], list[dict[str, Any]]] = list,
+                 lora: Callable[[], LoraRecord | None] = lambda: None,
+                 on_lora: Callable[[LoraRecord | None], None] = lambda record: None) -> None:
         """``client``: the caller's (it closes it); ``controls()``/``token()``: the control lease's;
         ``replicas()``: the launched fleets' desired counts (the fleet manager's) to publish; ``seals``:
         the process's (the state is sealed, and opened); ``parent``: a worker's parent's ident
         (routerd/workers.py), whose reloads reach this process after its own; ``orphans()``: the engines
-        the fleet manager left running unmanaged, to publish."""
+        the fleet manager left running unmanaged, to publish; ``lora()``: the LoRA record to publish,
+        ``on_lora(record)``: a followed state's, handed to the routing side on every state applied."""
         self.registry = registry
         self.client = client
         self.keys = keys
@@ -248,6 +256,8 @@ class FleetStateSync:
         self.token = token
         self.replicas_of = replicas
         self.orphans_of = orphans
+        self.lora_of = lora
+        self.on_lora = on_lora
         self.op_timeout_s = op_timeout_s
         self.publish_every_s = publish_every_s
         self.expire_ms = expire_ms
@@ -428,7 +438,8 @@ class FleetStateSync:
         state = FleetState(controller=self.ident, fingerprint=self.fingerprint, fleets=self.registry.fleets(),
                            instances=[view_of(i) for i in self.registry], replicas=self.replicas_of(),
                            reloads=self.reloads,
-                           orphans=msgspec.convert(self.orphans_of(), list[PublishedOrphan]))
+                           orphans=msgspec.convert(self.orphans_of(), list[PublishedOrphan]),
+                           lora=self.lora_of())
         blob = _encode(state)
         changed = blob != self._blob
         token = self.token()
@@ -506,6 +517,7 @@ class FleetStateSync:
             self._blob = blob
             self.state = state
         apply_state(self.registry, state)
+        self.on_lora(state.lora)  # after the instances: the record names their generations
         self._applied_at = self.registry.version
         self._check_fingerprint(state)
         return True

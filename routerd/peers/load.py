@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .. import _aio, log
+from ..lora_placement import AdapterDemand
 from ..redis_keys import RedisKeys
 from ..registry import Registry
 from ..trust import Rejected
@@ -55,9 +56,11 @@ MIN_EXPIRY_S = 1.0  # … or this long: a stall of a busy host's event loop is n
 
 
 class LoadRecord(msgspec.Struct, frozen=True, array_like=True):
-    """What one process has in flight: instance id → requests (instances with none left out)."""
+    """What one process has in flight: instance id → requests (instances with none left out); with a
+    fleet that serves LoRA adapters, its adapter traffic too."""
 
     inflight: dict[str, int]
+    lora: AdapterDemand | None = None
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -96,6 +99,10 @@ class SharedLoad:
         self._outage = Outage(_log, "shared_load",
                               effect="routing on this process's own in-flight counts until Redis answers")
         self.exchanges_total = 0
+        # LoRA adapters (routerd/routing/adapters.py): this process's adapter traffic to publish, and
+        # the others' (by process) handed back on every exchange
+        self.lora_of: Callable[[], AdapterDemand | None] = lambda: None
+        self.on_lora: Callable[[dict[str, AdapterDemand]], None] = lambda others: None
 
     def update_config(self, scrape_interval_s: float) -> None:
         self.period_s = period_of(scrape_interval_s)
@@ -123,7 +130,8 @@ class SharedLoad:
 
     def record(self) -> LoadRecord:
         """This process's own in-flight counts, as published."""
-        return LoadRecord({inst.id: inst.inflight for inst in self.registry if inst.inflight})
+        return LoadRecord({inst.id: inst.inflight for inst in self.registry if inst.inflight},
+                          lora=self.lora_of())
 
     async def exchange(self) -> bool:
         """One round trip: publish, read the others, apply. False (and nothing applied) when Redis did
@@ -178,6 +186,7 @@ class SharedLoad:
                 total[iid] = total.get(iid, 0) + n
         for inst in self.registry:
             inst.inflight_elsewhere = total.get(inst.id, 0)
+        self.on_lora({m: rec.lora for m, rec in others.items() if rec.lora is not None})
         processes = max(1, int(self.publish) + len(others))
         if processes != self.registry.processes:
             _log.info("shared_view_processes", processes=processes, others=sorted(others))

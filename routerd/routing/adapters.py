@@ -7,17 +7,22 @@ for one goes.
   marked failed (asked for, they answer 503 saying why; nothing retries them in a loop).
 - :class:`AdapterSlots` — what each instance holds: what routerd loaded there, checked against the
   engine's own ``/v1/models`` every ``sync_interval_s`` (an engine restart empties it; a load that
-  timed out is settled by asking the engine), with routerd's count of each adapter's requests in
-  flight there (an adapter with none, and no request waiting for its load, is *idle*: it may be
-  evicted). A listing the engine gave while routerd loaded or unloaded an adapter there may predate
-  that move: it is not applied to that adapter (an unload in flight was read back as held, and
-  requests routed to it got the engine's 404).
+  timed out is settled by asking the engine once it ended), with routerd's count of each adapter's
+  requests in flight there (an adapter with none, and no request waiting for its load, is *idle*: it
+  may be evicted). A listing the engine gave while routerd loaded or unloaded an adapter there may
+  predate that move: it is not applied to that adapter (an unload in flight was read back as held, and
+  requests routed to it got the engine's 404). That record is the controller's: only the process that
+  controls the fleets loads, unloads and asks the engines; it publishes the record in the fleet state
+  (:meth:`AdapterSlots.record`, routerd/peers/fleet_state.py), and a follower or a worker routes from
+  the record it follows (:meth:`AdapterSlots.follow`) — held, loads in flight, adapters that failed —
+  and asks the controller for a load it needs.
 
 Routing (:meth:`AdapterSlots.narrow`, called by the router before the policy) keeps, of the
 candidates, in this order the first group that is not empty:
 
 1. ``adapter_loaded`` — instances holding the adapter with room (not saturated);
-2. ``adapter_free_slot`` — instances with a free slot (fewer than ``max-loras`` held) and room: it is
+2. ``adapter_free_slot`` — instances where it is being loaded (the request joins that load), then
+   instances with a free slot (fewer than ``max-loras`` held) and room: it is
    loaded there;
 3. ``adapter_evicted`` — instances with room where an idle, unpinned adapter can go: the least
    recently used one is unloaded and this one loaded;
@@ -38,7 +43,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +52,7 @@ import msgspec
 
 from .. import _aio, log
 from ..config import Config
-from ..lora_placement import FleetPlacement, Move
+from ..lora_placement import AdapterDemand, FleetPlacement, HeldAdapters, LoraRecord, Move
 from ..plugins import Candidate
 from ..registry import Instance, InstanceState, Registry
 
@@ -79,6 +84,7 @@ class AdapterCatalog:
         self._runtime: dict[str, Adapter] = {}
         self.parents: dict[str, str] = {}  # fleet → its model (an adapter's `parent`)
         self.slots: dict[str, int] = {}  # fleet → max-loras (0: no LoRA)
+        self.load_timeouts: dict[str, float] = {}  # fleet → adapter_load_timeout_s
         self.failed: dict[str, str] = {}  # adapter → why its path did not load
         self.update_config(cfg)
 
@@ -87,6 +93,7 @@ class AdapterCatalog:
                         for f in cfg.fleets for a in f.adapters}
         self.parents = {f.name: f.model for f in cfg.fleets}
         self.slots = {f.name: f.lora_slots() for f in cfg.fleets}
+        self.load_timeouts = {f.name: f.adapter_load_timeout_s for f in cfg.fleets}
 
     def set_runtime(self, adapters: Iterable[Adapter]) -> None:
         """The run-time adapters as the shared store holds them now (a config adapter's name wins)."""
@@ -110,12 +117,14 @@ class AdapterCatalog:
 
 class AdapterLoadFailed(Exception):
     """A load on one instance did not succeed; ``permanent``: the engine says the path holds no adapter
-    (retrying elsewhere would fail alike)."""
+    (retrying elsewhere would fail alike); ``timed_out``: it did not end within the fleet's
+    ``adapter_load_timeout_s`` (the engine may still finish it: it is asked what it holds after)."""
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.permanent = permanent
+        self.timed_out = timed_out
 
 
 @dataclass(eq=False)
@@ -158,6 +167,13 @@ class AdapterSlots:
         # each load's and unload's start and end numbered: what a /v1/models answer may not know yet
         self._moves = 0
         self._moved: dict[tuple[str, str], int] = {}
+        # a follower's: the loads in flight on the controller, as its published record says
+        self._remote_loading: set[tuple[str, str]] = set()
+        self._following = False  # routing from the controller's record (not asking the engines)
+        # the other routerd processes' adapter traffic, as their shared load says: in flight by
+        # (instance, adapter) — busy there, not to be evicted —, and requests routed by (fleet, adapter)
+        self._inflight_elsewhere: dict[tuple[str, str], int] = {}
+        self._requests_elsewhere: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # metrics: loads and unloads by fleet and adapter and outcome, load seconds, requests, slot waits
         self.loads: dict[tuple[str, str, str], int] = {}
@@ -188,14 +204,24 @@ class AdapterSlots:
     def held(self, inst: Instance) -> list[str]:
         return list(self._of(inst).names)
 
+    def _is_loading(self, inst: Instance, name: str) -> bool:
+        """A load of ``name`` is in flight on ``inst``: this process's, or the controller's it follows."""
+        key = (inst.id, name)
+        return key in self._loading or key in self._remote_loading
+
     def _idle(self, inst: Instance, name: str) -> bool:
         key = (inst.id, name)
         # a request whose load just ended is not yet in flight: it is one step from being sent
-        return not self._inflight.get(key) and key not in self._loading and not self._joined.get(key)
+        return not self._inflight.get(key) and not self._inflight_elsewhere.get(key) \
+            and not self._is_loading(inst, name) and not self._joined.get(key)
 
     def _move(self, key: tuple[str, str]) -> None:
         self._moves += 1
         self._moved[key] = self._moves
+
+    def load_timeout(self, fleet: str) -> float:
+        """How long a load on ``fleet``'s engines may take: its ``adapter_load_timeout_s``."""
+        return self.catalog.load_timeouts.get(fleet, self.load_timeout_s)
 
     def _victim(self, inst: Instance, fleet: str) -> str | None:
         """The least recently used idle, unpinned adapter of ``inst``, or None."""
@@ -212,30 +238,35 @@ class AdapterSlots:
         """The candidates an adapter request may go to, with each one's plan (module docstring)."""
         slots = max(1, self.catalog.slots.get(adapter.fleet, 1))
         name = adapter.name
-        holders, free, evictable = [], [], []
+        holders, joining, free, evictable = [], [], [], []
         plans: dict[str, AdapterPlan] = {}
         for cand, inst in pairs:
             if self.holds(inst, name):
                 holders.append((cand, inst))
                 plans[inst.id] = AdapterPlan(adapter, ADAPTER_LOADED)
+            elif self._is_loading(inst, name):  # its slot is taken by this very load: join it
+                joining.append((cand, inst))
+                plans[inst.id] = AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
             elif len(self._of(inst).names) + self._loads_to(inst) < slots:
                 free.append((cand, inst))
                 plans[inst.id] = AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
             elif (victim := self._victim(inst, adapter.fleet)) is not None:
                 evictable.append((cand, inst))
                 plans[inst.id] = AdapterPlan(adapter, ADAPTER_EVICTED, load=True, evict=victim)
-        for group in (holders, free, evictable):
+        for group in (holders, joining, free, evictable):
             roomy = [p for p in group if not p[0].saturated]
             if roomy:
                 return roomy, plans
-        for group in (holders, free, evictable):
+        for group in (holders, joining, free, evictable):
             if group:
                 return group, plans
         overflow = {i.id: AdapterPlan(adapter, ADAPTER_OVERFLOW, load=True) for _, i in pairs}
         return list(pairs), overflow
 
     def _loads_to(self, inst: Instance) -> int:
-        return sum(1 for (iid, name) in self._loading if iid == inst.id and name not in self._of(inst).names)
+        held = self._of(inst).names
+        return sum(1 for (iid, name) in {*self._loading, *self._remote_loading}
+                   if iid == inst.id and name not in held)
 
     @contextlib.contextmanager
     def using(self, inst: Instance, name: str) -> Any:
@@ -273,22 +304,30 @@ class AdapterSlots:
                                                           name=f"adapter-load:{inst.id}:{adapter.name}")
             self._loading[key] = task
             task.add_done_callback(lambda t, k=key: self._loaded(k, t))  # type: ignore[misc]
+            self._changed()
         started = self.clock()
-        waiting = self.registry.adapter_waiting  # demand the autoscaler counts, as requests in admission
+        # A request's wait is demand the autoscaler counts, as requests in admission. Placement's own
+        # loads keep nobody waiting, and a load relayed here is counted by the process whose request
+        # waits for it (its shared load carries it): counted once.
+        ours = plan.rule not in ("placement", "relayed")
+        waiting = self.registry.adapter_waiting if ours else {}
         waiting[inst.fleet] = waiting.get(inst.fleet, 0) + 1
         self._joined[key] = self._joined.get(key, 0) + 1
+        timeout_s = self.load_timeout(inst.fleet)
         try:
             # shield: one waiter giving up (its client left) does not cancel the others' load
-            await _aio.wait_for(asyncio.shield(task), self.load_timeout_s)
+            await _aio.wait_for(asyncio.shield(task), timeout_s)
         except TimeoutError:
-            # no half-state: what the engine holds is asked, not guessed
-            asked = asyncio.get_running_loop().create_task(self.sync(inst), name=f"adapter-sync:{inst.id}")
-            self._tasks.add(asked)
-            asked.add_done_callback(self._tasks.discard)
+            # no half-state: once the load's own call has ended, the engine is asked what it holds
+            settle = asyncio.get_running_loop().create_task(self._settle(inst, task),
+                                                            name=f"adapter-settle:{inst.id}")
+            self._tasks.add(settle)
+            settle.add_done_callback(self._tasks.discard)
             raise AdapterLoadFailed(f"loading adapter {adapter.name!r} on {inst.id} took over "
-                                    f"{self.load_timeout_s:g} s") from None
+                                    f"{timeout_s:g} s (fleets.adapter_load_timeout_s)",
+                                    timed_out=True) from None
         finally:
-            if plan.rule != "placement":  # a request's wait (placement's own loads keep nobody waiting)
+            if ours:
                 waited = self.slot_wait_seconds.get(inst.fleet, 0.0) + self.clock() - started
                 self.slot_wait_seconds[inst.fleet] = waited
             if (left := waiting.get(inst.fleet, 0) - 1) > 0:
@@ -303,8 +342,24 @@ class AdapterSlots:
     def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self._loading.get(key) is task:
             del self._loading[key]
+            self._changed()
         if not task.cancelled():
             task.exception()  # retrieved: every waiter got it already
+
+    async def _settle(self, inst: Instance, load: asyncio.Task[None]) -> None:
+        """After a load that timed out: wait for its call to end (bounded by its own timeout), then ask
+        the engine what it holds — it may have finished the load after all, or not. A follower asks
+        nothing: its record is the controller's, which settles its own."""
+        with contextlib.suppress(Exception):  # its outcome was every waiter's; only its end matters here
+            await _aio.wait_for(asyncio.shield(load), self.load_timeout(inst.fleet) + 5.0)
+        if not self._following:
+            await self.sync(inst)
+
+    def _changed(self) -> None:
+        """The record changed: while this process controls, the fleet state goes out at once (a
+        follower's own changes wait for the controller's record)."""
+        if self.remote is None or self.controls():
+            self.registry.notify()
 
     async def _load(self, inst: Instance, adapter: Adapter, evict: str | None) -> None:
         keys = [(inst.id, adapter.name), *([(inst.id, evict)] if evict is not None else [])]
@@ -348,6 +403,7 @@ class AdapterSlots:
         held[adapter.name] = self.clock()
         held.move_to_end(adapter.name)
         self.catalog.failed.pop(adapter.name, None)
+        self._changed()
         _log.info("adapter_loaded", instance=inst.id, adapter=adapter.name, load_ms=round(took * 1000, 1),
                   evicted=evict, by="controller" if relayed else "here")
 
@@ -355,6 +411,7 @@ class AdapterSlots:
         """Unload ``name`` from ``inst``; True when the engine no longer has it."""
         key = (inst.id, name)
         self._of(inst).names.pop(name, None)
+        self._changed()
         self._unloading[key] = self._unloading.get(key, 0) + 1
         self._move(key)
         try:
@@ -375,7 +432,7 @@ class AdapterSlots:
         if key := self.bearer(inst.fleet):
             headers["Authorization"] = f"Bearer {key}"
         try:
-            async with _aio.timeout(self.load_timeout_s), \
+            async with _aio.timeout(self.load_timeout(inst.fleet)), \
                     self.session.post(inst.url + path, json=body, headers=headers) as r:
                 return r.status, await r.text()
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -406,11 +463,13 @@ class AdapterSlots:
         listed = [m["id"] for m in data
                   if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str)]
         held = self._of(inst).names
+        before = list(held)
         now = self.clock()
 
         def moved(name: str) -> bool:
             key = (inst.id, name)
-            return self._moved.get(key, 0) > asked_at or key in self._loading or key in self._unloading
+            return (self._moved.get(key, 0) > asked_at or self._is_loading(inst, name)
+                    or key in self._unloading)
 
         for name in list(held):
             if name not in listed and not moved(name):
@@ -419,13 +478,19 @@ class AdapterSlots:
             if name not in held and not moved(name):
                 held[name] = now
                 held.move_to_end(name, last=False)  # not used by routerd yet: first to go
+        if set(held) != set(before):
+            self._changed()
 
     async def run(self) -> None:
-        """Keep every LoRA fleet's record true to its engines, until cancelled."""
+        """Keep every LoRA fleet's record true to its engines, until cancelled — while this process
+        keeps the record: a follower that has the controller's record routes from it."""
         while True:
+            if self._following and (self.remote is None or self.controls()):
+                self._following = False  # this process took control: its own record from here
+                self._remote_loading = set()
             insts = [i for fleet, n in self.catalog.slots.items() if n
                      for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
-            for inst in insts:
+            for inst in insts if not self._following else ():
                 await self.sync(inst)
             live = {i.id for f in self.registry.fleets() for i in self.registry.instances(f)
                     if i.state is InstanceState.READY}
@@ -437,18 +502,97 @@ class AdapterSlots:
                 del self._moved[key]
             await asyncio.sleep(self.sync_interval_s)
 
+    # ---- the shared view (routerd/peers/fleet_state.py) --------------------------------------------
+
+    def record(self) -> LoraRecord | None:
+        """What the controller publishes: each ready instance of a LoRA fleet with its adapters (least
+        recently used first) and its loads in flight, and the adapters that failed to load."""
+        if not self.lora_fleets():
+            return None
+        out: dict[str, HeldAdapters] = {}
+        for fleet in self.lora_fleets():
+            for inst in self.registry.instances(fleet):
+                if inst.state is InstanceState.READY:
+                    out[inst.id] = HeldAdapters(
+                        generation=inst.generation, held=self.held(inst),
+                        loading=sorted(n for (iid, n) in self._loading if iid == inst.id))
+        return LoraRecord(instances=out, failed=dict(self.catalog.failed))
+
+    def follow(self, record: LoraRecord | None) -> None:
+        """A follower's or a worker's record becomes the controller's (each instance of the same engine
+        generation as here); None — the controller publishes none — leaves this process asking the
+        engines itself."""
+        if record is None or self.remote is None or self.controls():
+            self._following = False
+            self._remote_loading = set()
+            return
+        self._following = True
+        now = self.clock()
+        for inst in [i for f in self.lora_fleets() for i in self.registry.instances(f)]:
+            theirs = record.instances.get(inst.id)
+            held = self._of(inst)
+            if theirs is None or theirs.generation != inst.generation:
+                held.names.clear()  # not in rotation on the controller (or another engine): nothing held
+                continue
+            held.names = OrderedDict((n, held.names.get(n, now)) for n in theirs.held)
+        self._remote_loading = {(iid, n) for iid, h in record.instances.items() for n in h.loading}
+        for name in set(self.catalog.failed) - set(record.failed):
+            del self.catalog.failed[name]
+        for name, why in record.failed.items():
+            self.catalog.mark_failed(name, why)
+
+    def demand(self) -> AdapterDemand:
+        """This process's adapter traffic, as its shared load publishes it (routerd/peers/load.py)."""
+        inflight: dict[str, dict[str, int]] = {}
+        for (iid, name), n in self._inflight.items():
+            inflight.setdefault(iid, {})[name] = n
+        requests: dict[str, dict[str, int]] = {}
+        for (fleet, name), n in self.requests.items():
+            requests.setdefault(fleet, {})[name] = n
+        return AdapterDemand(inflight=inflight, requests=requests,
+                             waiting=dict(self.registry.adapter_waiting))
+
+    def elsewhere(self, others: dict[str, AdapterDemand]) -> None:
+        """The other processes' adapter traffic (each one's last record): what is busy where, their
+        requests for placement to measure, their waits for a load for the autoscaler."""
+        inflight: dict[tuple[str, str], int] = {}
+        requests: dict[tuple[str, str], int] = {}
+        waiting: dict[str, int] = {}
+        for rec in others.values():
+            for iid, names in rec.inflight.items():
+                for name, n in names.items():
+                    inflight[(iid, name)] = inflight.get((iid, name), 0) + n
+            for fleet, names in rec.requests.items():
+                for name, n in names.items():
+                    requests[(fleet, name)] = requests.get((fleet, name), 0) + n
+            for fleet, n in rec.waiting.items():
+                waiting[fleet] = waiting.get(fleet, 0) + n
+        self._inflight_elsewhere, self._requests_elsewhere = inflight, requests
+        self.registry.adapter_waiting_elsewhere = waiting
+
     # ---- what placement (routerd/fleet/adapters.py) asks ------------------------------------------
 
     def lora_fleets(self) -> list[str]:
         return [f for f, n in self.catalog.slots.items() if n]
 
     def request_counts(self) -> dict[tuple[str, str], int]:
-        return dict(self.requests)
+        """(fleet, adapter) → requests routed so far, by this process and the others on its Redis."""
+        out = dict(self.requests)
+        for key, n in self._requests_elsewhere.items():
+            out[key] = out.get(key, 0) + n
+        return out
+
+    def _all_inflight(self) -> dict[tuple[str, str], int]:
+        """(instance, adapter) → requests in flight from every process."""
+        out = dict(self._inflight)
+        for key, n in self._inflight_elsewhere.items():
+            out[key] = out.get(key, 0) + n
+        return out
 
     def in_flight(self) -> dict[tuple[str, str], int]:
-        """(fleet, adapter) → its requests in flight from this process, on any instance."""
+        """(fleet, adapter) → its requests in flight from every process, on any instance."""
         out: dict[tuple[str, str], int] = {}
-        for (iid, name), n in self._inflight.items():
+        for (iid, name), n in self._all_inflight().items():
             inst = self.registry.get(iid)
             if inst is not None:
                 out[(inst.fleet, name)] = out.get((inst.fleet, name), 0) + n
@@ -466,9 +610,16 @@ class AdapterSlots:
             slots=self.catalog.slots.get(fleet, 0),
             adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
                       if a.name not in self.catalog.failed},
-            held={i.id: self.held(i) for i in insts},
-            busy={i.id: {n for (iid, n) in [*self._inflight, *self._loading] if iid == i.id} for i in insts},
+            held={i.id: self._taken(i) for i in insts},
+            busy={i.id: {n for (iid, n) in [*self._all_inflight(), *self._loading] if iid == i.id}
+                  for i in insts},
             rates=rates, demand=demand, per_copy=per_copy)
+
+    def _taken(self, inst: Instance) -> list[str]:
+        """The adapters that take ``inst``'s slots: those held (least recently used first), then those
+        being loaded there (a load in flight has its slot: nothing else is planned into it)."""
+        held = self.held(inst)
+        return held + sorted({n for (iid, n) in self._loading if iid == inst.id} - set(held))
 
     async def place(self, fleet: str, move: Move) -> bool:
         """Carry out one of placement's moves (a load is shared with requests waiting for it)."""
@@ -494,53 +645,8 @@ class AdapterSlots:
         engine = None if snap is None or snap.max_lora is None else {
             "running": list(snap.lora_running), "waiting": list(snap.lora_waiting), "max_lora": snap.max_lora}
         return {"held": self.held(inst), "slots": self.catalog.slots.get(inst.fleet, 0),
-                "loading": sorted(n for (iid, n) in self._loading if iid == inst.id),
-                "in_flight": {n: c for (iid, n), c in self._inflight.items() if iid == inst.id},
+                "loading": sorted(n for (iid, n) in {*self._loading, *self._remote_loading}
+                                  if iid == inst.id),
+                "in_flight": {n: c for (iid, n), c in self._all_inflight().items() if iid == inst.id},
                 "engine": engine}
 
-
-class AdaptersCollector:
-    """``routerd_adapter_*`` in ``/metrics``: loads (by outcome), unloads, load seconds, requests per
-    adapter, waits for a slot (requests that had to wait for a load) and the seconds requests spent
-    waiting, adapters held per instance."""
-
-    def __init__(self, slots: AdapterSlots) -> None:
-        self.slots = slots
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.slots
-        loads = CounterMetricFamily("routerd_adapter_loads", "LoRA adapter loads routerd asked an engine for",
-                                    labels=["fleet", "adapter", "outcome"])
-        for (fleet, name, outcome), n in s.loads.items():
-            loads.add_metric([fleet, name, outcome], n)
-        unloads = CounterMetricFamily("routerd_adapter_unloads", "LoRA adapters unloaded from an engine",
-                                      labels=["fleet", "adapter"])
-        for (fleet, name), n in s.unloads.items():
-            unloads.add_metric([fleet, name], n)
-        seconds = CounterMetricFamily("routerd_adapter_load_seconds",
-                                      "Seconds spent in successful LoRA adapter loads", labels=["fleet"])
-        for fleet, v in s.load_seconds.items():
-            seconds.add_metric([fleet], v)
-        requests = CounterMetricFamily("routerd_adapter_requests", "Requests routed for each LoRA adapter",
-                                       labels=["fleet", "adapter"])
-        for (fleet, name), n in s.requests.items():
-            requests.add_metric([fleet, name], n)
-        waits = CounterMetricFamily("routerd_adapter_slot_waits",
-                                    "Adapter loads requests waited for (no instance with room held it)",
-                                    labels=["fleet"])
-        for fleet, n in s.slot_waits.items():
-            waits.add_metric([fleet], n)
-        wait_s = CounterMetricFamily("routerd_adapter_slot_wait_seconds",
-                                     "Seconds requests waited for their adapter's load before being sent "
-                                     "(summed over requests)", labels=["fleet"])
-        for fleet, v in s.slot_wait_seconds.items():
-            wait_s.add_metric([fleet], v)
-        held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
-                                 labels=["fleet", "instance"])
-        for fleet, n in s.catalog.slots.items():
-            if n:
-                for inst in s.registry.instances(fleet):
-                    held.add_metric([fleet, inst.id], len(s.held(inst)))
-        yield from (loads, unloads, seconds, requests, waits, wait_s, held)

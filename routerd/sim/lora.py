@@ -21,7 +21,9 @@ Three layers, as in vLLM:
 
 A load is an engine utility call: it runs between engine steps and stalls them for ``--lora-load-s``
 (vLLM's ``add_lora`` goes through the engine core's busy loop), so a load costs every running request
-that much, which is what makes placement matter.
+that much, which is what makes placement matter. A client that leaves before the load answers does not
+undo it: vLLM's load route is not cancelled with its connection (no ``with_cancellation``, unlike the
+generation routes), so the engine holds the adapter once the load ends, whoever waited for it.
 
 :class:`LoraRoutes` is the load and unload routes' family (the server adds it as any other route
 family); the completion and chat handlers resolve a request's adapter with :meth:`SimLora.resolve` and
@@ -30,6 +32,7 @@ hand it to ``Runner.generation(..., lora=)`` (``routerd/sim/running.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import zlib
@@ -253,6 +256,7 @@ class LoraRoutes:
         self.lora = lora
         self.utility = utility
         self.busy = busy
+        self._loads: set[asyncio.Task[None]] = set()  # loads whose caller may have left: owned here
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/load_lora_adapter", self.load),
@@ -265,10 +269,18 @@ class LoraRoutes:
             return wire.unparsable()
         except (p.RequestError, LoraError) as e:
             return wire.json_response(e.body, e.status)
+        # the server cancels a handler whose client left; the load goes on regardless, as vLLM's does
+        task = asyncio.get_running_loop().create_task(self._load(adapter),
+                                                      name=f"sim-lora-load:{adapter.name}")
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+        await asyncio.shield(task)
+        return web.Response(text=f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    async def _load(self, adapter: SimAdapter) -> None:
         await self.utility(self.lora.cfg.lora_load_s)  # reading the weights stalls the engine
         self.lora.commit_load(adapter, self.busy())
         _log.info("sim_lora_loaded", name=adapter.name, path=adapter.path, int_id=adapter.int_id)
-        return web.Response(text=f"Success: LoRA adapter '{adapter.name}' added successfully.")
 
     async def unload(self, request: web.Request) -> web.Response:
         try:
