@@ -50,7 +50,11 @@ async def _pending(r: aioredis.Redis, consumer: str) -> list[str]:
 async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
         redis_server: RedisServer, redis_async: aioredis.Redis, routerd_process: RouterdFactory,
         routerd_config: Any, sim_process: SimProcessFactory, tmp_path: Path) -> None:
-    sim = await sim_process(model="m", max_num_seqs=64, ttft_ms=5, itl_ms=50)
+    # Slowed 25 times while the doomed replica holds the jobs (~15 s of tokens each: still running when
+    # the survivor is up and the doomed one is killed); at full speed again for the survivor's runs,
+    # which only have to show the jobs were taken over, not wait out another 15 s each.
+    sim = await sim_process(model="m", max_num_seqs=64, ttft_ms=5, itl_ms=2)
+    await sim.set_faults(slow_factor=25.0)
 
     def cfg(name: str) -> dict[str, Any]:
         return routerd_config(
@@ -63,7 +67,6 @@ async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
     # all 16); the survivor once it does.
     doomed = await asyncio.to_thread(routerd_process, cfg("a"))
     q = QueueClient(redis_async)
-    # ~15 s of tokens each: still running when the survivor is up and the doomed one is killed
     bodies = [{"model": "m", "prompt": f"job {i}", "max_tokens": 300} for i in range(16)]
     jobs = await q.submit_many(bodies, reply_to="replies")
     deadline = time.monotonic() + 30
@@ -79,7 +82,9 @@ async def test_a_killed_replicas_jobs_are_taken_over_once_it_is_known_dead(
     killed_at = time.monotonic()
     stranded = await _pending(redis_async, "a")
     assert stranded, "it died holding no job"
-    # Known dead TTL_S after its last renewal; the jobs then run ~15 s. The old wait alone is 2 minutes.
+    await sim.clear_faults()
+    # Known dead TTL_S after its last renewal; the jobs then run in a second. The old wait alone is 2
+    # minutes.
     results = await q.wait_many(jobs, timeout=RECLAIM_IDLE_MS / 1000 * 0.75)
     took_s = time.monotonic() - killed_at
     assert all(r.status == "ok" for r in results.values()), results
