@@ -260,8 +260,8 @@ async def test_a_tenant_at_its_max_concurrent_does_not_stop_the_queue_for_others
 async def test_a_backlog_waiting_for_quota_outlives_restarts_beyond_max_deliveries(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     """A set-aside job — and one waiting in its tenant's room, set aside by the drain — gives its
-    delivery back: three drains and starts with ``max_deliveries = 2`` dead-letter none of them, and
-    the drain does not wait for quota."""
+    delivery back: three drains and starts with ``max_deliveries = 2`` dead-letter none of them, the
+    drain does not wait for quota, and each stop lets the queue consumer's name go for the next start."""
     sim = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
     limited = msgspec.to_builtins(queue_config(redis_server.url, [sim.url],
                                                [{"name": "slow", "requests_per_minute": 1}]))
@@ -275,6 +275,8 @@ async def test_a_backlog_waiting_for_quota_outlives_restarts_beyond_max_deliveri
                 assert await rd.queue.wait_idle(3.0)  # the waiters were set aside, not waited for
                 aside = rd.queue._held.set_aside
             assert aside == 29  # all but the one the first start served (a minute's quota), room included
+            # Its stop let the consumer name go (it lapsed 10 s later before): the next start reads at once.
+            assert await q.redis.exists("routerd:consumer:t1") == 0
         lifted = dict(limited, tenants=[{"name": "slow"}])
         async with routerd(parse(lifted, environ={})):
             results = await q.wait_many(jobs, timeout=20)

@@ -170,6 +170,12 @@ class QueueIngress:
             try:
                 if jobs:  # let them unwind (release slots, close engine connections) before Redis goes
                     await asyncio.wait(jobs, timeout=5.0)
+                if all(t.done() for t in jobs):
+                    # Cut short (routerd's stop cancels its loops once the drain is over, often while
+                    # this one still waits on a read): no job runs under the name any more, so it is let
+                    # go now rather than left to lapse TTL_S later, when a restart under the same name
+                    # would read nothing until then. Already released on the way above: no-op.
+                    await self._name.release(self.client(), self._cfg.redis.op_timeout_s)
             finally:
                 if self._client is not None:
                     client, self._client = self._client, None
