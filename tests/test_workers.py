@@ -318,7 +318,11 @@ async def test_a_daemon_started_again_at_once_runs_none_of_its_orphans_jobs_agai
     same names, read nothing until each orphan let go. The orphans drain whole (the parent's death
     signal coming again is no second stop). Every job ends with one ``ok`` result, and the engine ran
     each exactly once."""
-    sim = await sim_process(model="m", ttft_ms=5, itl_ms=40, max_num_seqs=64)  # 5 s a job
+    # A second a job at full speed; slowed 100 times from the start, so that the jobs the first daemon's
+    # workers read are still running when it is killed and their orphans' drain outlasts the new daemon's
+    # start-up, however loaded the machine; at full speed again once the newcomers met their orphans.
+    sim = await sim_process(model="m", ttft_ms=5, itl_ms=8, max_num_seqs=64)
+    await sim.set_faults(slow_factor=100.0)
     # A starved machine's late scrapes and heartbeats must not end jobs (each retry a run more): only a
     # second run by the newcomers is counted here.
     cfg = routerd_config(daemon={"workers": 2, "drain_timeout_s": 90.0},
@@ -347,7 +351,6 @@ async def test_a_daemon_started_again_at_once_runs_none_of_its_orphans_jobs_agai
             await asyncio.sleep(0.05)
         else:
             pytest.fail(first.log())
-        await sim.set_faults(slow_factor=100.0)  # the orphans' drain outlasts the new daemon's start-up
         orphans = _worker_pids(first.log_path)
         first.proc.kill()
         await asyncio.to_thread(first.proc.wait, 10)
