@@ -15,7 +15,6 @@ from routerd_builtin.launchers import SimLauncher, VllmLauncher
 from routerd.config import RayConfig
 from routerd.fleet.ray_cluster import LocalHead, RayCluster, RayConnectError, short_temp_dir
 from routerd.plugins import LaunchSpec
-from tests.fixtures.helpers import eventually
 
 
 def _alive(pid: int) -> bool:
@@ -24,31 +23,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(") ", 1)[1][0] != "Z"
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(120)
-async def test_local_head_outlives_the_driver_and_is_found_again(tmp_path: Path) -> None:
-    cfg = RayConfig(num_cpus=2, num_gpus=1, resources={"accel": 2.0}, connect_timeout_s=60)
-    state = tmp_path / "state"
-    first = await RayCluster.connect(cfg, state)
-    rec = json.loads((state / "ray" / "head.json").read_text())
-    try:
-        assert first.local_head
-        assert first.is_local()
-        total, _ = await first.resources()
-        assert total["GPU"] == 1.0
-        assert total["accel"] == 2.0
-        await first.close()  # the driver goes; the head must stay
-        assert _alive(rec["pid"])
-        second = await RayCluster.connect(cfg, state)
-        assert second.address == first.address
-        assert json.loads((state / "ray" / "head.json").read_text())["pid"] == rec["pid"]
-        await second.close()
-    finally:
-        os.kill(rec["pid"], signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
-        assert await eventually(lambda: not _alive(rec["pid"]), 30, 0.2)
-    assert LocalHead(cfg, state).find() is None
 
 
 async def test_unreachable_address_fails_within_the_timeout(tmp_path: Path) -> None:
@@ -106,24 +80,37 @@ def _session(sid: int) -> list[int]:
 
 @pytest.mark.ray
 @pytest.mark.timeout(240)
-async def test_make_stop_stops_the_head_and_its_engines_without_waiting_for_ray_s_drain(
+async def test_local_head_outlives_the_driver_is_found_again_and_make_stop_stops_it_with_its_engines(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ray start --block`` drains its node on SIGTERM until the raylet exits or the drain times out,
-    and a node holding a detached actor never drains: ``make stop`` must not wait for that (here the
-    drain is 600 s, so waiting for it means not stopping at all). When the script returns, every process
-    the head started — the detached actor and its engine process too — is gone."""
+    """routerd's own head outlives the driver that started it and is found again from the state dir.
+    Then ``make stop``: ``ray start --block`` drains its node on SIGTERM until the raylet exits or the
+    drain times out, and a node holding a detached actor never drains, so the script must not wait for
+    that (here the drain is 600 s, so waiting for it means not stopping at all). When it returns, every
+    process the head started — the detached actor and its engine process too — is gone. (One head for
+    both: each start of one cost ~10 s of CI.)"""
     monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "600")  # inherited by the head
     import subprocess
     import sys
 
     import ray
 
-    cfg = RayConfig(num_cpus=2, num_gpus=0, connect_timeout_s=60)
+    cfg = RayConfig(num_cpus=2, num_gpus=1, resources={"accel": 2.0}, connect_timeout_s=60)
     state = tmp_path / "state"
-    cluster = await RayCluster.connect(cfg, state)
+    first = await RayCluster.connect(cfg, state)
     rec = json.loads((state / "ray" / "head.json").read_text())
     sid = os.getsid(rec["pid"])
     try:
+        assert first.local_head
+        assert first.is_local()
+        total, _ = await first.resources()
+        assert total["GPU"] == 1.0
+        assert total["accel"] == 2.0
+        await first.close()  # the driver goes; the head must stay
+        assert _alive(rec["pid"])
+        cluster = await RayCluster.connect(cfg, state)
+        assert cluster.address == first.address
+        assert json.loads((state / "ray" / "head.json").read_text())["pid"] == rec["pid"]
+
         @ray.remote(num_cpus=0)
         class Holder:  # a detached actor with a child process: what an engine actor is to Ray
             def __init__(self) -> None:
@@ -145,6 +132,7 @@ async def test_make_stop_stops_the_head_and_its_engines_without_waiting_for_ray_
         assert not _alive(rec["pid"]), out
         assert not _alive(child)
         assert _session(sid) == []
+        assert LocalHead(cfg, state).find() is None
     finally:
         for pid in _session(sid):  # only the head's own session: what this test started
             os.kill(pid, signal.SIGKILL)
