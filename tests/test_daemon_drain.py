@@ -125,6 +125,19 @@ def _config(routerd_config: Callable[..., dict[str, Any]], sim_url: str, redis_u
     return cfg
 
 
+def _all_ready(procs: list[RouterdProcess], timeout: float) -> None:
+    """Until every daemon said READY=1, their notify sockets read in turn: one nobody reads holds only 10
+    datagrams, so a READY=1 sent while the test waited for another daemon's was dropped behind its
+    watchdog pings (15 daemons starting on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(procs)
+    while waiting:
+        for rp in waiting:
+            rp.read_notify(0.01)
+        waiting = [rp for rp in waiting if "READY=1" not in rp.messages]
+        assert time.monotonic() < deadline, f"{len(waiting)} routerd(s) never ready: {waiting[0].log()}"
+
+
 def _redis_url(rp: RouterdProcess, cfg: dict[str, Any]) -> str:
     url: str = cfg["redis"]["url"]
     if url == "embedded":
@@ -142,8 +155,7 @@ async def test_sigterm_exits_0_in_time_whatever_is_in_flight(
     redis_url = "embedded" if redis_mode == "embedded" else request.getfixturevalue("redis_server").url
     configs = [_config(routerd_config, sim.url, redis_url, i) for i in range(len(MIXES))]
     procs = [await asyncio.to_thread(routerd_process, cfg, wait_ready=False) for cfg in configs]
-    for rp in procs:
-        await asyncio.to_thread(rp.wait_notify, "READY=1", 60)
+    await asyncio.to_thread(_all_ready, procs, 60)
     clients = [QueueClient.from_url(_redis_url(rp, cfg),
                                     stream=cfg["redis"].get("stream", "routerd:requests"))
                for rp, cfg in zip(procs, configs, strict=True)]
