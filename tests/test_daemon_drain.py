@@ -155,7 +155,7 @@ async def test_sigterm_exits_0_in_time_whatever_is_in_flight(
     redis_url = "embedded" if redis_mode == "embedded" else request.getfixturevalue("redis_server").url
     configs = [_config(routerd_config, sim.url, redis_url, i) for i in range(len(MIXES))]
     procs = [await asyncio.to_thread(routerd_process, cfg, wait_ready=False) for cfg in configs]
-    await asyncio.to_thread(_all_ready, procs, 60)
+    await asyncio.to_thread(_all_ready, procs, 120)
     clients = [QueueClient.from_url(_redis_url(rp, cfg),
                                     stream=cfg["redis"].get("stream", "routerd:requests"))
                for rp, cfg in zip(procs, configs, strict=True)]
