@@ -115,9 +115,11 @@ def _config(routerd_config: Callable[..., dict[str, Any]], sim_url: str, redis_u
     if redis_url != "embedded":  # daemons sharing one Redis each get their own streams
         redis |= {"stream": f"mix{index}:requests", "group": f"mix{index}", "dead_stream": f"mix{index}:dead"}
     # Up to 15 daemons on one simulated engine, on two cores that other tests share: the subject is
-    # the drain, so a heartbeat or connect slowed by the load must not take the engine out of rotation.
+    # the drain, so a heartbeat, scrape or connect slowed by the load must not take the engine out of
+    # rotation (at load 20 some daemons' first scrapes all timed out: never ready in 30 s).
     cfg = routerd_config(daemon={"drain_timeout_s": DRAIN_S}, redis=redis,
                          routing={"scrape_interval_s": 0.5, "connect_timeout_s": 10.0,
+                                  "scrape_timeout_s": 5.0, "stale_after_s": 15.0,
                                   "circuit_failure_threshold": 50},
                          health={"heartbeat_timeout_s": 10.0, "failure_threshold": 10},
                          fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim_url]}])
