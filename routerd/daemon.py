@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -429,4 +430,10 @@ def main(argv: list[str]) -> int:
     except Exception:  # the outermost boundary: log it whole, let systemd restart us
         _logger.exception("routerd_failed")
         return 1
+    finally:
+        # Stopped: what is left is the interpreter's teardown, whose collections walk every object of
+        # the ~700 modules imported — 1 s on a loaded machine, 5 s with a dozen routerds stopping at
+        # once on two cores, past the drain's bound. Frozen objects are never walked; the rest of a
+        # normal exit (atexit handlers, threads joined, streams flushed) is unchanged.
+        gc.freeze()
     return code

@@ -115,14 +115,29 @@ def _config(routerd_config: Callable[..., dict[str, Any]], sim_url: str, redis_u
     if redis_url != "embedded":  # daemons sharing one Redis each get their own streams
         redis |= {"stream": f"mix{index}:requests", "group": f"mix{index}", "dead_stream": f"mix{index}:dead"}
     # Up to 15 daemons on one simulated engine, on two cores that other tests share: the subject is
-    # the drain, so a heartbeat or connect slowed by the load must not take the engine out of rotation.
+    # the drain, so a heartbeat, scrape or connect slowed by the load must not take the engine out of
+    # rotation (at load 20 some daemons' first scrapes all timed out: never ready in 30 s).
     cfg = routerd_config(daemon={"drain_timeout_s": DRAIN_S}, redis=redis,
                          routing={"scrape_interval_s": 0.5, "connect_timeout_s": 10.0,
+                                  "scrape_timeout_s": 5.0, "stale_after_s": 15.0,
                                   "circuit_failure_threshold": 50},
                          health={"heartbeat_timeout_s": 10.0, "failure_threshold": 10},
                          fleets=[{"name": "f", "model": "m", "engine": "static", "urls": [sim_url]}])
     cfg["daemon"]["state_dir"] += f"-{index}"
     return cfg
+
+
+def _all_ready(procs: list[RouterdProcess], timeout: float) -> None:
+    """Until every daemon said READY=1, their notify sockets read in turn: one nobody reads holds only 10
+    datagrams, so a READY=1 sent while the test waited for another daemon's was dropped behind its
+    watchdog pings (15 daemons starting on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(procs)
+    while waiting:
+        for rp in waiting:
+            rp.read_notify(0.01)
+        waiting = [rp for rp in waiting if "READY=1" not in rp.messages]
+        assert time.monotonic() < deadline, f"{len(waiting)} routerd(s) never ready: {waiting[0].log()}"
 
 
 def _redis_url(rp: RouterdProcess, cfg: dict[str, Any]) -> str:
@@ -142,8 +157,7 @@ async def test_sigterm_exits_0_in_time_whatever_is_in_flight(
     redis_url = "embedded" if redis_mode == "embedded" else request.getfixturevalue("redis_server").url
     configs = [_config(routerd_config, sim.url, redis_url, i) for i in range(len(MIXES))]
     procs = [await asyncio.to_thread(routerd_process, cfg, wait_ready=False) for cfg in configs]
-    for rp in procs:
-        await asyncio.to_thread(rp.wait_notify, "READY=1", 60)
+    await asyncio.to_thread(_all_ready, procs, 120)
     clients = [QueueClient.from_url(_redis_url(rp, cfg),
                                     stream=cfg["redis"].get("stream", "routerd:requests"))
                for rp, cfg in zip(procs, configs, strict=True)]
