@@ -5,7 +5,7 @@ Method (``docs/benchmarks.md`` has the figures):
 
 * **Fleet.** ``--instances`` simulated engines with ``--enable-lora --max-loras`` (vLLM's scheduler:
   at most that many distinct adapters in a running batch, the others' requests wait; ``--max-cpu-loras``
-  adapters' weights kept, 8 by default (vLLM's default is max-loras); one adapter's weights read in
+  adapters' weights kept, twice max-loras by default (vLLM's is max-loras); one adapter's weights read in
   ``--load-s``, stalling the engine's steps as vLLM's ``add_lora`` does, whether by the load route or
   when a request's adapter had left the cache).
 * **Traffic.** ``--adapters`` adapters, the k-th most popular asked for ∝ 1/k^s (Zipf, ``--zipf``);
@@ -73,10 +73,10 @@ ENGINE: dict[str, Any] = {"max_num_seqs": 8, "ttft_ms": 50.0, "itl_ms": 50.0, "b
 # Seconds to read one adapter's weights onto the GPU: LoRAX measured 20 ms a layer, 0.5 to over 1 s an
 # adapter, moving a LoRA's weights to the GPU (predibase/lorax#433); the low end.
 LOAD_S = 0.5
-# Adapters' weights an engine keeps (vLLM's --max-cpu-loras; its default is --max-loras): an operator
-# serving more adapters than slots sets it higher, an r = 8 adapter being megabytes of CPU memory; below
-# it, a load pushes out weights of adapters still registered there, re-read in the middle of a batch
-MAX_CPU_LORAS = 8
+# Adapters' weights an engine keeps, × max-loras (vLLM's --max-cpu-loras; its default is --max-loras):
+# an operator serving more adapters than slots sets it higher, an r = 8 adapter being megabytes of CPU
+# memory; at max-loras, a load pushes out weights of adapters still registered, re-read mid-batch
+CPU_LORAS_PER_SLOT = 2
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
@@ -612,8 +612,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--zipf", type=float, default=1.1, help="popularity exponent s")
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--max-loras", type=int, default=4)
-    ap.add_argument("--max-cpu-loras", type=int, default=MAX_CPU_LORAS,
-                    help="adapters' weights an engine keeps in CPU memory (0: vLLM's default, = max-loras)")
+    ap.add_argument("--max-cpu-loras", type=int, default=None,
+                    help=f"adapters' weights an engine keeps in CPU memory (default {CPU_LORAS_PER_SLOT} × "
+                         "max-loras; 0: vLLM's default, = max-loras)")
     ap.add_argument("--load-s", type=float, default=LOAD_S, help="seconds to read one adapter's weights")
     ap.add_argument("--load", type=float, default=0.7, help="arrival rate as a fraction of measured capacity")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per router")
@@ -627,6 +628,8 @@ def main(argv: list[str]) -> int:
                     help="rounds of every router on the same plan, each round in another order")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
+    if args.max_cpu_loras is None:
+        args.max_cpu_loras = CPU_LORAS_PER_SLOT * args.max_loras
     import uvloop
 
     results = uvloop.run(run(args))
