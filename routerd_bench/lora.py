@@ -421,7 +421,7 @@ async def run_one(session: aiohttp.ClientSession, router: str, args: argparse.Na
             stop.set()
             await watch
         elapsed = time.perf_counter() - t0
-        rules = routerd_rules(log_path, engines) if router == "routerd" else None
+        rules = await logged_rules(log_path, engines, len(outcomes)) if router == "routerd" else None
     # the measured window: from the first measured request's planned time to the last answer
     measured = [o for o in outcomes if o.request.at >= args.warmup_s]
     figures = window(samples, t0 + args.warmup_s, t0 + elapsed)
@@ -429,6 +429,18 @@ async def run_one(session: aiohttp.ClientSession, router: str, args: argparse.Na
     if rules is not None:
         result["routerd_rules"], result["routerd_share"] = rules
     return result, measured
+
+
+async def logged_rules(log_path: Path, engines: Sequence[str], n: int, within_s: float = 10.0
+                       ) -> tuple[dict[str, int], dict[str, int]]:
+    """:func:`routerd_rules` once routerd has logged all ``n`` requests (it writes a request's line after
+    the answer's last byte, so the client may be done first), or as they are after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        rules = routerd_rules(log_path, engines)
+        if sum(rules[0].values()) >= n or time.monotonic() > deadline:
+            return rules
+        await asyncio.sleep(0.1)
 
 
 def routerd_rules(log_path: Path, engines: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
