@@ -4,6 +4,7 @@ the listener's TLS context."""
 
 from __future__ import annotations
 
+import random
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -37,16 +38,44 @@ def session_fetch(session: aiohttp.ClientSession) -> Fetch:
     return fetch
 
 
+# Where free_port looks first: above Ray's worker ports (10002-19999 by default) and below the kernel's
+# ephemeral range (32768-60999 by default), which every outgoing connection and every bind to port 0 on
+# the host draws from — a port picked there was seen taken by a Ray worker or a Redis client in the
+# moment before its caller bound it (EADDRINUSE on a busy host).
+_PICK_FROM = (20000, 32767)
+_rng = random.Random()  # its own: a caller's seeded global random (a bench's plan) is left alone
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return (32768, 60999)
+    return (low, high)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (an IPv6 address when ``host`` has a colon).
+    """A TCP port free on ``host`` right now (an IPv6 address when ``host`` has a colon): one of
+    ``_PICK_FROM`` outside the kernel's ephemeral range when one is free, else any the kernel gives.
 
     Free *now* only: another process may take it before the caller binds it, so whoever listens on it
-    must cope with EADDRINUSE (retry, or fail loudly)."""
+    must cope with EADDRINUSE (retry, or fail loudly). Outside the ephemeral range only another explicit
+    pick can take it, not the host's outgoing connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, high = _ephemeral_range()
+    choices = [p for p in range(_PICK_FROM[0], _PICK_FROM[1] + 1) if not low <= p <= high]
+    for port in _rng.sample(choices, min(len(choices), 20)):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        picked: int = s.getsockname()[1]
+        return picked
 
 
 def server_tls(cert: str, key: str) -> ssl.SSLContext:

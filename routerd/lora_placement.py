@@ -37,11 +37,14 @@ class FleetPlacement:
 
 class HeldAdapters(msgspec.Struct, frozen=True, kw_only=True):
     """The controller's record of one instance's adapters, as the fleet state carries it: the engine
-    generation it is of, the adapters held (least recently used first), those being loaded there."""
+    generation it is of, the adapters held (least recently used first), those being loaded there, and
+    those the controller's own requests use or wait for there (``busy``: a load that has just ended
+    has its request one step from being sent, before any shared load could say so — not idle)."""
 
     generation: int = 0
     held: list[str] = []
     loading: list[str] = []
+    busy: list[str] = []
 
 
 class LoraRecord(msgspec.Struct, frozen=True, kw_only=True):

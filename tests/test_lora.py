@@ -485,7 +485,7 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
 
         await until(a_busy_on_y, 30, "the follower sees the controller's load of a and its request")
         st, body, inst_c = await _post(s, f"{fol.url}/v1/completions", {"model": "c", **short})
-        assert (st, inst_c) == (200, x), body
+        assert (st, inst_c) == (200, x), (body, _lines(fol.log(), "c"), await seen(fol, y))
         assert body["choices"][0]["text"] == expected_text(adapter_seed(0, "c"), "hi", 3)
         st, body, inst_a = await long_a
         assert (st, inst_a) == (200, y), body

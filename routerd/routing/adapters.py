@@ -169,6 +169,8 @@ class AdapterSlots:
         self._moved: dict[tuple[str, str], int] = {}
         # a follower's: the loads in flight on the controller, as its published record says
         self._remote_loading: set[tuple[str, str]] = set()
+        # ... and the adapters its own requests use or wait for (not idle, though no shared load says so yet)
+        self._remote_busy: set[tuple[str, str]] = set()
         self._following = False  # routing from the controller's record (not asking the engines)
         # the other routerd processes' adapter traffic, as their shared load says: in flight by
         # (instance, adapter) — busy there, not to be evicted —, and requests routed by (fleet, adapter)
@@ -213,7 +215,8 @@ class AdapterSlots:
         key = (inst.id, name)
         # a request whose load just ended is not yet in flight: it is one step from being sent
         return not self._inflight.get(key) and not self._inflight_elsewhere.get(key) \
-            and not self._is_loading(inst, name) and not self._joined.get(key)
+            and not self._is_loading(inst, name) and not self._joined.get(key) \
+            and key not in self._remote_busy
 
     def _move(self, key: tuple[str, str]) -> None:
         self._moves += 1
@@ -487,7 +490,7 @@ class AdapterSlots:
         while True:
             if self._following and (self.remote is None or self.controls()):
                 self._following = False  # this process took control: its own record from here
-                self._remote_loading = set()
+                self._remote_loading, self._remote_busy = set(), set()
             insts = [i for fleet, n in self.catalog.slots.items() if n
                      for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
             for inst in insts if not self._following else ():
@@ -515,7 +518,9 @@ class AdapterSlots:
                 if inst.state is InstanceState.READY:
                     out[inst.id] = HeldAdapters(
                         generation=inst.generation, held=self.held(inst),
-                        loading=sorted(n for (iid, n) in self._loading if iid == inst.id))
+                        loading=sorted(n for (iid, n) in self._loading if iid == inst.id),
+                        busy=sorted({n for (iid, n), k in (*self._inflight.items(), *self._joined.items())
+                                     if iid == inst.id and k > 0}))
         return LoraRecord(instances=out, failed=dict(self.catalog.failed))
 
     def follow(self, record: LoraRecord | None) -> None:
@@ -524,7 +529,7 @@ class AdapterSlots:
         engines itself."""
         if record is None or self.remote is None or self.controls():
             self._following = False
-            self._remote_loading = set()
+            self._remote_loading, self._remote_busy = set(), set()
             return
         self._following = True
         now = self.clock()
@@ -536,6 +541,7 @@ class AdapterSlots:
                 continue
             held.names = OrderedDict((n, held.names.get(n, now)) for n in theirs.held)
         self._remote_loading = {(iid, n) for iid, h in record.instances.items() for n in h.loading}
+        self._remote_busy = {(iid, n) for iid, h in record.instances.items() for n in h.busy}
         for name in set(self.catalog.failed) - set(record.failed):
             del self.catalog.failed[name]
         for name, why in record.failed.items():
