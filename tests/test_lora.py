@@ -30,10 +30,17 @@ from routerd.client import QueueClient
 from routerd.config import RedisConfig
 from routerd.fleet.adapters import AdapterPlanner
 from routerd.fleet.autoscaler import Autoscaler
-from routerd.lora_placement import FleetPlacement
+from routerd.lora_placement import FleetPlacement, HeldAdapters, LoraRecord
+from routerd.plugins import Candidate
 from routerd.redis_keys import RedisKeys
 from routerd.registry import Instance, InstanceState, Registry
-from routerd.routing.adapters import ADAPTER_FREE_SLOT, AdapterCatalog, AdapterPlan, AdapterSlots
+from routerd.routing.adapters import (
+    ADAPTER_EVICTED,
+    ADAPTER_FREE_SLOT,
+    AdapterCatalog,
+    AdapterPlan,
+    AdapterSlots,
+)
 from routerd.sim import expected_text
 from routerd.sim.lora import adapter_seed
 from routerd_bench._common import to_toml
@@ -443,6 +450,47 @@ def _events(rp: Any, event: str) -> list[dict[str, Any]]:
     """The log records of ``event`` in a routerd's log."""
     recs = [json.loads(line[line.index("{"):]) for line in rp.log().splitlines() if f'"{event}"' in line]
     return [r for r in recs if r.get("event") == event]
+
+
+async def test_a_follower_does_not_evict_an_adapter_the_controllers_request_waits_on(
+        tmp_path: Path) -> None:
+    # The controller publishes its record at once when a load ends; its request on that adapter is then
+    # one step from being sent, and no shared load says so yet. The record names it busy, so a follower
+    # asked for another adapter evicts the idle one elsewhere, not this one (fresh-clone CI: it did).
+    cfg = config_mod.parse(base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+         "engine_args": LORA_ARGS,
+         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}]))
+    registry = Registry()
+    insts = [registry.add(Instance(id=f"f:static{i}", fleet="f", url=f"http://127.0.0.1:{9 + i}",
+                                   capacity_hint=8)) for i in range(2)]
+    for inst in insts:
+        registry.set_state(inst, InstanceState.READY)
+    x, y = insts
+
+    async def never(inst: Instance, name: str, evict: str | None) -> tuple[int, str]:
+        raise AssertionError("the follower asked for a load")
+
+    async with aiohttp.ClientSession() as session:
+        ctl = AdapterSlots(registry, AdapterCatalog(cfg), session)
+        fol = AdapterSlots(registry, AdapterCatalog(cfg), session)
+        fol.remote, fol.controls = never, lambda: False
+        # what the controller found its engines hold (its sync's record, set here without engines)
+        ctl._of(x).names["a"], ctl._of(y).names["b"] = 0.0, 0.0
+        assert ctl.record() == LoraRecord(instances={x.id: HeldAdapters(generation=x.generation, held=["a"]),
+                                                     y.id: HeldAdapters(generation=y.generation, held=["b"])})
+        c = fol.catalog.get("c")
+        assert c is not None
+        pairs = [(Candidate(id=i.id, load=0.0, inflight=0, queue=0.0, capacity=8, kv_usage=0.0,
+                            stale=False), i) for i in insts]
+        with ctl.using(x, "a"):  # the controller's request on a (as from the moment its load ended)
+            fol.follow(ctl.record())
+            chosen, plans = fol.narrow(c, pairs)
+        assert [i.id for _, i in chosen] == [y.id]
+        assert (plans[y.id].rule, plans[y.id].evict) == (ADAPTER_EVICTED, "b")
+        fol.follow(ctl.record())  # the request ended: both idle, either may be evicted
+        chosen, _ = fol.narrow(c, pairs)
+        assert sorted(i.id for _, i in chosen) == [x.id, y.id]
 
 
 async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
