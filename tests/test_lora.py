@@ -528,8 +528,10 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
                                            {"model": "a", "prompt": "hi", "max_tokens": 300}))
 
         async def a_busy_on_y() -> bool:  # being loaded there, or held with the controller's request on it
+            # in the controller's record as the follower has it: the shared load can show the request
+            # on a before the record that places a there has reached the follower (y then looked free)
             there = await seen(fol, y)
-            return "a" in there["loading"] or there["in_flight"].get("a", 0) > 0
+            return "a" in there["loading"] or ("a" in there["held"] and there["in_flight"].get("a", 0) > 0)
 
         await until(a_busy_on_y, 30, "the follower sees the controller's load of a and its request")
         st, body, inst_c = await _post(s, f"{fol.url}/v1/completions", {"model": "c", **short})
