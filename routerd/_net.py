@@ -64,8 +64,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     pick can take it, not the host's outgoing connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low, high = _ephemeral_range()
-    choices = [p for p in range(_PICK_FROM[0], _PICK_FROM[1] + 1) if not low <= p <= high]
-    for port in _rng.sample(choices, min(len(choices), 20)):
+    for port in (_rng.randint(*_PICK_FROM) for _ in range(20)):
+        if low <= port <= high:  # a host whose ephemeral range reaches down here
+            continue
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))

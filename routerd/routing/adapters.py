@@ -43,9 +43,9 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -64,6 +64,31 @@ ADAPTER_EVICTED = "adapter_evicted"
 ADAPTER_OVERFLOW = "adapter_overflow"
 # An adapter is spread to one more instance per this share of an instance's slots in flight for it
 PER_COPY_SHARE = 0.5
+
+_K = TypeVar("_K", bound=Hashable)
+
+
+def _release(counts: dict[_K, int], key: _K) -> None:
+    """One fewer of ``key`` (a request, a waiter, an unload): a count that reaches none is dropped, so
+    that a key present always means at least one."""
+    if (left := counts.get(key, 0) - 1) > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _summed(*counts: dict[_K, int]) -> dict[_K, int]:
+    """The counts added up key by key (this process's and the other processes')."""
+    out: dict[_K, int] = {}
+    for c in counts:
+        for key, n in c.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def _flat(nested: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """A shared load's ``{outer: {inner: n}}`` as ``{(outer, inner): n}``."""
+    return {(a, b): n for a, inner in nested.items() for b, n in inner.items()}
 
 
 class Adapter(msgspec.Struct, frozen=True, kw_only=True):
@@ -285,11 +310,7 @@ class AdapterSlots:
         try:
             yield
         finally:
-            n = self._inflight.get(key, 0) - 1
-            if n > 0:
-                self._inflight[key] = n
-            else:
-                self._inflight.pop(key, None)
+            _release(self._inflight, key)
 
     # ---- loading ---------------------------------------------------------------------------------
 
@@ -333,14 +354,8 @@ class AdapterSlots:
             if ours:
                 waited = self.slot_wait_seconds.get(inst.fleet, 0.0) + self.clock() - started
                 self.slot_wait_seconds[inst.fleet] = waited
-            if (left := waiting.get(inst.fleet, 0) - 1) > 0:
-                waiting[inst.fleet] = left
-            else:
-                waiting.pop(inst.fleet, None)
-            if (left := self._joined.get(key, 0) - 1) > 0:
-                self._joined[key] = left
-            else:
-                self._joined.pop(key, None)
+            _release(waiting, inst.fleet)
+            _release(self._joined, key)
 
     def _loaded(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         if self._loading.get(key) is task:
@@ -421,10 +436,7 @@ class AdapterSlots:
             status, _ = await self._post(inst, "/v1/unload_lora_adapter", {"lora_name": name})
         finally:
             self._move(key)
-            if (left := self._unloading.get(key, 0) - 1) > 0:
-                self._unloading[key] = left
-            else:
-                self._unloading.pop(key, None)
+            _release(self._unloading, key)
         uk = (inst.fleet, name)
         self.unloads[uk] = self.unloads.get(uk, 0) + 1
         _log.info("adapter_unloaded", instance=inst.id, adapter=name, status=status)
@@ -561,20 +573,10 @@ class AdapterSlots:
     def elsewhere(self, others: dict[str, AdapterDemand]) -> None:
         """The other processes' adapter traffic (each one's last record): what is busy where, their
         requests for placement to measure, their waits for a load for the autoscaler."""
-        inflight: dict[tuple[str, str], int] = {}
-        requests: dict[tuple[str, str], int] = {}
-        waiting: dict[str, int] = {}
-        for rec in others.values():
-            for iid, names in rec.inflight.items():
-                for name, n in names.items():
-                    inflight[(iid, name)] = inflight.get((iid, name), 0) + n
-            for fleet, names in rec.requests.items():
-                for name, n in names.items():
-                    requests[(fleet, name)] = requests.get((fleet, name), 0) + n
-            for fleet, n in rec.waiting.items():
-                waiting[fleet] = waiting.get(fleet, 0) + n
-        self._inflight_elsewhere, self._requests_elsewhere = inflight, requests
-        self.registry.adapter_waiting_elsewhere = waiting
+        recs = list(others.values())
+        self._inflight_elsewhere = _summed(*(_flat(r.inflight) for r in recs))
+        self._requests_elsewhere = _summed(*(_flat(r.requests) for r in recs))
+        self.registry.adapter_waiting_elsewhere = _summed(*(r.waiting for r in recs))
 
     # ---- what placement (routerd/fleet/adapters.py) asks ------------------------------------------
 
@@ -583,17 +585,11 @@ class AdapterSlots:
 
     def request_counts(self) -> dict[tuple[str, str], int]:
         """(fleet, adapter) → requests routed so far, by this process and the others on its Redis."""
-        out = dict(self.requests)
-        for key, n in self._requests_elsewhere.items():
-            out[key] = out.get(key, 0) + n
-        return out
+        return _summed(self.requests, self._requests_elsewhere)
 
     def _all_inflight(self) -> dict[tuple[str, str], int]:
         """(instance, adapter) → requests in flight from every process."""
-        out = dict(self._inflight)
-        for key, n in self._inflight_elsewhere.items():
-            out[key] = out.get(key, 0) + n
-        return out
+        return _summed(self._inflight, self._inflight_elsewhere)
 
     def in_flight(self) -> dict[tuple[str, str], int]:
         """(fleet, adapter) → its requests in flight from every process, on any instance."""
@@ -612,13 +608,13 @@ class AdapterSlots:
         if not insts:
             return None
         per_copy = PER_COPY_SHARE * sum(i.capacity_source()[0] for i in insts) / len(insts)
+        busy = [*self._all_inflight(), *self._loading]  # (instance, adapter): once, not per instance
         return FleetPlacement(
             slots=self.catalog.slots.get(fleet, 0),
             adapters={a.name: a.pinned for a in self.catalog.of_fleet(fleet)
                       if a.name not in self.catalog.failed},
             held={i.id: self._taken(i) for i in insts},
-            busy={i.id: {n for (iid, n) in [*self._all_inflight(), *self._loading] if iid == i.id}
-                  for i in insts},
+            busy={i.id: {n for (iid, n) in busy if iid == i.id} for i in insts},
             rates=rates, demand=demand, per_copy=per_copy)
 
     def _taken(self, inst: Instance) -> list[str]:
