@@ -92,6 +92,10 @@ class Instance:
     inflight_elsewhere: int = 0
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0  # monotonic; 0 = closed (read it through circuit())
+    # wall clock of the last lose() (0: never): published, so a follower ends its own calls exactly when
+    # the controller ended its — not whenever the instance leaves rotation (stale scrapes end nothing).
+    # A time, not a count: a controller that takes over with fresh instances still moves it forward.
+    lost_at: float = 0.0
     # what ends the engine calls in flight on this instance when its heartbeats declare it failed
     _on_lost: set[Callable[[str], None]] = field(default_factory=set, init=False, repr=False,
                                                  compare=False)
@@ -107,6 +111,7 @@ class Instance:
 
     def lose(self, reason: str) -> int:
         """End every engine call in flight on this instance with ``reason``; returns how many."""
+        self.lost_at = time.time()
         callbacks = list(self._on_lost)
         self._on_lost.clear()
         for callback in callbacks:

@@ -148,9 +148,38 @@ async def test_a_failed_instance_ends_the_followers_calls_on_it(redis_server: Re
         inst = ctl.get("g:0")
         assert inst is not None
         ctl.set_state(inst, InstanceState.UNHEALTHY, "heartbeat: stalled")
+        inst.lose("instance g:0 failed its heartbeats (stalled)")  # as the controller's monitor does
         await until(lambda: bool(ended), "the follower's calls on it ended")
         assert fol.get("g:0") is followed
         assert followed.state_reason == "heartbeat: stalled"
+
+
+async def test_an_instance_out_of_rotation_but_not_failed_keeps_the_followers_calls_on_it(
+        redis_server: RedisServer) -> None:
+    """A static instance whose scrapes went stale leaves rotation on the controller while what runs on it
+    goes on: a follower (a worker, a replica) takes it out of rotation too, and ends nothing — it ends its
+    calls when the controller ended its own (a heartbeat failure). Followers once ended every stream on
+    an instance that merely left rotation: a loaded machine's late scrapes cut workers' streams."""
+    ctl, fol = Registry(), Registry()
+    ctl.add(Instance(id="s:static0", fleet="s", url="http://127.0.0.1:9", state=InstanceState.READY,
+                     static=True))
+    async with view_running(redis_server, ctl, Flag(True), ident="a"), \
+            view_running(redis_server, fol, Flag(False), ident="b"):
+        await until(lambda: fol.ready_count("s") == 1, "the instance followed")
+        ended: list[str] = []
+        followed = fol.get("s:static0")
+        inst = ctl.get("s:static0")
+        assert followed is not None and inst is not None
+        followed.watch_lost(ended.append)
+        ctl.set_state(inst, InstanceState.UNHEALTHY, "no successful /metrics scrape for 1.0s")
+        await until(lambda: followed.state is InstanceState.UNHEALTHY, "out of rotation on the follower")
+        ctl.set_state(inst, InstanceState.READY, "answers /health")
+        await until(lambda: followed.state is InstanceState.READY, "back in rotation on the follower")
+        assert ended == []
+        ctl.set_state(inst, InstanceState.UNHEALTHY, "heartbeat: timeout")
+        inst.lose("instance s:static0 failed its heartbeats (timeout)")
+        await until(lambda: bool(ended), "the follower's calls on it ended")
+        assert ended == ["instance s:static0: heartbeat: timeout"]
 
 
 async def test_without_a_controller_a_follower_keeps_the_last_state_and_says_so(

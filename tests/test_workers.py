@@ -449,7 +449,7 @@ async def test_a_stall_of_the_daemon_itself_kills_no_worker_and_a_stalled_worker
         assert all(_alive(pid) for pid in workers.values())
         events = await stream.finish(60)
         assert events[-1] == b"data: [DONE]", events[-3:]
-        assert all(b'"error"' not in e for e in events)
+        assert all(b'"error"' not in e for e in events), ([e for e in events if b'"error"' in e], rp.log())
 
     os.kill(workers[0], signal.SIGSTOP)  # a real stall after the daemon's own: still caught
     assert await eventually(lambda: _worker_pids(rp.log_path)[0] != workers[0], 30, 0.1), rp.log()

@@ -72,7 +72,6 @@ PUBLISH_EVERY_S = 0.5  # the controller's refresh; a follower's poll when a noti
 EXPIRE_MS = 5000  # a controller gone this long leaves no state behind
 STALE_AFTER_S = 3.0  # a follower whose state is older says so
 _IN_ROTATION = (InstanceState.READY, InstanceState.DRAINING)
-_FAILED = (InstanceState.UNHEALTHY, InstanceState.STOPPED)
 
 # KEYS: state hash, version counter. ARGV: token, state, expiry ms, channel, announce (1/0).
 # Returns the version written, or -1 when a newer controller (higher token) has written already.
@@ -106,6 +105,7 @@ class PublishedInstance(msgspec.Struct, frozen=True, kw_only=True):
     resources: dict[str, Any] = {}
     health: str = "unknown"
     last_heartbeat: float = 0.0
+    lost_at: float = 0.0  # Instance.lost_at: a follower ends its calls on it when this moves on
 
 
 class PublishedOrphan(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,7 +173,8 @@ def view_of(inst: Instance) -> PublishedInstance:
                         state_reason=inst.state_reason, generation=inst.generation, restarts=inst.restarts,
                         pid=inst.pid, node=inst.node, capacity_hint=inst.capacity_hint,
                         launch_capacity=inst.launch_capacity, static=inst.static, started_at=inst.started_at,
-                        resources=inst.resources, health=inst.health, last_heartbeat=inst.last_heartbeat)
+                        resources=inst.resources, health=inst.health, last_heartbeat=inst.last_heartbeat,
+                        lost_at=inst.lost_at)
 
 
 def _state(value: str) -> InstanceState:
@@ -188,7 +189,7 @@ def _new_instance(v: PublishedInstance) -> Instance:
                     capacity_hint=v.capacity_hint, static=v.static, launch_capacity=v.launch_capacity,
                     generation=v.generation, restarts=v.restarts, pid=v.pid, node=v.node,
                     started_at=v.started_at, resources=dict(v.resources), health=v.health,
-                    last_heartbeat=v.last_heartbeat)
+                    last_heartbeat=v.last_heartbeat, lost_at=v.lost_at)
 
 
 def _replaced(inst: Instance, v: PublishedInstance) -> bool:
@@ -217,9 +218,12 @@ def apply_state(registry: Registry, state: FleetState) -> None:
         inst.node, inst.capacity_hint, inst.launch_capacity = v.node, v.capacity_hint, v.launch_capacity
         inst.static, inst.started_at, inst.resources = v.static, v.started_at, dict(v.resources)
         inst.health, inst.last_heartbeat = v.health, v.last_heartbeat
-        if inst.state in _IN_ROTATION and new_state in _FAILED:
-            # The controller declared it failed (and ended its own calls on it): so do we.
+        if v.lost_at > inst.lost_at:
+            # The controller ended its own calls on it (its heartbeats failed, its engine is gone): so do
+            # we. Not merely because it left rotation: a static instance whose scrapes went stale is
+            # out of rotation while what runs on it goes on, on the controller and here alike.
             inst.lose(f"instance {v.id}: {v.state_reason or v.state}")
+            inst.lost_at = v.lost_at
         registry.set_state(inst, new_state, v.state_reason)
     for inst in registry:
         if inst.id not in seen:
