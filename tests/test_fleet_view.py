@@ -169,7 +169,8 @@ async def test_an_instance_out_of_rotation_but_not_failed_keeps_the_followers_ca
         ended: list[str] = []
         followed = fol.get("s:static0")
         inst = ctl.get("s:static0")
-        assert followed is not None and inst is not None
+        assert followed is not None
+        assert inst is not None
         followed.watch_lost(ended.append)
         ctl.set_state(inst, InstanceState.UNHEALTHY, "no successful /metrics scrape for 1.0s")
         await until(lambda: followed.state is InstanceState.UNHEALTHY, "out of rotation on the follower")
