@@ -330,7 +330,10 @@ async def test_weighted_fair_share_holds_across_two_processes(
     used = {t: after[t] - before[t] for t in ("small", "large")}
     share = used["large"] / (used["large"] + used["small"])
     assert abs(share - 0.75) / 0.75 < 0.20, used  # one process: 10 % (test_tenants_e2e)
-    assert sum(waiting) / len(waiting) < 1.0, waiting  # each process 4 of its own: 4 waiting throughout
+    # Each process admitting 4 of its own would keep 4 waiting throughout; the shared count lags the
+    # exchange by a round trip, so on a loaded machine one more is sometimes let in (a mean of 17/16 was
+    # seen in a fresh-clone run): the bound is halfway.
+    assert sum(waiting) / len(waiting) < 2.0, waiting
 
 
 async def test_a_session_lookup_redis_does_not_answer_is_routed_without_it(
