@@ -81,6 +81,9 @@ async def consumer(redis_server: RedisServer, engines: Engines) -> AsyncIterator
 
 
 def jobs_spec(n: int, stream_every: int = 0) -> list[dict[str, Any]]:
+    """``n`` jobs. The fault tests size theirs so that the fault lands about a fifth of the way in: jobs
+    done, jobs in flight (all the fleet admits, 2 × 128 here) and hundreds still unread in the stream —
+    the fault meets work in every stage and reading goes on after it. More jobs only take longer."""
     return [{"model": "m", "prompt": f"job {i} says hello", "max_tokens": 1 + i % 4,
              **({"stream": True} if stream_every and i % stream_every == 0 else {})} for i in range(n)]
 
@@ -136,10 +139,10 @@ async def test_10000_jobs_checked_one_for_one(redis_server: RedisServer, redis_a
 @pytest.mark.parametrize("engines", [(2.0, 20.0)], indirect=True)
 async def test_engine_killed_mid_run(redis_server: RedisServer, redis_async: aioredis.Redis,
                                      engines: Engines, consumer: QueueIngress) -> None:
-    bodies = jobs_spec(2000, stream_every=5)
+    bodies = jobs_spec(1000, stream_every=5)
     q = QueueClient(redis_async)
     jobs = await q.submit_many(bodies, reply_to="replies")
-    await wait_progress(redis_async, "replies", 400, 30)
+    await wait_progress(redis_async, "replies", 200, 30)
     engines.procs[0].kill()  # SIGKILL: connections drop mid-response, streams break mid-way
     await q.wait_many(jobs, timeout=60)
     await check_one_for_one(redis_async, jobs, bodies, "replies")
@@ -147,10 +150,10 @@ async def test_engine_killed_mid_run(redis_server: RedisServer, redis_async: aio
 
 async def test_redis_restarted_mid_run_real_path(redis_server: RedisServer, redis_async: aioredis.Redis,
                                                  consumer: QueueIngress) -> None:
-    bodies = jobs_spec(3000, stream_every=7)
+    bodies = jobs_spec(1500, stream_every=7)
     q = QueueClient(redis_async)
     jobs = await q.submit_many(bodies, reply_to="replies")
-    await wait_progress(redis_async, "replies", 600, 30)
+    await wait_progress(redis_async, "replies", 300, 30)
     await asyncio.to_thread(redis_server.restart)  # SIGTERM (AOF flushed), same port and dir
     await q.wait_many(jobs, timeout=60)
     await check_one_for_one(redis_async, jobs, bodies, "replies")
@@ -186,12 +189,12 @@ async def test_sigkill_consumer_mid_run_then_restart(redis_server: RedisServer,
                                                      tmp_path: Path) -> None:
     config = tmp_path / "routerd.toml"
     config.write_text(_toml(e2e_config(redis_server.url, engines.urls)))
-    bodies = jobs_spec(3000, stream_every=6)
+    bodies = jobs_spec(1500, stream_every=6)
     q = QueueClient(redis_async)
     jobs = await q.submit_many(bodies, reply_to="replies")
     proc = _serve(config, tmp_path / "consumer.log")
     try:
-        await wait_progress(redis_async, "replies", 800, 60)
+        await wait_progress(redis_async, "replies", 400, 60)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         stranded = (await redis_async.xpending("routerd:requests", "routerd"))["pending"]
