@@ -47,7 +47,7 @@ from routerd_bench._common import to_toml
 from tests.fixtures.daemon import RouterdFactory, base_config, wait_all_ready
 from tests.fixtures.helpers import eventually, until
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.sim import SimEngineFactory, SimProcessFactory
+from tests.fixtures.sim import SimEngineFactory, SimProcessFactory, sim_processes
 from tests.test_sim_lora import make_adapter
 
 LORA_ARGS = {"enable-lora": True, "max-loras": 1}
@@ -76,8 +76,8 @@ def _lines(log: str, adapter: str) -> list[dict[str, Any]]:
 async def test_adapters_are_models_routed_to_the_instance_holding_them(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
         tmp_path: Path) -> None:
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=0.05, ttft_ms=1,
-                              itl_ms=1) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="base", enable_lora=True, max_loras=1, lora_load_s=0.05,
+                               ttft_ms=1, itl_ms=1)
     a, b, c = (make_adapter(tmp_path, n) for n in ("a", "b", "c"))
     redis = {"enabled": True, "url": redis_server.url, "consumer": "l1", "block_ms": 100}
     cfg = base_config(tmp_path, redis=redis,
@@ -276,7 +276,7 @@ async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
     # loads it there again.
     sim_args = {"model": "base", "enable_lora": True, "max_loras": 1, "lora_load_s": 0.01, "ttft_ms": 1,
                 "itl_ms": 20, "max_num_seqs": 2}
-    sims = [await sim_process(**sim_args) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, **sim_args)
     cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 2,
                                          "urls": [s.url for s in sims], "engine_args": LORA_ARGS,
                                          "adapters": [{"name": "a", "path": make_adapter(tmp_path, "a")}]}])
@@ -503,8 +503,8 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
     # `c` does not take that instance's only slot (the engine would hold two adapters in one slot):
     # it evicts the idle `b` on the other one, through the controller. And the follower's traffic is
     # the controller's demand: an adapter only it asked for is kept loaded by the controller.
-    sims = [await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=1.5, ttft_ms=1,
-                              itl_ms=5) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="base", enable_lora=True, max_loras=1, lora_load_s=1.5,
+                               ttft_ms=1, itl_ms=5)
     fleet = {"name": "f", "model": "base", "engine": "static", "urls": [s.url for s in sims],
              "engine_args": LORA_ARGS,
              "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}
@@ -608,9 +608,9 @@ async def test_admin_refuses_a_fleet_without_lora_and_a_timed_out_load_leaves_no
     # clear 400. A load that outlives adapter_load_timeout_s is a 504 that adds nothing; the engine
     # finishes it after all, and routerd's record then says what the engine holds (asked, not guessed):
     # adding the adapter again is answered at once, from that record.
-    slow = await sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=3.0, ttft_ms=1,
-                             itl_ms=1)
-    plain = await sim_process(model="other", ttft_ms=1, itl_ms=1)
+    slow, plain = await asyncio.gather(  # started together: each start is mostly its own imports
+        sim_process(model="base", enable_lora=True, max_loras=1, lora_load_s=3.0, ttft_ms=1, itl_ms=1),
+        sim_process(model="other", ttft_ms=1, itl_ms=1))
     cfg = base_config(tmp_path, fleets=[
         {"name": "f", "model": "base", "engine": "static", "urls": [slow.url], "engine_args": LORA_ARGS,
          "adapter_load_timeout_s": 1.0},

@@ -28,7 +28,7 @@ from routerd.sim_tokens import expected_text
 from routerd_bench.queue import queue_path, wait_ready
 from tests.fixtures.dataplane import PlaneFactory, RunningPlane, SimFactory
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.sim import SimProcess, SimProcessFactory
+from tests.fixtures.sim import SimProcess, SimProcessFactory, sim_processes
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -148,7 +148,7 @@ async def test_sigkilled_engine_the_stream_goes_on_as_one_stream(
     """The serving engine is SIGKILLed mid-stream: the client's stream is the very stream an unbroken
     engine sends — same id and created throughout, no token lost or repeated, finish_reason and (when
     asked) usage for the whole generation, the fingerprint where vLLM puts it — and nothing else."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     plane = await dataplane([e.url for e in engines], routing={"policy": "round_robin"})
     extra = {"stream_options": {"include_usage": True}} if include_usage else {}
     body = body_for(endpoint, 40, **extra)
@@ -186,7 +186,7 @@ async def test_a_tenants_stream_is_the_engines_own_and_billed_the_engines_usage(
     client's own request — ``system_fingerprint`` on the finishing event, no usage event, no per-chunk
     usage — whether the stream runs whole, is resumed mid-way, or cannot be continued (resume off);
     the tenant is billed the engine's usage (resumed: the first prompt, the whole generation)."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     routing: dict[str, Any] = {"policy": "round_robin"}
     if how == "not_continued":
         routing["max_resumes"] = 0
@@ -227,7 +227,7 @@ async def test_a_queue_streamed_job_goes_on_in_order_without_duplicates(
         sim_process: SimProcessFactory, redis_server: RedisServer, redis_async: aioredis.Redis) -> None:
     """A streamed queue job whose engine is SIGKILLed: its chunks on the reply stream go on in order
     within one delivery, none twice, and its one result is ok."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     cfg = parse({"redis": {"url": redis_server.url, "consumer": "resume", "block_ms": 100},
                  "routing": {"scrape_interval_s": 0.05, "stale_after_s": 1.0, "policy": "round_robin"},
                  "fleets": [{"name": "f", "model": "m", "engine": "static",
@@ -262,7 +262,7 @@ async def test_a_non_streamed_request_is_served_again_from_the_start(
         sim_process: SimProcessFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     """Nothing of a non-streamed answer is visible before it completes: an engine that dies
     mid-generation costs the client time, not an error."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     plane = await dataplane([e.url for e in engines])
     body = {"model": "m", "prompt": "no stream here", "max_tokens": 40}
     for _ in range(4):  # until the kill lands mid-generation (see stream_with_fault)
@@ -313,7 +313,7 @@ async def test_a_hung_engine_taken_out_by_its_heartbeats_is_resumed(
         sim_process: SimProcessFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     """SIGSTOP: the socket stays open and silent; the heartbeats declare the instance lost and that
     ends the engine call, which the stream survives."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     plane = await dataplane([e.url for e in engines], routing={"policy": "round_robin"},
                             # probes of a second: the idle survivor must not be lost to a starved test process
                             health={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0,
@@ -343,7 +343,7 @@ async def test_a_hung_engine_taken_out_by_its_heartbeats_is_resumed(
 async def test_a_request_that_cannot_be_continued_ends_with_the_terminal_error_event(
         sim_process: SimProcessFactory, dataplane: PlaneFactory, client: aiohttp.ClientSession) -> None:
     """``echo`` puts the prompt into the output: such a stream is cut as before, and says why."""
-    engines = [await sim_process(ttft_ms=5, itl_ms=15) for _ in range(2)]
+    engines = await sim_processes(sim_process, 2, ttft_ms=5, itl_ms=15)
     plane = await dataplane([e.url for e in engines])
 
     async def kill(instance: str) -> None:

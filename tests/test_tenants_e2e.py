@@ -32,7 +32,7 @@ from routerd.vllm_wire.metrics_text import parse as parse_metrics
 from tests.fixtures.daemon import RouterdFactory, to_toml
 from tests.fixtures.helpers import eventually
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.sim import SimProcessFactory
+from tests.fixtures.sim import SimProcessFactory, sim_processes
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -308,8 +308,8 @@ async def test_a_reload_taking_a_fleet_from_a_tenant_reaches_its_waiting_jobs(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     """The fleet check was made once, when the job was read: a job waiting for quota ran on a fleet a
     reload had taken from its tenant. It is checked again with the quota, under the current config."""
-    m = await sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1)
-    n = await sim_process(model="n", max_num_seqs=4, ttft_ms=0, itl_ms=1)
+    m, n = await asyncio.gather(sim_process(model="m", max_num_seqs=4, ttft_ms=0, itl_ms=1),
+                                sim_process(model="n", max_num_seqs=4, ttft_ms=0, itl_ms=1))
     raw = msgspec.to_builtins(queue_config(redis_server.url, [m.url],
                                            [{"name": "slow", "requests_per_minute": 1}]))
     raw["fleets"].append({"name": "g", "model": "n", "engine": "static", "urls": [n.url], "max_num_seqs": 4})
@@ -330,7 +330,7 @@ async def test_a_queue_flood_does_not_hold_up_an_interactive_tenant(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
     """A batch tenant floods the queue with ten times what the fleet runs; each streaming chat of the
     interactive tenant gets its first token after about one batch job ends, not after the backlog."""
-    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=10, itl_ms=5) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="m", max_num_seqs=4, ttft_ms=10, itl_ms=5)
     cfg = config(redis_server.url, [s.url for s in sims],
                  [{"name": "batch", "weight": 1}, {"name": "chat", "api_keys": ["sk-chat"], "weight": 1}])
     async with routerd(cfg) as rd, QueueClient.from_url(redis_server.url) as q, aiohttp.ClientSession() as s:
@@ -365,7 +365,7 @@ async def test_a_queue_flood_does_not_hold_up_an_interactive_tenant(
 
 async def test_backlogged_http_tenants_get_slots_by_weight(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
-    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=5, itl_ms=3) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="m", max_num_seqs=4, ttft_ms=5, itl_ms=3)
     cfg = config(redis_server.url, [s.url for s in sims],
                  [{"name": "small", "api_keys": ["sk-small"], "weight": 1},
                   {"name": "large", "api_keys": ["sk-large"], "weight": 3}])
@@ -402,7 +402,7 @@ async def test_usage_totals_equal_what_the_engines_reported(
     """Both ways in, streamed or not, usage asked for or not: per tenant, the tokens in /metrics, in
     Redis and from ``routerd usage`` are the engines' own counts; a client that did not ask for usage
     does not get routerd's usage event."""
-    sims = [await sim_process(model="m", max_num_seqs=4, ttft_ms=1, itl_ms=1) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="m", max_num_seqs=4, ttft_ms=1, itl_ms=1)
     urls = [s.url for s in sims]
     cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"]}, {"name": "jobs"}])
     engine: dict[str, tuple[float, float]] = {}
@@ -515,7 +515,7 @@ async def test_streams_ended_early_are_billed_what_the_engine_generated(
     """Issue 18.2: a stream its client closes after k of n events, and a queue job's stream cut by its
     deadline, are billed the tokens the engine generated (its own ``vllm:generation_tokens``) — in
     /metrics, in Redis' usage and in the tenant's token bucket — not 0."""
-    sims = [await sim_process(model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20) for _ in range(2)]
+    sims = await sim_processes(sim_process, 2, model="m", max_num_seqs=8, ttft_ms=1, itl_ms=20)
     urls = [s.url for s in sims]
     # 600 tokens a minute, 10 a second refilled: 8 streams of 40 tokens read leave it far from full.
     cfg = config(redis_server.url, urls, [{"name": "web", "api_keys": ["sk-web"], "tokens_per_minute": 600},
@@ -660,8 +660,8 @@ async def listed_models(s: aiohttp.ClientSession, url: str, key: str) -> list[st
 
 async def test_tenants_keys_fleets_and_unknown_queue_tenants(
         redis_server: RedisServer, sim_process: SimProcessFactory) -> None:
-    m = await sim_process(model="m", ttft_ms=0, itl_ms=0)
-    n = await sim_process(model="n", ttft_ms=0, itl_ms=0)
+    m, n = await asyncio.gather(sim_process(model="m", ttft_ms=0, itl_ms=0),
+                                sim_process(model="n", ttft_ms=0, itl_ms=0))
     cfg = parse({
         "http": {"host": "127.0.0.1", "port": 0, "api_keys": ["sk-shared"]},
         "redis": {"url": redis_server.url, "consumer": "t1", "block_ms": 100},
