@@ -1,11 +1,11 @@
 """Keys the engine would compute: routerd keys a request before routing it exactly as the engine will
 announce its blocks — the sim (its own tokens) and a Hugging Face tokenizer with the model's chat
-template (checked against ``transformers`` in the vLLM venv)."""
+template (checked against the real engine's own ``/tokenize``)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -16,6 +16,7 @@ from routerd.routing.engine_cache import block_keys
 from routerd.routing.engine_cache.keying_process import KeyingProcess
 from routerd.vllm_wire import block_hash
 from tests.fixtures.sim import SimEngineFactory
+from tests.fixtures.vllm import VllmServer
 
 ROOT = block_hash.none_hash(None)
 CONVERSATION = [
@@ -64,26 +65,29 @@ def test_what_cannot_be_keyed_has_no_keys() -> None:
     assert block_keys.load_keyer("vllm", "/nonexistent") is None
 
 
+def _engine_tokens(server: VllmServer, body: dict[str, object]) -> list[int]:
+    """The token ids the engine itself makes of `body` (its `POST /tokenize`): what it hashes into blocks."""
+    data = json.dumps({"model": server.model, **body}).encode()
+    req = urllib.request.Request(server.url + "/tokenize", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        tokens: list[int] = json.loads(r.read())["tokens"]
+    return tokens
+
+
 @pytest.mark.vllm
-def test_the_hf_keyer_tokenizes_as_transformers_renders_for_vllm(vllm_bin: Path,
-                                                                  tiny_model_dir: Path) -> None:
+def test_the_hf_keyer_tokenizes_as_the_engine_does(vllm_server: VllmServer, tiny_model_dir: Path) -> None:
+    """The reference is the engine's own tokenizer (its chat template rendered with the generation
+    prompt, no special tokens on top, as for a chat request; a completion prompt with them), not
+    ``transformers``: the ids vLLM makes are the ones its KV blocks are hashed from."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
-    python = vllm_bin.parent / "python"
-    script = (
-        "import json, sys\n"
-        "from transformers import AutoTokenizer\n"
-        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
-        "text = tok.apply_chat_template(json.loads(sys.argv[2]), tokenize=False,\n"
-        "                               add_generation_prompt=True)\n"
-        "print(json.dumps([tok(text, add_special_tokens=False).input_ids,\n"
-        "                  tok(sys.argv[3], add_special_tokens=True).input_ids]))\n")
     prompt = "hello world, the router sends a prompt"
-    out = subprocess.run([str(python), "-c", script, str(tiny_model_dir), json.dumps(CONVERSATION), prompt],
-                         capture_output=True, text=True, timeout=300, check=True)
-    chat_ids, prompt_ids = json.loads(out.stdout.strip().splitlines()[-1])
+    chat_ids = _engine_tokens(vllm_server, {"messages": CONVERSATION, "add_generation_prompt": True})
+    prompt_ids = _engine_tokens(vllm_server, {"prompt": prompt, "add_special_tokens": True})
     keyer = block_keys.load_keyer("vllm", str(tiny_model_dir))
     assert isinstance(keyer, block_keys.HfKeyer)
+    assert len(chat_ids) > 100  # the whole conversation, templated
     assert keyer.token_ids(_chat()) == chat_ids
     assert keyer.token_ids(CompletionHead(model="m", prompt=prompt)) == prompt_ids
 
