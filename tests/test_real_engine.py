@@ -40,11 +40,13 @@ async def test_real_vllm_fleet_routes_streams_and_is_replaced(ray_cluster: RayTe
         {"name": "real", "model": "tiny-real", "engine": "vllm", "replicas": 1, "tensor_parallel_size": 1,
          "num_cpus_per_instance": 1,
          "engine_args": {"model": str(tiny_model_dir), "vllm-bin": str(vllm_bin), "dtype": "float32",
-                         "max-model-len": 256, "enforce-eager": True},
+                         "max-model-len": 256, "enforce-eager": True,
+                         "distributed-executor-backend": "uni"},
          # The tests' one vLLM cache root (the fleet's env wins over the launcher's per-instance one):
          # the engine pair's starts and this one inspect the model's class once between them, not each
          # in a subprocess of its own (a torch + vllm import, ~10 s of a core).
-         # And the model in the engine core's process (`MODEL_IN_ENGINE_CORE`): one import fewer per start.
+         # And the model in the engine core's process (`MODEL_IN_ENGINE_CORE`; the launcher passes `mp`
+         # unless told `uni`): one torch + vllm import fewer per start.
          "env": {"VLLM_CACHE_ROOT": str(VLLM_CACHE_ROOT), **MODEL_IN_ENGINE_CORE}}],
         health={"startup_timeout_s": 300, "heartbeat_timeout_s": 6.0})
     async with running(cfg) as r, aiohttp.ClientSession() as s:
