@@ -329,7 +329,7 @@ async def test_weighted_fair_share_holds_across_two_processes(
         await asyncio.gather(*tasks)
     used = {t: after[t] - before[t] for t in ("small", "large")}
     share = used["large"] / (used["large"] + used["small"])
-    assert abs(share - 0.75) / 0.75 < 0.20, used  # one process: 10 % (test_tenants_e2e)
+    assert abs(share - 0.75) / 0.75 < 0.20, used  # one process: 15 % (test_tenants_e2e)
     # Each process admitting 4 of its own would keep 4 waiting throughout; the shared count lags the
     # exchange by a round trip, so on a loaded machine one more is sometimes let in (a mean of 17/16 was
     # seen in a fresh-clone run): the bound is halfway.

@@ -393,7 +393,9 @@ async def test_backlogged_http_tenants_get_slots_by_weight(
         await asyncio.gather(*tasks)
     used = {t: after[t] - before[t] for t in ("small", "large")}
     share = used["large"] / (used["large"] + used["small"])
-    assert abs(share - 0.75) / 0.75 < 0.10, used
+    # 3:1 is 0.75 and no weights 0.5; over 4 s on a loaded machine the share wanders (0.842 was seen
+    # beside three busy loops), so the bound is 15 %, which 0.5 still misses by far.
+    assert abs(share - 0.75) / 0.75 < 0.15, used
 
 
 # -- usage ----------------------------------------------------------------------------------------------
