@@ -566,7 +566,10 @@ async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
     assert [(r["instance"], r["by"]) for r in _events(fol, "adapter_loaded")] == [(x, "controller")]
     assert _events(fol, "adapter_unloaded") == []  # the follower called no engine's load or unload
     assert {r["by"] for r in _events(ctl, "adapter_loaded")} == {"here"}
-    assert [(r["instance"], r["adapter"]) for r in _events(ctl, "adapter_unloaded")] == [(x, "b")]
+    # The controller evicted b on x for the follower's c. What it moves after the test unloaded c behind
+    # its back is placement by demand, and timing: a fresh-clone run also saw c and b swapped on x.
+    unloads = [(r["instance"], r["adapter"]) for r in _events(ctl, "adapter_unloaded")]
+    assert unloads[:1] == [(x, "b")], unloads
     rules = {(rec["adapter"], rec["rule"]) for a in ("a", "c") for rec in _lines(fol.log(), a)}
     assert rules == {("c", "adapter_evicted"), ("a", "adapter_loaded")}, rules
 
