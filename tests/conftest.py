@@ -13,6 +13,11 @@ from tests.fixtures.helpers import started_by
 # would try to reach the network. Both are set before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Every process the suite starts (~560 routerd, sim and bench processes a run, Ray's workers, vllm)
+# talks to loopback only, and its TLS peers are the tests' own CAs, passed by file. Without this, each
+# parsed the system's CA bundle twice at `import aiohttp` (its verified and unverified default SSL
+# contexts, made at import): ~0.17 s of CPU a process, about 90 s of a run on two cores.
+os.environ["SSL_CERT_FILE"] = os.devnull
 
 pytest_plugins = [
     "tests.fixtures.sim",
