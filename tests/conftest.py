@@ -3,6 +3,8 @@ uses (``eventually``, ``starts``) in tests/fixtures/helpers.py."""
 
 import os
 import re
+import ssl
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,11 +15,32 @@ from tests.fixtures.helpers import started_by
 # would try to reach the network. Both are set before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# Every process the suite starts (~560 routerd, sim and bench processes a run, Ray's workers, vllm)
-# talks to loopback only, and its TLS peers are the tests' own CAs, passed by file. Without this, each
-# parsed the system's CA bundle twice at `import aiohttp` (its verified and unverified default SSL
-# contexts, made at import): ~0.17 s of CPU a process, about 90 s of a run on two cores.
-os.environ["SSL_CERT_FILE"] = os.devnull
+
+
+def _trust_one_ca() -> None:
+    """Every process the suite starts (~560 routerd, sim and bench processes a run, Ray's workers,
+    vllm) talks to loopback only, and its TLS peers are the tests' own CAs, passed by file. Each parsed
+    the system's whole CA bundle twice at ``import aiohttp`` (its default SSL contexts are made at
+    import): ~0.1 s of CPU a process. They are pointed at a bundle of one of its certificates instead
+    (not an empty file: httpx, under the openai client, refuses a bundle without a certificate)."""
+    bundle = os.environ.get("SSL_CERT_FILE") or ssl.get_default_verify_paths().cafile
+    try:
+        text = Path(bundle or "").read_text()
+    except OSError:
+        return
+    end = text.find(_PEM_END)
+    start = text.rfind("-----BEGIN CERTIFICATE-----", 0, end)
+    if end < 0 or start < 0:
+        return
+    one = Path(tempfile.gettempdir()) / f"routerd-tests-one-ca-{os.getuid()}.pem"
+    part = one.with_name(f"{one.name}.{os.getpid()}")
+    part.write_text(text[start:end + len(_PEM_END)] + "\n")
+    part.replace(one)  # whole, whichever worker writes it last
+    os.environ["SSL_CERT_FILE"] = str(one)
+
+
+_PEM_END = "-----END CERTIFICATE-----"
+_trust_one_ca()
 
 pytest_plugins = [
     "tests.fixtures.sim",
