@@ -148,6 +148,9 @@ def decode_job(raw: bytes) -> Job:
         raise InvalidJob(clip(f"invalid job: {e}"), job_id, reply_to) from None
     except msgspec.DecodeError as e:  # a syntax error (``NaN``, say) may come after a readable id
         job_id, reply_to = salvage(raw)
+        if "UTF-8" in str(e):  # msgspec 0.23 says so in a DecodeError; earlier ones raise the next
+            raise InvalidJob(f"not valid {kind}: a string holds bytes that are not UTF-8 ({e})",
+                             job_id, reply_to) from None
         raise InvalidJob(clip(f"not valid {kind}: {e}"), job_id, reply_to) from None
     except UnicodeDecodeError as e:
         job_id, reply_to = salvage(raw)
