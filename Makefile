@@ -21,10 +21,13 @@ venv: $(BIN)/.installed
 # import-linter in a venv of its own: it brings rich, and structlog imports rich whenever it is
 # installed (~0.14 s of CPU at every routerd and sim process's start, ~560 of them in `make test`).
 # It reads the source, so it needs none of routerd's dependencies. Pinned: it checks our contracts.
+# The marker names the version, so a new pin installs again.
 LINT_VENV ?= .venv-lint
-$(LINT_VENV)/.installed:
+IMPORT_LINTER := import-linter==2.17
+LINT_INSTALLED := $(LINT_VENV)/.$(IMPORT_LINTER)
+$(LINT_INSTALLED):
 	test -x $(LINT_VENV)/bin/python || $(PY) -m venv $(LINT_VENV)
-	$(LINT_VENV)/bin/pip install -q --no-compile 'import-linter==2.17'
+	$(LINT_VENV)/bin/pip install -q --no-compile '$(IMPORT_LINTER)'
 	touch $@
 
 # redis-server (and systemd-analyze for the unit-file test) come from apt when we are root.
@@ -48,7 +51,7 @@ run: venv system-deps
 stop:
 	@$(PY) scripts/stop-local-ray.py .routerd/ray/head.json
 
-lint: venv $(LINT_VENV)/.installed
+lint: venv $(LINT_INSTALLED)
 	$(BIN)/ruff check routerd routerd_bench plugins tests scripts
 	PYTHONPATH=.:plugins $(LINT_VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
 

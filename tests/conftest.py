@@ -16,6 +16,8 @@ from tests.fixtures.helpers import started_by
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+_PEM_END = "-----END CERTIFICATE-----"
+
 
 def _trust_one_ca() -> None:
     """Every process the suite starts (~560 routerd, sim and bench processes a run, Ray's workers,
@@ -39,7 +41,6 @@ def _trust_one_ca() -> None:
     os.environ["SSL_CERT_FILE"] = str(one)
 
 
-_PEM_END = "-----END CERTIFICATE-----"
 _trust_one_ca()
 
 pytest_plugins = [
