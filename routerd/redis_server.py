@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from . import log
-from ._aio import wait_for
+from ._aio import cancel_and_wait, wait_for, where
 from ._net import free_port
 from ._proc import die_with_parent
 from .config import Config, RedisConfig
@@ -120,11 +120,12 @@ class EmbeddedRedis:
                         tb: TracebackType | None) -> None:
         self._stopping = True
         try:
-            if self._supervisor is not None:
-                self._supervisor.cancel()
-                # asyncio.wait, not `await task` under suppress(CancelledError): that would also
-                # swallow a cancellation of the caller arriving meanwhile.
-                await asyncio.wait([self._supervisor])
+            # Not `await task` under suppress(CancelledError): that would also swallow a cancellation
+            # of the caller arriving meanwhile. Bounded: a cancel the supervisor lost (redis-py's
+            # asyncio.wait_for on Python 3.11 returns normally when its write completes as the cancel
+            # arrives) is caught by its `_stopping` check, and no other wait may hold this up.
+            if self._supervisor is not None and await cancel_and_wait({self._supervisor}, 15.0):
+                _log.error("embedded_redis_supervisor_stuck", task=where(self._supervisor))
         finally:
             await self._terminate()  # even when cancelled: no redis-server is left behind
 
@@ -179,6 +180,8 @@ class EmbeddedRedis:
             except (OSError, RuntimeError, TimeoutError):
                 _log.exception("embedded_redis_restart_failed")
                 backoff = min(backoff * 2, 30.0)
+            if self._stopping:  # asked to stop while starting, and the cancel got lost on the way
+                return
 
     async def _terminate(self) -> None:
         proc = self._proc

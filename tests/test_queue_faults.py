@@ -4,6 +4,8 @@ backlog stays in Redis rather than in routerd's memory."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -147,6 +149,43 @@ async def test_embedded_redis_supervised_and_durable(tmp_path: Path) -> None:
             assert await client.xlen("s") == 1
         finally:
             await client.aclose()
+
+
+@pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
+async def test_embedded_redis_stops_when_a_restart_loses_its_cancel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py writes under ``asyncio.wait_for``, which on Python 3.11 returns normally when the write
+    completes as a cancel arrives: the cancel is lost. One lost while the supervisor restarted
+    redis-server kept it waiting on the new server for good, and routerd's exit with it (seen: a hang
+    until the test timeout). Here every restart loses the cancel; stopping must still end, and leave no
+    redis-server behind."""
+    restarting = asyncio.Event()
+    real_start = EmbeddedRedis._start
+
+    async def start_losing_the_cancel(self: EmbeddedRedis) -> None:
+        if self._proc is None:  # the first start
+            return await real_start(self)
+        restarting.set()
+        start = asyncio.ensure_future(real_start(self))
+        try:
+            await asyncio.shield(start)
+        except asyncio.CancelledError:
+            await start  # as wait_for does: the inner result wins, the cancel is gone
+
+    monkeypatch.setattr(EmbeddedRedis, "_start", start_losing_the_cancel)
+    embedded = EmbeddedRedis(tmp_path / "redis", restart_backoff_s=0.0)
+    async with asyncio.timeout(30):
+        async with embedded:
+            first = embedded.pid
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            await restarting.wait()
+        assert embedded.pid is None
+    await asyncio.sleep(0.2)
+    assert embedded.restarts == 1
+    leftover = embedded._proc
+    assert leftover is not None
+    assert leftover.returncode is not None  # the restarted one stopped too
 
 
 @pytest.mark.redis  # starts its own redis-server, outside the fixtures that declare it
