@@ -263,6 +263,21 @@ def test_placement_spreads_a_hot_adapter_and_unloads_a_cold_one_only_after_a_whi
     busy = FleetPlacement(slots=2, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
                           busy={"i0": {"b"}}, rates={"a": 1.0, "b": 0.0})
     assert planner.plan(busy) == []
+    # an instance over its slots (an overflow load) sheds at once, not after cold_s: a spare copy first
+    over = FleetPlacement(slots=2, adapters={"a": False, "b": False, "c": False},
+                          held={"i0": ["a", "b", "c"], "i1": ["b"]}, rates={"a": 1.0, "b": 1.0, "c": 1.0},
+                          demand={"a": 1.0, "b": 1.0, "c": 1.0}, per_copy=4.0)
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(over)] == [("unload", "i0", "b")]
+    # ... else the least recently used idle one (a wanted one moves to a free slot); never a busy one
+    over = FleetPlacement(slots=2, adapters={"a": False, "b": False, "c": False},
+                          held={"i0": ["a", "b", "c"], "i1": []}, busy={"i0": {"a"}},
+                          rates={"a": 1.0, "b": 1.0, "c": 1.0}, demand={"a": 1.0, "b": 1.0, "c": 1.0},
+                          per_copy=4.0)
+    assert [(m.kind, m.instance, m.adapter) for m in planner.plan(over)] == [
+        ("unload", "i0", "b"), ("load", "i1", "b")]
+    all_busy = FleetPlacement(slots=1, adapters={"a": False, "b": False}, held={"i0": ["a", "b"]},
+                              busy={"i0": {"a", "b"}}, rates={"a": 1.0, "b": 1.0})
+    assert planner.plan(all_busy) == []
     # a restarted instance holds nothing: the demand's copies are loaded there again
     r = FleetPlacement(slots=1, adapters={"a": False}, held={"i0": ["a"], "i1": []}, rates={"a": 5.0},
                        demand={"a": 6.0}, per_copy=4.0)

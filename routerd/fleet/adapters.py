@@ -14,6 +14,10 @@ loop, run only by the process that controls the fleets, plans ahead of the reque
 - **hysteresis.** A copy goes only after its adapter has wanted fewer copies for ``cold_s``
   uninterrupted, and an adapter with no traffic for ``cold_s`` is unloaded everywhere (pinned ones
   never): a burst that pauses does not unload what the next burst needs.
+- **within the slots.** An instance holding more adapters than ``max-loras`` (routing loads one beyond
+  the slots when every adapter everywhere is busy) is brought back to its slots as soon as the extra
+  ones are idle — a spare copy first, else the least recently used — not after ``cold_s``: vLLM runs
+  at most ``max-loras`` adapters in a batch, so there every request waits its turn for one.
 - **restarts.** An instance that restarted, or a new one, holds nothing: the next round loads what the
   demand asks for there.
 
@@ -86,8 +90,9 @@ class AdapterPlanner:
                 self._fewer_since.setdefault(a, now)
             else:
                 self._fewer_since.pop(a, None)
-        # loads first, hottest adapter first
         held = {i: list(h) for i, h in p.held.items()}
+        self._shed(held, p, want, copies, moves)
+        # loads, hottest adapter first
         for a in sorted(p.adapters, key=lambda x: -p.rates.get(x, 0.0)):
             while copies.get(a, 0) < want.get(a, 0) and len(moves) < self.max_moves:
                 target = self._target(a, held, p, want, copies)
@@ -114,6 +119,21 @@ class AdapterPlanner:
                     copies[a] -= 1
         # held by instances but no longer an adapter of the fleet (removed): nothing to plan for it
         return moves
+
+    def _shed(self, held: dict[str, list[str]], p: FleetPlacement, want: dict[str, int],
+              copies: dict[str, int], moves: list[Move]) -> None:
+        """Back within the slots: an instance holding more than it runs at once (routing's overflow load,
+        made when every adapter everywhere was busy) makes vLLM hold requests back there. Its idle extra
+        adapters go — a spare copy (more than its adapter wants) first, else the least recently used."""
+        for inst, h in held.items():
+            while len(h) > p.slots and len(moves) < self.max_moves:
+                idle = [v for v in h if not p.adapters.get(v, False) and v not in p.busy.get(inst, set())]
+                if not idle:
+                    break
+                victim = min(idle, key=lambda v: (copies.get(v, 0) <= want.get(v, 0), h.index(v)))
+                moves.append(Move("unload", inst, victim))
+                h.remove(victim)
+                copies[victim] = copies.get(victim, 0) - 1
 
     def _target(self, a: str, held: dict[str, list[str]], p: FleetPlacement, want: dict[str, int],
                 copies: dict[str, int]) -> tuple[str, str | None] | None:
