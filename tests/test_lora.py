@@ -334,6 +334,46 @@ async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
                 stop.set()
 
 
+async def test_an_adapter_loaded_beyond_the_slots_is_shed_once_idle(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # One slot, held by `a` with a request in flight: a request for `b` finds no slot anywhere and is
+    # loaded beyond the slots (vLLM keeps it in its CPU cache and runs the two in turn). Once both are
+    # idle, placement brings the instance back to its one slot at once, not after cold_s (60 s here):
+    # over its slots, every request there waits its turn for an adapter slot.
+    sim = await sim_process(model="base", enable_lora=True, max_loras=1, max_cpu_loras=2, lora_load_s=0.01,
+                            ttft_ms=1, itl_ms=20, max_num_seqs=4)
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 4,
+                                         "urls": [sim.url], "engine_args": LORA_ARGS,
+                                         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)}
+                                                      for n in ("a", "b")]}])
+    rd = routerd_process(cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def held() -> list[str]:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                held: list[str] = (await r.json())["fleets"]["f"]["instances"][0]["adapters"]["held"]
+                return held
+
+        long_a = asyncio.create_task(_post(s, f"{rd.url}/v1/completions",
+                                           {"model": "a", "prompt": "hi", "max_tokens": 100}))
+        async def a_only() -> bool:
+            return await held() == ["a"]
+
+        async def one() -> bool:
+            return len(await held()) == 1
+
+        await until(a_only, 10, "a loaded for its request")
+        status_b, body_b, _ = await _post(s, f"{rd.url}/v1/completions",
+                                          {"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert status_b == 200, body_b
+        assert (await long_a)[0] == 200
+        def b_rules() -> list[str]:
+            return [rec["rule"] for rec in _lines(rd.log_path.read_text(), "b")]
+
+        await until(lambda: b_rules() != [], 5, "b's request line in the log")  # written as it ends
+        assert b_rules() == ["adapter_overflow"]
+        await until(one, 15, "back within its one slot")
+
+
 async def test_a_request_waiting_for_its_adapter_to_load_is_demand_to_the_autoscaler(
         sim_engine: SimEngineFactory, tmp_path: Path) -> None:
     # A request whose adapter is being loaded has no engine slot yet (the engine has not seen it): the
