@@ -548,6 +548,42 @@ async def test_a_follower_does_not_evict_an_adapter_the_controllers_request_wait
         assert sorted(i.id for _, i in chosen) == [x.id, y.id]
 
 
+async def test_an_eviction_takes_the_adapter_with_the_least_traffic_per_copy(tmp_path: Path) -> None:
+    # One instance holds a popular adapter (used first, so least recently) and a rare one (used last),
+    # both idle; another instance holds a second copy of the popular one. A third adapter's request
+    # evicts by the rates placement measured — the rare one — not by recency; a popular adapter with
+    # copies enough elsewhere goes before a rarer single copy.
+    cfg = config_mod.parse(base_config(tmp_path, fleets=[
+        {"name": "f", "model": "base", "engine": "static", "urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
+         "engine_args": {"enable-lora": True, "max-loras": 2},
+         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("hot", "rare", "new")]}]))
+    registry = Registry()
+    insts = [registry.add(Instance(id=f"f:static{i}", fleet="f", url=f"http://127.0.0.1:{9 + i}",
+                                   capacity_hint=8)) for i in range(2)]
+    for inst in insts:
+        registry.set_state(inst, InstanceState.READY)
+    x, y = insts
+    async with aiohttp.ClientSession() as session:
+        slots = AdapterSlots(registry, AdapterCatalog(cfg), session)
+        slots._of(x).names.update({"hot": 1.0, "rare": 2.0})  # least recently used first
+        new = slots.catalog.get("new")
+        assert new is not None
+        pairs = [(Candidate(id=x.id, load=0.0, inflight=0, queue=0.0, capacity=8, kv_usage=0.0,
+                            stale=False), x)]
+        _, plans = slots.narrow(new, pairs)
+        assert plans[x.id].evict == "hot"  # no rates measured yet (a follower): by recency
+        assert slots.placement("f", {"hot": 2.0, "rare": 0.1}, {}) is not None
+        _, plans = slots.narrow(new, pairs)
+        assert (plans[x.id].rule, plans[x.id].evict) == (ADAPTER_EVICTED, "rare")
+        slots._of(y).names["hot"] = 3.0  # a second copy: hot 2.0 / 2 = 1.0 a copy, rare 1.5 on its one
+        slots.placement("f", {"hot": 2.0, "rare": 1.5}, {})
+        _, plans = slots.narrow(new, pairs)
+        assert plans[x.id].evict == "hot"
+        with slots.using(x, "hot"):  # busy: never the victim
+            _, plans = slots.narrow(new, pairs)
+            assert plans[x.id].evict == "rare"
+
+
 async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, redis_server: RedisServer,
         tmp_path: Path) -> None:

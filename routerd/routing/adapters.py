@@ -24,8 +24,8 @@ candidates, in this order the first group that is not empty:
 2. ``adapter_free_slot`` — instances where it is being loaded (the request joins that load), then
    instances with a free slot (fewer than ``max-loras`` held) and room: it is
    loaded there;
-3. ``adapter_evicted`` — instances with room where an idle, unpinned adapter can go: the least
-   recently used one is unloaded and this one loaded;
+3. ``adapter_evicted`` — instances with room where an idle, unpinned adapter can go: the one with the
+   least traffic per copy (the least recently used among equals) is unloaded and this one loaded;
 4. when every instance is saturated: the holders (a request waits behind requests, never behind a load,
    where the adapter is held), then a free slot, then an eviction;
 5. ``adapter_overflow`` — no slot anywhere (every adapter busy): loaded beyond the slots on the least
@@ -202,6 +202,9 @@ class AdapterSlots:
         self._inflight_elsewhere: dict[tuple[str, str], int] = {}
         self._requests_elsewhere: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # fleet → adapter → requests per second, as placement last measured them (the controller's:
+        # its process runs placement; elsewhere empty, and eviction goes by recency alone)
+        self._rates: dict[str, dict[str, float]] = {}
         # metrics: loads and unloads by fleet and adapter and outcome, load seconds, requests, slot waits
         self.loads: dict[tuple[str, str, str], int] = {}
         self.unloads: dict[tuple[str, str], int] = {}
@@ -252,12 +255,18 @@ class AdapterSlots:
         return self.catalog.load_timeouts.get(fleet, self.load_timeout_s)
 
     def _victim(self, inst: Instance, fleet: str) -> str | None:
-        """The least recently used idle, unpinned adapter of ``inst``, or None."""
-        for name in self._of(inst).names:
-            a = self.catalog.get(name)
-            if (a is None or not a.pinned) and self._idle(inst, name):
-                return name
-        return None
+        """The idle, unpinned adapter of ``inst`` whose traffic least needs it there, or None: the lowest
+        request rate per copy in the fleet (as placement last measured it), the least recently used
+        among equals. By recency alone a popular adapter that happened to be idle for a moment went
+        before a rarely used one, and was loaded again soon after (each load stalls the engine)."""
+        rates = self._rates.get(fleet, {})
+        idle = [name for name in self._of(inst).names
+                if ((a := self.catalog.get(name)) is None or not a.pinned) and self._idle(inst, name)]
+        if len(idle) < 2 or not rates:
+            return idle[0] if idle else None
+        ready = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+        copies = {name: sum(1 for i in ready if self.holds(i, name)) for name in idle}
+        return min(idle, key=lambda name: rates.get(name, 0.0) / max(1, copies[name]))
 
     # ---- routing ---------------------------------------------------------------------------------
 
@@ -605,6 +614,7 @@ class AdapterSlots:
                   ) -> FleetPlacement | None:
         """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates and
         demand, and what one copy serves: half an instance's slots (its capacity, as routing knows it)."""
+        self._rates[fleet] = dict(rates)  # for routing's evictions between two rounds (_victim)
         insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
         if not insts:
             return None
