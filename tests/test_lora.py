@@ -507,21 +507,29 @@ def _events(rp: Any, event: str) -> list[dict[str, Any]]:
     return [r for r in recs if r.get("event") == event]
 
 
-async def test_a_follower_does_not_evict_an_adapter_the_controllers_request_waits_on(
-        tmp_path: Path) -> None:
-    # The controller publishes its record at once when a load ends; its request on that adapter is then
-    # one step from being sent, and no shared load says so yet. The record names it busy, so a follower
-    # asked for another adapter evicts the idle one elsewhere, not this one (fresh-clone CI: it did).
+def _two_ready(tmp_path: Path, adapters: tuple[str, ...], engine_args: dict[str, Any]
+               ) -> tuple[config_mod.Config, Registry, tuple[Instance, Instance]]:
+    """A static LoRA fleet of two ready instances (no engines behind them: routing's record is set by
+    hand), with ``adapters`` made locally."""
     cfg = config_mod.parse(base_config(tmp_path, fleets=[
         {"name": "f", "model": "base", "engine": "static", "urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
-         "engine_args": LORA_ARGS,
-         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("a", "b", "c")]}]))
+         "engine_args": engine_args,
+         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in adapters]}]))
     registry = Registry()
     insts = [registry.add(Instance(id=f"f:static{i}", fleet="f", url=f"http://127.0.0.1:{9 + i}",
                                    capacity_hint=8)) for i in range(2)]
     for inst in insts:
         registry.set_state(inst, InstanceState.READY)
-    x, y = insts
+    return cfg, registry, (insts[0], insts[1])
+
+
+async def test_a_follower_does_not_evict_an_adapter_the_controllers_request_waits_on(
+        tmp_path: Path) -> None:
+    # The controller publishes its record at once when a load ends; its request on that adapter is then
+    # one step from being sent, and no shared load says so yet. The record names it busy, so a follower
+    # asked for another adapter evicts the idle one elsewhere, not this one (fresh-clone CI: it did).
+    cfg, registry, (x, y) = _two_ready(tmp_path, ("a", "b", "c"), LORA_ARGS)
+    insts = [x, y]
 
     async def never(inst: Instance, name: str, evict: str | None) -> tuple[int, str]:
         raise AssertionError("the follower asked for a load")
@@ -553,16 +561,8 @@ async def test_an_eviction_takes_the_adapter_with_the_least_traffic_per_copy(tmp
     # both idle; another instance holds a second copy of the popular one. A third adapter's request
     # evicts by the rates placement measured — the rare one — not by recency; a popular adapter with
     # copies enough elsewhere goes before a rarer single copy.
-    cfg = config_mod.parse(base_config(tmp_path, fleets=[
-        {"name": "f", "model": "base", "engine": "static", "urls": ["http://127.0.0.1:9", "http://127.0.0.1:10"],
-         "engine_args": {"enable-lora": True, "max-loras": 2},
-         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)} for n in ("hot", "rare", "new")]}]))
-    registry = Registry()
-    insts = [registry.add(Instance(id=f"f:static{i}", fleet="f", url=f"http://127.0.0.1:{9 + i}",
-                                   capacity_hint=8)) for i in range(2)]
-    for inst in insts:
-        registry.set_state(inst, InstanceState.READY)
-    x, y = insts
+    two_slots = {"enable-lora": True, "max-loras": 2}
+    cfg, registry, (x, y) = _two_ready(tmp_path, ("hot", "rare", "new"), two_slots)
     async with aiohttp.ClientSession() as session:
         slots = AdapterSlots(registry, AdapterCatalog(cfg), session)
         slots._of(x).names.update({"hot": 1.0, "rare": 2.0})  # least recently used first
