@@ -133,6 +133,9 @@ def is_json(raw: bytes) -> bool:
     return raw.lstrip()[:1] == b"{"
 
 
+_NOT_UTF8 = "not valid {kind}: a string holds bytes that are not UTF-8 ({why})"
+
+
 def decode_job(raw: bytes) -> Job:
     """Decode and validate one job; raise :class:`InvalidJob` with the reason (and what was readable).
 
@@ -149,13 +152,11 @@ def decode_job(raw: bytes) -> Job:
     except msgspec.DecodeError as e:  # a syntax error (``NaN``, say) may come after a readable id
         job_id, reply_to = salvage(raw)
         if "UTF-8" in str(e):  # msgspec 0.23 says so in a DecodeError; earlier ones raise the next
-            raise InvalidJob(f"not valid {kind}: a string holds bytes that are not UTF-8 ({e})",
-                             job_id, reply_to) from None
+            raise InvalidJob(_NOT_UTF8.format(kind=kind, why=e), job_id, reply_to) from None
         raise InvalidJob(clip(f"not valid {kind}: {e}"), job_id, reply_to) from None
     except UnicodeDecodeError as e:
         job_id, reply_to = salvage(raw)
-        raise InvalidJob(f"not valid {kind}: a string holds bytes that are not UTF-8 ({e.reason})",
-                         job_id, reply_to) from None
+        raise InvalidJob(_NOT_UTF8.format(kind=kind, why=e.reason), job_id, reply_to) from None
     except RecursionError:
         job_id, reply_to = salvage(raw)
         raise InvalidJob(f"not valid {kind}: nested too deeply", job_id, reply_to) from None

@@ -181,8 +181,7 @@ async def test_embedded_redis_stops_when_a_restart_loses_its_cancel(
             os.kill(first, signal.SIGKILL)
             await restarting.wait()
         assert embedded.pid is None
-    await asyncio.sleep(0.2)
-    assert embedded.restarts == 1
+    assert embedded.restarts == 1  # counted before the supervisor saw it was stopping and returned
     leftover = embedded._proc
     assert leftover is not None
     assert leftover.returncode is not None  # the restarted one stopped too
