@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,6 +37,7 @@ class Load:
     errors: list[str] = field(default_factory=list)
     resume_gaps: list[float] = field(default_factory=list)
     fault_ttfts: list[float] = field(default_factory=list)
+    on_failure: Callable[[str], None] | None = None  # told of each failure as it happens (a test's timeline)
     _fault: tuple[str, float] = ("", 0.0)
     _out_at: float = -1.0
 
@@ -91,10 +93,14 @@ class Load:
             self.wrong_text += "".join(text) != want
         elif chunks:
             self.failed_mid_stream += 1
+            if self.on_failure is not None:
+                self.on_failure(f"mid-stream error after {chunks} chunk(s) from {instance}")
         else:
             self._fail("error before first chunk")
 
     def _fail(self, why: str) -> None:
         self.failed_before_stream += 1
+        if self.on_failure is not None:
+            self.on_failure(why)
         if len(self.errors) < 10:
             self.errors.append(why)

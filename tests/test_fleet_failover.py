@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from routerd import _aio
 from routerd.fleet.actor import group_members
 from routerd.registry import Instance, InstanceState
 from routerd_bench.load import Load
@@ -49,6 +50,33 @@ async def left_rotation_within(r: Running, iid: str, limit_s: float) -> float:
     return took
 
 
+class Timeline:
+    """What each instance of the fleet went through (generation, state and why, last heartbeat result,
+    circuit), and each failed request, by time: a failure of the test says where the fleet was."""
+
+    def __init__(self, r: Running, fleet: str) -> None:
+        self.r, self.fleet = r, fleet
+        self.started = time.monotonic()
+        self.lines: list[str] = []
+        self._last: dict[str, tuple[object, ...]] = {}
+
+    def note(self, what: str) -> None:
+        self.lines.append(f"{time.monotonic() - self.started:7.3f} {what}")
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            for i in self.r.registry.instances(self.fleet):
+                seen = (i.generation, i.state.value, i.state_reason, i.health, i.circuit(now).value)
+                if self._last.get(i.id) != seen:
+                    self._last[i.id] = seen
+                    self.note(f"{i.id} g{seen[0]} {seen[1]} ({seen[2]}) health={seen[3]} circuit={seen[4]}")
+            await asyncio.sleep(0.02)
+
+    def report(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+
 async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_cluster: RayTestCluster,
                                                                          tmp_path: Path) -> None:
     import ray
@@ -59,7 +87,10 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
     h = cfg.health
     async with running(cfg) as r, aiohttp.ClientSession() as s:
         await r.wait_ready("fo", 2)
-        traffic = Load(r.url, "sim-fo", max_tokens=12)
+        timeline = Timeline(r, "fo")
+        traffic = Load(r.url, "sim-fo", max_tokens=12,
+                       on_failure=lambda why: timeline.note(f"request failed: {why[:100]}"))
+        watch = asyncio.create_task(timeline.run())
         stop = asyncio.Event()
         clients = [asyncio.create_task(traffic.client(s, stop, stream=i % 2 == 1)) for i in range(4)]
         try:
@@ -71,6 +102,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
             gen, pid = a.generation, a.pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
+            timeline.note("SIGKILL fo:0")
             timings["sigkill"] = await left_rotation_within(r, "fo:0", 2.0)
             a = await replaced(r, "fo:0", gen)
             assert a.pid != pid
@@ -80,6 +112,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
             gen, pid = b.generation, b.pid
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
+            timeline.note("SIGSTOP fo:1")
             timings["sigstop"] = await left_rotation_within(
                 r, "fo:1", h.heartbeat_timeout_s + h.heartbeat_interval_s * 1.2 + 1.0)  # +1 s: 2 busy cores
             await replaced(r, "fo:1", gen)
@@ -90,6 +123,7 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
             assert pid is not None
             actor = await r.cluster.get_actor("routerd:fo:0")
             await asyncio.to_thread(ray.kill, actor, no_restart=True)
+            timeline.note("actor of fo:0 killed")
             timings["actor_kill"] = await left_rotation_within(r, "fo:0", 2.0)
             await replaced(r, "fo:0", gen)
             assert await eventually(lambda: not group_members(pid), 5), "the engine outlived its actor"
@@ -97,11 +131,12 @@ async def test_sigkill_sigstop_and_actor_kill_are_replaced_under_traffic(ray_clu
         finally:
             stop.set()
             await asyncio.gather(*clients)
+            await _aio.cancel_and_wait({watch}, 5.0)
         print("failover timings", {k: round(v, 3) for k, v in timings.items()}, "ok", traffic.ok,
               "mid-stream errors", traffic.failed_mid_stream)
-        assert traffic.failed_before_stream == 0, traffic.errors
+        assert traffic.failed_before_stream == 0, timeline.report()
         # and what had started went on from the other instance, whole (routerd/resume.py)
-        assert traffic.failed_mid_stream == 0
+        assert traffic.failed_mid_stream == 0, timeline.report()
         assert traffic.wrong_text == 0
         assert traffic.ok > 50
         assert current(r, "fo:0").restarts == 2
