@@ -37,7 +37,9 @@ from routerd.registry import Instance, InstanceState, Registry
 from routerd.routing.adapters import (
     ADAPTER_EVICTED,
     ADAPTER_FREE_SLOT,
+    ADAPTER_OVERFLOW,
     AdapterCatalog,
+    AdapterLoadFailed,
     AdapterPlan,
     AdapterSlots,
 )
@@ -353,8 +355,9 @@ async def test_an_adapter_loaded_beyond_the_slots_is_shed_once_idle(
                 held: list[str] = (await r.json())["fleets"]["f"]["instances"][0]["adapters"]["held"]
                 return held
 
+        # 250 tokens (5 s): longer than b's wait for a slot to free (OVERFLOW_WAIT_S) before it overflows
         long_a = asyncio.create_task(_post(s, f"{rd.url}/v1/completions",
-                                           {"model": "a", "prompt": "hi", "max_tokens": 100}))
+                                           {"model": "a", "prompt": "hi", "max_tokens": 250}))
         async def a_only() -> bool:
             return await held() == ["a"]
 
@@ -582,6 +585,86 @@ async def test_an_eviction_takes_the_adapter_with_the_least_traffic_per_copy(tmp
         with slots.using(x, "hot"):  # busy: never the victim
             _, plans = slots.narrow(new, pairs)
             assert plans[x.id].evict == "rare"
+
+
+async def test_a_request_with_no_slot_anywhere_waits_for_the_first_to_free(tmp_path: Path) -> None:
+    # Both instances' one slot is held by an adapter with a request in flight: a request for a third
+    # would be loaded beyond the slots (its instance then runs every request in turns for the slot). It
+    # waits, up to a bound, for the first slot to free anywhere, and evicts there. The victim an
+    # eviction in flight has claimed is no other request's: d, woken by the same freed slot, must not
+    # unload b again (two loads for one slot) and overflows instead.
+    cfg, registry, (x, y) = _two_ready(tmp_path, ("a", "b", "c", "d"), {"enable-lora": True, "max-loras": 1})
+    async with aiohttp.ClientSession() as session:
+        slots = AdapterSlots(registry, AdapterCatalog(cfg), session)
+        slots._of(x).names["a"] = 1.0
+        slots._of(y).names["b"] = 2.0
+        c, d = slots.catalog.get("c"), slots.catalog.get("d")
+        assert c is not None
+        assert d is not None
+        pairs = [(Candidate(id=i.id, load=0.0, inflight=0, queue=0.0, capacity=8, kv_usage=0.0,
+                            stale=False), i) for i in (x, y)]
+        with slots.using(x, "a"):
+            with slots.using(y, "b"):
+                assert slots.no_slot(c)
+                assert await slots.wait_for_slot(c, 0.3) >= 0.3  # nothing freed: the bound, then overflow
+                assert {p.rule for p in slots.narrow(c, pairs)[1].values()} == {ADAPTER_OVERFLOW}
+                waiter = asyncio.create_task(slots.wait_for_slot(c, 60.0))
+                await asyncio.sleep(0.3)
+                assert not waiter.done()
+                assert registry.adapter_waiting == {"f": 1}  # demand the autoscaler counts
+            assert await asyncio.wait_for(waiter, 10.0) < 10.0  # b idle on y: c's slot
+            assert registry.adapter_waiting == {}
+            assert slots.overflow_waits == {"f": 2}
+            assert slots.overflow_wait_seconds["f"] >= 0.3
+            _, plans = slots.narrow(c, pairs)
+            assert (plans[y.id].rule, plans[y.id].evict) == (ADAPTER_EVICTED, "b")
+            load = asyncio.create_task(slots.ensure(y, plans[y.id]))
+            await asyncio.sleep(0)  # the eviction has started (its load task made, not yet run)
+            assert slots.no_slot(d)
+            assert {p.rule for p in slots.narrow(d, pairs)[1].values()} == {ADAPTER_OVERFLOW}
+            with contextlib.suppress(AdapterLoadFailed):  # no engine behind these URLs
+                await load
+            assert not slots.no_slot(d)  # the failed load left b's slot free (b was unloaded)
+
+
+async def test_a_request_waits_for_a_busy_adapter_to_finish_rather_than_overflow(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # One slot, held by `a` with a short request in flight (40 tokens, ~0.8 s): `b`'s request waits for
+    # it to end and evicts `a` — it is not loaded beside `a` beyond the engine's one slot.
+    sim = await sim_process(model="base", enable_lora=True, max_loras=1, max_cpu_loras=2, lora_load_s=0.01,
+                            ttft_ms=1, itl_ms=20, max_num_seqs=4)
+    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 4,
+                                         "urls": [sim.url], "engine_args": LORA_ARGS,
+                                         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)}
+                                                      for n in ("a", "b")]}])
+    rd = routerd_process(cfg)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def a_only() -> bool:
+            async with s.get(f"{rd.url}/admin/fleets") as r:
+                return bool((await r.json())["fleets"]["f"]["instances"][0]["adapters"]["held"] == ["a"])
+
+        long_a = asyncio.create_task(_post(s, f"{rd.url}/v1/completions",
+                                           {"model": "a", "prompt": "hi", "max_tokens": 40}))
+        await until(a_only, 10, "a loaded for its request")
+        status_b, body_b, _ = await _post(s, f"{rd.url}/v1/completions",
+                                          {"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert status_b == 200, body_b
+        assert (await long_a)[0] == 200
+
+        def rules(name: str) -> list[str]:
+            return [rec["rule"] for rec in _lines(rd.log_path.read_text(), name)]
+
+        await until(lambda: rules("b") != [], 5, "b's request line in the log")
+        assert rules("b") == [ADAPTER_EVICTED]
+        async with s.get(f"{sim.url}/v1/models") as r:
+            assert sorted(m["id"] for m in (await r.json())["data"]) == ["b", "base"]
+        async with s.get(f"{rd.url}/metrics") as r:
+            text = await r.text()
+        assert re.search(r'routerd_adapter_no_slot_waits_total\{fleet="f"\} 1\.0', text), \
+            [line for line in text.splitlines() if "no_slot" in line]
+        waited = re.search(r'routerd_adapter_no_slot_wait_seconds_total\{fleet="f"\} ([0-9.e+-]+)', text)
+        assert waited is not None
+        assert 0.0 < float(waited[1]) < 2.5  # until a's end, within the bound (OVERFLOW_WAIT_S, 2 s)
 
 
 async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(

@@ -157,6 +157,7 @@ class Upstream:
             if request is not None and request.session is not None \
                     and self.router.shared_sessions is not None:
                 await self.router.recall(request.session)  # another process may have routed it
+            await self._slot_for(fleet, request)
             for attempt in range(1, self.cfg.max_attempts + 1):
                 if attempt > 1:
                     tel.retries.labels(fleet).inc()
@@ -218,6 +219,16 @@ class Upstream:
             raise err
         finally:
             self.active -= 1
+
+    async def _slot_for(self, fleet: str, request: RequestView | None) -> None:
+        """A request for an adapter that would load it beyond every instance's slots waits, a bounded
+        while, for one to free (:meth:`AdapterSlots.wait_for_slot`)."""
+        adapters = self.router.adapters
+        if adapters is None or request is None or request.adapter is None:
+            return
+        adapter = adapters.catalog.get(request.adapter)
+        if adapter is not None and adapter.fleet == fleet:
+            await adapters.wait_for_slot(adapter)
 
     async def _adapter_ready(self, inst: Instance, decision: RouteDecision
                              ) -> contextlib.AbstractContextManager[object]:

@@ -47,10 +47,20 @@ class AdaptersCollector:
                                      "(summed over requests)", labels=["fleet"])
         for fleet, v in s.slot_wait_seconds.items():
             wait_s.add_metric([fleet], v)
+        full = CounterMetricFamily("routerd_adapter_no_slot_waits",
+                                   "Requests that found no adapter slot free anywhere in the fleet and "
+                                   "waited for one before routing", labels=["fleet"])
+        for fleet, n in s.overflow_waits.items():
+            full.add_metric([fleet], n)
+        full_s = CounterMetricFamily("routerd_adapter_no_slot_wait_seconds",
+                                     "Seconds requests waited for an adapter slot to free anywhere in the "
+                                     "fleet (summed over requests)", labels=["fleet"])
+        for fleet, v in s.overflow_wait_seconds.items():
+            full_s.add_metric([fleet], v)
         held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
                                  labels=["fleet", "instance"])
         for fleet, n in s.catalog.slots.items():
             if n:
                 for inst in s.registry.instances(fleet):
                     held.add_metric([fleet, inst.id], len(s.held(inst)))
-        yield from (loads, unloads, seconds, requests, waits, wait_s, held)
+        yield from (loads, unloads, seconds, requests, waits, wait_s, full, full_s, held)

@@ -31,6 +31,13 @@ candidates, in this order the first group that is not empty:
 5. ``adapter_overflow`` — no slot anywhere (every adapter busy): loaded beyond the slots on the least
    loaded instance; vLLM keeps it in its CPU cache and its scheduler makes it wait for a slot.
 
+Before an overflow the request waits, up to ``OVERFLOW_WAIT_S``, for the first slot to free anywhere
+in the fleet (:meth:`AdapterSlots.wait_for_slot`: an adapter going idle, an unload): an instance
+over its slots makes every request on it take turns for the slots, and the overflowing request itself
+waited longest of all (its time to first byte was the p99 tail of ``routerd bench lora``). A victim
+an eviction in flight has claimed is no one else's victim: two requests woken by one freed slot
+would otherwise both unload it, and one of them would load beyond the slots after all.
+
 The policy then chooses among that group as always (expected wait, prefix cache). A load is shared:
 requests for the same adapter on the same instance wait for the one load in flight
 (``load_timeout_s`` bounds it); a load that fails is retried on another instance by the caller; one
@@ -64,6 +71,10 @@ ADAPTER_EVICTED = "adapter_evicted"
 ADAPTER_OVERFLOW = "adapter_overflow"
 # An adapter is spread to one more instance per this share of an instance's slots in flight for it
 PER_COPY_SHARE = 0.5
+# How long a request waits for a slot to free anywhere in its fleet before it loads beyond the slots
+OVERFLOW_WAIT_S = 2.0
+# ... looking again this often meanwhile (what frees a slot in another process is seen this way)
+_RECHECK_S = 0.25
 
 _K = TypeVar("_K", bound=Hashable)
 
@@ -189,6 +200,11 @@ class AdapterSlots:
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._joined: dict[tuple[str, str], int] = {}  # requests waiting for a load there
         self._unloading: dict[tuple[str, str], int] = {}
+        # (instance, adapter) an eviction in flight will unload: no other plan's victim
+        self._claimed: set[tuple[str, str]] = set()
+        self._freed = asyncio.Event()  # set (and replaced) when a slot may have freed: see wait_for_slot
+        self.overflow_waits: dict[str, int] = {}  # requests that waited for a slot, by fleet
+        self.overflow_wait_seconds: dict[str, float] = {}
         # each load's and unload's start and end numbered: what a /v1/models answer may not know yet
         self._moves = 0
         self._moved: dict[tuple[str, str], int] = {}
@@ -261,7 +277,8 @@ class AdapterSlots:
         before a rarely used one, and was loaded again soon after (each load stalls the engine)."""
         rates = self._rates.get(fleet, {})
         idle = [name for name in self._of(inst).names
-                if ((a := self.catalog.get(name)) is None or not a.pinned) and self._idle(inst, name)]
+                if ((a := self.catalog.get(name)) is None or not a.pinned) and self._idle(inst, name)
+                and (inst.id, name) not in self._claimed]
         if len(idle) < 2 or not rates:
             return idle[0] if idle else None
         ready = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
@@ -300,6 +317,49 @@ class AdapterSlots:
         overflow = {i.id: AdapterPlan(adapter, ADAPTER_OVERFLOW, load=True) for _, i in pairs}
         return list(pairs), overflow
 
+    def no_slot(self, adapter: Adapter) -> bool:
+        """Routing ``adapter`` now would overflow (rule 5): no ready instance of its fleet holds it,
+        is loading it, has a free slot or an idle adapter to evict. False without a ready instance
+        (routing says so itself)."""
+        slots = max(1, self.catalog.slots.get(adapter.fleet, 1))
+        name = adapter.name
+        ready = [i for i in self.registry.instances(adapter.fleet) if i.state is InstanceState.READY]
+        for inst in ready:
+            if self.holds(inst, name) or self._is_loading(inst, name) \
+                    or len(self._of(inst).names) + self._loads_to(inst) < slots \
+                    or self._victim(inst, adapter.fleet) is not None:
+                return False
+        return bool(ready)
+
+    async def wait_for_slot(self, adapter: Adapter, within_s: float = OVERFLOW_WAIT_S) -> float:
+        """While routing ``adapter`` would overflow, wait (up to ``within_s``) for a slot anywhere in
+        its fleet: woken when one may have freed here, looking again every ``_RECHECK_S`` for what
+        other processes free. Returns the seconds waited (0.0: a slot was there). The wait counts as
+        demand for the autoscaler, as a wait for a load does."""
+        if not self.no_slot(adapter):
+            return 0.0
+        fleet = adapter.fleet
+        started = self.clock()
+        deadline = started + within_s
+        waiting = self.registry.adapter_waiting
+        waiting[fleet] = waiting.get(fleet, 0) + 1
+        try:
+            while (left := deadline - self.clock()) > 0 and self.no_slot(adapter):
+                with contextlib.suppress(TimeoutError):
+                    await _aio.wait_for(self._freed.wait(), min(left, _RECHECK_S))
+        finally:
+            _release(waiting, fleet)
+            waited = self.clock() - started
+            self.overflow_waits[fleet] = self.overflow_waits.get(fleet, 0) + 1
+            self.overflow_wait_seconds[fleet] = self.overflow_wait_seconds.get(fleet, 0.0) + waited
+        return waited
+
+    def _slot_freed(self) -> None:
+        """A slot may have freed (an adapter went idle, one was unloaded, a load ended): wake the
+        requests waiting for one; each looks again (:meth:`wait_for_slot`)."""
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()
+
     def _loads_to(self, inst: Instance) -> int:
         held = self._of(inst).names
         return sum(1 for (iid, name) in {*self._loading, *self._remote_loading}
@@ -320,6 +380,8 @@ class AdapterSlots:
             yield
         finally:
             _release(self._inflight, key)
+            if key not in self._inflight:
+                self._slot_freed()
 
     # ---- loading ---------------------------------------------------------------------------------
 
@@ -333,6 +395,8 @@ class AdapterSlots:
         task = self._loading.get(key)
         if task is None:
             self.slot_waits[inst.fleet] = self.slot_waits.get(inst.fleet, 0) + 1
+            if plan.evict is not None:
+                self._claimed.add((inst.id, plan.evict))  # before the load's first step: see _victim
             task = asyncio.get_running_loop().create_task(self._load(inst, adapter, plan.evict),
                                                           name=f"adapter-load:{inst.id}:{adapter.name}")
             self._loading[key] = task
@@ -370,6 +434,7 @@ class AdapterSlots:
         if self._loading.get(key) is task:
             del self._loading[key]
             self._changed()
+        self._slot_freed()  # a failed load leaves its slot; a done one, requests that may now join
         if not task.cancelled():
             task.exception()  # retrieved: every waiter got it already
 
@@ -395,6 +460,8 @@ class AdapterSlots:
         try:
             await self._load_once(inst, adapter, evict)
         finally:
+            if evict is not None:
+                self._claimed.discard((inst.id, evict))
             for key in keys:
                 self._move(key)
 
@@ -439,6 +506,7 @@ class AdapterSlots:
         key = (inst.id, name)
         self._of(inst).names.pop(name, None)
         self._changed()
+        self._slot_freed()
         self._unloading[key] = self._unloading.get(key, 0) + 1
         self._move(key)
         try:
