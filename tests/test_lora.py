@@ -593,7 +593,8 @@ async def test_a_request_with_no_slot_anywhere_waits_for_the_first_to_free(tmp_p
     # waits, up to a bound, for the first slot to free anywhere, and evicts there. The victim an
     # eviction in flight has claimed is no other request's: d, woken by the same freed slot, must not
     # unload b again (two loads for one slot) and overflows instead.
-    cfg, registry, (x, y) = _two_ready(tmp_path, ("a", "b", "c", "d"), {"enable-lora": True, "max-loras": 1})
+    cfg, registry, (x, y) = _two_ready(tmp_path, ("a", "b", "c", "d", "e"),
+                                       {"enable-lora": True, "max-loras": 1})
     async with aiohttp.ClientSession() as session:
         slots = AdapterSlots(registry, AdapterCatalog(cfg), session)
         slots._of(x).names["a"] = 1.0
@@ -625,6 +626,14 @@ async def test_a_request_with_no_slot_anywhere_waits_for_the_first_to_free(tmp_p
             with contextlib.suppress(AdapterLoadFailed):  # no engine behind these URLs
                 await load
             assert not slots.no_slot(d)  # the failed load left b's slot free (b was unloaded)
+        # x over its one slot (an overflow there left `a` and `e`, both idle now): a load there unloads
+        # both, not only its victim — swapping one for the other would keep x over its slots
+        slots._of(x).names.update({"a": 3.0, "e": 4.0})
+        _, plans = slots.narrow(c, pairs[:1])
+        assert (plans[x.id].rule, plans[x.id].evict) == (ADAPTER_EVICTED, "a")
+        with contextlib.suppress(AdapterLoadFailed):
+            await slots.ensure(x, plans[x.id])
+        assert slots.held(x) == []
 
 
 async def test_a_request_waits_for_a_busy_adapter_to_finish_rather_than_overflow(

@@ -478,6 +478,7 @@ class AdapterSlots:
         else:
             if evict is not None and self._idle(inst, evict):
                 await self.unload(inst, evict)
+            await self._fit(inst)
             status, text = await self._post(inst, "/v1/load_lora_adapter",
                                             {"lora_name": adapter.name, "lora_path": adapter.path})
         if status == 400 and "already been loaded" in text:
@@ -500,6 +501,16 @@ class AdapterSlots:
         self._changed()
         _log.info("adapter_loaded", instance=inst.id, adapter=adapter.name, load_ms=round(took * 1000, 1),
                   evicted=evict, by="controller" if relayed else "here")
+
+    async def _fit(self, inst: Instance) -> None:
+        """Before a load on ``inst``: an instance over its slots (an overflow there) unloads idle
+        adapters until the load fits. An eviction that swapped one adapter for another kept it over
+        its slots, and the engine made every request there take turns for them (seconds each: the
+        tail of ``routerd bench lora``)."""
+        slots = max(1, self.catalog.slots.get(inst.fleet, 1))
+        while len(self._of(inst).names) + self._loads_to(inst) > slots \
+                and (victim := self._victim(inst, inst.fleet)) is not None:
+            await self.unload(inst, victim)
 
     async def unload(self, inst: Instance, name: str) -> bool:
         """Unload ``name`` from ``inst``; True when the engine no longer has it."""
