@@ -336,19 +336,26 @@ async def test_an_engine_killed_gets_its_adapters_back_as_demand_asks(
                 stop.set()
 
 
-async def test_an_adapter_loaded_beyond_the_slots_is_shed_once_idle(
-        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
-    # One slot, held by `a` with a request in flight: a request for `b` finds no slot anywhere and is
-    # loaded beyond the slots (vLLM keeps it in its CPU cache and runs the two in turn). Once both are
-    # idle, placement brings the instance back to its one slot at once, not after cold_s (60 s here):
-    # over its slots, every request there waits its turn for an adapter slot.
+async def _one_slot(sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path
+                    ) -> tuple[Any, Any]:
+    """A sim with one adapter slot (loads of 10 ms, 20 ms a token) and routerd in front of it, adapters
+    `a` and `b` declared."""
     sim = await sim_process(model="base", enable_lora=True, max_loras=1, max_cpu_loras=2, lora_load_s=0.01,
                             ttft_ms=1, itl_ms=20, max_num_seqs=4)
     cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 4,
                                          "urls": [sim.url], "engine_args": LORA_ARGS,
                                          "adapters": [{"name": n, "path": make_adapter(tmp_path, n)}
                                                       for n in ("a", "b")]}])
-    rd = routerd_process(cfg)
+    return sim, routerd_process(cfg)
+
+
+async def test_an_adapter_loaded_beyond_the_slots_is_shed_once_idle(
+        sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
+    # One slot, held by `a` with a request in flight: a request for `b` finds no slot anywhere and is
+    # loaded beyond the slots (vLLM keeps it in its CPU cache and runs the two in turn). Once both are
+    # idle, placement brings the instance back to its one slot at once, not after cold_s (60 s here):
+    # over its slots, every request there waits its turn for an adapter slot.
+    _, rd = await _one_slot(sim_process, routerd_process, tmp_path)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         async def held() -> list[str]:
             async with s.get(f"{rd.url}/admin/fleets") as r:
@@ -640,13 +647,7 @@ async def test_a_request_waits_for_a_busy_adapter_to_finish_rather_than_overflow
         sim_process: SimProcessFactory, routerd_process: RouterdFactory, tmp_path: Path) -> None:
     # One slot, held by `a` with a short request in flight (40 tokens, ~0.8 s): `b`'s request waits for
     # it to end and evicts `a` — it is not loaded beside `a` beyond the engine's one slot.
-    sim = await sim_process(model="base", enable_lora=True, max_loras=1, max_cpu_loras=2, lora_load_s=0.01,
-                            ttft_ms=1, itl_ms=20, max_num_seqs=4)
-    cfg = base_config(tmp_path, fleets=[{"name": "f", "model": "base", "engine": "static", "max_num_seqs": 4,
-                                         "urls": [sim.url], "engine_args": LORA_ARGS,
-                                         "adapters": [{"name": n, "path": make_adapter(tmp_path, n)}
-                                                      for n in ("a", "b")]}])
-    rd = routerd_process(cfg)
+    sim, rd = await _one_slot(sim_process, routerd_process, tmp_path)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         async def a_only() -> bool:
             async with s.get(f"{rd.url}/admin/fleets") as r:

@@ -3,7 +3,7 @@ of LoRA loads, unloads, requests and waits for a slot, and the adapters held per
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .adapters import AdapterSlots
@@ -37,26 +37,17 @@ class AdaptersCollector:
                                        labels=["fleet", "adapter"])
         for (fleet, name), n in s.requests.items():
             requests.add_metric([fleet, name], n)
-        waits = CounterMetricFamily("routerd_adapter_slot_waits",
-                                    "Adapter loads requests waited for (no instance with room held it)",
-                                    labels=["fleet"])
-        for fleet, n in s.slot_waits.items():
-            waits.add_metric([fleet], n)
-        wait_s = CounterMetricFamily("routerd_adapter_slot_wait_seconds",
-                                     "Seconds requests waited for their adapter's load before being sent "
-                                     "(summed over requests)", labels=["fleet"])
-        for fleet, v in s.slot_wait_seconds.items():
-            wait_s.add_metric([fleet], v)
-        full = CounterMetricFamily("routerd_adapter_no_slot_waits",
-                                   "Requests that found no adapter slot free anywhere in the fleet and "
-                                   "waited for one before routing", labels=["fleet"])
-        for fleet, n in s.overflow_waits.items():
-            full.add_metric([fleet], n)
-        full_s = CounterMetricFamily("routerd_adapter_no_slot_wait_seconds",
-                                     "Seconds requests waited for an adapter slot to free anywhere in the "
-                                     "fleet (summed over requests)", labels=["fleet"])
-        for fleet, v in s.overflow_wait_seconds.items():
-            full_s.add_metric([fleet], v)
+        waits = _by_fleet(CounterMetricFamily, "routerd_adapter_slot_waits",
+                          "Adapter loads requests waited for (no instance with room held it)", s.slot_waits)
+        wait_s = _by_fleet(CounterMetricFamily, "routerd_adapter_slot_wait_seconds",
+                           "Seconds requests waited for their adapter's load before being sent "
+                           "(summed over requests)", s.slot_wait_seconds)
+        full = _by_fleet(CounterMetricFamily, "routerd_adapter_no_slot_waits",
+                         "Requests that found no adapter slot free anywhere in the fleet and waited for one "
+                         "before routing", s.overflow_waits)
+        full_s = _by_fleet(CounterMetricFamily, "routerd_adapter_no_slot_wait_seconds",
+                           "Seconds requests waited for an adapter slot to free anywhere in the fleet "
+                           "(summed over requests)", s.overflow_wait_seconds)
         held = GaugeMetricFamily("routerd_adapters_held", "LoRA adapters loaded on an instance",
                                  labels=["fleet", "instance"])
         for fleet, n in s.catalog.slots.items():
@@ -64,3 +55,11 @@ class AdaptersCollector:
                 for inst in s.registry.instances(fleet):
                     held.add_metric([fleet, inst.id], len(s.held(inst)))
         yield from (loads, unloads, seconds, requests, waits, wait_s, full, full_s, held)
+
+
+def _by_fleet(family: Any, name: str, documentation: str, values: Mapping[str, float]) -> Any:
+    """One metric family labelled by fleet, from ``values`` (fleet → value)."""
+    out = family(name, documentation, labels=["fleet"])
+    for fleet, v in values.items():
+        out.add_metric([fleet], v)
+    return out
