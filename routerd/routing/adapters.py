@@ -281,7 +281,7 @@ class AdapterSlots:
                 and (inst.id, name) not in self._claimed]
         if len(idle) < 2 or not rates:
             return idle[0] if idle else None
-        ready = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+        ready = self._ready(fleet)
         copies = {name: sum(1 for i in ready if self.holds(i, name)) for name in idle}
         return min(idle, key=lambda name: rates.get(name, 0.0) / max(1, copies[name]))
 
@@ -290,46 +290,43 @@ class AdapterSlots:
     def narrow(self, adapter: Adapter, pairs: Sequence[tuple[Candidate, Instance]]
                ) -> tuple[list[tuple[Candidate, Instance]], dict[str, AdapterPlan]]:
         """The candidates an adapter request may go to, with each one's plan (module docstring)."""
-        slots = max(1, self.catalog.slots.get(adapter.fleet, 1))
-        name = adapter.name
-        holders, joining, free, evictable = [], [], [], []
+        slots = self._slots(adapter.fleet)
+        groups: tuple[list[tuple[Candidate, Instance]], ...] = ([], [], [], [])  # held, joining, free, evict
         plans: dict[str, AdapterPlan] = {}
         for cand, inst in pairs:
-            if self.holds(inst, name):
-                holders.append((cand, inst))
-                plans[inst.id] = AdapterPlan(adapter, ADAPTER_LOADED)
-            elif self._is_loading(inst, name):  # its slot is taken by this very load: join it
-                joining.append((cand, inst))
-                plans[inst.id] = AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
-            elif len(self._of(inst).names) + self._loads_to(inst) < slots:
-                free.append((cand, inst))
-                plans[inst.id] = AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
-            elif (victim := self._victim(inst, adapter.fleet)) is not None:
-                evictable.append((cand, inst))
-                plans[inst.id] = AdapterPlan(adapter, ADAPTER_EVICTED, load=True, evict=victim)
-        for group in (holders, joining, free, evictable):
+            if (found := self._plan_on(inst, adapter, slots)) is not None:
+                rank, plans[inst.id] = found
+                groups[rank].append((cand, inst))
+        for group in groups:
             roomy = [p for p in group if not p[0].saturated]
             if roomy:
                 return roomy, plans
-        for group in (holders, joining, free, evictable):
+        for group in groups:
             if group:
                 return group, plans
         overflow = {i.id: AdapterPlan(adapter, ADAPTER_OVERFLOW, load=True) for _, i in pairs}
         return list(pairs), overflow
 
-    def no_slot(self, adapter: Adapter) -> bool:
-        """Routing ``adapter`` now would overflow (rule 5): no ready instance of its fleet holds it,
-        is loading it, has a free slot or an idle adapter to evict. False without a ready instance
-        (routing says so itself)."""
-        slots = max(1, self.catalog.slots.get(adapter.fleet, 1))
+    def _plan_on(self, inst: Instance, adapter: Adapter, slots: int) -> tuple[int, AdapterPlan] | None:
+        """``adapter`` on ``inst`` by rules 1–3, with its group (0 held, 1 joining its load, 2 a free
+        slot, 3 an eviction); None where it has no slot (rule 5 there)."""
         name = adapter.name
-        ready = [i for i in self.registry.instances(adapter.fleet) if i.state is InstanceState.READY]
-        for inst in ready:
-            if self.holds(inst, name) or self._is_loading(inst, name) \
-                    or len(self._of(inst).names) + self._loads_to(inst) < slots \
-                    or self._victim(inst, adapter.fleet) is not None:
-                return False
-        return bool(ready)
+        if self.holds(inst, name):
+            return 0, AdapterPlan(adapter, ADAPTER_LOADED)
+        if self._is_loading(inst, name):  # its slot is taken by this very load: join it
+            return 1, AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
+        if self._used(inst) < slots:
+            return 2, AdapterPlan(adapter, ADAPTER_FREE_SLOT, load=True)
+        if (victim := self._victim(inst, adapter.fleet)) is not None:
+            return 3, AdapterPlan(adapter, ADAPTER_EVICTED, load=True, evict=victim)
+        return None
+
+    def no_slot(self, adapter: Adapter) -> bool:
+        """Routing ``adapter`` now would overflow (rule 5): no ready instance of its fleet has a plan
+        for it by rules 1–3. False without a ready instance (routing says so itself)."""
+        slots = self._slots(adapter.fleet)
+        ready = self._ready(adapter.fleet)
+        return bool(ready) and all(self._plan_on(inst, adapter, slots) is None for inst in ready)
 
     async def wait_for_slot(self, adapter: Adapter, within_s: float = OVERFLOW_WAIT_S) -> float:
         """While routing ``adapter`` would overflow, wait (up to ``within_s``) for a slot anywhere in
@@ -359,6 +356,17 @@ class AdapterSlots:
         requests waiting for one; each looks again (:meth:`wait_for_slot`)."""
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()
+
+    def _slots(self, fleet: str) -> int:
+        """The adapters an instance of ``fleet`` runs at once (its ``max-loras``; 1 at least)."""
+        return max(1, self.catalog.slots.get(fleet, 1))
+
+    def _used(self, inst: Instance) -> int:
+        """Slots taken on ``inst``: the adapters it holds and those being loaded there."""
+        return len(self._of(inst).names) + self._loads_to(inst)
+
+    def _ready(self, fleet: str) -> list[Instance]:
+        return [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
 
     def _loads_to(self, inst: Instance) -> int:
         held = self._of(inst).names
@@ -507,9 +515,8 @@ class AdapterSlots:
         adapters until the load fits. An eviction that swapped one adapter for another kept it over
         its slots, and the engine made every request there take turns for them (seconds each: the
         tail of ``routerd bench lora``)."""
-        slots = max(1, self.catalog.slots.get(inst.fleet, 1))
-        while len(self._of(inst).names) + self._loads_to(inst) > slots \
-                and (victim := self._victim(inst, inst.fleet)) is not None:
+        slots = self._slots(inst.fleet)
+        while self._used(inst) > slots and (victim := self._victim(inst, inst.fleet)) is not None:
             await self.unload(inst, victim)
 
     async def unload(self, inst: Instance, name: str) -> bool:
@@ -591,8 +598,7 @@ class AdapterSlots:
             if self._following and (self.remote is None or self.controls()):
                 self._following = False  # this process took control: its own record from here
                 self._remote_loading, self._remote_busy = set(), set()
-            insts = [i for fleet, n in self.catalog.slots.items() if n
-                     for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+            insts = [i for fleet, n in self.catalog.slots.items() if n for i in self._ready(fleet)]
             for inst in insts if not self._following else ():
                 await self.sync(inst)
             live = {i.id for f in self.registry.fleets() for i in self.registry.instances(f)
@@ -694,7 +700,7 @@ class AdapterSlots:
         """The fleet as the planner sees it: its ready instances' adapters, what is busy, the rates and
         demand, and what one copy serves: half an instance's slots (its capacity, as routing knows it)."""
         self._rates[fleet] = dict(rates)  # for routing's evictions between two rounds (_victim)
-        insts = [i for i in self.registry.instances(fleet) if i.state is InstanceState.READY]
+        insts = self._ready(fleet)
         if not insts:
             return None
         per_copy = PER_COPY_SHARE * sum(i.capacity_source()[0] for i in insts) / len(insts)
