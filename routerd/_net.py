@@ -4,6 +4,8 @@ the listener's TLS context."""
 
 from __future__ import annotations
 
+import collections
+import os
 import random
 import socket
 import ssl
@@ -41,9 +43,24 @@ def session_fetch(session: aiohttp.ClientSession) -> Fetch:
 # Where free_port looks first: above Ray's worker ports (10002-19999 by default) and below the kernel's
 # ephemeral range (32768-60999 by default), which every outgoing connection and every bind to port 0 on
 # the host draws from — a port picked there was seen taken by a Ray worker or a Redis client in the
-# moment before its caller bound it (EADDRINUSE on a busy host).
-_PICK_FROM = (20000, 32767)
+# moment before its caller bound it (EADDRINUSE on a busy host). ROUTERD_PORT_RANGE="low-high" narrows
+# it for this process and the processes it starts: a host running several suites or benchmarks at once
+# gives each its own part (the tests give each pytest worker one), so that their picks cannot meet.
+PORT_RANGE = (20000, 32767)
 _rng = random.Random()  # its own: a caller's seeded global random (a bench's plan) is left alone
+# The ports this process handed out lately: a caller picking several before it binds any (a test
+# writing fifteen daemons' configs, then starting them) was given the same one twice.
+_HANDED: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+_HANDED_KEEP = 4096
+
+
+def _pick_range() -> tuple[int, int]:
+    text = os.environ.get("ROUTERD_PORT_RANGE", "")
+    try:
+        low, high = (int(x) for x in text.split("-"))
+    except ValueError:
+        return PORT_RANGE
+    return (low, high) if 1024 <= low <= high <= 65535 else PORT_RANGE
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -57,26 +74,34 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (an IPv6 address when ``host`` has a colon): one of
-    ``_PICK_FROM`` outside the kernel's ephemeral range when one is free, else any the kernel gives.
+    ``PORT_RANGE`` (or ``ROUTERD_PORT_RANGE``) outside the kernel's ephemeral range when one is free,
+    else any the kernel gives; never one this process handed out in its last 4,096 picks.
 
     Free *now* only: another process may take it before the caller binds it, so whoever listens on it
     must cope with EADDRINUSE (retry, or fail loudly). Outside the ephemeral range only another explicit
     pick can take it, not the host's outgoing connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low, high = _ephemeral_range()
-    for port in (_rng.randint(*_PICK_FROM) for _ in range(20)):
-        if low <= port <= high:  # a host whose ephemeral range reaches down here
+    for port in (_rng.randint(*_pick_range()) for _ in range(20)):
+        if low <= port <= high or (host, port) in _HANDED:  # (a host whose ephemeral range reaches down here)
             continue
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        return _hand(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         picked: int = s.getsockname()[1]
-        return picked
+    return _hand(host, picked)
+
+
+def _hand(host: str, port: int) -> int:
+    _HANDED[(host, port)] = None
+    while len(_HANDED) > _HANDED_KEEP:
+        _HANDED.popitem(last=False)
+    return port
 
 
 def server_tls(cert: str, key: str) -> ssl.SSLContext:

@@ -43,6 +43,25 @@ def _trust_one_ca() -> None:
 
 _trust_one_ca()
 
+
+def _own_ports() -> None:
+    """Each pytest worker (and every process it starts) picks free ports from its own part of
+    routerd's range (``ROUTERD_PORT_RANGE``, read by ``routerd._net.free_port``): a port one worker's
+    test had picked for a daemon not yet listening was picked again by the other worker's (EADDRINUSE
+    at the daemon's start, once in a CI run)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or "ROUTERD_PORT_RANGE" in os.environ:
+        return
+    from routerd._net import PORT_RANGE
+
+    low, high = PORT_RANGE
+    share = (high - low + 1) // max(1, int(count))
+    start = low + int(worker[2:]) * share
+    os.environ["ROUTERD_PORT_RANGE"] = f"{start}-{start + share - 1}"
+
+
+_own_ports()
+
 pytest_plugins = [
     "tests.fixtures.sim",
     "tests.fixtures.otlp",  # before vllm, which imports it
