@@ -82,8 +82,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     pick can take it, not the host's outgoing connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low, high = _ephemeral_range()
-    for port in (_rng.randint(*_pick_range()) for _ in range(20)):
-        if low <= port <= high or (host, port) in _HANDED:  # (a host whose ephemeral range reaches down here)
+    pick_from = _pick_range()
+    for port in (_rng.randint(*pick_from) for _ in range(20)):
+        # skipped: a port in the ephemeral range (a host whose range reaches down here), or handed out
+        if low <= port <= high or (host, port) in _HANDED:
             continue
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from routerd._net import free_port
-from routerd.fleet.ray_cluster import ray_binary, ray_env
+from routerd.fleet.ray_cluster import NODE_ARGS, ray_binary, ray_env
 
 from ._common import stop_process
 
@@ -91,9 +91,7 @@ class LocalRayCluster:
 
     def _start_node(self, name: str, argv: list[str]) -> Node:
         log_path = Path(self.temp_dir) / f"{name}.log"
-        full = [ray_binary(), "start", "--block", "--node-ip-address", _HOST,
-                "--dashboard-agent-listen-port=0", "--include-log-monitor=false",
-                "--disable-usage-stats", *argv]
+        full = [ray_binary(), "start", "--block", "--node-ip-address", _HOST, *NODE_ARGS, *argv]
         with log_path.open("wb") as log:
             # Its own session: a Ctrl-C of the test run must not reach the nodes before close() does.
             proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, env=ray_env(),
@@ -153,10 +151,8 @@ def own_head() -> Any:
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
     argv = [ray_binary(), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
-            "--num-cpus", "8", "--num-gpus", "4", "--include-dashboard=false",
-            "--dashboard-agent-listen-port=0", "--include-log-monitor=false",
-            "--ray-client-server-port", str(free_port()),
-            "--temp-dir", tmp, "--disable-usage-stats"]
+            "--num-cpus", "8", "--num-gpus", "4", "--include-dashboard=false", *NODE_ARGS,
+            "--ray-client-server-port", str(free_port()), "--temp-dir", tmp]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ray_env())
     try:
         yield f"127.0.0.1:{port}", tmp

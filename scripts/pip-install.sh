@@ -14,9 +14,9 @@ set -euo pipefail
 VENV="$1"; shift
 UV="${UV:-.venv-uv/bin/uv}"
 
-# `pip config list` lines: global.find-links='/opt/wheels', :env:.constraint='...'
+# `pip config list` lines (read once, in $PIP_CONFIG): global.find-links='/opt/wheels', :env:.constraint='...'
 pip_setting() {
-    "$VENV/bin/pip" config list 2>/dev/null | sed -n "s/^[^.]*\.$1='\(.*\)'$/\1/p" | tr ' ' '\n'
+    printf '%s\n' "$PIP_CONFIG" | sed -n "s/^[^.]*\.$1='\(.*\)'$/\1/p" | tr ' ' '\n'
 }
 
 exists() {  # a URL or path pip would use: file:// and plain paths must exist here
@@ -27,12 +27,16 @@ exists() {  # a URL or path pip would use: file:// and plain paths must exist he
     esac
 }
 
+pass_on() {  # pass_on SETTING: each value of pip's SETTING, as uv's --SETTING; a missing path left out
+    while read -r v; do  # (but the main index: without it pip finds nothing, and uv must not find PyPI)
+        if [ -n "$v" ] && { [ "$1" = index-url ] || exists "$v"; }; then uv_args+=("--$1" "$v"); fi
+    done < <(pip_setting "$1")
+}
+
 if [ -x "$UV" ]; then
+    PIP_CONFIG=$("$VENV/bin/pip" config list 2>/dev/null || true)
     uv_args=(--index-strategy unsafe-best-match)  # pip's rule: the best version on any index
-    while read -r v; do [ -n "$v" ] && exists "$v" && uv_args+=(--find-links "$v"); done < <(pip_setting find-links)
-    while read -r v; do [ -n "$v" ] && exists "$v" && uv_args+=(--extra-index-url "$v"); done < <(pip_setting extra-index-url)
-    while read -r v; do [ -n "$v" ] && uv_args+=(--index-url "$v"); done < <(pip_setting index-url)
-    while read -r v; do [ -n "$v" ] && exists "$v" && uv_args+=(--constraint "$v"); done < <(pip_setting constraint)
+    for setting in find-links index-url extra-index-url constraint; do pass_on "$setting"; done
     if "$UV" pip install --quiet --python "$VENV/bin/python" "${uv_args[@]}" "$@"; then
         exit 0
     fi

@@ -84,6 +84,14 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+# What every ``ray start`` routerd (and its tests and benchmarks) runs leaves out: usage stats, the
+# dashboard agent's fixed port, and the log monitor. The log monitor sends every worker's output to the
+# drivers; routerd's driver asks for none (log_to_driver=False; the engines' logs stay in the session's
+# files), and an idle one polled those files for ~2 % of a core (18 s of CPU in a 15-min test run). A
+# head also gets ``--include-dashboard=false``.
+NODE_ARGS = ("--dashboard-agent-listen-port=0", "--include-log-monitor=false", "--disable-usage-stats")
+
+
 def ray_binary() -> str:
     """The ``ray`` CLI of this interpreter's environment (workers must run the same Python)."""
     candidate = Path(sys.executable).parent / "ray"
@@ -117,14 +125,10 @@ class LocalHead:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         num_cpus = self.cfg.num_cpus or (os.cpu_count() or 1)
-        # No log monitor: it sends every worker's output to the drivers, and routerd's driver asks for
-        # none (log_to_driver=False; the engines' logs stay in the session's files). An idle one polled
-        # those files for ~2 % of a core (18 s of CPU in a 15-min test run).
         argv = [ray_binary(), "start", "--head", "--block", "--port", str(port),
                 "--node-ip-address", host, "--num-cpus", str(num_cpus), "--num-gpus", str(self.cfg.num_gpus),
-                "--include-dashboard=false", "--dashboard-agent-listen-port=0", "--include-log-monitor=false",
-                "--ray-client-server-port", str(free_port(host)), "--temp-dir", str(self.temp_dir),
-                "--disable-usage-stats"]
+                "--include-dashboard=false", *NODE_ARGS,
+                "--ray-client-server-port", str(free_port(host)), "--temp-dir", str(self.temp_dir)]
         if self.cfg.resources:
             argv += ["--resources", json.dumps(self.cfg.resources)]
         # Detached on purpose (a new session, reparented away from routerd through a shell that exits at
