@@ -268,13 +268,19 @@ async def test_a_backlog_waiting_for_quota_outlives_restarts_beyond_max_deliveri
     limited["redis"]["max_deliveries"] = 2
     async with QueueClient.from_url(redis_server.url) as q:
         jobs = await q.submit_many([{"model": "m", "prompt": "x", "max_tokens": 2}] * 30, tenant="slow")
+        served = 0
         for _ in range(3):
             async with routerd(parse(limited, environ={})) as rd:
                 await wait_until(lambda: rd.queue._held.parked == 8)
                 rd.queue.stop_intake()
                 assert await rd.queue.wait_idle(3.0)  # the waiters were set aside, not waited for
                 aside = rd.queue._held.set_aside
-            assert aside == 29  # all but the one the first start served (a minute's quota), room included
+                served += rd.served("slow")
+            # All but those served, room included: the first start's one (a minute's quota), and one
+            # more by a later start whose rate-limit check Redis did not answer in time on a loaded
+            # machine (that routerd then decides alone, from a full bucket of its own: rate_limits_local).
+            assert served >= 1
+            assert aside == 30 - served
             # Its stop let the consumer name go (it lapsed 10 s later before): the next start reads at once.
             assert await q.redis.exists("routerd:consumer:t1") == 0
         lifted = dict(limited, tenants=[{"name": "slow"}])
