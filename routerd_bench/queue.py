@@ -213,7 +213,8 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
                 url = await stack.enter_async_context(EmbeddedRedis(Path(tmp) / "redis"))
             cfg = parse({
                 "redis": {"url": url, "stream": STREAM, "group": "bench",
-                          "dead_stream": "bench:dead", "consumer": "bench", "read_batch": 256},
+                          "dead_stream": "bench:dead", "consumer": "bench", "read_batch": 256,
+                          "reply_maxlen": max(10_000, 2 * n)},  # every reply kept: they are counted
                 "admission": {"max_inflight_per_instance": max_num_seqs},
                 "routing": {"scrape_interval_s": 0.5},
                 "fleets": [{"name": "bench", "model": "bench", "engine": "static", "urls": urls,
@@ -222,6 +223,7 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
             stack.push_async_callback(raw.aclose)
             base_rate = await baseline(raw, n)
             q = QueueClient(raw, stream=STREAM)
+            await raw.delete(REPLIES)  # on a --redis of an earlier run: count this run's replies only
             t0 = time.perf_counter()
             await q.submit_many([{"model": "bench", "prompt": f"p{i}", "max_tokens": 1} for i in range(n)],
                                 reply_to=REPLIES)
