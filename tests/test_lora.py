@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 from aiohttp import web
 
 from routerd import config as config_mod
@@ -675,6 +676,10 @@ async def test_a_request_waits_for_a_busy_adapter_to_finish_rather_than_overflow
         waited = re.search(r'routerd_adapter_no_slot_wait_seconds_total\{fleet="f"\} ([0-9.e+-]+)', text)
         assert waited is not None
         assert 0.0 < float(waited[1]) < 2.5  # until a's end, within the bound (OVERFLOW_WAIT_S, 2 s)
+        # ... and b's request line says how long it waited, which a's (a free slot) does not
+        [line_b], [line_a] = _lines(rd.log_path.read_text(), "b"), _lines(rd.log_path.read_text(), "a")
+        assert line_b["slot_wait_ms"] == pytest.approx(float(waited[1]) * 1000, abs=0.01)
+        assert "slot_wait_ms" not in line_a
 
 
 async def test_a_follower_routes_by_the_controllers_placement_and_never_loads(

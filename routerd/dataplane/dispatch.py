@@ -328,9 +328,12 @@ def _observed(hook: RouteHook, req: Request,
 
 def note_outcome(line: dict[str, Any], result: ForwardResult) -> None:
     """What the request's log line says of how the engine call ended: where, after how many attempts
-    and resumes, how soon, and why that instance (matched blocks, wait and TTFT of the best two)."""
+    and resumes, how soon (and how long it waited for a LoRA slot first), and why that instance
+    (matched blocks, wait and TTFT of the best two)."""
     line["status"], line["instance"], line["attempts"] = result.status, result.instance, result.attempts
     line["ttfb_ms"] = round(result.ttfb_s * 1000, 2)
+    if result.slot_wait_s:
+        line["slot_wait_ms"] = round(result.slot_wait_s * 1000, 2)
     if result.resumes:
         line["resumes"] = result.resumes
     if result.error:

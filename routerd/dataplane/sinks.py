@@ -41,6 +41,7 @@ class ForwardResult:
     ttfb_s: float = 0.0  # from forward() being called to the first byte going to the sink
     decision: RouteDecision | None = None  # why its first instance was chosen (for the request's log line)
     resumes: int = 0  # times the stream was continued on another instance after its engine failed
+    slot_wait_s: float = 0.0  # an adapter request's wait for a LoRA slot to free before it was routed
     # A stream's usage as the engine counted it (prompt, completion tokens; a continued stream's whole
     # generation), whether or not the client asked for it, as far as it was read — a stream that
     # did not end well included: its engine generated them; None for a non-stream (its body holds it)

@@ -157,7 +157,7 @@ class Upstream:
             if request is not None and request.session is not None \
                     and self.router.shared_sessions is not None:
                 await self.router.recall(request.session)  # another process may have routed it
-            await self._slot_for(fleet, request)
+            slot_wait_s = await self._slot_for(fleet, request)
             for attempt in range(1, self.cfg.max_attempts + 1):
                 if attempt > 1:
                     tel.retries.labels(fleet).inc()
@@ -191,6 +191,7 @@ class Upstream:
                     result.usage = plan.usage()
                     result.ttfb_s = failure.ttfb_s
                     result.decision = decision
+                    result.slot_wait_s = slot_wait_s
                     tel.count_request(fleet, result.instance, result.status, label)
                     tel.observe_ttfb(fleet, failure.ttfb_s, self.tracing.trace_id())
                     return result
@@ -204,6 +205,7 @@ class Upstream:
                     continue
                 result.attempts = attempt
                 result.decision = decision
+                result.slot_wait_s = slot_wait_s
                 tel.count_request(fleet, inst.id, result.status, label)
                 tel.observe_ttfb(fleet, result.ttfb_s, self.tracing.trace_id())
                 return result
@@ -220,15 +222,16 @@ class Upstream:
         finally:
             self.active -= 1
 
-    async def _slot_for(self, fleet: str, request: RequestView | None) -> None:
+    async def _slot_for(self, fleet: str, request: RequestView | None) -> float:
         """A request for an adapter that would load it beyond every instance's slots waits, a bounded
-        while, for one to free (:meth:`AdapterSlots.wait_for_slot`)."""
+        while, for one to free (:meth:`AdapterSlots.wait_for_slot`). The seconds waited (0.0: none)."""
         adapters = self.router.adapters
         if adapters is None or request is None or request.adapter is None:
-            return
+            return 0.0
         adapter = adapters.catalog.get(request.adapter)
-        if adapter is not None and adapter.fleet == fleet:
-            await adapters.wait_for_slot(adapter)
+        if adapter is None or adapter.fleet != fleet:
+            return 0.0
+        return await adapters.wait_for_slot(adapter)
 
     async def _adapter_ready(self, inst: Instance, decision: RouteDecision
                              ) -> contextlib.AbstractContextManager[object]:
