@@ -35,14 +35,19 @@ import redis.asyncio as aioredis
 
 from routerd import log
 from routerd.client import QueueClient
-from routerd.config import parse
-from routerd.redis_keys import RedisKeys
 from routerd.redis_server import EmbeddedRedis
 
-from .queue import _loop_runner, queue_path, report, start_engines, wait_http, wait_ready
-
-STREAM = "bench:requests"
-REPLIES = RedisKeys(stream=STREAM).reply("all")
+from .queue import (
+    REPLIES,
+    STREAM,
+    _loop_runner,
+    bench_config,
+    queue_path,
+    report,
+    start_engines,
+    wait_http,
+    wait_ready,
+)
 
 
 def _bodies(n: int) -> list[dict[str, Any]]:
@@ -67,15 +72,8 @@ async def run_bench(n: int, engines: int, max_num_seqs: int, in_flight: int) -> 
         await wait_http(urls, 30)
         async with contextlib.AsyncExitStack() as stack:
             url = await stack.enter_async_context(EmbeddedRedis(Path(tmp) / "redis"))
-            cfg = parse({
-                "redis": {"url": url, "stream": STREAM, "group": "bench", "dead_stream": "bench:dead",
-                          "consumer": "bench", "read_batch": 256,
-                          "reply_maxlen": max(10_000, 2 * n)},  # every result kept: they are counted
-                "admission": {"max_inflight_per_instance": max_num_seqs},
-                "routing": {"scrape_interval_s": 0.5},
-                "batches": {"lines_in_flight": in_flight, "poll_s": 0.2},
-                "fleets": [{"name": "bench", "model": "bench", "engine": "static", "urls": urls,
-                            "max_num_seqs": max_num_seqs}]}, environ={})
+            cfg = bench_config(url, urls, max_num_seqs, n,
+                               batches={"lines_in_flight": in_flight, "poll_s": 0.2})
             raw: Any = aioredis.Redis.from_url(url, socket_timeout=30)
             stack.push_async_callback(raw.aclose)
             bodies = _bodies(n)

@@ -117,6 +117,22 @@ STREAM = "bench:requests"
 # Every job's result on one stream, in the producers' own family of the namespace (``bench:reply:…``):
 # any other ``bench:`` name is routerd's, and the client refuses it as a reply_to.
 REPLIES = RedisKeys(stream=STREAM).reply("all")
+
+
+def bench_config(url: str, urls: list[str], max_num_seqs: int, jobs: int, **sections: Any) -> Config:
+    """routerd's config for a queue benchmark (``bench queue``, ``bench batch``): the consumer on
+    ``url`` reading ``STREAM``, one static fleet of ``urls``, and every one of ``jobs`` replies kept
+    (``reply_maxlen`` at least twice them: they are counted on ``REPLIES``); ``sections`` added."""
+    return parse({
+        "redis": {"url": url, "stream": STREAM, "group": "bench", "dead_stream": "bench:dead",
+                  "consumer": "bench", "read_batch": 256, "reply_maxlen": max(10_000, 2 * jobs)},
+        "admission": {"max_inflight_per_instance": max_num_seqs},
+        "routing": {"scrape_interval_s": 0.5},
+        "fleets": [{"name": "bench", "model": "bench", "engine": "static", "urls": urls,
+                    "max_num_seqs": max_num_seqs}],
+        **sections}, environ={})
+
+
 # A simulated engine in its own process (so it has its own core), through the sim's public API.
 _ENGINE = """
 import asyncio, sys
@@ -211,14 +227,7 @@ async def run_bench(n: int, engines: int, redis_url: str | None, max_num_seqs: i
             url = redis_url
             if url is None:
                 url = await stack.enter_async_context(EmbeddedRedis(Path(tmp) / "redis"))
-            cfg = parse({
-                "redis": {"url": url, "stream": STREAM, "group": "bench",
-                          "dead_stream": "bench:dead", "consumer": "bench", "read_batch": 256,
-                          "reply_maxlen": max(10_000, 2 * n)},  # every reply kept: they are counted
-                "admission": {"max_inflight_per_instance": max_num_seqs},
-                "routing": {"scrape_interval_s": 0.5},
-                "fleets": [{"name": "bench", "model": "bench", "engine": "static", "urls": urls,
-                            "max_num_seqs": max_num_seqs}]}, environ={})
+            cfg = bench_config(url, urls, max_num_seqs, n)
             raw: Any = aioredis.Redis.from_url(url, socket_timeout=30)
             stack.push_async_callback(raw.aclose)
             base_rate = await baseline(raw, n)

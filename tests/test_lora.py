@@ -677,7 +677,8 @@ async def test_a_request_waits_for_a_busy_adapter_to_finish_rather_than_overflow
         assert waited is not None
         assert 0.0 < float(waited[1]) < 2.5  # until a's end, within the bound (OVERFLOW_WAIT_S, 2 s)
         # ... and b's request line says how long it waited, which a's (a free slot) does not
-        [line_b], [line_a] = _lines(rd.log_path.read_text(), "b"), _lines(rd.log_path.read_text(), "a")
+        log = rd.log_path.read_text()
+        [line_b], [line_a] = _lines(log, "b"), _lines(log, "a")
         assert line_b["slot_wait_ms"] == pytest.approx(float(waited[1]) * 1000, abs=0.01)
         assert "slot_wait_ms" not in line_a
 
